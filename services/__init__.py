@@ -1,0 +1,1 @@
+"""radixserve services: gateway, tokenizer, worker (scheduler + model runner), detokenizer."""

@@ -1,0 +1,1 @@
+"""The worker: scheduler, radix cache, memory pools and model runner for one device (one TP rank)."""
