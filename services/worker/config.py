@@ -1,0 +1,78 @@
+"""EngineConfig: every knob of the worker (scheduler, memory, model runner), in one frozen dataclass.
+
+Built once, from keyword arguments (the offline Engine), CLI flags or RS_* environment variables (the
+worker service). Defaults sit beside each field with a one-line help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
+
+
+def _help(text: str, default: object) -> object:
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one worker (all TP ranks share it)."""
+
+    model_path: str = _help("HF checkpoint directory, or a model name under $RS_HOME/models", "")
+    tp_size: int = _help("tensor-parallel ranks (one process each)", 1)
+    device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)
+    dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
+    context_length: int | None = _help("override the model's max positions", None)
+    attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
+    # Memory.
+    max_total_tokens: int | None = _help("KV pool size in tokens; default: from free memory", None)
+    mem_fraction_static: float = _help("fraction of device memory for weights + KV pool", 0.85)
+    max_running_requests: int = _help("most requests decoding at once", 256)
+    # Scheduling.
+    schedule_policy: str = _help("waiting-queue order: " + ", ".join(SCHEDULE_POLICIES), "fcfs")
+    chunked_prefill_size: int | None = _help("most new prompt tokens per step (None: no chunking)", 2048)
+    max_prefill_tokens: int = _help("most prompt tokens admitted in one prefill step", 16384)
+    enable_mixed_chunk: bool = _help("run decodes in the same step as a prefill chunk", False)
+    disable_radix_cache: bool = _help("turn the prefix cache off (every prompt prefilled in full)", False)
+    radix_eviction_policy: str = _help("cache eviction: " + ", ".join(EVICTION_POLICIES), "lru")
+    schedule_conservativeness: float = _help("scales the decode-token reservation at admission", 1.0)
+    random_seed: int = _help("seed for requests that bring none", 0)
+    # TP rendezvous.
+    dist_init_addr: str | None = _help("tcp://host:port for the TP group; default: a free local port", None)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.radix_eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
+            )
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs: object) -> EngineConfig:
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(model_path=model_path, **kwargs)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

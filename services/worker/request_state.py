@@ -1,0 +1,162 @@
+"""RequestState: the Engine's side of one request — outputs arriving from the scheduler turned into
+the result dict (or stream chunks) a caller sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from services.worker.scheduler.req import FinishReason, Req
+from services.worker.scheduler.scheduler import ReqOutput
+from shared.detokenize import IncrementalDetokenizer
+
+_DONE = object()
+
+
+def validate_input_ids(ids: Any, vocab_size: int, context_len: int, pool_tokens: int) -> None:
+    """ValueError, naming `input_ids`, for anything the model cannot take."""
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("`input_ids` must be a list of integers")
+    if not ids:
+        raise ValueError("the prompt is empty (`input_ids` has no tokens)")
+    if len(ids) >= context_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; the model's context is {context_len} (`input_ids` too long)"
+        )
+    if len(ids) + 1 > pool_tokens:
+        raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {pool_tokens} (`input_ids` too long)")
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"`input_ids` holds a token id outside [0, {vocab_size}): {low if low < 0 else high}")
+
+
+class RequestState:
+    """Collects one request's outputs; thread-safe between the dispatcher and the caller."""
+
+    def __init__(self, req: Req, tokenizer: Any | None, stream: bool = False) -> None:
+        self.rid = req.rid
+        self.prompt_tokens = len(req.origin_input_ids)
+        params = req.sampling_params
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, params.skip_special_tokens, params.stop_strings())
+            if tokenizer is not None
+            else None
+        )
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.return_logprob = req.return_logprob
+        self.finished: FinishReason | None = None
+        self.final: ReqOutput | None = None
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._stream = stream
+        self._chunks: queue.Queue[Any] = queue.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._achunks: asyncio.Queue[Any] | None = None
+
+    # ---- fed by the dispatcher thread ----------------------------------------------------------
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._achunks = asyncio.Queue()
+
+    def _emit(self, item: Any) -> None:
+        if self._loop is not None and self._achunks is not None:
+            self._loop.call_soon_threadsafe(self._achunks.put_nowait, item)
+        elif self._stream:
+            self._chunks.put(item)
+
+    def push(self, out: ReqOutput) -> None:
+        self.output_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
+        if out.finished_reason is not None:
+            self.finished, self.final = out.finished_reason, out
+        if self.detok is not None:
+            visible = out.token_ids
+            if self.finished is not None and isinstance(self.finished.matched, int) and visible:
+                visible = visible[:-1]  # a matched stop token is not part of the text
+            self.detok.add(visible)
+        if self._stream or self._loop is not None:
+            chunk = self._chunk(out)
+            if chunk is not None:
+                self._emit(chunk)
+        if self.finished is not None:
+            self._done.set()
+            self._emit(_DONE)
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.finished = FinishReason("abort", message=message)
+        self._done.set()
+        self._emit(_DONE)
+
+    def finish_empty(self) -> None:
+        self.finished = FinishReason("length", 0)
+        self.final = ReqOutput(self.rid, [], finished_reason=self.finished, prompt_tokens=self.prompt_tokens)
+        if self._stream or self._loop is not None:
+            self._emit(self._chunk(self.final))
+        self._done.set()
+        self._emit(_DONE)
+
+    # ---- results --------------------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, Any]:
+        final = self.final
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": final.cached_tokens if final else 0,
+            "finish_reason": self.finished.to_dict() if self.finished else None,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.logprobs, self.output_ids)]
+            if self.top_logprobs:
+                meta["output_top_logprobs"] = [
+                    [(lp, tid, None) for tid, lp in step] for step in self.top_logprobs
+                ]
+        return meta
+
+    def _chunk(self, out: ReqOutput) -> dict[str, Any] | None:
+        text = self.detok.delta(final=self.finished is not None) if self.detok is not None else ""
+        if not out.token_ids and not text and self.finished is None:
+            return None
+        chunk: dict[str, Any] = {"text": text, "output_ids": list(out.token_ids)}
+        if self.finished is not None:
+            chunk["meta_info"] = self._meta()
+        return chunk
+
+    def result(self) -> dict[str, Any]:
+        if self.error is not None:
+            raise RuntimeError(f"request {self.rid} failed: {self.error}")
+        text = self.detok.output_text() if self.detok is not None else ""
+        return {"text": text, "output_ids": list(self.output_ids), "meta_info": self._meta()}
+
+    def wait(self) -> dict[str, Any]:
+        self._done.wait()
+        return self.result()
+
+    async def await_result(self) -> dict[str, Any]:
+        assert self._achunks is not None
+        while (await self._achunks.get()) is not _DONE:
+            pass
+        return self.result()
+
+    def iter_chunks(self) -> Iterator[dict[str, Any]]:
+        while (item := self._chunks.get()) is not _DONE:
+            yield item
+        if self.error is not None:
+            raise RuntimeError(f"request {self.rid} failed: {self.error}")
+
+    async def aiter_chunks(self) -> AsyncIterator[dict[str, Any]]:
+        assert self._achunks is not None
+        while (item := await self._achunks.get()) is not _DONE:
+            yield item
+        if self.error is not None:
+            raise RuntimeError(f"request {self.rid} failed: {self.error}")

@@ -1,0 +1,142 @@
+"""SamplingParams: one request's sampling settings, with SGLang's names and meanings.
+
+Lifecycle: `from_dict` (the request's JSON object, plus the model's generation_config defaults) ->
+`verify(vocab_size)` (every bad value is a ValueError naming its field) -> `normalize()` (stop as a
+list, greedy spelled as top_k=1). Log-prob settings (`return_logprob`, `top_logprobs_num`) belong to
+the request, not here, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature a request is greedy: dividing by it would only overflow.
+SAMPLING_EPS = 1e-5
+
+# The fields that the model's generation_config.json may supply when the request leaves them unset.
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token of one request, and when to stop.
+
+    top_k = -1 and min_p = 0 turn those filters off; temperature 0 means greedy (argmax).
+    Requests without a seed get one from the scheduler, so every sampled token is reproducible.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked out until this many tokens exist
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0  # OpenAI-style, on output tokens: logit -= f * count
+    presence_penalty: float = 0.0  # OpenAI-style, on output tokens: logit -= p * (count > 0)
+    repetition_penalty: float = 1.0  # HF-style, on prompt and output tokens
+    stop: str | list[str] | None = None  # stop strings, matched by the detokenizer
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    n: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Build from a request's sampling object; a key set to None counts as unset.
+
+        `defaults` is the model's generation_config (other keys in it are ignored); it fills
+        temperature/top_p/top_k/min_p/repetition_penalty where the request leaves them unset.
+        HF's top_k=0 ("no top-k") becomes our -1.
+        """
+        d = dict(d or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}; expected one of {sorted(known)}")
+        values = {k: v for k, v in d.items() if v is not None}
+        for key in GENERATION_DEFAULT_KEYS:
+            default = (defaults or {}).get(key)
+            if key not in values and default is not None:
+                values[key] = -1 if key == "top_k" and default == 0 else default
+        return cls(**values)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1 or self.temperature < SAMPLING_EPS
+
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list (None -> [], a string -> [it])."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError, naming the field, for any value the sampler cannot honour."""
+        _require_int("max_new_tokens", self.max_new_tokens, low=0)
+        _require_int("min_new_tokens", self.min_new_tokens, low=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})"
+            )
+        _require_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _require_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (off) or >= 1, got 0")
+        _require_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _require_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _require_int("n", self.n, low=1)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.stop is not None:
+            entries = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(entries, (list, tuple)) or not all(isinstance(s, str) and s for s in entries):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)):
+                raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            for tid in self.stop_token_ids:
+                if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab_size:
+                    raise ValueError(f"stop_token_ids entry {tid!r} is not a token id in [0, {vocab_size})")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    def normalize(self) -> SamplingParams:
+        """Canonical form, in place (call after verify): stop as a list, greedy as temperature 1 with
+        top_k 1 (what SGLang does, so the sampler needs one greedy test and never divides by ~0)."""
+        self.stop = self.stop_strings()
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        return self
+
+
+def _require_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _require_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")

@@ -1,0 +1,134 @@
+"""Req: one request's state inside the scheduler, from admission to finish.
+
+Positions 0 .. kv_committed_len-1 of the request have KV in the pool, mapped by row `req_pool_idx`
+of the ReqToTokenPool; the first len(prefix_indices) of them are shared with the radix cache (locked
+through `last_node`), the rest are the request's own until it is cached or freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from services.worker.mem.radix_cache import TreeNode
+    from services.worker.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended: 'stop' (EOS, a stop token or a stop string), 'length' or 'abort'."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {"type": self.type}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Req:
+    """A request as the scheduler tracks it."""
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        seed: int,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.seed = seed
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num
+        self.priority = priority
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ()) | (
+            frozenset() if sampling_params.ignore_eos else eos_token_ids
+        )
+
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        self.finished_reason: FinishReason | None = None
+
+        # Memory state.
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node: TreeNode | None = None
+        self.kv_committed_len = 0
+        # Tokens whose KV the current step makes resident (a prefix of all_ids for a chunk).
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        # Prompt tokens served from the cache at first admission (reported as cached_tokens).
+        self.cached_tokens: int | None = None
+        self.num_retractions = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def init_next_round_input(self) -> None:
+        """Before admission: everything generated so far must be resident after the next extend."""
+        self.fill_ids = self.all_ids
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def check_finished(self, tail_text: str | None) -> None:
+        """After a token was appended. `tail_text` is the decoded tail of the output, given when the
+        request has stop strings."""
+        if self.finished_reason is not None:
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length", params.max_new_tokens)
+            return
+        if len(self.output_ids) < params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in self.stop_token_ids:
+            self.finished_reason = FinishReason("stop", last)
+            return
+        if tail_text is not None:
+            for stop in params.stop_strings():
+                if stop and stop in tail_text:
+                    self.finished_reason = FinishReason("stop", stop)
+                    return
+
+    def reset_for_retract(self) -> None:
+        """Back to the waiting queue: the memory state is released by the caller first."""
+        self.req_pool_idx = None
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.kv_committed_len = 0
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self.num_retractions += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

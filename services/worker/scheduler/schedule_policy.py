@@ -1,0 +1,174 @@
+"""Waiting-queue order (FCFS, LPM, DFS-weight, LOF, random) and the PrefillAdder that admits requests
+into a prefill step under the token budgets, chunking the one that does not fit.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from services.worker.scheduler.req import Req
+
+if TYPE_CHECKING:
+    from services.worker.mem.memory_pool import TokenToKVPoolAllocator
+    from services.worker.mem.radix_cache import RadixCache, TreeNode
+
+# Cache-aware orders cost a prefix match per waiting request; past this many they fall back to FCFS.
+CACHE_AWARE_QUEUE_LIMIT = 128
+# A request's reservation for future decode tokens is clipped, so one huge max_new_tokens does not
+# block admission; retraction covers the rare case where the estimate is short.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+def match_prefix(req: Req, tree_cache: RadixCache) -> None:
+    """Set req.prefix_indices/last_node to the longest cached prefix of everything it has so far.
+    The last token is never matched: its logits are needed, so at least one token is extended."""
+    result = tree_cache.match_prefix(req.all_ids[:-1])
+    req.prefix_indices, req.last_node = result.indices, result.last_node
+
+
+class SchedulePolicy:
+    """Orders the waiting queue in place before each prefill admission."""
+
+    def __init__(self, policy: str, tree_cache: RadixCache, seed: int = 0) -> None:
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self._rng = random.Random(seed)
+
+    def sort(self, waiting: list[Req]) -> None:
+        policy = self.policy
+        if policy in ("lpm", "dfs-weight") and (
+            len(waiting) > CACHE_AWARE_QUEUE_LIMIT or self.tree_cache.disable
+        ):
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
+        elif policy == "random":
+            self._rng.shuffle(waiting)
+        elif policy == "lpm":
+            for req in waiting:
+                match_prefix(req, self.tree_cache)
+            waiting.sort(key=lambda r: -len(r.prefix_indices))
+        elif policy == "dfs-weight":
+            self._sort_dfs_weight(waiting)
+
+    def _sort_dfs_weight(self, waiting: list[Req]) -> None:
+        """Visit the radix tree depth-first, heaviest subtree (most waiting requests) first, so
+        requests sharing a prefix run together and the shared part stays cached."""
+        at_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        nodes: dict[int, TreeNode] = {}
+        for req in waiting:
+            match_prefix(req, self.tree_cache)
+            node = req.last_node
+            at_node[id(node)].append(req)
+            while node is not None:
+                nodes[id(node)] = node
+                weight[id(node)] += 1
+                node = node.parent
+        order: list[Req] = []
+        stack = [self.tree_cache.root_node]
+        while stack:
+            node = stack.pop()
+            order.extend(at_node.get(id(node), ()))
+            children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
+            # Pushed lightest first so the heaviest is popped first.
+            stack.extend(sorted(children, key=lambda c: weight[id(c)]))
+        waiting[:] = order
+
+
+class AddResult(enum.Enum):
+    CONTINUE = "continue"  # admitted; try the next one
+    NO_TOKEN = "no_token"  # the KV pool cannot hold it now
+    OTHER = "other"  # a per-step budget is spent (prefill tokens, chunk, running slots)
+
+
+class PrefillAdder:
+    """Admits requests into one prefill step.
+
+    Budgets: the KV pool (free + evictable slots, less what running requests are expected to still
+    need), the step's prompt tokens (max_prefill_tokens) and the chunk (chunked_prefill_size). A
+    request longer than what is left of the chunk is truncated and continues next step.
+    """
+
+    def __init__(
+        self,
+        tree_cache: RadixCache,
+        allocator: TokenToKVPoolAllocator,
+        running: list[Req],
+        new_token_ratio: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        max_new_reqs: int,
+        mixed_decode_tokens: int = 0,
+    ) -> None:
+        self.tree_cache = tree_cache
+        self.nothing_running = not running
+        self.new_token_ratio = new_token_ratio
+        reserved = sum(self._reservation(r) for r in running)
+        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserved
+        self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = (
+            None if chunked_prefill_size is None else chunked_prefill_size - mixed_decode_tokens
+        )
+        self.max_new_reqs = max_new_reqs
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def _reservation(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+
+    def _take(self, req: Req) -> None:
+        self.can_run_list.append(req)
+        self.rem_total_tokens -= req.extend_input_len + self._reservation(req)
+        self.rem_input_tokens -= req.extend_input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= req.extend_input_len
+
+    def _truncate(self, req: Req) -> bool:
+        """Cut req to what is left of the chunk; True when it was cut."""
+        if self.rem_chunk_tokens is None or req.extend_input_len <= self.rem_chunk_tokens:
+            return False
+        req.extend_input_len = self.rem_chunk_tokens
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
+        return True
+
+    def add_chunked_req(self, req: Req) -> None:
+        """The request chunked last step continues (its prefix is locked already)."""
+        if self._truncate(req):
+            self.new_chunked_req = req
+        self._take(req)
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if len(self.can_run_list) >= self.max_new_reqs:
+            return AddResult.OTHER
+        if self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0:
+            return AddResult.OTHER
+        if self.rem_input_tokens <= 0 or (
+            req.extend_input_len > self.rem_input_tokens and self.can_run_list
+        ):
+            return AddResult.OTHER
+        # Lock the shared prefix first: locked tokens stop counting as evictable room.
+        delta = self.tree_cache.inc_lock_ref(req.last_node)
+        self.rem_total_tokens += delta
+        # The pool must hold what this step writes plus the expected decode tokens. With nothing
+        # else in flight the reservation is only an estimate: admit anyway rather than wait forever
+        # (retraction covers a shortfall).
+        need = min(req.extend_input_len, self.rem_chunk_tokens or req.extend_input_len)
+        alone = self.nothing_running and not self.can_run_list
+        if need > self.rem_total_tokens or (
+            need + self._reservation(req) > self.rem_total_tokens and not alone
+        ):
+            self.rem_total_tokens -= delta
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddResult.NO_TOKEN
+        if self._truncate(req):
+            self.new_chunked_req = req
+            self._take(req)
+            return AddResult.OTHER
+        self._take(req)
+        return AddResult.CONTINUE

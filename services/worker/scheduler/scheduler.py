@@ -1,0 +1,320 @@
+"""The scheduler: one step = admit → build a batch → forward → sample → finish → free.
+
+Prefill has priority: when requests wait (or a chunked prefill is in progress) the step is an
+EXTEND batch; otherwise the running requests decode. Every TP rank runs this same scheduler on the
+same inputs, so they take the same decisions without talking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.worker.config import EngineConfig
+from services.worker.forward_batch import ForwardMode
+from services.worker.mem.radix_cache import RadixCache
+from services.worker.scheduler.req import FinishReason, Req
+from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
+from services.worker.scheduler.schedule_policy import (
+    AddResult,
+    PrefillAdder,
+    SchedulePolicy,
+    match_prefix,
+)
+
+if TYPE_CHECKING:
+    from services.worker.model_runner import ModelRunner, SampledTokens
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+# After a retraction, assume each running request still needs this many steps.
+RETRACT_DECODE_STEPS = 20
+
+
+@dataclass
+class ReqOutput:
+    """What one request produced in one step: at most one token, and the final state if done."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finished_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_decode_steps: int = 0
+    num_retractions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Scheduler:
+    """Continuous batching over one model runner (one TP rank)."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]):
+        self.config = config
+        self.runner = runner
+        self.decode_tail = decode_tail
+        self.tree_cache = RadixCache(
+            runner.req_to_token_pool,
+            runner.allocator,
+            eviction_policy=config.radix_eviction_policy,
+            disable=config.disable_radix_cache,
+        )
+        self.mem = MemoryContext(
+            req_to_token_pool=runner.req_to_token_pool,
+            token_to_kv_pool=runner.token_to_kv_pool,
+            allocator=runner.allocator,
+            tree_cache=self.tree_cache,
+            attn_backend=runner.attn_backend,
+            device=runner.device,
+        )
+        self.policy = SchedulePolicy(config.schedule_policy, self.tree_cache, seed=config.random_seed)
+        self.max_running = min(config.max_running_requests, runner.req_to_token_pool.size)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness)
+        self.stats = SchedulerStats()
+        self._pending_outputs: list[ReqOutput] = []
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> bool:
+        """Abort a waiting or running request; its final output comes with the next step."""
+        for i, req in enumerate(self.waiting):
+            if req.rid == rid:
+                del self.waiting[i]
+                req.finished_reason = FinishReason("abort", message="aborted by request")
+                self._pending_outputs.append(self._final_output(req))
+                return True
+        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
+            if req.rid == rid and not req.finished():
+                req.finished_reason = FinishReason("abort", message="aborted by request")
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._pending_outputs)
+
+    def num_running(self) -> int:
+        return len(self.running) + (1 if self.chunked_req else 0)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are in flight."""
+        if self.waiting or self.running or self.chunked_req:
+            return False
+        self.tree_cache.reset()
+        self.runner.allocator.clear()
+        self.runner.req_to_token_pool.clear()
+        return True
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self._release_aborted(outputs)
+        batch = self._next_batch(outputs)
+        if batch is None:
+            return outputs
+        self.stats.num_steps += 1
+        forward_batch = (
+            batch.prepare_decode() if batch.mode.is_decode() else batch.prepare_extend()
+        )
+        logits = self.runner.forward(forward_batch)
+        batch.commit(forward_batch)
+        sampled = [i for i, req in enumerate(batch.reqs) if len(req.fill_ids) == req.seq_len or batch.mode.is_decode()]
+        rows = [batch.reqs[i] for i in sampled]
+        result = self.runner.sample(logits[sampled] if len(sampled) < len(batch.reqs) else logits, rows)
+        for j, req in enumerate(rows):
+            self._append_token(req, result, j, outputs)
+        if batch.mode.is_extend():
+            self._after_extend(batch)
+        self.running = [r for r in self.running if not r.finished()]
+        return outputs
+
+    def _append_token(self, req: Req, result: SampledTokens, j: int, outputs: list[ReqOutput]) -> None:
+        token = result.token_ids[j]
+        req.output_ids.append(token)
+        out = ReqOutput(rid=req.rid, token_ids=[token])
+        if req.return_logprob:
+            req.output_logprobs.append(result.logprobs[j])
+            out.logprobs = [result.logprobs[j]]
+            if req.top_logprobs_num:
+                req.output_top_logprobs.append(result.top_logprobs[j])
+                out.top_logprobs = [result.top_logprobs[j]]
+        self.stats.generated_tokens += 1
+        tail = None
+        stops = req.sampling_params.stop_strings()
+        if stops:
+            longest = max(len(s) for s in stops)
+            tail = self.decode_tail(req.output_ids[-(longest + 2) :])
+        req.check_finished(tail)
+        if req.finished():
+            self._release(req)
+            final = self._final_output(req)
+            out.finished_reason = final.finished_reason
+            out.prompt_tokens, out.completion_tokens = final.prompt_tokens, final.completion_tokens
+            out.cached_tokens = final.cached_tokens
+        outputs.append(out)
+
+    def _after_extend(self, batch: ScheduleBatch) -> None:
+        """Chunked requests cache what they have so far (keeping it locked); fresh requests that did
+        not finish on their first token join the running batch."""
+        for req in batch.reqs:
+            if req.finished():
+                continue
+            if req is self.chunked_req:
+                self.tree_cache.cache_unfinished_req(req)
+            elif req not in self.running:
+                self.running.append(req)
+
+    # ---- choosing the next batch ---------------------------------------------------------------
+
+    def _next_batch(self, outputs: list[ReqOutput]) -> ScheduleBatch | None:
+        prefill = self._prefill_batch()
+        if prefill is not None:
+            return prefill
+        if not self.running:
+            return None
+        self._ensure_decode_memory(outputs)
+        if not self.running:
+            return None
+        self.stats.num_decode_steps += 1
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return ScheduleBatch(list(self.running), ForwardMode.DECODE, self.mem)
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        mixed = self.config.enable_mixed_chunk and self.running
+        running_for_budget = self.running
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.runner.allocator,
+            running_for_budget,
+            self.new_token_ratio,
+            self.config.max_prefill_tokens,
+            self.config.chunked_prefill_size,
+            max_new_reqs=self.max_running - len(self.running),
+            mixed_decode_tokens=len(self.running) if mixed else 0,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            adder.add_chunked_req(self.chunked_req)
+        if self.waiting and adder.new_chunked_req is None:
+            self.policy.sort(self.waiting)
+            for req in list(self.waiting):
+                match_prefix(req, self.tree_cache)
+                req.init_next_round_input()
+                if adder.add_one_req(req) is not AddResult.CONTINUE:
+                    break
+        admitted = [r for r in adder.can_run_list if r is not self.chunked_req]
+        if not adder.can_run_list:
+            return None
+        admitted_ids = {id(r) for r in admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
+        for req in admitted:
+            if req.cached_tokens is None:
+                req.cached_tokens = len(req.prefix_indices)
+                self.stats.prompt_tokens += len(req.origin_input_ids)
+                self.stats.cached_tokens += len(req.prefix_indices)
+        self.chunked_req = adder.new_chunked_req
+        reqs = list(adder.can_run_list)
+        if mixed:
+            for req in self.running:
+                req.fill_ids = req.all_ids
+            reqs += self.running
+        self.stats.num_prefill_steps += 1
+        return ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem)
+
+    # ---- memory --------------------------------------------------------------------------------
+
+    def _ensure_decode_memory(self, outputs: list[ReqOutput]) -> None:
+        """Each running request needs one slot; retract the ones that lose least until they fit."""
+        def room() -> int:
+            return self.runner.allocator.available_size() + self.tree_cache.evictable_size()
+
+        if room() >= len(self.running):
+            return
+        # Fewest generated tokens first, then longest prompt: least work thrown away.
+        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        retracted: list[Req] = []
+        while room() < len(self.running) and len(self.running) > 1:
+            victim = order.pop(0)
+            self.running.remove(victim)
+            self.tree_cache.cache_finished_req(victim)
+            victim.reset_for_retract()
+            retracted.append(victim)
+        if retracted:
+            self.stats.num_retractions += len(retracted)
+            self.waiting[:0] = retracted
+            decoded = sum(len(r.output_ids) for r in self.running)
+            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+            estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget
+            self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
+            logger.info("KV pool full: retracted %d request(s)", len(retracted))
+        if room() < len(self.running):
+            # A single request that outgrew the whole pool cannot continue.
+            req = self.running.pop()
+            req.finished_reason = FinishReason("length", message="KV cache pool is too small for this request")
+            self._release(req)
+            outputs.append(self._final_output(req))
+
+    def _release(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+        if req is self.chunked_req:
+            self.chunked_req = None
+
+    def _release_aborted(self, outputs: list[ReqOutput]) -> None:
+        for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
+            if req.finished():
+                self._release(req)
+                outputs.append(self._final_output(req))
+        self.running = [r for r in self.running if not r.finished()]
+
+    def _final_output(self, req: Req) -> ReqOutput:
+        return ReqOutput(
+            rid=req.rid,
+            token_ids=[],
+            finished_reason=req.finished_reason,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens or 0,
+        )
+
+    # ---- invariants ----------------------------------------------------------------------------
+
+    def kv_slots_in_use_by_requests(self) -> int:
+        holders = [*self.running, *([self.chunked_req] if self.chunked_req else [])]
+        return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders if r.req_pool_idx is not None)
+
+    def check_pool_invariant(self) -> None:
+        """free + evictable + protected + held by running requests == total slots."""
+        total = self.runner.allocator.size
+        parts = (
+            self.runner.allocator.available_size(),
+            self.tree_cache.evictable_size(),
+            self.tree_cache.protected_size(),
+            self.kv_slots_in_use_by_requests(),
+        )
+        if sum(parts) != total:
+            raise AssertionError(f"KV pool leak: free+evictable+protected+running={parts} != {total}")

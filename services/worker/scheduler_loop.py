@@ -1,0 +1,169 @@
+"""The scheduler's event loop for one TP rank: commands in, per-step outputs out.
+
+Rank 0 takes commands from its inbox (blocking only when idle) and, with TP, broadcasts them so
+every rank applies the same commands before the same step. With tp_size 1 the loop runs in a thread
+of the Engine's process; with TP every rank is its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.worker import distributed
+from services.worker.config import EngineConfig
+from services.worker.model_config import ModelConfig
+from services.worker.model_runner import ModelRunner, default_device
+from services.worker.scheduler.req import Req
+from services.worker.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AddReq:
+    req: Req
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class Control:
+    """A request/reply command: 'flush_cache' or 'get_info'; the reply carries the same token."""
+
+    name: str
+    token: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class ControlReply:
+    token: int
+    value: Any
+
+
+@dataclass
+class Ready:
+    info: dict[str, Any]
+
+
+@dataclass
+class LoopFailed:
+    message: str
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships none (tiny test checkpoints)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    device = torch.device(config.device) if config.device else default_device()
+    if device.type == "cuda":
+        index = (device.index or 0) + rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return device
+
+
+class SchedulerLoop:
+    """Owns one rank's Scheduler and feeds it."""
+
+    def __init__(self, config: EngineConfig, rank: int, init_method: str) -> None:
+        self.config = config
+        self.rank = rank
+        device = resolve_device(config, rank)
+        distributed.init_tp(rank, config.tp_size, init_method, device)
+        model_config = ModelConfig.from_path(
+            config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
+        )
+        self.runner = ModelRunner(config, model_config, device)
+        tokenizer = load_tokenizer(config.model_path)
+        self.scheduler = Scheduler(
+            config,
+            self.runner,
+            decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
+        )
+
+    def info(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": s.max_running,
+            "num_running": s.num_running(),
+            "num_waiting": len(s.waiting),
+            "kv_free": self.runner.allocator.available_size(),
+            "kv_cached": s.tree_cache.total_size(),
+            "kv_in_use": s.tree_cache.protected_size() + s.kv_slots_in_use_by_requests(),
+            "stats": vars(s.stats).copy(),
+            "device": str(self.runner.device),
+        }
+
+    def _apply(self, cmd: object, outbox: Any) -> bool:
+        """Apply one command; False on shutdown."""
+        if isinstance(cmd, AddReq):
+            self.scheduler.add_request(cmd.req)
+        elif isinstance(cmd, AbortReq):
+            self.scheduler.abort_request(cmd.rid)
+        elif isinstance(cmd, Control):
+            value = self.scheduler.flush_cache() if cmd.name == "flush_cache" else self.info()
+            if outbox is not None:
+                outbox.put(ControlReply(cmd.token, value))
+        elif isinstance(cmd, Shutdown):
+            return False
+        return True
+
+    def _take_commands(self, inbox: Any) -> list[object]:
+        cmds: list[object] = []
+        if self.rank == 0:
+            if not self.scheduler.has_work():
+                cmds.append(inbox.get())
+            while True:
+                try:
+                    cmds.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+        if self.config.tp_size > 1:
+            cmds = distributed.tp_broadcast_object(cmds)  # type: ignore[assignment]
+        return cmds
+
+    def run(self, inbox: Any, outbox: Any) -> None:
+        while True:
+            for cmd in self._take_commands(inbox):
+                if not self._apply(cmd, outbox):
+                    return
+            outputs = self.scheduler.step()
+            if outputs and outbox is not None:
+                outbox.put(outputs)
+
+
+def run_scheduler_loop(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
+    """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox."""
+    try:
+        loop = SchedulerLoop(config, rank, init_method)
+        if outbox is not None:
+            outbox.put(Ready(loop.info()))
+        loop.run(inbox, outbox)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
+        logger.exception("scheduler loop of rank %d failed", rank)
+        if outbox is not None:
+            outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        distributed.destroy_tp()

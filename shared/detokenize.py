@@ -1,0 +1,88 @@
+"""Incremental detokenization: token ids in, text deltas out, never a broken UTF-8 character and
+never a partial stop string.
+
+Decoding a growing id list token by token is wrong for byte-level BPE (a character can span tokens)
+and for tokenizers that merge spaces with neighbours; decoding the whole list each step is quadratic.
+Like vLLM/SGLang we re-decode only a short window: text = decode(ids[prefix:]) minus decode(ids[prefix:read]),
+where `prefix` trails `read` by one step, and hold the delta back while it ends in U+FFFD (an
+incomplete character).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """One request's output text, built a step at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far (complete characters only)
+        self.sent = 0  # characters of self.text already returned
+        self._prefix = 0
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> None:
+        self.ids.extend(token_ids)
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        if full.endswith(REPLACEMENT) or len(full) <= len(prefix_text):
+            return
+        self.text += full[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self.ids)
+
+    def _stop_cut(self) -> int | None:
+        """Index in self.text where the first stop string begins, if one has appeared."""
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet returned. Mid-stream it stops short of anything that could be the start of a
+        stop string; at the end it is cut where a stop string begins."""
+        cut = self._stop_cut()
+        end = len(self.text) if cut is None else cut
+        if not final and cut is None:
+            end -= self._partial_stop_len()
+        if final and cut is None and self._read < len(self.ids):
+            # Undecodable trailing bytes at the very end: emit what the tokenizer gives for them.
+            tail = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
+            self.text += tail
+            self._read = len(self.ids)
+            end = len(self.text)
+        end = max(end, self.sent)
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:k]):
+                    best = max(best, k)
+                    break
+        return best
+
+    def output_text(self) -> str:
+        """The whole text, cut at the first stop string."""
+        cut = self._stop_cut()
+        return self.text if cut is None else self.text[:cut]
