@@ -33,6 +33,8 @@ class ReqToTokenPool:
         return len(self._free_rows)
 
     def alloc(self, n: int = 1) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
         if n > len(self._free_rows):
             return None
         rows, self._free_rows = self._free_rows[:n], self._free_rows[n:]
@@ -111,6 +113,8 @@ class TokenToKVPoolAllocator:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n free slots (int64, CPU), or None when fewer than n are free."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
         if n > self._free.numel():
             return None
         out, self._free = self._free[:n], self._free[n:]
@@ -118,4 +122,6 @@ class TokenToKVPoolAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
-            self._free = torch.cat((self._free, slots.to("cpu", torch.int64)))
+            slots = slots.to("cpu", torch.int64)
+            # Slot 0 is the padding row (unwritten req_to_token entries read as 0): never free it.
+            self._free = torch.cat((self._free, slots[slots != 0]))

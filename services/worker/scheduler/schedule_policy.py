@@ -13,7 +13,7 @@ from services.worker.scheduler.req import Req
 
 if TYPE_CHECKING:
     from services.worker.mem.memory_pool import TokenToKVPoolAllocator
-    from services.worker.mem.radix_cache import RadixCache, TreeNode
+    from services.worker.mem.radix_cache import RadixCache
 
 # Cache-aware orders cost a prefix match per waiting request; past this many they fall back to FCFS.
 CACHE_AWARE_QUEUE_LIMIT = 128
@@ -61,17 +61,15 @@ class SchedulePolicy:
         requests sharing a prefix run together and the shared part stays cached."""
         at_node: dict[int, list[Req]] = defaultdict(list)
         weight: dict[int, int] = defaultdict(int)
-        nodes: dict[int, TreeNode] = {}
         for req in waiting:
             match_prefix(req, self.tree_cache)
             node = req.last_node
             at_node[id(node)].append(req)
             while node is not None:
-                nodes[id(node)] = node
                 weight[id(node)] += 1
                 node = node.parent
         order: list[Req] = []
-        stack = [self.tree_cache.root_node]
+        stack = [self.tree_cache.root]
         while stack:
             node = stack.pop()
             order.extend(at_node.get(id(node), ()))
@@ -110,7 +108,9 @@ class PrefillAdder:
         self.nothing_running = not running
         self.new_token_ratio = new_token_ratio
         reserved = sum(self._reservation(r) for r in running)
-        self.rem_total_tokens = allocator.available_size() + tree_cache.evictable_size() - reserved
+        # Slots this step can actually get (free or evictable), whatever is reserved for later.
+        self.room = allocator.available_size() + tree_cache.evictable_size() - mixed_decode_tokens
+        self.rem_total_tokens = self.room + mixed_decode_tokens - reserved
         self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
         self.rem_chunk_tokens = (
             None if chunked_prefill_size is None else chunked_prefill_size - mixed_decode_tokens
@@ -124,6 +124,7 @@ class PrefillAdder:
 
     def _take(self, req: Req) -> None:
         self.can_run_list.append(req)
+        self.room -= req.extend_input_len
         self.rem_total_tokens -= req.extend_input_len + self._reservation(req)
         self.rem_input_tokens -= req.extend_input_len
         if self.rem_chunk_tokens is not None:
@@ -137,11 +138,18 @@ class PrefillAdder:
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         return True
 
-    def add_chunked_req(self, req: Req) -> None:
-        """The request chunked last step continues (its prefix is locked already)."""
+    def add_chunked_req(self, req: Req) -> bool:
+        """The request chunked last step continues (its prefix is locked already), as far as the
+        chunk and the pool allow; False when there is no room at all this step."""
+        if self.room <= 0:
+            self.new_chunked_req = req
+            return False
+        if self.rem_chunk_tokens is None or self.rem_chunk_tokens > self.room:
+            self.rem_chunk_tokens = self.room
         if self._truncate(req):
             self.new_chunked_req = req
         self._take(req)
+        return True
 
     def add_one_req(self, req: Req) -> AddResult:
         if len(self.can_run_list) >= self.max_new_reqs:
@@ -154,15 +162,15 @@ class PrefillAdder:
             return AddResult.OTHER
         # Lock the shared prefix first: locked tokens stop counting as evictable room.
         delta = self.tree_cache.inc_lock_ref(req.last_node)
+        self.room += delta
         self.rem_total_tokens += delta
-        # The pool must hold what this step writes plus the expected decode tokens. With nothing
-        # else in flight the reservation is only an estimate: admit anyway rather than wait forever
-        # (retraction covers a shortfall).
-        need = min(req.extend_input_len, self.rem_chunk_tokens or req.extend_input_len)
+        # The whole prompt must fit, not just this step's chunk, so later chunks find room. The
+        # reservation for decode tokens is an estimate: with nothing else in flight, admit anyway
+        # rather than wait forever (retraction covers a shortfall).
         alone = self.nothing_running and not self.can_run_list
-        if need > self.rem_total_tokens or (
-            need + self._reservation(req) > self.rem_total_tokens and not alone
-        ):
+        need = req.extend_input_len
+        if need > self.room or (need + self._reservation(req) > self.rem_total_tokens and not alone):
+            self.room -= delta
             self.rem_total_tokens -= delta
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_TOKEN

@@ -304,8 +304,11 @@ class Scheduler:
     # ---- invariants ----------------------------------------------------------------------------
 
     def kv_slots_in_use_by_requests(self) -> int:
-        holders = [*self.running, *([self.chunked_req] if self.chunked_req else [])]
-        return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders if r.req_pool_idx is not None)
+        """KV slots that running requests hold outside the tree (all of them without a cache)."""
+        holders = [r for r in (*self.running, self.chunked_req) if r is not None and r.req_pool_idx is not None]
+        if self.tree_cache.disable:
+            return sum(r.kv_committed_len for r in holders)
+        return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders)
 
     def check_pool_invariant(self) -> None:
         """free + evictable + protected + held by running requests == total slots."""

@@ -1,0 +1,105 @@
+"""The scheduler under a randomized workload: the KV pool accounting is exact after every step
+(free + evictable + protected + held by running requests == total) and every request ends."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from services.worker.config import EngineConfig
+from services.worker.sampling.sampling_params import SamplingParams
+from services.worker.scheduler.req import Req
+from services.worker.scheduler_loop import SchedulerLoop
+from tests.engine_helpers import random_prompts
+
+
+def make_scheduler(path: Path, **kwargs: object):  # noqa: ANN201 - a Scheduler
+    config = EngineConfig.from_kwargs(str(path), **kwargs)
+    return SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schedule_policy": "fcfs"},
+        {"schedule_policy": "lpm", "radix_eviction_policy": "lfu"},
+        {"schedule_policy": "dfs-weight", "radix_eviction_policy": "fifo"},
+        {"schedule_policy": "lof", "radix_eviction_policy": "mru"},
+        {"schedule_policy": "random", "radix_eviction_policy": "priority", "enable_mixed_chunk": True},
+        {"schedule_policy": "fcfs", "disable_radix_cache": True, "radix_eviction_policy": "filo"},
+    ],
+    ids=lambda o: "-".join(str(v) for v in o.values()),
+)
+def test_pool_invariant_after_every_step_of_a_random_workload(qwen3_path: Path, options: dict) -> None:
+    scheduler = make_scheduler(
+        qwen3_path, max_total_tokens=240, chunked_prefill_size=24, max_running_requests=6, **options
+    )
+    rng = random.Random(hash(tuple(options.items())) & 0xFFFF)
+    prefixes = random_prompts(3, 8, 40, seed=11)
+    submitted: dict[str, Req] = {}
+    finished: set[str] = set()
+    steps = 0
+    while len(submitted) < 40 or scheduler.has_work():
+        if len(submitted) < 40 and rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + random_prompts(1, 1, 30, seed=rng.randrange(10**6))[0]
+            params = SamplingParams(
+                max_new_tokens=rng.randint(1, 24),
+                temperature=rng.choice([0.0, 1.0]),
+                ignore_eos=rng.random() < 0.5,
+            )
+            params.normalize()
+            rid = f"r{len(submitted)}"
+            req = Req(rid, prompt, params, seed=rng.randrange(1 << 30), priority=rng.randint(0, 3),
+                      eos_token_ids=frozenset({2}))
+            submitted[rid] = req
+            scheduler.add_request(req)
+        if rng.random() < 0.04:
+            live = [rid for rid in submitted if rid not in finished]
+            if live:
+                scheduler.abort_request(rng.choice(live))
+        for out in scheduler.step():
+            if out.finished_reason is not None:
+                assert out.rid not in finished, "a request finished twice"
+                finished.add(out.rid)
+        scheduler.check_pool_invariant()
+        steps += 1
+        assert steps < 5000, "the workload did not drain"
+    assert finished == set(submitted)
+    for req in submitted.values():
+        if req.finished_reason.type != "abort":
+            assert 1 <= len(req.output_ids) <= req.sampling_params.max_new_tokens
+    # Nothing is held once every request is done: the pool is free or evictable cache.
+    assert scheduler.tree_cache.protected_size() == 0
+    assert scheduler.runner.allocator.available_size() + scheduler.tree_cache.evictable_size() == 240
+
+
+def test_chunked_request_keeps_its_prefix_locked_between_chunks(qwen3_path: Path) -> None:
+    scheduler = make_scheduler(qwen3_path, max_total_tokens=200, chunked_prefill_size=8)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    params.normalize()
+    req = Req("long", list(range(3, 40)), params, seed=0)
+    scheduler.add_request(req)
+    scheduler.step()  # first chunk of 8
+    assert scheduler.chunked_req is req and req.kv_committed_len == 8
+    assert scheduler.tree_cache.protected_size() == 8
+    # Eviction cannot take a chunk in progress.
+    assert scheduler.tree_cache.evict(100) == 0
+    while scheduler.has_work():
+        scheduler.step()
+        scheduler.check_pool_invariant()
+    assert req.finished_reason is not None and len(req.output_ids) == 2
+
+
+def test_flush_cache_is_refused_while_requests_run(qwen3_path: Path) -> None:
+    scheduler = make_scheduler(qwen3_path, max_total_tokens=100)
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    params.normalize()
+    scheduler.add_request(Req("a", [3, 4, 5], params, seed=0))
+    scheduler.step()
+    assert scheduler.flush_cache() is False
+    while scheduler.has_work():
+        scheduler.step()
+    assert scheduler.flush_cache() is True
+    assert scheduler.runner.allocator.available_size() == 100
