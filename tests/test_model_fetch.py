@@ -39,12 +39,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="session")
-def default_model_path() -> Path:
-    """The real default model in the user's RS_HOME, fetched on first use."""
-    return fetch_default_model(progress=False)
-
-
 def _run_cli(*args: str, env_updates: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != WHEEL_ENV}
     env.update(env_updates or {})

@@ -1,0 +1,257 @@
+"""Extend (prefill) attention: new tokens attend to their cached prefix and causally to each other.
+
+Many requests of different lengths go in one launch. Request i owns rows qo_indptr[i] ..
+qo_indptr[i+1]-1 of q / k_new / v_new; its new tokens sit after prefix_lens[i] cached positions whose
+K/V are read from the pool through req_to_token. Grid (q head, block of BLOCK_M new tokens, request);
+blocks past a request's end return at once, and the blocks with the most causal work start first. Each program runs one online softmax in two phases:
+
+1. the prefix, read from the pool through req_to_token, with no mask (every new token sees all of it);
+2. the new tokens themselves, read straight from k_new / v_new (no gather), with the causal mask, and
+   only up to the block's last row, so the upper triangle costs nothing.
+
+The query heads of one KV head are adjacent in the grid, so their K/V tiles are reused from L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import dot_precision
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class ExtendTiles:
+    """Launch shape. The default suits Hopper with head_dim 128: 128-row query blocks over 8 warps
+    (two warpgroups, so tl.dot can use the warpgroup MMA) and 64-key tiles, double-buffered."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION: tl.constexpr):
+    """Fold a tile of base-2 scores s [M, N] (masked entries -inf) and its values v [N, D] in."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K_new,
+    V_new,
+    Out,
+    K_buf,
+    V_buf,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Qo_indptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kbt,
+    stride_kbh,
+    stride_vbt,
+    stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    # Longest (most causal work) blocks first, so the short ones fill the tail of the launch.
+    block_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(Qo_indptr + b)
+    extend_len = tl.load(Qo_indptr + b + 1) - q_start
+    if block_m * BLOCK_M < extend_len:
+        prefix_len = tl.load(Prefix_lens + b)
+        req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+
+        offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < extend_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(
+            Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=m_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        token_row = Req_to_token + req_row * stride_r2t
+        for n0 in range(0, prefix_len, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            n_mask = pos < prefix_len
+            slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(
+                K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None],
+                other=0.0,
+            ).to(q.dtype)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            v = tl.load(
+                V_buf + slots[:, None] * stride_vbt + kv_head * stride_vbh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            ).to(q.dtype)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+        # New tokens before this block are visible to every row: no mask at all (BLOCK_M is a multiple
+        # of BLOCK_N, so these tiles end exactly at the block's first row).
+        block_start = block_m * BLOCK_M
+        for n0 in range(0, block_start, BLOCK_N):
+            kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k = tl.load(
+                K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+                mask=d_mask[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+            v = tl.load(
+                V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                mask=d_mask[None, :],
+                other=0.0,
+            )
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+        # The diagonal tiles, causally masked; keys past the block's last row are masked for every
+        # row, so the loop stops there.
+        causal_end = tl.minimum(extend_len, block_start + BLOCK_M)
+        for n0 in range(block_start, causal_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < extend_len
+            kv_rows = (q_start + offs_n).to(tl.int64)
+            k = tl.load(
+                K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+            s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
+            v = tl.load(
+                V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+
+        # Every row saw at least its own key, so l_i > 0.
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=m_mask[:, None] & d_mask[None, :],
+        )
+
+
+def _heads_view(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
+    """[tokens, heads * head_dim] (row stride free) -> [tokens, heads, head_dim] view."""
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last axis must be contiguous")
+    return x.view(x.shape[0], -1, head_dim) if x.dim() == 2 else x
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    out: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    tiles: ExtendTiles | None = None,
+) -> torch.Tensor:
+    """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d]; out [tokens, heads * d] (written).
+
+    k_buffer/v_buffer: one layer's pool [slots, kv_heads, d]; prefix_lens [bs] and qo_indptr [bs + 1]
+    (int32, device) give each request's cached length and its rows; max_extend_len bounds
+    qo_indptr[i+1] - qo_indptr[i] (it sizes the grid).
+    """
+    tiles = tiles or ExtendTiles()
+    if tiles.block_m % tiles.block_n:
+        raise ValueError(f"tiles: block_m {tiles.block_m} must be a multiple of block_n {tiles.block_n}")
+    head_dim = k_buffer.shape[2]
+    num_kv_heads = k_buffer.shape[1]
+    q3 = _heads_view(q, head_dim, "q")
+    k3 = _heads_view(k_new, head_dim, "k_new")
+    v3 = _heads_view(v_new, head_dim, "v_new")
+    o3 = _heads_view(out, head_dim, "out")
+    num_heads = q3.shape[1]
+    if num_heads % num_kv_heads or k3.shape[1] != num_kv_heads:
+        raise ValueError(f"q heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1:
+        raise ValueError("k_buffer/v_buffer: the head_dim axis must be contiguous")
+    batch_size = prefix_lens.shape[0]
+    if qo_indptr.shape[0] != batch_size + 1:
+        raise ValueError(f"qo_indptr must have {batch_size + 1} entries, got {qo_indptr.shape[0]}")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    grid = (num_heads, triton.cdiv(max(max_extend_len, 1), tiles.block_m), batch_size)
+    _extend_kernel[grid](
+        q3,
+        k3,
+        v3,
+        o3,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        qo_indptr,
+        sm_scale * _LOG2E,
+        q3.stride(0),
+        q3.stride(1),
+        k3.stride(0),
+        k3.stride(1),
+        v3.stride(0),
+        v3.stride(1),
+        o3.stride(0),
+        o3.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out

@@ -1,0 +1,25 @@
+"""Gated activations: the fused gate_up projection's output [.., 2 * I] -> act(gate) * up [.., I]."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU's activation on a fused [gate | up] tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
+    return SiluAndMul()

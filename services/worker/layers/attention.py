@@ -1,0 +1,33 @@
+"""RadixAttention: the model-side attention layer. It holds no weights; it names its layer (which KV
+buffer) and its per-rank head counts, and hands q/k/v to whichever backend the step uses."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from services.worker.forward_batch import ForwardBatch
+
+
+class RadixAttention(nn.Module):
+    """Attention over the paged KV pool; heads are this rank's counts."""
+
+    def __init__(
+        self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.num_kv_heads = num_kv_heads
+        self.layer_id = layer_id
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim]."""
+        return batch.attn_backend.forward(q, k, v, self, batch)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

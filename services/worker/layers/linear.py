@@ -1,0 +1,192 @@
+"""Tensor-parallel linear layers, and how a checkpoint tensor is sliced into a parameter.
+
+Column-parallel layers split the output features across TP ranks and need no communication;
+row-parallel layers split the input features and all-reduce the partial sums. A column layer followed
+by a row layer (QKV -> o_proj, gate_up -> down) therefore costs one all-reduce.
+
+Every parameter carries `weight_loader(param, loaded_weight, *shard)` (vLLM's convention) that copies
+this rank's slice of a checkpoint tensor, so a model's `load_weights` only maps names. A checkpoint
+tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight` reads just the rows or
+columns this rank keeps, so no rank materialises a whole sharded matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+
+
+class WeightSlice(Protocol):
+    """What safetensors' `safe_open(...).get_slice(name)` returns: a shape and slice indexing."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+LoadedWeight = torch.Tensor | WeightSlice
+
+
+def weight_shape(weight: LoadedWeight) -> tuple[int, ...]:
+    if isinstance(weight, torch.Tensor):
+        return tuple(weight.shape)
+    return tuple(weight.get_shape())
+
+
+def narrow_weight(weight: LoadedWeight, dim: int, start: int, length: int) -> torch.Tensor:
+    """weight[..., start:start+length, ...] along dim, reading only that part of a lazy slice."""
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return weight[index]
+
+
+def full_weight(weight: LoadedWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight[:]
+
+
+def check_weight_shape(weight: LoadedWeight, expected: tuple[int, ...], what: str) -> None:
+    shape = weight_shape(weight)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor for {what} has shape {list(shape)}, expected {list(expected)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+    """Copy a whole (replicated) tensor, casting to the parameter's dtype."""
+    check_weight_shape(loaded_weight, tuple(param.shape), "a replicated parameter")
+    param.data.copy_(full_weight(loaded_weight))
+
+
+def new_parameter(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    """An uninitialised inference parameter (dtype/device from the ambient defaults) with its loader."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class ReplicatedLinear(nn.Module):
+    """A linear layer every rank holds whole (MoE router, small heads)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = new_parameter((output_size, input_size), default_weight_loader)
+        self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (output features) split across ranks; each rank returns its slice of y.
+
+    `output_sizes` lists the logical matrices fused into this one (e.g. [gate, up]); each is split
+    across ranks separately, so rank r holds [gate_r; up_r] and a shard id selects which one a
+    checkpoint tensor fills.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [divide(size, self.tp_size) for size in self.output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = new_parameter((out, input_size), self.weight_loader)
+        self.bias = new_parameter((out,), self.weight_loader) if bias else None
+
+    def shard_range(self, shard_id: int | str | None) -> tuple[int, int, int, int]:
+        """(offset in the local parameter, rows, first row in the checkpoint tensor, checkpoint rows)."""
+        index = 0 if shard_id is None else int(shard_id)
+        offset = sum(self.local_sizes[:index])
+        rows = self.local_sizes[index]
+        return offset, rows, self.tp_rank * rows, self.output_sizes[index]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: int | str | None = None
+    ) -> None:
+        offset, rows, start, total = self.shard_range(shard_id)
+        expected = (total,) + tuple(param.shape[1:])
+        check_weight_shape(loaded_weight, expected, f"{type(self).__name__} shard {shard_id}")
+        param.data.narrow(0, offset, rows).copy_(narrow_weight(loaded_weight, 0, start, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices sharing one input, fused (gate_proj + up_proj -> gate_up_proj).
+    Shard ids are the positions in `output_sizes`."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with attention heads split across ranks (shard ids 'q', 'k', 'v').
+
+    When there are more ranks than KV heads, each rank keeps one KV head (replicated over
+    tp_size / num_kv_heads ranks): the one its query heads attend with.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_size = get_tp_size()
+        if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:
+            raise ValueError(
+                f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}"
+            )
+        if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
+            raise ValueError(
+                f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}"
+            )
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.total_num_kv_heads = total_num_kv_heads
+        q_size = total_num_heads * head_dim
+        # The checkpoint KV matrices are smaller than num_kv_heads * tp_size when replicated; the
+        # base class only uses output_sizes for the local split, and shard_range handles k and v.
+        kv_local = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_local * tp_size, kv_local * tp_size], bias)
+
+    def shard_range(self, shard_id: int | str | None) -> tuple[int, int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[str(shard_id)]
+        if index == 0:
+            return super().shard_range(0)
+        rows = self.num_kv_heads * self.head_dim
+        offset = self.local_sizes[0] + (index - 1) * rows
+        # Rank r serves query heads whose KV head is r * total_kv // tp (integer division covers
+        # both the split and the replicated case).
+        kv_head = self.tp_rank * self.total_num_kv_heads // self.tp_size
+        return offset, rows, kv_head * self.head_dim, self.total_num_kv_heads * self.head_dim
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (input features) split across ranks; the input arrives already split
+    (from a column-parallel layer), partial sums are all-reduced, and the bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.weight = new_parameter((output_size, self.input_size_per_partition), self.weight_loader)
+        self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        check_weight_shape(loaded_weight, (param.shape[0], self.input_size), type(self).__name__)
+        cols = self.input_size_per_partition
+        param.data.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = tp_all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,32 @@
+"""Final hidden states -> float32 next-token logits, full vocabulary on every rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.distributed import tp_all_gather
+from services.worker.layers.embedding import VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from services.worker.forward_batch import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    """Picks the rows that need logits (each request's last new token, or all tokens when the batch
+    asks), applies the vocab-parallel LM head, gathers the vocab shards and trims the padding."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if not batch.return_all_logits:
+            hidden = hidden[batch.last_token_indices()]
+        logits = tp_all_gather(F.linear(hidden, lm_head.weight), dim=-1)
+        return logits[:, : self.vocab_size].float()

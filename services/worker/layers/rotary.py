@@ -1,0 +1,83 @@
+"""Rotary position embedding, neox style (the two halves of each head are the rotated pairs).
+
+cos/sin are precomputed once per model for every position up to the context length, in float32 and
+exactly as HF computes them, and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# Rope types whose frequencies are fixed at load time (dynamic NTK rescales per sequence length).
+STATIC_SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")
+
+
+def rope_parameters(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """The rope settings as one dict with 'rope_theta' and 'rope_type', whether the config uses
+    transformers-5 `rope_parameters` or the classic `rope_theta` + `rope_scaling` fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rotary_dim` features of every head of q and k by position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        inv_freq: torch.Tensor,
+        max_position: int,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = 2 * inv_freq.numel()
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())
+        self.register_buffer("cos_cache", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+        return out.flatten(1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, heads * head_dim], k: [num_tokens, kv_heads * head_dim]."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def get_rope(hf_config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:
+    """The model's rotary embedding: default rope with the checkpoint's theta, or a statically scaled
+    variant (linear, yarn, llama3) whose frequencies transformers computes for us."""
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq = 1.0 / (float(params["rope_theta"]) ** exponents)
+        scaling = 1.0
+    elif rope_type in STATIC_SCALED_ROPE_TYPES:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    else:
+        raise ValueError(
+            f"rope type {rope_type!r} (config rope_parameters/rope_scaling) is not supported; "
+            f"supported: default, {', '.join(STATIC_SCALED_ROPE_TYPES)}"
+        )
+    return RotaryEmbedding(head_dim, inv_freq, max_position, float(scaling))

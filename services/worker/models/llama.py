@@ -1,0 +1,197 @@
+"""Llama (and SmolLM2): the decoder-only skeleton Qwen3 and Qwen3-MoE extend.
+
+Pre-norm decoder layers of attention (fused QKV, neox RoPE, GQA) and a SwiGLU MLP (fused gate_up),
+with RMSNorm fused into the residual adds. Subclasses swap parts through class attributes and small
+hooks: `LlamaAttention.norm_qk`, `LlamaDecoderLayer.make_mlp`, and the checkpoint-name mapping of
+`LlamaForCausalLM.weight_target`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from services.worker.distributed import get_tp_size
+from services.worker.layers.activation import get_act_and_mul
+from services.worker.layers.attention import RadixAttention
+from services.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from services.worker.layers.layernorm import RMSNorm
+from services.worker.layers.linear import (
+    LoadedWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from services.worker.layers.logits_processor import LogitsProcessor
+from services.worker.layers.rotary import RotaryEmbedding, get_rope
+
+if TYPE_CHECKING:
+    from services.worker.forward_batch import ForwardBatch
+    from services.worker.model_config import ModelConfig
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): gate_up column-parallel, down row-parallel, one all-reduce."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = get_act_and_mul(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with this rank's share of the heads; o_proj all-reduces."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        hf = config.hf_config
+        bias = bool(getattr(hf, "attention_bias", False))
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_kv_heads, bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias
+        )
+        self.rotary_emb = rotary_emb
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+        )
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head normalisation before RoPE; none in Llama."""
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)); the residual stream is passed along unnormalised."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = float(config.hf_config.rms_norm_eps)
+        self.self_attn = self.attention_cls(config, layer_id, rotary_emb)
+        self.mlp = self.make_mlp(config, layer_id)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        hf = config.hf_config
+        return LlamaMLP(
+            config.hidden_size, hf.intermediate_size, hf.hidden_act, bool(getattr(hf, "mlp_bias", False))
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers (sharing one rotary table) and the final norm."""
+
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        max_position = max(config.context_len, int(config.hf_config.max_position_embeddings))
+        rotary_emb = get_rope(config.hf_config, config.head_dim, max_position)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, rotary_emb) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, float(config.hf_config.rms_norm_eps))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model plus the (optionally tied) vocab-parallel LM head; returns float32 logits."""
+
+    model_cls: type[LlamaModel] = LlamaModel
+    # (parameter name part, checkpoint name part, shard id) for the fused projections.
+    stacked_params: tuple[tuple[str, str, Any], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_size = get_tp_size()
+        self.model = self.model_cls(config)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, batch)
+        return self.logits_processor(hidden, self.lm_head, batch)
+
+    def weight_target(self, name: str) -> tuple[str, tuple[Any, ...]]:
+        """The parameter a checkpoint tensor loads into, and the shard arguments for its loader."""
+        for param_part, ckpt_part, shard_id in self.stacked_params:
+            if ckpt_part in name:
+                return name.replace(ckpt_part, param_part), (shard_id,)
+        return name, ()
+
+    def skip_weight(self, name: str) -> bool:
+        # Old checkpoints store the rotary table; tied checkpoints may still carry lm_head.
+        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's parameters; returns the parameters set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, weight in weights:
+            if self.skip_weight(ckpt_name):
+                continue
+            name, shard = self.weight_target(ckpt_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} matches no parameter of {type(self).__name__}"
+                )
+            getattr(param, "weight_loader", default_weight_loader)(param, weight, *shard)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,70 @@
+"""Session-wide fixtures: tiny seeded HF checkpoints (written once per test session)."""
+
+from __future__ import annotations
+
+import os
+
+# Triton kernels run on CPU tensors through Triton's interpreter in tests; the variable is read when
+# a function is decorated, so it must be set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+from shared.model_fetch import fetch_default_model
+from tests.checkpoints import (
+    QWEN3_GENERATION,
+    tiny_llama_config,
+    tiny_qwen3_config,
+    tiny_qwen3_moe_config,
+    write_checkpoint,
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3, untied, single safetensors file, tokenizer, Qwen3-style generation_config.json."""
+    path = tmp_path_factory.mktemp("qwen3")
+    return write_checkpoint(path, tiny_qwen3_config(), generation=QWEN3_GENERATION, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same weights as qwen3_path, split over several safetensors files with an index."""
+    path = tmp_path_factory.mktemp("qwen3_sharded")
+    return write_checkpoint(path, tiny_qwen3_config(), max_shard_size="40KB", generation=QWEN3_GENERATION)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with tie_word_embeddings (as the small Qwen3 models ship)."""
+    path = tmp_path_factory.mktemp("qwen3_tied")
+    return write_checkpoint(path, tiny_qwen3_config(tie_word_embeddings=True), seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_one_kv_head_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with a single KV head, so TP=2 must replicate it."""
+    path = tmp_path_factory.mktemp("qwen3_kv1")
+    return write_checkpoint(path, tiny_qwen3_config(num_key_value_heads=1), seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE: 8 experts top-2, layer 1 dense (mlp_only_layers), tokenizer."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    return write_checkpoint(path, tiny_qwen3_moe_config(), seed=3, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-like Llama with tied embeddings and a tokenizer."""
+    path = tmp_path_factory.mktemp("llama")
+    return write_checkpoint(path, tiny_llama_config(), seed=4, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The real default model in the user's RS_HOME, fetched on first use."""
+    return fetch_default_model(progress=False)

@@ -1,0 +1,104 @@
+"""A minimal stand-in for the model runner: owns the KV pools and builds ForwardBatch objects, so model
+tests can run prefill, chunked extend and decode steps on real pools and the torch backend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from services.worker.attention.torch_backend import TorchAttnBackend
+from services.worker.forward_batch import ForwardBatch, ForwardMode
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.model_config import ModelConfig
+
+
+class BatchDriver:
+    """Runs `model` over requests identified by their ReqToTokenPool row, tracking each one's length."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        tp_size: int = 1,
+        max_requests: int = 4,
+        max_tokens: int = 512,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.req_pool = ReqToTokenPool(max_requests, config.context_len, self.device)
+        self.kv_pool = TokenToKVPool(
+            max_tokens,
+            config.num_layers,
+            config.num_kv_heads_per_rank(tp_size),
+            config.head_dim,
+            config.dtype,
+            self.device,
+        )
+        self.allocator = TokenToKVPoolAllocator(max_tokens, self.device)
+        self.backend = TorchAttnBackend()
+        self.seq_lens: dict[int, int] = {}
+
+    def new_request(self) -> int:
+        rows = self.req_pool.alloc(1)
+        assert rows is not None, "out of request rows"
+        self.seq_lens[rows[0]] = 0
+        return rows[0]
+
+    def extend(
+        self, reqs: Sequence[tuple[int, Sequence[int]]], return_all_logits: bool = False
+    ) -> torch.Tensor:
+        """Append tokens to each (row, tokens) request in one EXTEND step."""
+        return self._forward(ForwardMode.EXTEND, reqs, return_all_logits)
+
+    def decode(self, reqs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """One DECODE step: each (row, token) request appends one token; returns [bs, vocab] logits."""
+        return self._forward(ForwardMode.DECODE, [(row, [tok]) for row, tok in reqs], False)
+
+    @torch.inference_mode()
+    def _forward(
+        self, mode: ForwardMode, reqs: Sequence[tuple[int, Sequence[int]]], return_all_logits: bool
+    ) -> torch.Tensor:
+        input_ids, positions, out_locs = [], [], []
+        prefix_lens, new_lens, seq_lens = [], [], []
+        for row, tokens in reqs:
+            prefix = self.seq_lens[row]
+            slots = self.allocator.alloc(len(tokens))
+            assert slots is not None, "out of KV slots"
+            self.req_pool.write(row, prefix, slots)
+            input_ids += list(tokens)
+            positions += range(prefix, prefix + len(tokens))
+            out_locs.append(slots)
+            prefix_lens.append(prefix)
+            new_lens.append(len(tokens))
+            seq_lens.append(prefix + len(tokens))
+            self.seq_lens[row] = prefix + len(tokens)
+        batch = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(reqs),
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            req_pool_indices=torch.tensor([row for row, _ in reqs], dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            out_cache_loc=torch.cat(out_locs).to(self.device),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=new_lens,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            return_all_logits=return_all_logits,
+        )
+        self.backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def greedy_decode(self, row: int, first_token: int, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Feed first_token, then each step's argmax, for `steps` steps: (tokens fed, logits per step)."""
+        tokens, logits = [first_token], []
+        for _ in range(steps):
+            step_logits = self.decode([(row, tokens[-1])])[0]
+            logits.append(step_logits)
+            tokens.append(int(step_logits.argmax()))
+        return tokens, logits

@@ -1,0 +1,119 @@
+"""Run every Triton kernel in this folder on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET is read when `@triton.jit` decorates a function, so it must be set before the kernels
+in kernels/ are imported; pytest imports this file before the test modules beside it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def _interpret_language_helpers() -> None:
+    """triton.language's own jit helpers (tl.zeros, tl.max, tl.cdiv...) are decorated when triton is
+    first imported. torch._dynamo imports triton whenever it is installed, so a test module loaded
+    earlier in the session (anything importing transformers' models) can freeze them as compiled-only
+    functions, which the interpreter refuses to call. Swap each for its interpreted twin."""
+    twins: dict[int, interpreter.InterpretedFunction] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("triton.language") or module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            if type(value) is JITFunction:
+                twin = twins.setdefault(id(value), interpreter.InterpretedFunction(value.fn))
+                setattr(module, attr, twin)
+
+
+def _reload_compiled_kernels() -> None:
+    """Kernel modules some other test imported before this file ran hold compiled-only kernels;
+    re-decorate them (the modules are stateless)."""
+    for name in sorted(n for n in sys.modules if n == "kernels" or n.startswith("kernels.")):
+        importlib.reload(sys.modules[name])
+
+
+_interpret_language_helpers()
+_reload_compiled_kernels()
+
+
+def _index_of_scalar_handle(self: object) -> int:
+    return int(self.handle.data.squeeze())  # type: ignore[attr-defined]
+
+
+def _install_numpy_24_fix() -> None:
+    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a loop bound with
+    int(array), which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python
+    scalars"; triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0). Apply the same squeeze."""
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", _index_of_scalar_handle)
+
+    interpreter._patch_lang_tensor = patched
+
+
+_install_numpy_24_fix()
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator per test: fresh, non-zero random inputs that are still reproducible."""
+    return torch.Generator().manual_seed(20240611)
+
+
+class PagedKV:
+    """One layer's KV pool filled with random values, and a req_to_token table whose rows map each
+    request's positions to distinct, shuffled slots (so reading the wrong slot or position shows)."""
+
+    def __init__(
+        self,
+        gen: torch.Generator,
+        seq_lens: list[int],
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        total = sum(seq_lens)
+        num_slots = total + 37  # spare slots that no request owns
+        self.k_buffer = torch.randn((num_slots + 1, num_kv_heads, head_dim), generator=gen).to(dtype)
+        self.v_buffer = torch.randn((num_slots + 1, num_kv_heads, head_dim), generator=gen).to(dtype)
+        num_rows = len(seq_lens) + 3
+        self.req_to_token = torch.zeros((num_rows, max(seq_lens) + 5), dtype=torch.int32)
+        # Requests use scattered rows of the table, not 0..bs-1.
+        self.req_pool_indices = torch.randperm(num_rows, generator=gen)[: len(seq_lens)]
+        slots = torch.randperm(num_slots, generator=gen)[:total] + 1
+        start = 0
+        for row, n in zip(self.req_pool_indices.tolist(), seq_lens):
+            self.req_to_token[row, :n] = slots[start : start + n].to(torch.int32)
+            start += n
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int64)
+
+
+@pytest.fixture
+def paged_kv() -> type[PagedKV]:
+    return PagedKV
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere (an unwritten poisoned element) gives inf."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return float((out64 - ref64).norm() / ref64.norm())
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An output buffer full of NaN, so any element a kernel fails to write fails the comparison."""
+    return torch.full(shape, float("nan"), dtype=dtype)

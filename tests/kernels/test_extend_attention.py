@@ -1,0 +1,129 @@
+"""Extend attention (cached prefix + causal new tokens, many requests per launch) against the float32
+reference, under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.decode_attention import (
+    DecodeTiles,
+    alloc_decode_partials,
+    decode_attention,
+    kv_splits_per_request,
+)
+from kernels.extend_attention import ExtendTiles, extend_attention
+from kernels.reference import extend_attention_ref
+from tests.kernels.conftest import poisoned, rel_error
+
+
+def _qkv_views(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, head_dim: int):
+    """q, k, v as column slices of one fused projection output, the way a model hands them over."""
+    qkv = torch.randn((tokens, (heads + 2 * kv_heads) * head_dim), generator=gen)
+    return qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+
+
+SMALL = ExtendTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def _run(kv, q, k, v, prefix_lens: list[int], extend_lens: list[int], scale: float, tiles=SMALL):
+    out = poisoned(q.shape)
+    indptr = torch.tensor([0, *extend_lens]).cumsum(0).to(torch.int32)
+    extend_attention(
+        q, k, v, out, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices,
+        torch.tensor(prefix_lens, dtype=torch.int32), indptr, max(extend_lens), scale,
+        tiles,
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "prefix_lens", "extend_lens"),
+    [
+        (4, 4, 32, [0, 0, 0], [1, 40, 17]),  # plain prefill, MHA
+        (8, 2, 16, [0, 0], [33, 5]),  # plain prefill, GQA 4
+        (4, 4, 16, [21, 0, 64], [19, 50, 1]),  # cached prefixes (chunked prefill / radix hit), MHA
+        (8, 2, 32, [37, 5, 0], [30, 48, 9]),  # cached prefixes, GQA 4
+        (6, 2, 24, [13], [22]),  # head_dim not a power of two
+    ],
+)
+def test_extend_matches_reference(
+    gen, paged_kv, num_heads, num_kv_heads, head_dim, prefix_lens, extend_lens
+) -> None:
+    # The pool holds every position; the new tokens' own K/V come from the k/v arguments.
+    kv = paged_kv(gen, [p + e for p, e in zip(prefix_lens, extend_lens)], num_kv_heads, head_dim)
+    q, k, v = _qkv_views(gen, sum(extend_lens), num_heads, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+    out = _run(kv, q, k, v, prefix_lens, extend_lens, scale)
+    ref = extend_attention_ref(
+        q,
+        k,
+        v,
+        kv.k_buffer,
+        kv.v_buffer,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        scale,
+    )
+    assert rel_error(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("tiles", [ExtendTiles(), ExtendTiles(block_m=32, block_n=16, num_warps=4)])
+def test_extend_other_tile_shapes_match_reference(gen, paged_kv, tiles) -> None:
+    # The GPU default, and query blocks spanning several key tiles.
+    prefix_lens, extend_lens = [70, 0], [130, 3]
+    kv = paged_kv(gen, [p + e for p, e in zip(prefix_lens, extend_lens)], 2, 16)
+    q, k, v = _qkv_views(gen, sum(extend_lens), 4, 2, 16)
+    out = _run(kv, q, k, v, prefix_lens, extend_lens, 0.25, tiles)
+    ref = extend_attention_ref(
+        q,
+        k,
+        v,
+        kv.k_buffer,
+        kv.v_buffer,
+        kv.req_to_token,
+        kv.req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        0.25,
+    )
+    assert rel_error(out, ref) < 1e-3
+
+
+def test_one_new_token_after_a_prefix_equals_decode(gen, paged_kv) -> None:
+    prefix_lens = [45, 300]
+    kv = paged_kv(gen, [p + 1 for p in prefix_lens], 2, 16)
+    q, k, v = _qkv_views(gen, 2, 8, 2, 16)
+    # Decode reads the new token from the pool, so put it there first.
+    for i, (row, p) in enumerate(zip(kv.req_pool_indices.tolist(), prefix_lens)):
+        slot = int(kv.req_to_token[row, p])
+        kv.k_buffer[slot] = k[i].view(2, 16)
+        kv.v_buffer[slot] = v[i].view(2, 16)
+    extended = _run(kv, q, k, v, prefix_lens, [1, 1], 0.25)
+    part_out, part_lse = alloc_decode_partials(2, 8, 4, 16, "cpu")
+    decoded = poisoned((2, 8 * 16))
+    splits = kv_splits_per_request(kv.seq_lens, 4)
+    decode_attention(
+        q, kv.k_buffer, kv.v_buffer, decoded, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+        splits, 4, 0.25, part_out, part_lse, DecodeTiles(block_n=16),
+    )  # fmt: skip
+    assert rel_error(extended, decoded) < 1e-5
+
+
+def test_extend_rejects_mismatched_indptr(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [4], 1, 16)
+    q, k, v = _qkv_views(gen, 4, 1, 1, 16)
+    with pytest.raises(ValueError, match="qo_indptr"):
+        extend_attention(
+            q, k, v, poisoned(q.shape), kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices,
+            torch.tensor([0], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32), 4, 0.25,
+        )  # fmt: skip
+
+
+def test_extend_rejects_block_m_not_a_multiple_of_block_n(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [4], 1, 16)
+    q, k, v = _qkv_views(gen, 4, 1, 1, 16)
+    with pytest.raises(ValueError, match="block_m"):
+        _run(kv, q, k, v, [0], [4], 0.25, ExtendTiles(block_m=48, block_n=32))

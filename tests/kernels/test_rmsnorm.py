@@ -1,0 +1,64 @@
+"""RMSNorm and fused add + RMSNorm against the float32 reference, under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference import fused_add_rmsnorm_ref, rmsnorm_ref
+from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from tests.kernels.conftest import poisoned, rel_error
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(5, 64), (3, 100), (33, 16)])
+def test_rmsnorm_matches_reference(gen, rows, hidden) -> None:
+    x = torch.randn((rows, hidden), generator=gen) * 3
+    w = torch.randn(hidden, generator=gen)
+    out = rmsnorm(x, w, 1e-6, out=poisoned((rows, hidden)))
+    assert rel_error(out, rmsnorm_ref(x, w, 1e-6)) < 1e-5
+
+
+def test_fused_add_rmsnorm_returns_norm_of_sum_and_the_sum(gen) -> None:
+    x = torch.randn((7, 96), generator=gen)
+    residual = torch.randn((7, 96), generator=gen)
+    w = torch.randn(96, generator=gen)
+    normed, total = fused_add_rmsnorm(x, residual, w, 1e-5)
+    ref_normed, ref_total = fused_add_rmsnorm_ref(x, residual, w, 1e-5)
+    assert rel_error(normed, ref_normed) < 1e-5
+    assert torch.equal(total, x + residual)
+
+
+def test_per_head_norm_in_place_on_a_strided_view(gen) -> None:
+    # Qwen3's q_norm: [tokens, heads, head_dim] inside the fused qkv output, normalized in place.
+    tokens, heads, head_dim = 6, 4, 32
+    qkv = torch.randn((tokens, (heads + 4) * head_dim), generator=gen)
+    untouched = qkv[:, heads * head_dim :].clone()
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    w = torch.randn(head_dim, generator=gen)
+    ref = rmsnorm_ref(q, w, 1e-6)
+    rmsnorm(q, w, 1e-6, out=q)
+    assert rel_error(q, ref) < 1e-5
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+def test_half_precision_rounding_follows_hugging_face(gen) -> None:
+    # float16 rather than bf16: Triton 3.6's interpreter truncates float32 -> bf16 instead of rounding
+    # to nearest, so bf16 rounding is checked on the GPU (bench/gpu_kernels.py).
+    x = torch.randn((4, 64), generator=gen).half()
+    residual = torch.randn((4, 64), generator=gen).half()
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).half()
+    normed, total = fused_add_rmsnorm(x, residual, w, 1e-6)
+    # Hugging Face adds in half precision, normalizes in float32, rounds, then scales by the weight.
+    hf_total = x + residual
+    h = hf_total.float()
+    hf_normed = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
+    assert torch.equal(total, hf_total)
+    # Only the float32 sum of squares may differ in its last bit (summation order).
+    assert rel_error(normed, hf_normed) < 1e-3
+    assert (normed != hf_normed).float().mean() < 0.05
+
+
+def test_mismatched_residual_is_rejected(gen) -> None:
+    x = torch.randn((2, 8), generator=gen)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rmsnorm(x, torch.randn((2, 9), generator=gen), torch.ones(8), 1e-6)
