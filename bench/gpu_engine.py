@@ -1,0 +1,184 @@
+"""The engine on one GPU: correctness against transformers and between backends, then batch-1 decode
+speed beside its ceiling, for random-init Qwen3-shaped models (no weights can be downloaded there).
+
+    python bench/gpu_engine.py [--models 0.6b,8b] [--steps 256]
+
+Checks (float32 where token identity is asserted, so rounding cannot flip a near-tie):
+  1. engine greedy tokens == transformers greedy tokens (Qwen3-0.6B-shaped, fp32, 32 steps);
+  2. triton backend == torch backend, 64 greedy steps, mixed lengths with shared prefixes (fp32);
+  3. chunked prefill == unchunked (triton, fp32);
+  4. bf16 log-probs of the chosen tokens close to transformers' bf16 ones.
+Figures: decode tok/s at batch 1 (128-token prompt, --steps new tokens, bf16) against the ceiling
+(weight bytes read per step / measured device copy bandwidth), and transformers' eager generate as peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from services.worker.engine import Engine  # noqa: E402
+
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+OUT = Path(os.environ.get("OUT", "bench/out"))
+
+
+def build_checkpoint(name: str, dtype: torch.dtype) -> Path:
+    path = Path(f"/tmp/rs-qwen3-{name}-{str(dtype).split('.')[-1]}")
+    if (path / "config.json").exists():
+        return path
+    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                         initializer_range=0.1, **SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    model.save_pretrained(str(path))
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            o = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+            outs.append(o[0, len(p):].tolist())
+    del model
+    torch.cuda.empty_cache()
+    return outs
+
+
+POOL = 65536
+
+
+def engine_greedy(path: Path, prompts: list[list[int]], n: int, **kw: object) -> list[list[int]]:
+    with Engine(str(path), max_total_tokens=POOL, **kw) as e:
+        res = e.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": n,
+                                                             "ignore_eos": True})
+    return [r["output_ids"] for r in res]
+
+
+def decode_speed(path: Path, steps: int, **kw: object) -> float:
+    prompt = list(range(1000, 1128))
+    with Engine(str(path), max_total_tokens=POOL, **kw) as e:
+        e.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+        t0 = time.perf_counter()
+        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        e.generate(input_ids=prompt[:-2] + [9, 9], sampling_params={"temperature": 0, "max_new_tokens": steps,
+                                                                    "ignore_eos": True})
+        total = time.perf_counter() - t0
+    return (steps - 1) / max(total - ttft, 1e-9)
+
+
+def hf_speed(path: Path, steps: int) -> float:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+    ids = torch.arange(1000, 1128, device="cuda")[None]
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None)
+        torch.cuda.synchronize()
+    del model
+    torch.cuda.empty_cache()
+    return steps / (time.perf_counter() - t0)
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes one decode step reads: every weight once (the tied embedding table once, as the LM head)."""
+    model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return model_bytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="0.6b,8b")
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args()
+    rows: list[tuple[str, str]] = []
+    results: dict[str, object] = {}
+    ok = True
+    if not args.skip_checks:
+        path32 = build_checkpoint("0.6b", torch.float32)
+        g = torch.Generator().manual_seed(3)
+        shared = torch.randint(10, 150000, (48,), generator=g).tolist()
+        prompts = [torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in (5, 40, 17, 90)]
+        prompts += [shared + torch.randint(10, 150000, (int(n),), generator=g).tolist() for n in (3, 30, 11)]
+        ours = engine_greedy(path32, prompts[:3], 32, attention_backend="triton", dtype="float32")
+        ref = hf_greedy(path32, prompts[:3], 32, torch.float32)
+        same = ours == ref
+        rows.append(("engine (triton, fp32) == transformers greedy, 32 steps", str(same)))
+        ok &= same
+        tri = engine_greedy(path32, prompts, 64, attention_backend="triton", dtype="float32")
+        tor = engine_greedy(path32, prompts, 64, attention_backend="torch", dtype="float32")
+        rows.append(("triton == torch backend, 64 steps, 7 mixed reqs", str(tri == tor)))
+        ok &= tri == tor
+        chunked = engine_greedy(path32, prompts, 16, attention_backend="triton", dtype="float32",
+                                chunked_prefill_size=16)
+        same_chunk = chunked == [t[:16] for t in tri]
+        rows.append(("chunked(16) == unchunked (triton)", str(same_chunk)))
+        ok &= same_chunk
+    bw = copy_bandwidth()
+    rows.append(("device copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s"))
+    for name in [m for m in args.models.split(",") if m]:
+        path = build_checkpoint(name, torch.bfloat16)
+        ceiling = bw / weight_bytes(path)
+        tps = decode_speed(path, args.steps, attention_backend="triton")
+        hf = hf_speed(path, min(args.steps, 64))
+        results[name] = {"tok_s": tps, "ceiling_tok_s": ceiling, "ratio": tps / ceiling, "hf_eager_tok_s": hf}
+        rows.append((f"Qwen3-{name} bs1 decode (bf16, triton)",
+                     f"{tps:.1f} tok/s; ceiling {ceiling:.0f}; ratio {tps / ceiling:.3f}; HF eager {hf:.1f}"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gpu_engine.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
+    print("\n== gpu_engine ==")
+    for k, v in rows:
+        print(f"{k:55s} {v}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
