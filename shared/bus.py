@@ -1,0 +1,145 @@
+"""The NATS bus every service uses: connect with reconnect (logged), publish with a max_payload check,
+subscribe with decoding (malformed messages are logged and dropped), request/reply, streamed replies
+over an inbox ending in an explicit final message, and an ordered drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATSClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.protocol import PROTOCOL_VERSION, Subjects, decoder, encode
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Any, Msg], Awaitable[None]]
+
+
+class PayloadTooLarge(ValueError):
+    """A message larger than the server's max_payload: the caller answers 413/400, never times out."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the NATS max_payload of {limit} bytes ({subject})")
+        self.size, self.limit = size, limit
+
+
+class Bus:
+    """One service's NATS connection."""
+
+    def __init__(self, nc: NATSClient, subjects: Subjects, name: str) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.name = name
+
+    @classmethod
+    async def connect(cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0) -> Bus:
+        """Connect (failing after connect_timeout if NATS is unreachable); later losses reconnect
+        forever, each loss and recovery logged once."""
+
+        async def disconnected() -> None:
+            logger.warning("%s: lost the NATS connection to %s; reconnecting", name, url)
+
+        async def reconnected() -> None:
+            logger.warning("%s: reconnected to NATS at %s", name, url)
+
+        async def error(exc: Exception) -> None:
+            logger.debug("%s: NATS error: %s", name, exc)
+
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=connect_timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
+            error_cb=error,
+        )
+        return cls(nc, Subjects(prefix), name)
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.nc.max_payload)
+
+    def encode_checked(self, subject: str, msg: msgspec.Struct) -> bytes:
+        data = encode(msg)
+        if len(data) > self.max_payload:
+            raise PayloadTooLarge(subject, len(data), self.max_payload)
+        return data
+
+    async def publish(self, subject: str, msg: msgspec.Struct, reply: str = "") -> None:
+        await self.nc.publish(subject, self.encode_checked(subject, msg), reply=reply)
+
+    async def subscribe(
+        self, subject: str, types: tuple[type, ...], handler: Handler, queue: str = ""
+    ) -> Subscription:
+        """Decode each message as one of `types` and call handler(message, raw). A message that does
+        not decode, or carries another protocol version, is logged and dropped."""
+        dec = decoder(*types)
+
+        async def on_message(raw: Msg) -> None:
+            try:
+                msg = dec.decode(raw.data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("%s: dropped a malformed message on %s: %s", self.name, raw.subject, exc)
+                return
+            if getattr(msg, "v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+                logger.warning("%s: dropped a protocol v%s message on %s", self.name, msg.v, raw.subject)
+                return
+            try:
+                await handler(msg, raw)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the subscription
+                logger.exception("%s: handler for %s failed", self.name, raw.subject)
+
+        return await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def request(
+        self, subject: str, msg: msgspec.Struct, reply_types: tuple[type, ...], timeout: float = 5.0
+    ) -> Any:
+        raw = await self.nc.request(subject, self.encode_checked(subject, msg), timeout=timeout)
+        return decoder(*reply_types).decode(raw.data)
+
+    async def respond(self, raw: Msg, msg: msgspec.Struct) -> None:
+        if raw.reply:
+            await self.nc.publish(raw.reply, self.encode_checked(raw.reply, msg))
+
+    async def stream_request(
+        self,
+        subject: str,
+        msg: msgspec.Struct,
+        chunk_types: tuple[type, ...],
+        is_final: Callable[[Any], bool],
+        timeout: float = 30.0,
+    ) -> AsyncIterator[Any]:
+        """Send msg with a fresh inbox as reply subject and yield every reply until one is final.
+        asyncio.TimeoutError when no reply comes for `timeout` seconds."""
+        inbox = self.nc.new_inbox()
+        dec = decoder(*chunk_types)
+        sub = await self.nc.subscribe(inbox)
+        try:
+            await self.publish(subject, msg, reply=inbox)
+            while True:
+                raw = await sub.next_msg(timeout=timeout)
+                chunk = dec.decode(raw.data)
+                yield chunk
+                if is_final(chunk):
+                    return
+        finally:
+            await sub.unsubscribe()
+
+    async def drain(self) -> None:
+        """Stop receiving, flush what was published, close."""
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=10)
+            except (asyncio.TimeoutError, nats.errors.ConnectionClosedError):
+                await self.nc.close()

@@ -1,0 +1,280 @@
+"""Every message radixserve services exchange over NATS, as msgspec Structs (msgpack on the wire).
+
+Subjects (prefix `rs` by default, configurable so deployments can share one NATS):
+  {p}.tokenize                   gateway -> tokenizer (queue group "tokenizer"): TokenizeRequest
+  {p}.worker.{wid}.requests      tokenizer -> worker: GenerateRequest
+  {p}.worker.{wid}.control       gateway -> worker, request/reply: ControlRequest -> ControlReply
+  {p}.detok.{wid}                worker -> detokenizer, one per scheduler step: BatchTokenOut
+  {p}.gateway.{gid}.stream       detokenizer/tokenizer -> gateway, one per step per gateway:
+                                 BatchStreamOut (text deltas, finals, errors)
+  {p}.workers.load               worker -> gateways, every second: WorkerLoad
+  {p}.v1.generate                NATS clients -> gateway (queue group "gateway"), request with a reply
+                                 inbox: NatsGenerateRequest; replies NatsGenerateChunk ... final=True
+Every message carries `v` (PROTOCOL_VERSION); a receiver drops (and logs) a message of another version
+or one that does not decode. Hot-path messages are batched per scheduler step: token streaming costs
+O(steps) messages, not O(tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "rs"
+
+
+class Subjects:
+    """Subject names for one deployment prefix."""
+
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix = prefix
+        self.tokenize = f"{prefix}.tokenize"
+        self.workers_load = f"{prefix}.workers.load"
+        self.v1_generate = f"{prefix}.v1.generate"
+
+    def worker_requests(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.requests"
+
+    def worker_control(self, worker_id: str) -> str:
+        return f"{self.prefix}.worker.{worker_id}.control"
+
+    def detok(self, worker_id: str) -> str:
+        return f"{self.prefix}.detok.{worker_id}"
+
+    def gateway_stream(self, gateway_id: str) -> str:
+        return f"{self.prefix}.gateway.{gateway_id}.stream"
+
+
+# ---- shared pieces ------------------------------------------------------------------------------
+
+
+class Sampling(msgspec.Struct, omit_defaults=True):
+    """A request's sampling settings as sent; None means "unset" (model defaults apply). Same names
+    and meanings as services.worker.sampling.sampling_params.SamplingParams."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    seed: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """Only the fields that were set (for SamplingParams.from_dict)."""
+        return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class Finish(msgspec.Struct, omit_defaults=True):
+    """Why a request ended: type 'stop' | 'length' | 'abort' | 'error'; matched token id or string."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+# ---- gateway -> tokenizer -> worker -------------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
+    """One request to tokenize: exactly one of text, messages (chat) or input_ids."""
+
+    v: int
+    rid: str
+    gateway_id: str
+    worker_id: str
+    sampling: Sampling
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
+    """A tokenized request for one worker."""
+
+    v: int
+    rid: str
+    gateway_id: str
+    input_ids: list[int]
+    sampling: Sampling
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    priority: int = 0
+
+
+# ---- worker -> detokenizer -> gateway -----------------------------------------------------------
+
+
+class TokenOut(msgspec.Struct, omit_defaults=True):
+    """What one request produced in one step. `stop`/`skip_special_tokens` ride on the request's first
+    TokenOut so the detokenizer needs no other channel."""
+
+    rid: str
+    gateway_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first: bool = False
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+
+
+class BatchTokenOut(msgspec.Struct, tag="batch_token_out"):
+    """Every request a worker advanced in one scheduler step."""
+
+    v: int
+    worker_id: str
+    step: int
+    items: list[TokenOut]
+
+
+class StreamOut(msgspec.Struct, omit_defaults=True):
+    """One request's text delta for one step (empty text when a token completed no character)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class BatchStreamOut(msgspec.Struct, tag="batch_stream_out"):
+    """Every request of one gateway advanced in one step (or one error from the tokenizer)."""
+
+    v: int
+    items: list[StreamOut]
+
+
+# ---- control and load ---------------------------------------------------------------------------
+
+
+class ControlRequest(msgspec.Struct, tag="control", omit_defaults=True):
+    """command: 'abort' (rid required), 'flush_cache', 'get_info'."""
+
+    v: int
+    command: str
+    rid: str | None = None
+
+
+class WorkerInfo(msgspec.Struct):
+    worker_id: str
+    model: str
+    max_total_tokens: int
+    max_running_requests: int
+    context_len: int
+    num_running: int
+    num_waiting: int
+    kv_free: int
+    kv_cached: int
+    kv_in_use: int
+    cache_hit_rate: float
+    generated_tokens: int
+    tp_size: int
+    device: str
+
+
+class ControlReply(msgspec.Struct, tag="control_reply", omit_defaults=True):
+    v: int
+    ok: bool
+    message: str | None = None
+    info: WorkerInfo | None = None
+
+
+class WorkerLoad(msgspec.Struct, tag="worker_load"):
+    """Published every second by each worker; gateways route on it and forget silent workers."""
+
+    v: int
+    worker_id: str
+    model: str
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    cache_hit_rate: float
+    max_total_tokens: int
+    context_len: int
+    timestamp: float
+
+
+# ---- the NATS front door ------------------------------------------------------------------------
+
+
+class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=True):
+    """A client's request on {p}.v1.generate: one of text, messages or input_ids."""
+
+    v: int
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    model: str | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stream: bool = True
+
+
+class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
+    """A reply: text delta(s); the last one has final=True with finish and usage, or an error."""
+
+    v: int
+    rid: str
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] | None = None
+    final: bool = False
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class NatsAbort(msgspec.Struct, tag="nats_abort"):
+    """Sent by a client to {p}.v1.abort to stop its request."""
+
+    v: int
+    rid: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(*types: type) -> msgspec.msgpack.Decoder:
+    """A msgpack decoder for one message type or a tagged union of several."""
+    return msgspec.msgpack.Decoder(functools.reduce(operator.or_, types))
