@@ -233,3 +233,14 @@ def test_flush_cache_empties_the_prefix_cache(qwen3_path: Path) -> None:
         again = engine.generate(input_ids=[3, 4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 4})
     assert info["kv_cached"] == 0 and info["kv_free"] == info["max_total_tokens"]
     assert again["meta_info"]["cached_tokens"] == 0
+
+
+def test_requests_sharing_a_prefix_in_one_batch_compute_it_once(qwen3_path: Path) -> None:
+    shared = random_prompts(1, 40, 40, seed=12)[0]
+    prompts = random_prompts(6, 3, 9, seed=13, prefix=shared)
+    with Engine(str(qwen3_path)) as engine:
+        out = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 6})
+    cached = [r["meta_info"]["cached_tokens"] for r in out]
+    # The first computes the shared prefix; the others wait a step and reuse its KV.
+    assert cached[0] == 0 and all(c >= len(shared) for c in cached[1:])
+    assert output_ids(out) == generate_ids(qwen3_path, prompts, n=6, disable_radix_cache=True)

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# Requests whose next uncached tokens agree on this many are not prefilled in the same step.
+IN_BATCH_PREFIX_TOKENS = 32
 # After a retraction, assume each running request still needs this many steps.
 RETRACT_DECODE_STEPS = 20
 
@@ -175,14 +177,15 @@ class Scheduler:
         outputs.append(out)
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
-        """Chunked requests cache what they have so far (keeping it locked); fresh requests that did
-        not finish on their first token join the running batch."""
+        """Every request this step prefilled (a chunk or all of it) puts that KV into the tree, locked,
+        so requests waiting with the same prefix hit it next step; fresh requests that did not finish
+        on their first token join the running batch (decodes riding in a mixed step are already in)."""
+        running = {id(r) for r in self.running}
         for req in batch.reqs:
-            if req.finished():
+            if req.finished() or id(req) in running:
                 continue
-            if req is self.chunked_req:
-                self.tree_cache.cache_unfinished_req(req)
-            elif req not in self.running:
+            self.tree_cache.cache_unfinished_req(req)
+            if req is not self.chunked_req:
                 self.running.append(req)
 
     # ---- choosing the next batch ---------------------------------------------------------------
@@ -220,11 +223,19 @@ class Scheduler:
             adder.add_chunked_req(self.chunked_req)
         if self.waiting and adder.new_chunked_req is None:
             self.policy.sort(self.waiting)
+            admitted_keys: set[tuple[int, ...]] = set()
             for req in list(self.waiting):
                 match_prefix(req, self.tree_cache)
                 req.init_next_round_input()
+                key = self._uncached_head(req)
+                if key in admitted_keys:
+                    # It shares an uncached prefix with a request admitted this step: wait one step
+                    # and reuse that request's KV instead of computing the prefix twice.
+                    continue
                 if adder.add_one_req(req) is not AddResult.CONTINUE:
                     break
+                if key is not None:
+                    admitted_keys.add(key)
         admitted = [r for r in adder.can_run_list if r is not self.chunked_req]
         if not adder.can_run_list:
             return None
@@ -243,6 +254,15 @@ class Scheduler:
             reqs += self.running
         self.stats.num_prefill_steps += 1
         return ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem)
+
+    def _uncached_head(self, req: Req) -> tuple[int, ...] | None:
+        """The first IN_BATCH_PREFIX_TOKENS tokens the request still has to prefill, when it has that
+        many (None without a cache: nothing could be shared)."""
+        if self.tree_cache.disable:
+            return None
+        start = len(req.prefix_indices)
+        head = req.fill_ids[start : start + IN_BATCH_PREFIX_TOKENS]
+        return tuple(head) if len(head) == IN_BATCH_PREFIX_TOKENS else None
 
     # ---- memory --------------------------------------------------------------------------------
 

@@ -1,0 +1,192 @@
+"""Serving workloads through the offline Engine on one GPU, each figure beside its ceiling.
+
+    python bench/gpu_serving.py --figures p3,p4,p6 [--model /tmp/rs-qwen3-0.6b-bfloat16] [--scale 1.0]
+
+P3  offline throughput, nano-vllm's recipe: 256 requests, input and output lengths uniform in
+    [100, 1024], ignore_eos. Ceiling: sum over decode steps of (weight bytes + KV bytes read) / copy
+    bandwidth, plus prefill FLOPs / matmul rate, both measured in this run.
+P4  shared prefix: 64 groups x 16 prompts (2048-token shared system prompt + 128-token question),
+    256 output tokens: cache hit rate vs the ideal, throughput with the radix cache on vs off.
+P6  chunked prefill: 32 decoding streams while a 32k-token prompt arrives; p99 / median inter-token
+    latency of the streams with chunking (+ mixed chunks) and without.
+--scale shrinks request counts (a quick look); figures for RESULTS.md use 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from services.worker.engine import Engine  # noqa: E402
+from services.worker.model_config import ModelConfig  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "bench/out"))
+VOCAB_LOW, VOCAB_HIGH = 10, 150000
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def matmul_rate() -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * 10 / (time.perf_counter() - t0)
+
+
+def rand_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+
+def model_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def kv_bytes_per_token(mc: ModelConfig) -> int:
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2  # bf16
+
+
+def p3(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> dict:
+    rng = random.Random(0)
+    n = max(8, int(256 * scale))
+    ins = [rng.randint(100, 1024) for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    prompts = [rand_ids(rng, i) for i in ins]
+    params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": o, "seed": k} for k, o in enumerate(outs)]
+    mc = ModelConfig.from_path(path)
+    with Engine(str(path), **engine_kw) as e:
+        e.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 4})
+        t0 = time.perf_counter()
+        e.generate(input_ids=prompts, sampling_params=params)
+        dt = time.perf_counter() - t0
+    # Ceiling: every decode step reads all weights and the KV of every running request once.
+    w, kvb = model_bytes(path), kv_bytes_per_token(mc)
+    floor = 2 * (w / 2) * sum(ins) / flops  # prefill: 2 FLOPs per parameter per token (bf16: bytes/2 params)
+    for t in range(max(outs)):
+        running = [(i, o) for i, o in zip(ins, outs) if o > t]
+        floor += (w + kvb * sum(i + t for i, _ in running)) / bw
+    tok_s = sum(outs) / dt
+    return {"requests": n, "output_tokens": sum(outs), "seconds": dt, "tok_s": tok_s,
+            "ceiling_tok_s": sum(outs) / floor, "ratio": floor / dt}
+
+
+def p4(path: Path, scale: float, engine_kw: dict) -> dict:
+    rng = random.Random(1)
+    groups, per_group = max(2, int(64 * scale)), 16
+    prompts = []
+    for _ in range(groups):
+        system = rand_ids(rng, 2048)
+        prompts += [system + rand_ids(rng, 128) for _ in range(per_group)]
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 256}
+    total_prompt = sum(len(p) for p in prompts)
+    ideal = groups * (per_group - 1) * 2048 / total_prompt
+    res = {}
+    for label, disable in (("cache_on", False), ("cache_off", True)):
+        with Engine(str(path), disable_radix_cache=disable, schedule_policy="lpm", **engine_kw) as e:
+            t0 = time.perf_counter()
+            out = e.generate(input_ids=prompts, sampling_params=params)
+            dt = time.perf_counter() - t0
+        cached = sum(o["meta_info"]["cached_tokens"] for o in out)
+        res[label] = {"seconds": dt, "tok_s": len(prompts) * 256 / dt, "hit_rate": cached / total_prompt}
+    res["ideal_hit_rate"] = ideal
+    res["hit_rate_vs_ideal"] = res["cache_on"]["hit_rate"] / ideal
+    res["speedup"] = res["cache_off"]["seconds"] / res["cache_on"]["seconds"]
+    return res
+
+
+async def _itl_run(engine: Engine, long_prompt: list[int], streams: int, rng: random.Random) -> list[float]:
+    gaps: list[float] = []
+
+    async def stream(k: int) -> None:
+        it = await engine.async_generate(
+            input_ids=rand_ids(rng, 64), sampling_params={"temperature": 0, "ignore_eos": True,
+                                                          "max_new_tokens": 400}, stream=True)
+        last = None
+        async for _ in it:
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+
+    async def long_one() -> None:
+        await asyncio.sleep(1.0)
+        await engine.async_generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
+
+    await asyncio.gather(*(stream(k) for k in range(streams)), long_one())
+    return gaps
+
+
+def p6(path: Path, scale: float, engine_kw: dict) -> dict:
+    rng = random.Random(2)
+    long_prompt = rand_ids(rng, int(32768 * max(scale, 0.125)))
+    res = {}
+    for label, kw in (("chunked_mixed", {"chunked_prefill_size": 2048, "enable_mixed_chunk": True}),
+                      ("chunked", {"chunked_prefill_size": 2048}),
+                      ("unchunked", {"chunked_prefill_size": None, "max_prefill_tokens": 65536})):
+        with Engine(str(path), **kw, **engine_kw) as e:
+            gaps = sorted(asyncio.run(_itl_run(e, long_prompt, 32, rng)))
+        med, p99 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.99)]
+        res[label] = {"median_ms": med * 1e3, "p99_ms": p99 * 1e3, "p99_over_median": p99 / med, "max_ms": gaps[-1] * 1e3}
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--figures", default="p3,p4,p6")
+    ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    args = ap.parse_args()
+    path = Path(args.model)
+    engine_kw: dict = {}
+    if args.cuda_graph_max_bs is not None:
+        engine_kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    bw, flops = copy_bandwidth(), matmul_rate()
+    results: dict = {"copy_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "engine": engine_kw}
+    figs = args.figures.split(",")
+    if "p3" in figs:
+        results["p3"] = p3(path, bw, flops, args.scale, engine_kw)
+    if "p4" in figs:
+        results["p4"] = p4(path, args.scale, engine_kw)
+    if "p6" in figs:
+        results["p6"] = p6(path, args.scale, engine_kw)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gpu_serving.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
