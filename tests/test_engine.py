@@ -244,3 +244,23 @@ def test_requests_sharing_a_prefix_in_one_batch_compute_it_once(qwen3_path: Path
     # The first computes the shared prefix; the others wait a step and reuse its KV.
     assert cached[0] == 0 and all(c >= len(shared) for c in cached[1:])
     assert output_ids(out) == generate_ids(qwen3_path, prompts, n=6, disable_radix_cache=True)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunked_prefill_size": 5}, {"max_total_tokens": 160}, {"enable_mixed_chunk": True, "chunked_prefill_size": 8}],
+    ids=["plain", "chunked", "retracting", "mixed"],
+)
+def test_overlap_schedule_gives_the_same_tokens(llama_path: Path, options: dict) -> None:
+    """Overlap (forced on, on the CPU) launches step N+1 before reading step N's tokens back."""
+    prompts = random_prompts(16, 10, 20, seed=14)
+    params = [
+        {**GREEDY, "max_new_tokens": 30} if i % 2 else
+        {"temperature": 0.9, "top_k": 20, "max_new_tokens": 25, "seed": i, "frequency_penalty": 0.5, "min_new_tokens": 5}
+        for i in range(len(prompts))
+    ]
+    runs = []
+    for overlap in (False, True):
+        with Engine(str(llama_path), disable_overlap_schedule=not overlap, **options) as engine:
+            runs.append(output_ids(engine.generate(input_ids=prompts, sampling_params=params)))
+    assert runs[1] == runs[0]

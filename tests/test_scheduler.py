@@ -29,6 +29,8 @@ def make_scheduler(path: Path, **kwargs: object):  # noqa: ANN201 - a Scheduler
         {"schedule_policy": "lof", "radix_eviction_policy": "mru"},
         {"schedule_policy": "random", "radix_eviction_policy": "priority", "enable_mixed_chunk": True},
         {"schedule_policy": "fcfs", "disable_radix_cache": True, "radix_eviction_policy": "filo"},
+        {"schedule_policy": "lpm", "disable_overlap_schedule": False},
+        {"schedule_policy": "fcfs", "disable_overlap_schedule": False, "enable_mixed_chunk": True},
     ],
     ids=lambda o: "-".join(str(v) for v in o.values()),
 )
@@ -103,3 +105,20 @@ def test_flush_cache_is_refused_while_requests_run(qwen3_path: Path) -> None:
         scheduler.step()
     assert scheduler.flush_cache() is True
     assert scheduler.runner.allocator.available_size() == 100
+
+
+def test_overlap_returns_a_steps_tokens_one_step_later(qwen3_path: Path) -> None:
+    scheduler = make_scheduler(qwen3_path, disable_overlap_schedule=False)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    req = Req("a", [3, 4, 5, 6], params, seed=0)
+    scheduler.add_request(req)
+    # A prefill step in flight is read back before the next step is scheduled.
+    assert scheduler.step() == [] and req.num_inflight == 1
+    first = scheduler.step()  # launches decode 1, then reads the prefill's token
+    assert [o.token_ids for o in first] == [[req.output_ids[0]]] and req.num_inflight == 1
+    tokens = []
+    while scheduler.has_work():
+        tokens += [t for o in scheduler.step() for t in o.token_ids]
+        scheduler.check_pool_invariant()
+    assert req.output_ids == first[0].token_ids + tokens and len(req.output_ids) == 4

@@ -27,6 +27,7 @@ class EngineConfig:
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
     context_length: int | None = _help("override the model's max positions", None)
     attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
+    cuda_graph_max_bs: int = _help("capture decode CUDA graphs for batch sizes up to this (0: off); CUDA only", 0)
     # Memory.
     max_total_tokens: int | None = _help("KV pool size in tokens; default: from free memory", None)
     mem_fraction_static: float = _help("fraction of device memory for weights + KV pool", 0.85)
@@ -40,6 +41,10 @@ class EngineConfig:
     radix_eviction_policy: str = _help("cache eviction: " + ", ".join(EVICTION_POLICIES), "lru")
     schedule_conservativeness: float = _help("scales the decode-token reservation at admission", 1.0)
     random_seed: int = _help("seed for requests that bring none", 0)
+    disable_overlap_schedule: bool | None = _help(
+        "True: prepare each step only after the last one's tokens are back; default: overlap on CUDA only",
+        None,
+    )
     # TP rendezvous.
     dist_init_addr: str | None = _help("tcp://host:port for the TP group; default: a free local port", None)
 
@@ -60,8 +65,17 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0 (0 turns CUDA graphs off), got {self.cuda_graph_max_bs}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+
+    def overlap_enabled(self, device_type: str) -> bool:
+        """Overlap pays where the device runs asynchronously to the host (CUDA); it can be forced on
+        anywhere with disable_overlap_schedule=False (the CPU tests do, to check it)."""
+        if self.disable_overlap_schedule is None:
+            return device_type == "cuda"
+        return not self.disable_overlap_schedule
 
     @classmethod
     def field_names(cls) -> set[str]:

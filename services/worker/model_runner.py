@@ -21,9 +21,10 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
-from services.worker.sampling.sampler import Sampler, SamplingBatchInfo
+from services.worker.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 
 if TYPE_CHECKING:
+    from services.worker.cuda_graph_runner import CudaGraphRunner
     from services.worker.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,41 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+FutureTokens = tuple[torch.Tensor, dict[int, int]]  # device token ids of a step, row of each id(req)
+
+
+class PendingSample:
+    """A step's sampling result on its way to the host: copies start at once (pinned, non-blocking
+    on CUDA) and `result()` is the step's one host sync."""
+
+    def __init__(self, out: SampleOutput, top_logprobs_nums: list[int]) -> None:
+        self.token_ids = out.next_token_ids
+        self._top_nums = top_logprobs_nums
+        tensors = [out.next_token_ids, out.logprobs, out.top_logprobs_ids, out.top_logprobs_vals]
+        self._host = [None if t is None else _to_host_async(t) for t in tensors]
+        self._event = None
+        if self.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampledTokens:
+        if self._event is not None:
+            self._event.synchronize()
+        ids, logprobs, top_ids, top_vals = (None if t is None else t.tolist() for t in self._host)
+        top: list[list[tuple[int, float]]] | None = None
+        if top_ids is not None and top_vals is not None:
+            top = [list(zip(top_ids[i][:n], top_vals[i][:n])) for i, n in enumerate(self._top_nums)]
+        return SampledTokens(ids, logprobs, top)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def default_device() -> torch.device:
@@ -99,6 +135,17 @@ class ModelRunner:
         backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.attn_backend = make_attn_backend(backend)
         self.sampler = Sampler()
+        self.graph_runner: CudaGraphRunner | None = None
+        if config.cuda_graph_max_bs > 0 and device.type == "cuda":
+            if backend == "triton":
+                # Imported here, like the triton backend itself: it needs triton, which CPU-only
+                # installs may lack.
+                from services.worker.cuda_graph_runner import CudaGraphRunner
+
+                self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, rows))
+            else:
+                logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
+                               "backend, not %s", config.cuda_graph_max_bs, backend)
         logger.info(
             "model %s on %s (%s): KV pool %d tokens (%.1f MiB), %d request rows, %s attention",
             model_config.architecture, device, model_config.dtype, size,
@@ -121,11 +168,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs replay a CUDA
+        graph; their logits are then a view that the next forward overwrites."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """Next token of each request (rows of `logits` in `reqs` order), with log-probs if asked."""
+        return self.sample_async(logits, reqs).result()
+
+    def sample_async(
+        self, logits: torch.Tensor, reqs: list[Req], future: FutureTokens | None = None
+    ) -> PendingSample:
+        """Start sampling without waiting for the device. `future` holds the tokens of the step
+        still in flight (device ids and each request's row): those requests' host histories lag one
+        token, which the penalties, min_new_tokens and the noise position take into account."""
+        pending = None
+        if future is not None and any(r.num_inflight for r in reqs):
+            tokens, rows = future
+            index = torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64).to(logits.device)
+            pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             [r.seed for r in reqs],
@@ -133,22 +197,17 @@ class ModelRunner:
             device=logits.device,
             prompt_ids=[r.origin_input_ids for r in reqs],
             output_ids=[r.output_ids for r in reqs],
+            num_output_tokens=[len(r.output_ids) + r.num_inflight for r in reqs],
             eos_token_ids=tuple(self.model_config.eos_token_ids),
+            pending_output_ids=pending,
         )
-        positions = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64).to(logits.device)
-        want_logprob = any(r.return_logprob for r in reqs)
+        positions = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
         top_n = max((r.top_logprobs_num for r in reqs), default=0)
         out = self.sampler(
-            logits[:, : self.model_config.vocab_size], info, positions,
-            return_logprob=want_logprob, top_logprobs_num=top_n,
+            logits[:, : self.model_config.vocab_size],
+            info,
+            positions.to(logits.device, non_blocking=True),
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_num=top_n,
         )
-        # The one host sync of the step.
-        token_ids = out.next_token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top: list[list[tuple[int, float]]] | None = None
-        if out.top_logprobs_ids is not None and out.top_logprobs_vals is not None:
-            ids, vals = out.top_logprobs_ids.tolist(), out.top_logprobs_vals.tolist()
-            top = [
-                list(zip(ids[i][: r.top_logprobs_num], vals[i][: r.top_logprobs_num])) for i, r in enumerate(reqs)
-            ]
-        return SampledTokens(token_ids, logprobs, top)
+        return PendingSample(out, [r.top_logprobs_num for r in reqs])

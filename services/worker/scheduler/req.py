@@ -79,6 +79,8 @@ class Req:
         # Prompt tokens served from the cache at first admission (reported as cached_tokens).
         self.cached_tokens: int | None = None
         self.num_retractions = 0
+        # Tokens sampled by launched steps but not yet read back (overlap scheduling: 0 or 1).
+        self.num_inflight = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from services.worker.attention.base import AttentionBackend
     from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
     from services.worker.mem.radix_cache import RadixCache
+    from services.worker.model_runner import FutureTokens
 
 
 class OutOfKVSlots(RuntimeError):
@@ -84,19 +85,27 @@ class ScheduleBatch:
             ForwardMode.EXTEND, input_ids, torch.cat(positions), slots, seq_lens, prefix_lens, extend_lens
         )
 
-    def prepare_decode(self) -> ForwardBatch:
-        """One new slot per request for the token sampled last step."""
+    def prepare_decode(self, future: FutureTokens | None = None) -> ForwardBatch:
+        """One new slot per request for the token sampled last step. With overlap, requests whose
+        last token is still in flight read it from `future` (that step's device token ids)."""
         mem = self.mem
         slots = mem.alloc_slots(len(self.reqs))
         prefix_lens = [req.kv_committed_len for req in self.reqs]
         for req, slot in zip(self.reqs, slots):
             mem.req_to_token_pool.write(req.req_pool_idx, req.kv_committed_len, slot.view(1))
-        input_ids = [req.output_ids[-1] for req in self.reqs]
+        input_ids = [req.output_ids[-1] if req.output_ids else 0 for req in self.reqs]
         positions = torch.tensor(prefix_lens, dtype=torch.int64)
         seq_lens = [p + 1 for p in prefix_lens]
-        return self._forward_batch(
+        batch = self._forward_batch(
             ForwardMode.DECODE, input_ids, positions, slots, seq_lens, prefix_lens, [1] * len(self.reqs)
         )
+        if future is not None:
+            tokens, rows = future
+            index = [rows.get(id(req), -1) if req.num_inflight else -1 for req in self.reqs]
+            if any(i >= 0 for i in index):
+                idx = torch.tensor(index, dtype=torch.int64).to(mem.device, non_blocking=True)
+                batch.input_ids = torch.where(idx >= 0, tokens[idx.clamp(min=0)], batch.input_ids)
+        return batch
 
     def commit(self, batch: ForwardBatch) -> None:
         """After the forward: the new tokens' KV is resident."""

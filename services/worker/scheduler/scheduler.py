@@ -25,7 +25,7 @@ from services.worker.scheduler.schedule_policy import (
 )
 
 if TYPE_CHECKING:
-    from services.worker.model_runner import ModelRunner, SampledTokens
+    from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens are not read back yet."""
+
+    batch: ScheduleBatch
+    sampled: list[Req]  # requests that get a token from this step, in row order
+    handle: PendingSample
 
 
 @dataclass
@@ -92,6 +101,8 @@ class Scheduler:
         self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness)
         self.stats = SchedulerStats()
         self._pending_outputs: list[ReqOutput] = []
+        self.overlap = config.overlap_enabled(runner.device.type)
+        self._inflight: InFlight | None = None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -113,7 +124,9 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req or self._pending_outputs)
+        return bool(
+            self.waiting or self.running or self.chunked_req or self._pending_outputs or self._inflight
+        )
 
     def num_running(self) -> int:
         return len(self.running) + (1 if self.chunked_req else 0)
@@ -130,26 +143,69 @@ class Scheduler:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
+        """Run one scheduler step and return what it finished producing.
+
+        With overlap, the batch chosen now is launched before the previous one's tokens are read
+        back, so the host's scheduling and output processing hide under the device's forward; the
+        decode inputs that depend on the previous step are taken from its device-side token ids.
+        A step's outputs therefore come back one call later."""
         outputs, self._pending_outputs = self._pending_outputs, []
         self._release_aborted(outputs)
+        if self._inflight is not None and self._must_sync_before_scheduling():
+            self._finish_inflight(outputs)
         batch = self._next_batch(outputs)
-        if batch is None:
-            return outputs
+        launched = self._launch(batch) if batch is not None else None
+        self._finish_inflight(outputs)
+        if self.overlap:
+            self._inflight = launched
+        elif launched is not None:
+            self._process(launched, outputs)
+        return outputs
+
+    def _must_sync_before_scheduling(self) -> bool:
+        """An extend step in flight changes the tree and the running set (chunked prefill, new
+        requests); a mixed step would need its decodes' tokens on the host. Both wait for it."""
+        assert self._inflight is not None
+        if self._inflight.batch.mode.is_extend():
+            return True
+        return self.config.enable_mixed_chunk and bool(self.waiting or self.chunked_req)
+
+    def _launch(self, batch: ScheduleBatch) -> InFlight:
+        """Prepare, run the forward and start sampling; nothing here waits for the device."""
         self.stats.num_steps += 1
-        forward_batch = (
-            batch.prepare_decode() if batch.mode.is_decode() else batch.prepare_extend()
-        )
+        prev = self._inflight
+        future = None
+        if prev is not None and batch.mode.is_decode():
+            future = (prev.handle.token_ids, {id(r): j for j, r in enumerate(prev.sampled)})
+        forward_batch = batch.prepare_decode(future) if batch.mode.is_decode() else batch.prepare_extend()
         logits = self.runner.forward(forward_batch)
         batch.commit(forward_batch)
-        sampled = [i for i, req in enumerate(batch.reqs) if len(req.fill_ids) == req.seq_len or batch.mode.is_decode()]
-        rows = [batch.reqs[i] for i in sampled]
-        result = self.runner.sample(logits[sampled] if len(sampled) < len(batch.reqs) else logits, rows)
-        for j, req in enumerate(rows):
+        sampled_idx = [
+            i for i, req in enumerate(batch.reqs) if batch.mode.is_decode() or len(req.fill_ids) == req.seq_len
+        ]
+        sampled = [batch.reqs[i] for i in sampled_idx]
+        rows = logits if len(sampled_idx) == len(batch.reqs) else logits[sampled_idx]
+        handle = self.runner.sample_async(rows, sampled, future)
+        for req in sampled:
+            req.num_inflight += 1
+        return InFlight(batch, sampled, handle)
+
+    def _finish_inflight(self, outputs: list[ReqOutput]) -> None:
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._process(inflight, outputs)
+
+    def _process(self, inflight: InFlight, outputs: list[ReqOutput]) -> None:
+        """Read a launched step's tokens back (the host sync) and advance its requests."""
+        result = inflight.handle.result()
+        for j, req in enumerate(inflight.sampled):
+            req.num_inflight -= 1
+            if req.finished():
+                continue  # aborted, or finished by the step before, while this one was in flight
             self._append_token(req, result, j, outputs)
-        if batch.mode.is_extend():
-            self._after_extend(batch)
+        if inflight.batch.mode.is_extend():
+            self._after_extend(inflight.batch)
         self.running = [r for r in self.running if not r.finished()]
-        return outputs
 
     def _append_token(self, req: Req, result: SampledTokens, j: int, outputs: list[ReqOutput]) -> None:
         token = result.token_ids[j]
@@ -199,9 +255,13 @@ class Scheduler:
         self._ensure_decode_memory(outputs)
         if not self.running:
             return None
+        # A request whose in-flight token is its last (max_new_tokens) needs no further step.
+        reqs = [r for r in self.running if r.remaining_new_tokens() > r.num_inflight]
+        if not reqs:
+            return None
         self.stats.num_decode_steps += 1
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return ScheduleBatch(list(self.running), ForwardMode.DECODE, self.mem)
+        return ScheduleBatch(reqs, ForwardMode.DECODE, self.mem)
 
     def _prefill_batch(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -273,6 +333,10 @@ class Scheduler:
 
         if room() >= len(self.running):
             return
+        # Retraction needs every running request's tokens on the host.
+        self._finish_inflight(outputs)
+        if not self.running or room() >= len(self.running):
+            return
         # Fewest generated tokens first, then longest prompt: least work thrown away.
         order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         retracted: list[Req] = []
@@ -325,7 +389,9 @@ class Scheduler:
 
     def kv_slots_in_use_by_requests(self) -> int:
         """KV slots that running requests hold outside the tree (all of them without a cache)."""
-        holders = [r for r in (*self.running, self.chunked_req) if r is not None and r.req_pool_idx is not None]
+        candidates = [*self.running, self.chunked_req, *(self._inflight.batch.reqs if self._inflight else ())]
+        unique = {id(r): r for r in candidates if r is not None and r.req_pool_idx is not None}
+        holders = list(unique.values())
         if self.tree_cache.disable:
             return sum(r.kv_committed_len for r in holders)
         return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders)
