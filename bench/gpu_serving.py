@@ -7,6 +7,7 @@ P3  offline throughput, nano-vllm's recipe: 256 requests, input and output lengt
     bandwidth, plus prefill FLOPs / matmul rate, both measured in this run.
 P4  shared prefix: 64 groups x 16 prompts (2048-token shared system prompt + 128-token question),
     256 output tokens: cache hit rate vs the ideal, throughput with the radix cache on vs off.
+P5  overlap scheduling on vs off on the P3 workload (scaled by --p5-scale): throughput ratio.
 P6  chunked prefill: 32 decoding streams while a 32k-token prompt arrives; p99 / median inter-token
     latency of the streams with chunking (+ mixed chunks) and without.
 --scale shrinks request counts (a quick look); figures for RESULTS.md use 1.0.
@@ -102,6 +103,12 @@ def p3(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> di
             "ceiling_tok_s": sum(outs) / floor, "ratio": floor / dt}
 
 
+def p5(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> dict:
+    off = p3(path, bw, flops, scale, {**engine_kw, "disable_overlap_schedule": True})
+    on = p3(path, bw, flops, scale, {**engine_kw, "disable_overlap_schedule": False})
+    return {"overlap_off_tok_s": off["tok_s"], "overlap_on_tok_s": on["tok_s"], "speedup": on["tok_s"] / off["tok_s"]}
+
+
 def p4(path: Path, scale: float, engine_kw: dict) -> dict:
     rng = random.Random(1)
     groups, per_group = max(2, int(64 * scale)), 16
@@ -167,6 +174,7 @@ def main() -> int:
     ap.add_argument("--figures", default="p3,p4,p6")
     ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--p5-scale", type=float, default=0.5)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     args = ap.parse_args()
     path = Path(args.model)
@@ -175,17 +183,25 @@ def main() -> int:
         engine_kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     bw, flops = copy_bandwidth(), matmul_rate()
     results: dict = {"copy_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "engine": engine_kw}
-    figs = args.figures.split(",")
-    if "p3" in figs:
-        results["p3"] = p3(path, bw, flops, args.scale, engine_kw)
-    if "p4" in figs:
-        results["p4"] = p4(path, args.scale, engine_kw)
-    if "p6" in figs:
-        results["p6"] = p6(path, args.scale, engine_kw)
+    runs = {
+        "p3": lambda: p3(path, bw, flops, args.scale, engine_kw),
+        "p4": lambda: p4(path, args.scale, engine_kw),
+        "p5": lambda: p5(path, bw, flops, args.p5_scale, engine_kw),
+        "p6": lambda: p6(path, args.scale, engine_kw),
+    }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gpu_serving.json").write_text(json.dumps(results, indent=2))
+    failed = False
+    for fig in args.figures.split(","):
+        t0 = time.perf_counter()
+        try:
+            results[fig] = runs[fig]()
+        except Exception as exc:  # noqa: BLE001 - report and go on to the next figure
+            failed = True
+            results[fig] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[{time.perf_counter() - t0:6.1f} s] {fig}: {json.dumps(results[fig])}", flush=True)
+        (OUT / "gpu_serving.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class EngineConfig:
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
     context_length: int | None = _help("override the model's max positions", None)
     attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
-    cuda_graph_max_bs: int = _help("capture decode CUDA graphs for batch sizes up to this (0: off); CUDA only", 0)
+    cuda_graph_max_bs: int = _help("capture decode CUDA graphs for batch sizes up to this (0: off); CUDA only", 256)
     # Memory.
     max_total_tokens: int | None = _help("KV pool size in tokens; default: from free memory", None)
     mem_fraction_static: float = _help("fraction of device memory for weights + KV pool", 0.85)

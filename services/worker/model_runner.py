@@ -21,6 +21,7 @@ from services.worker.forward_batch import ForwardBatch
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
+from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ class ModelRunner:
         pending = None
         if future is not None and any(r.num_inflight for r in reqs):
             tokens, rows = future
-            index = torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64).to(logits.device)
+            index = to_device_async(torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64), logits.device)
             pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
@@ -206,7 +207,7 @@ class ModelRunner:
         out = self.sampler(
             logits[:, : self.model_config.vocab_size],
             info,
-            positions.to(logits.device, non_blocking=True),
+            to_device_async(positions, logits.device),
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=top_n,
         )

@@ -7,6 +7,7 @@ of the Engine's process; with TP every rank is its own process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import traceback
@@ -156,6 +157,7 @@ class SchedulerLoop:
 
 def run_scheduler_loop(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
     """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox."""
+    loop = None
     try:
         loop = SchedulerLoop(config, rank, init_method)
         if outbox is not None:
@@ -167,3 +169,9 @@ def run_scheduler_loop(config: EngineConfig, rank: int, init_method: str, inbox:
             outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         distributed.destroy_tp()
+        # Give the device memory back (pool, weights, graph pools): a later Engine in the same
+        # process sizes its pool from what is free.
+        del loop
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()

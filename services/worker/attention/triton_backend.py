@@ -21,6 +21,7 @@ from kernels.decode_attention import decode_attention, kv_splits_per_request, ma
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import store_kv
 from services.worker.attention.base import AttentionBackend
+from services.worker.sampling.penalties import to_device_async
 
 if TYPE_CHECKING:
     from services.worker.forward_batch import ForwardBatch
@@ -94,11 +95,10 @@ class TritonAttnBackend(AttentionBackend):
         indptr = [0]
         for n in extend_lens:
             indptr.append(indptr[-1] + n)
+        packed = to_device_async(torch.tensor(indptr + batch.extend_prefix_lens_cpu, dtype=torch.int32), device)
         batch.attn_metadata = TritonExtendMetadata(
-            qo_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
-            prefix_lens=torch.tensor(batch.extend_prefix_lens_cpu, dtype=torch.int32).to(
-                device, non_blocking=True
-            ),
+            qo_indptr=packed[: len(indptr)],
+            prefix_lens=packed[len(indptr) :],
             max_extend_len=max(extend_lens, default=0),
         )
 

@@ -1,4 +1,7 @@
-"""Gated activations: the fused gate_up projection's output [.., 2 * I] -> act(gate) * up [.., I]."""
+"""Gated activations: the fused gate_up projection's output [.., 2 * I] -> act(gate) * up [.., I].
+
+On CUDA a 2-D input takes one Triton launch (kernels/activation.py) instead of three torch ops.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,11 @@ from torch import nn
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        # Imported here: triton is needed (and installed) only where CUDA runs.
+        from kernels.activation import silu_and_mul as fused_silu_and_mul
+
+        return fused_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -1,4 +1,8 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
+
+On CUDA it is one Triton launch (kernels/rmsnorm.py: the add, the statistics and the scaling in one
+pass); elsewhere a few torch ops with the same rounding.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,13 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            # Imported here: triton is needed (and installed) only where CUDA runs.
+            from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

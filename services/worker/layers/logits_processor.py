@@ -17,7 +17,11 @@ if TYPE_CHECKING:
 
 class LogitsProcessor(nn.Module):
     """Picks the rows that need logits (each request's last new token, or all tokens when the batch
-    asks), applies the vocab-parallel LM head, gathers the vocab shards and trims the padding."""
+    asks), applies the vocab-parallel LM head, gathers the vocab shards and trims the padding.
+
+    A decode batch has one token per request, each its request's last, so its rows are used as they
+    are: no index tensor is built from host lengths (a CUDA graph replays decode without them).
+    """
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
@@ -26,7 +30,7 @@ class LogitsProcessor(nn.Module):
     def forward(
         self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
-        if not batch.return_all_logits:
+        if not batch.return_all_logits and not batch.forward_mode.is_decode():
             hidden = hidden[batch.last_token_indices()]
         logits = tp_all_gather(F.linear(hidden, lm_head.weight), dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -2,8 +2,8 @@
 
 Every rank holds every expert, but only its slice of each expert's intermediate dimension: the
 fused gate_up (w13) is split column-wise, down (w2) row-wise, so the layer needs one all-reduce, like a
-dense MLP. `moe_forward` is the one function a fused (Triton) MoE kernel replaces; this is its torch
-reference.
+dense MLP. `moe_forward` is the torch reference; on CUDA kernels/fused_moe.py replaces it (same
+contract, no host sync, so a decode step with MoE layers can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -125,5 +125,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if hidden.is_cuda:
+            # Imported here: triton is needed (and installed) only where CUDA runs.
+            from kernels.fused_moe import fused_moe
+
+            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return tp_all_reduce(out)

@@ -1,7 +1,8 @@
 """Rotary position embedding, neox style (the two halves of each head are the rotated pairs).
 
 cos/sin are precomputed once per model for every position up to the context length, in float32 and
-exactly as HF computes them, and shared by all layers.
+exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/rotary.py)
+rotates q and k in place, in float32; elsewhere torch ops return rotated copies.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [num_tokens, heads * head_dim], k: [num_tokens, kv_heads * head_dim]."""
+        """q: [num_tokens, heads * head_dim], k: [num_tokens, kv_heads * head_dim]. On CUDA q and k are
+        rotated in place (views into a fused qkv output are fine: the rows may be strided)."""
+        if q.is_cuda:
+            # Imported here: triton is needed (and installed) only where CUDA runs.
+            from kernels.rotary import rotary_neox_
+
+            return rotary_neox_(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -50,6 +50,16 @@ class ReqToTokenPool:
         if self._cpu is not self.req_to_token:
             self.req_to_token[row, start:end] = slots.to(self.device, torch.int32, non_blocking=True)
 
+    def write_cpu(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """Set entries (rows[i], cols[i]) = slots[i] in the host table (the whole table on a CPU
+        device); `write_device` applies the same entries to a device table."""
+        if rows.numel():
+            self._cpu[rows, cols] = slots.to(torch.int32)
+
+    def write_device(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        if rows.numel() and self._cpu is not self.req_to_token:
+            self.req_to_token[rows, cols] = slots.to(torch.int32)
+
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """KV slots of positions start .. end-1 of `row`, as an int64 CPU tensor."""
         return self._cpu[row, start:end].to(torch.int64)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.forward_batch import ForwardBatch, ForwardMode
+from services.worker.sampling.penalties import to_device_async
 from services.worker.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ class ScheduleBatch:
         """Give each request a req_to_token row, map its cached prefix, and allocate KV for its
         new tokens (req.fill_ids[len(prefix):])."""
         mem = self.mem
+        writes = _SlotWrites()
         for req in self.reqs:
             if req.req_pool_idx is None:
                 rows = mem.req_to_token_pool.alloc(1)
@@ -65,24 +67,23 @@ class ScheduleBatch:
                 req.req_pool_idx = rows[0]
             prefix_len = len(req.prefix_indices)
             if req.kv_committed_len < prefix_len:
-                mem.req_to_token_pool.write(
-                    req.req_pool_idx, req.kv_committed_len, req.prefix_indices[req.kv_committed_len :]
-                )
+                writes.add(req.req_pool_idx, req.kv_committed_len, req.prefix_indices[req.kv_committed_len :])
                 req.kv_committed_len = prefix_len
         prefix_lens = [req.kv_committed_len for req in self.reqs]
         extend_lens = [len(req.fill_ids) - p for req, p in zip(self.reqs, prefix_lens)]
         slots = mem.alloc_slots(sum(extend_lens))
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
         start = 0
         for req, prefix_len, n in zip(self.reqs, prefix_lens, extend_lens):
-            mem.req_to_token_pool.write(req.req_pool_idx, prefix_len, slots[start : start + n])
+            writes.add(req.req_pool_idx, prefix_len, slots[start : start + n])
             input_ids.extend(req.fill_ids[prefix_len:])
-            positions.append(torch.arange(prefix_len, prefix_len + n, dtype=torch.int64))
             start += n
+        lens = torch.tensor(extend_lens, dtype=torch.int64)
+        offsets = torch.repeat_interleave(torch.tensor(prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens), lens)
+        positions = torch.arange(int(lens.sum()), dtype=torch.int64) + offsets
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
         return self._forward_batch(
-            ForwardMode.EXTEND, input_ids, torch.cat(positions), slots, seq_lens, prefix_lens, extend_lens
+            ForwardMode.EXTEND, input_ids, positions, slots, seq_lens, prefix_lens, extend_lens, writes
         )
 
     def prepare_decode(self, future: FutureTokens | None = None) -> ForwardBatch:
@@ -91,21 +92,21 @@ class ScheduleBatch:
         mem = self.mem
         slots = mem.alloc_slots(len(self.reqs))
         prefix_lens = [req.kv_committed_len for req in self.reqs]
-        for req, slot in zip(self.reqs, slots):
-            mem.req_to_token_pool.write(req.req_pool_idx, req.kv_committed_len, slot.view(1))
-        input_ids = [req.output_ids[-1] if req.output_ids else 0 for req in self.reqs]
         positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        writes = _SlotWrites()
+        writes.add_flat(torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64), positions, slots)
+        input_ids = [req.output_ids[-1] if req.output_ids else 0 for req in self.reqs]
         seq_lens = [p + 1 for p in prefix_lens]
-        batch = self._forward_batch(
-            ForwardMode.DECODE, input_ids, positions, slots, seq_lens, prefix_lens, [1] * len(self.reqs)
-        )
+        future_index = None
         if future is not None:
             tokens, rows = future
             index = [rows.get(id(req), -1) if req.num_inflight else -1 for req in self.reqs]
             if any(i >= 0 for i in index):
-                idx = torch.tensor(index, dtype=torch.int64).to(mem.device, non_blocking=True)
-                batch.input_ids = torch.where(idx >= 0, tokens[idx.clamp(min=0)], batch.input_ids)
-        return batch
+                future_index = (tokens, index)
+        return self._forward_batch(
+            ForwardMode.DECODE, input_ids, positions, slots, seq_lens, prefix_lens, [1] * len(self.reqs),
+            writes, future_index,
+        )
 
     def commit(self, batch: ForwardBatch) -> None:
         """After the forward: the new tokens' KV is resident."""
@@ -121,19 +122,48 @@ class ScheduleBatch:
         seq_lens: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
+        writes: _SlotWrites,
+        future_index: tuple[torch.Tensor, list[int]] | None = None,
     ) -> ForwardBatch:
+        """Everything the device needs for the step goes over in one (pinned) copy; a pageable
+        copy would make the host wait for the step in flight and undo overlap scheduling."""
         mem = self.mem
-        dev = mem.device
-        batch = ForwardBatch(
+        bs, n = len(self.reqs), len(input_ids)
+        rows, cols, values = writes.flat()
+        mem.req_to_token_pool.write_cpu(rows, cols, values)
+        parts = [
+            torch.tensor(input_ids, dtype=torch.int64),
+            positions,
+            torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            torch.tensor(seq_lens, dtype=torch.int64),
+            slots,
+        ]
+        if future_index is not None:
+            parts.append(torch.tensor(future_index[1], dtype=torch.int64))
+        on_device = mem.req_to_token_pool.device.type != "cpu"
+        if on_device:
+            parts += [rows, cols, values]
+        packed = to_device_async(torch.cat(parts), mem.device)
+        sizes = [n, n, bs, bs, n] + ([bs] if future_index is not None else []) + (
+            [rows.numel()] * 3 if on_device else []
+        )
+        pieces = list(packed.split(sizes))
+        input_ids_d, positions_d, pool_idx_d, seq_lens_d, slots_d = pieces[:5]
+        rest = pieces[5:]
+        if future_index is not None:
+            idx = rest.pop(0)
+            tokens = future_index[0]
+            input_ids_d = torch.where(idx >= 0, tokens[idx.clamp(min=0)], input_ids_d)
+        if on_device:
+            mem.req_to_token_pool.write_device(*rest)
+        return ForwardBatch(
             forward_mode=mode,
-            batch_size=len(self.reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64).to(
-                dev, non_blocking=True
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev, non_blocking=True),
-            out_cache_loc=slots.to(dev, non_blocking=True),
+            batch_size=bs,
+            input_ids=input_ids_d,
+            positions=positions_d,
+            req_pool_indices=pool_idx_d,
+            seq_lens=seq_lens_d,
+            out_cache_loc=slots_d,
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
@@ -141,4 +171,30 @@ class ScheduleBatch:
             token_to_kv_pool=mem.token_to_kv_pool,
             attn_backend=mem.attn_backend,
         )
-        return batch
+
+
+class _SlotWrites:
+    """req_to_token entries a step sets, gathered so they are applied in one go."""
+
+    def __init__(self) -> None:
+        self._rows: list[torch.Tensor] = []
+        self._cols: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+
+    def add(self, row: int, start: int, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        self._rows.append(torch.full((n,), row, dtype=torch.int64))
+        self._cols.append(torch.arange(start, start + n, dtype=torch.int64))
+        self._values.append(slots)
+
+    def add_flat(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        self._rows.append(rows)
+        self._cols.append(cols)
+        self._values.append(slots)
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._rows:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty, empty
+        return torch.cat(self._rows), torch.cat(self._cols), torch.cat(self._values).to(torch.int64)
+
