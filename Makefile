@@ -28,8 +28,12 @@ setup: $(VENV)/.installed
 fetch-model: setup
 	@$(VENV)/bin/radixserve model fetch
 
+# NATS (RS_NATS_URL if it answers, else a local nats-server), tokenizer, worker + detokenizer and the
+# gateway; prints the URL. PORT=8000 by default; extra engine flags go in RUN_ARGS.
+PORT ?= 8000
+RUN_ARGS ?=
 run: fetch-model
-	@$(VENV)/bin/radixserve chat "What is the capital of France?"
+	@$(VENV)/bin/radixserve up --port $(PORT) $(RUN_ARGS)
 
 test: setup
 	@$(PY) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
@@ -43,3 +47,9 @@ bench-cpu: fetch-model
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+
+# gRPC stubs from proto/*.proto into services/gateway/proto_gen/ (gitignored; the gateway also
+# regenerates them on import when they are missing or older than their .proto).
+.PHONY: proto
+proto: setup
+	@$(PY) -m services.gateway.protos

@@ -48,7 +48,56 @@ def add_chat_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     chat.set_defaults(handler=_chat)
 
 
-COMMANDS: list[CommandGroup] = [add_model_commands, add_chat_commands]
+def add_service_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve tokenizer|worker|detokenizer`: run one pipeline service until SIGTERM/SIGINT.
+
+    Every flag has an RS_* environment variable (`--nats-url` / RS_NATS_URL); a flag beats the variable.
+    """
+    from services.detokenizer.config import DetokenizerConfig
+    from services.tokenizer.config import TokenizerConfig
+    from services.worker.service_config import WorkerServiceConfig
+    from shared import flags
+
+    tokenizer = subparsers.add_parser("tokenizer", help="run the tokenizer service (NATS queue group)")
+    flags.add_arguments(tokenizer, TokenizerConfig)
+    tokenizer.set_defaults(handler=_run_tokenizer)
+
+    worker = subparsers.add_parser("worker", help="run a worker: the model and its scheduler behind NATS")
+    WorkerServiceConfig.add_arguments(worker)
+    worker.set_defaults(handler=_run_worker)
+
+    detokenizer = subparsers.add_parser("detokenizer", help="run the detokenizer service")
+    flags.add_arguments(detokenizer, DetokenizerConfig)
+    detokenizer.set_defaults(handler=_run_detokenizer)
+
+
+def add_gateway_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve gateway`: the HTTP (OpenAI + native), gRPC and NATS front doors, until SIGTERM/SIGINT.
+
+    Every flag has an RS_* environment variable (`--port` / RS_PORT); a flag beats the variable.
+    """
+    from services.gateway.config import GatewayConfig
+    from shared import flags
+
+    gateway = subparsers.add_parser("gateway", help="run a gateway: HTTP, gRPC and NATS front doors")
+    flags.add_arguments(gateway, GatewayConfig)
+    gateway.set_defaults(handler=_run_gateway)
+
+
+def add_launcher_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve up`: NATS and every service on this machine (services/launch.py)."""
+    from services.launch import add_up_commands
+
+    add_up_commands(subparsers)
+
+
+COMMANDS: list[CommandGroup] = [
+    add_model_commands,
+    add_chat_commands,
+    add_service_commands,
+    add_gateway_commands,
+    add_launcher_commands,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +172,61 @@ def _chat(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _run_tokenizer(args: argparse.Namespace) -> int:
+    from services.tokenizer.config import TokenizerConfig
+    from services.tokenizer.service import TokenizerService
+    from shared import flags
+    from shared.service import run_service
+
+    try:
+        config = flags.build(TokenizerConfig, args)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_service(TokenizerService(config), config.log_level)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from services.worker.service import WorkerService
+    from services.worker.service_config import WorkerServiceConfig
+    from shared.service import run_service
+
+    try:
+        config = WorkerServiceConfig.from_args(args)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_service(WorkerService(config), config.log_level)
+
+
+def _run_detokenizer(args: argparse.Namespace) -> int:
+    from services.detokenizer.config import DetokenizerConfig
+    from services.detokenizer.service import DetokenizerService
+    from shared import flags
+    from shared.service import run_service
+
+    try:
+        config = flags.build(DetokenizerConfig, args)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_service(DetokenizerService(config), config.log_level)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from services.gateway.config import GatewayConfig
+    from services.gateway.service import GatewayService
+    from shared import flags
+    from shared.service import run_service
+
+    try:
+        config = flags.build(GatewayConfig, args)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_service(GatewayService(config), config.log_level)
 
 
 if __name__ == "__main__":

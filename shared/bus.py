@@ -45,6 +45,8 @@ class Bus:
         forever, each loss and recovery logged once."""
 
         async def disconnected() -> None:
+            if nc.is_closed or nc.is_draining:
+                return  # our own drain or close, not a loss
             logger.warning("%s: lost the NATS connection to %s; reconnecting", name, url)
 
         async def reconnected() -> None:
@@ -53,7 +55,8 @@ class Bus:
         async def error(exc: Exception) -> None:
             logger.debug("%s: NATS error: %s", name, exc)
 
-        nc = await nats.connect(
+        nc = NATSClient()
+        await nc.connect(
             url,
             name=name,
             connect_timeout=connect_timeout,
@@ -129,6 +132,8 @@ class Bus:
             await self.publish(subject, msg, reply=inbox)
             while True:
                 raw = await sub.next_msg(timeout=timeout)
+                if not raw.data and raw.headers and raw.headers.get("Status") == "503":
+                    raise nats.errors.NoRespondersError
                 chunk = dec.decode(raw.data)
                 yield chunk
                 if is_final(chunk):

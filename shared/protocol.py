@@ -10,6 +10,7 @@ Subjects (prefix `rs` by default, configurable so deployments can share one NATS
   {p}.workers.load               worker -> gateways, every second: WorkerLoad
   {p}.v1.generate                NATS clients -> gateway (queue group "gateway"), request with a reply
                                  inbox: NatsGenerateRequest; replies NatsGenerateChunk ... final=True
+  {p}.v1.abort                   NATS clients -> every gateway (no queue group): NatsAbort
 Every message carries `v` (PROTOCOL_VERSION); a receiver drops (and logs) a message of another version
 or one that does not decode. Hot-path messages are batched per scheduler step: token streaming costs
 O(steps) messages, not O(tokens).
@@ -34,6 +35,7 @@ class Subjects:
         self.tokenize = f"{prefix}.tokenize"
         self.workers_load = f"{prefix}.workers.load"
         self.v1_generate = f"{prefix}.v1.generate"
+        self.v1_abort = f"{prefix}.v1.abort"
 
     def worker_requests(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{worker_id}.requests"
@@ -168,6 +170,11 @@ class StreamOut(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Each output token's own text (and each top-logprob candidate's), sent only when the request
+    # asked for logprobs: OpenAI's logprobs name tokens by text, and only the detokenizer has the
+    # tokenizer. Absent, the gateway names a token "token_id:<id>".
+    token_texts: list[str] | None = None
+    top_logprob_texts: list[list[str]] | None = None
 
 
 class BatchStreamOut(msgspec.Struct, tag="batch_stream_out"):

@@ -114,6 +114,8 @@ class TestFinishing:
     def test_max_new_tokens_gives_length(self, qwen3_path: Path) -> None:
         with Engine(str(qwen3_path)) as engine:
             out = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 5})
+            # Every generated token is in the text, the last one too.
+            assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
         assert len(out["output_ids"]) == 5
         assert out["meta_info"]["finish_reason"] == {"type": "length", "matched": 5}
         assert out["meta_info"]["completion_tokens"] == 5 and out["meta_info"]["prompt_tokens"] == 3

@@ -79,7 +79,7 @@ class RequestState:
             self.finished, self.final = out.finished_reason, out
         if self.detok is not None:
             visible = out.token_ids
-            if self.finished is not None and isinstance(self.finished.matched, int) and visible:
+            if self.finished is not None and self.finished.type == "stop" and isinstance(self.finished.matched, int) and visible:
                 visible = visible[:-1]  # a matched stop token is not part of the text
             self.detok.add(visible)
         if self._stream or self._loop is not None:

@@ -1,0 +1,160 @@
+"""The FastAPI application: OpenAI-compatible and native routes over one Dispatcher, with the error
+mapping every route shares.
+
+- a body that is not JSON, or has a field of the wrong type or out of range: 400 naming the field
+  (FastAPI's 422 is turned into 400, in OpenAI's error shape);
+- GatewayError: its status (404 unknown model, 413 too large, 503 no worker, ...);
+- a body over the size limit: 413 before it is read in full (the limit defaults to NATS max_payload,
+  since a larger request could never be published).
+Every answered request is counted in /metrics by route and final status (an SSE stream that ends in an
+error event counts with that error's status).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway import native_api, openai_api
+from services.gateway.dispatch import Dispatcher
+from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
+
+# Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+_UNION_TAG_PREFIXES = ("list[", "dict[", "function-", "literal[")
+
+
+def field_path(loc: tuple[Any, ...]) -> str | None:
+    """`messages.0.content` from pydantic's ("body", "messages", 0, "content")."""
+    parts = [str(p) for p in loc if p != "body"]
+    kept: list[str] = []
+    for part in parts:
+        if part in _UNION_TAGS or part.startswith(_UNION_TAG_PREFIXES) or part[:1].isupper():
+            break
+        kept.append(part)
+    return ".".join(kept) or None
+
+
+def validation_error(exc: RequestValidationError) -> GatewayError:
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body")
+    field = field_path(tuple(first.get("loc", ())))
+    if field is None:
+        return bad_request(f"body: {first['msg']}", "body")
+    return bad_request(f"{field}: {first['msg']}", field)
+
+
+class BodyLimit:
+    """413 for a body larger than `limit()` bytes: by Content-Length at once, else while it is read
+    (the body is read here in full, at most `limit` bytes, and handed on in one piece)."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit()
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _too_large(limit, int(declared))(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message], receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await _too_large(limit, size)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([whole], receive), send)
+
+
+def _replay(first: list[Message], receive: Receive) -> Receive:
+    """A receive that returns `first` messages, then those of `receive` (a later disconnect)."""
+    pending = list(first)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def _too_large(limit: int, size: int) -> JSONResponse:
+    error = GatewayError(PAYLOAD_TOO_LARGE, f"the body has {size} bytes or more; the limit is {limit} bytes", "body")
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+class CountRequests:
+    """Count each request by route and final status in the gateway's metrics."""
+
+    def __init__(self, app: ASGIApp, dispatcher: Dispatcher) -> None:
+        self.app = app
+        self.dispatcher = dispatcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            final = scope.get("state", {}).get("stream_status", status)
+            self.dispatcher.metrics.count(endpoint, final)
+
+
+def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> FastAPI:
+    """The gateway's HTTP app over a started Dispatcher. `max_body_bytes` 0: NATS max_payload."""
+    app = FastAPI(
+        title="radixserve gateway",
+        description="OpenAI-compatible and SGLang-style APIs over radixserve's NATS pipeline.",
+        version="0.1.0",
+    )
+    app.state.dispatcher = dispatcher
+    app.state.started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc)
+        return JSONResponse(error.body(), status_code=BAD_REQUEST)
+
+    @app.exception_handler(GatewayError)
+    async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    app.add_middleware(BodyLimit, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
+    app.add_middleware(CountRequests, dispatcher=dispatcher)
+    return app

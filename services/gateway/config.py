@@ -1,0 +1,62 @@
+"""GatewayConfig: the gateway's settings, one frozen dataclass (flags and RS_* variables through
+shared/flags.py: `--port` / `RS_PORT`, `--grpc-port` / `RS_GRPC_PORT`, ...)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from shared.service import ServiceConfig
+
+# A gateway id becomes a NATS subject token ({prefix}.gateway.{id}.stream): no dots, spaces, wildcards.
+_SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _help(text: str, default: object) -> object:
+    return field(default=default, metadata={"help": text})
+
+
+def new_gateway_id() -> str:
+    return f"gw-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig(ServiceConfig):
+    """One gateway process: HTTP (OpenAI + native), gRPC and the NATS front door. Its /metrics is on
+    the HTTP port, so the shared metrics_port stays off by default."""
+
+    gateway_id: str = _help("this gateway's id: its stream subject is {prefix}.gateway.{id}.stream (default: random)", "")
+    host: str = _help("HTTP and gRPC bind address", "127.0.0.1")
+    port: int = _help("HTTP port (0: any free port)", 8000)
+    grpc_port: int = _help("gRPC port (0: any free port)", 50051)
+    enable_grpc: bool = _help("serve the gRPC API", True)
+    enable_nats_frontdoor: bool = _help("serve {prefix}.v1.generate and {prefix}.v1.abort on NATS", True)
+    worker_ttl: float = _help("seconds: route only to workers heard on {prefix}.workers.load this recently", 3.0)
+    worker_dead_after: float = _help("seconds: a worker silent this long is dead and its requests end in an error", 5.0)
+    wait_for_worker: float = _help("seconds a request waits for a first live worker before a 503", 2.0)
+    first_output_timeout: float = _help("seconds: a request with no output at all by then ends with a 504", 300.0)
+    control_timeout: float = _help("seconds to wait for a worker's reply to abort, flush_cache or get_info", 5.0)
+    max_request_bytes: int = _help("largest HTTP body accepted (0: the NATS server's max_payload)", 0)
+    drain_timeout: float = _help("seconds in-flight requests may take to finish on SIGTERM", 30.0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.gateway_id:
+            object.__setattr__(self, "gateway_id", new_gateway_id())
+        if not _SUBJECT_TOKEN.match(self.gateway_id):
+            raise ValueError(f"gateway_id must be letters, digits, '-' or '_', got {self.gateway_id!r}")
+        for name in ("port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("worker_ttl", "worker_dead_after", "first_output_timeout", "control_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_dead_after < self.worker_ttl:
+            raise ValueError(
+                f"worker_dead_after ({self.worker_dead_after}) must be >= worker_ttl ({self.worker_ttl})"
+            )
+        if self.wait_for_worker < 0:
+            raise ValueError(f"wait_for_worker must be >= 0, got {self.wait_for_worker}")
+        if self.max_request_bytes < 0:
+            raise ValueError(f"max_request_bytes must be >= 0, got {self.max_request_bytes}")

@@ -1,0 +1,331 @@
+"""The Dispatcher: what every front door (HTTP, gRPC, NATS) does with a request.
+
+validate -> choose a worker (router) -> register the stream (streams) -> publish a TokenizeRequest to
+`{p}.tokenize` -> the front door reads the stream. A client that goes away releases its request, which
+aborts it on its worker (freeing its KV). A watchdog forgets silent workers and ends their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import (
+    GATEWAY_TIMEOUT,
+    NOT_FOUND,
+    PAYLOAD_TOO_LARGE,
+    SERVICE_UNAVAILABLE,
+    GatewayError,
+    bad_request,
+)
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router import WorkerEntry, WorkerRegistry
+from services.gateway.streams import RequestStream, StreamHub
+from services.worker.sampling.sampling_params import SamplingParams
+from shared.bus import Bus, PayloadTooLarge
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    ChatMessage,
+    ControlReply,
+    ControlRequest,
+    Finish,
+    Sampling,
+    StreamOut,
+    TokenizeRequest,
+    TopLogprob,
+    WorkerLoad,
+)
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5
+# Any id is valid at the gateway; the worker checks ids against the real vocabulary.
+_ANY_VOCAB = 2**31 - 1
+
+
+@dataclass
+class GenerateSpec:
+    """One generation as a front door asks for it: exactly one of text, messages or input_ids."""
+
+    sampling: Sampling
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    model: str | None = None
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    add_generation_prompt: bool = True
+
+    def validate(self) -> None:
+        """GatewayError 400, naming the field, for anything no worker could run."""
+        given = [n for n in ("text", "messages", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise bad_request(f"give exactly one of text, messages or input_ids (got {given or 'none'})", "text")
+        if self.text is not None and not self.text:
+            raise bad_request("the prompt is empty", "text")
+        if self.input_ids is not None and not self.input_ids:
+            raise bad_request("the prompt is empty (input_ids has no tokens)", "input_ids")
+        if self.messages is not None and not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.top_logprobs_num < 0:
+            raise bad_request(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
+        try:
+            SamplingParams.from_dict(self.sampling.to_dict()).verify(_ANY_VOCAB)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), _field_of(str(exc))) from None
+
+
+def _field_of(message: str) -> str | None:
+    """The sampling field a SamplingParams message starts with (its messages name the field first)."""
+    first = message.split(" ", 1)[0].strip("`'")
+    return first if first in Sampling.__struct_fields__ else None
+
+
+@dataclass
+class Completion:
+    """A request's outputs accumulated: the whole text, ids, logprobs, finish and usage."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    top_logprob_texts: list[list[str]] = field(default_factory=list)
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: StreamOut) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.top_logprobs.extend(out.top_logprobs or [])
+        self.token_texts.extend(token_texts(out))
+        self.top_logprob_texts.extend(top_logprob_texts(out))
+        if out.finish is not None:
+            self.finish = out.finish
+            self.prompt_tokens = out.prompt_tokens
+            self.completion_tokens = out.completion_tokens or len(self.token_ids)
+            self.cached_tokens = out.cached_tokens
+
+
+def token_texts(out: StreamOut) -> list[str]:
+    """Each output token's text, as the detokenizer sent it, else `token_id:<id>`."""
+    if out.token_texts is not None and len(out.token_texts) == len(out.token_ids):
+        return list(out.token_texts)
+    return [f"token_id:{t}" for t in out.token_ids]
+
+
+def top_logprob_texts(out: StreamOut) -> list[list[str]]:
+    """Each top-logprob candidate's text, as the detokenizer sent it, else `token_id:<id>`."""
+    tops = out.top_logprobs or []
+    sent = out.top_logprob_texts
+    if sent is not None and [len(s) for s in sent] == [len(t) for t in tops]:
+        return [list(s) for s in sent]
+    return [[f"token_id:{c.token_id}" for c in step] for step in tops]
+
+
+class Dispatcher:
+    """Routes requests to workers over NATS and follows their streams."""
+
+    def __init__(self, bus: Bus, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.bus = bus
+        self.config = config
+        self.metrics = metrics
+        self.registry = WorkerRegistry(config.worker_ttl, config.worker_dead_after)
+        self.hub = StreamHub(bus, config.gateway_id, metrics)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._watchdog: asyncio.Task[None] | None = None
+
+    @property
+    def gateway_id(self) -> str:
+        return self.config.gateway_id
+
+    async def start(self) -> None:
+        await self.hub.start()
+        await self.bus.subscribe(self.bus.subjects.workers_load, (WorkerLoad,), self._on_load)
+        self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.control_timeout)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every in-flight request to end; True if they did."""
+        deadline = time.monotonic() + timeout
+        while len(self.hub) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not len(self.hub)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    async def submit(self, spec: GenerateSpec) -> RequestStream:
+        """Validate, route and publish one request; its outputs arrive on the returned stream."""
+        spec.validate()
+        worker = await self._choose(spec.model)
+        rid = spec.rid or uuid.uuid4().hex
+        stream = self.hub.open(rid, worker.load.worker_id)
+        msg = TokenizeRequest(
+            v=PROTOCOL_VERSION,
+            rid=rid,
+            gateway_id=self.gateway_id,
+            worker_id=worker.load.worker_id,
+            sampling=spec.sampling,
+            text=spec.text,
+            messages=spec.messages,
+            input_ids=spec.input_ids,
+            add_generation_prompt=spec.add_generation_prompt,
+            return_logprob=spec.return_logprob or spec.top_logprobs_num > 0,
+            top_logprobs_num=spec.top_logprobs_num,
+        )
+        try:
+            await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
+        except PayloadTooLarge as exc:
+            self.hub.close(stream)
+            raise GatewayError(PAYLOAD_TOO_LARGE, f"the request is too large: {exc}") from None
+        except Exception:
+            self.hub.close(stream)
+            raise
+        return stream
+
+    async def submit_all(self, specs: list[GenerateSpec]) -> list[RequestStream]:
+        """Submit several requests (n > 1, batches); if one fails, the others are released."""
+        for spec in specs:
+            spec.validate()
+        streams: list[RequestStream] = []
+        try:
+            for spec in specs:
+                streams.append(await self.submit(spec))
+        except BaseException:
+            for stream in streams:
+                self.release(stream)
+            raise
+        return streams
+
+    async def collect_all(self, streams: list[RequestStream]) -> list[Completion]:
+        """Read every stream to its final; on an error (or cancellation) the rest are released."""
+        tasks = [asyncio.create_task(collect(s)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task, stream in zip(tasks, streams):
+                task.cancel()
+                self.release(stream)
+            raise
+
+    def context_len(self, model: str | None) -> int | None:
+        """The longest context among live workers serving `model` (None when there are none)."""
+        lens = [w.load.context_len for w in self.registry.live(model)]
+        return max(lens) if lens else None
+
+    def served_model(self, stream: RequestStream) -> str:
+        """The model name of the worker a request went to."""
+        entry = self.registry.get(stream.worker_id)
+        return entry.load.model if entry is not None else ""
+
+    async def _choose(self, model: str | None) -> WorkerEntry:
+        if not self.registry.live():
+            await self.registry.wait_for_worker(self.config.wait_for_worker)
+        if not self.registry.live():
+            raise GatewayError(
+                SERVICE_UNAVAILABLE,
+                f"no live worker: none has reported on {self.bus.subjects.workers_load} "
+                f"in the last {self.config.worker_ttl:g} s",
+            )
+        worker = self.registry.choose(model, self.hub.per_worker())
+        if worker is None:
+            raise GatewayError(
+                NOT_FOUND, f"model {model!r} is not served here; available: {self.registry.models()}", "model"
+            )
+        return worker
+
+    def release(self, stream: RequestStream) -> None:
+        """The client is done with this request: forget it, and abort it if it has not finished.
+        Never awaits, so it is safe in `finally` blocks of cancelled tasks."""
+        self.hub.close(stream)
+        if not stream.finished:
+            stream.finished = True
+            self._spawn(self._send_abort(stream.worker_id, stream.rid))
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request by id (from /abort_request, gRPC Abort, NATS abort). A request of this
+        gateway keeps its stream, so its client sees the worker's abort final; an id this gateway
+        does not know is sent to every live worker (it may belong to another gateway)."""
+        stream = self.hub.get(rid)
+        if stream is not None:
+            await self._send_abort(stream.worker_id, rid)
+            return True
+        await asyncio.gather(*(self._send_abort(w.load.worker_id, rid) for w in self.registry.live()))
+        return False
+
+    async def _send_abort(self, worker_id: str, rid: str) -> None:
+        reply = await self.control(worker_id, "abort", rid)
+        if not reply.ok:
+            logger.info("abort of %s on worker %s: %s", rid, worker_id, reply.message)
+
+    async def control(self, worker_id: str, command: str, rid: str | None = None) -> ControlReply:
+        """A control request to one worker; a timeout or transport failure is a not-ok reply."""
+        subject = self.bus.subjects.worker_control(worker_id)
+        try:
+            reply = await self.bus.request(
+                subject,
+                ControlRequest(v=PROTOCOL_VERSION, command=command, rid=rid),
+                (ControlReply,),
+                timeout=self.config.control_timeout,
+            )
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:
+            return ControlReply(v=PROTOCOL_VERSION, ok=False, message=f"worker {worker_id}: {type(exc).__name__}")
+        assert isinstance(reply, ControlReply)
+        return reply
+
+    async def control_all(self, command: str) -> dict[str, ControlReply]:
+        """The same control request to every live worker, concurrently."""
+        workers = [w.load.worker_id for w in self.registry.live()]
+        replies = await asyncio.gather(*(self.control(wid, command) for wid in workers))
+        return dict(zip(workers, replies))
+
+    # ---- background -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_load(self, load: WorkerLoad, raw: object) -> None:
+        self.registry.observe(load)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for worker_id in self.registry.prune_dead():
+                failed = self.hub.fail_worker(
+                    worker_id,
+                    f"worker {worker_id} stopped responding (no load report for {self.config.worker_dead_after:g} s)",
+                )
+                logger.warning("worker %s is gone; %d in-flight request(s) ended with an error", worker_id, failed)
+            self.hub.fail_silent(self.config.first_output_timeout, GATEWAY_TIMEOUT)
+            self.metrics.live_workers.set(len(self.registry.live()))
+
+
+async def collect(stream: RequestStream) -> Completion:
+    """Read a stream to its final (GatewayError on an error final)."""
+    completion = Completion(stream.rid)
+    async for out in stream.outputs():
+        completion.add(out)
+    return completion

@@ -1,0 +1,44 @@
+"""GatewayError: a request the gateway cannot serve, with the HTTP status every front door maps from
+(gRPC codes and NATS error replies are derived from the same status)."""
+
+from __future__ import annotations
+
+BAD_REQUEST = 400
+NOT_FOUND = 404
+PAYLOAD_TOO_LARGE = 413
+CLIENT_CLOSED = 499  # nginx's convention: the client left before the answer (counted, never seen)
+INTERNAL_ERROR = 500
+SERVICE_UNAVAILABLE = 503
+GATEWAY_TIMEOUT = 504
+
+_ERROR_TYPES = {
+    BAD_REQUEST: "invalid_request_error",
+    NOT_FOUND: "not_found_error",
+    PAYLOAD_TOO_LARGE: "invalid_request_error",
+    SERVICE_UNAVAILABLE: "service_unavailable",
+    GATEWAY_TIMEOUT: "timeout",
+}
+
+
+class GatewayError(Exception):
+    """A failed request: `status` (HTTP), a message for the client, and the offending field if any."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @property
+    def error_type(self) -> str:
+        return _ERROR_TYPES.get(self.status, "internal_error")
+
+    def body(self) -> dict[str, object]:
+        """The OpenAI-style error object, used by every HTTP route."""
+        return {
+            "error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.status}
+        }
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(BAD_REQUEST, message, param)

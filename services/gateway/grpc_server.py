@@ -1,0 +1,177 @@
+"""The gateway's gRPC API (proto/radixserve.proto) and the standard grpc.health.v1 service.
+
+Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
+statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
+503 UNAVAILABLE, 504 DEADLINE_EXCEEDED). A cancelled call (client gone, deadline) aborts its request on
+the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
+also needs a live worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from services.gateway.dispatch import Dispatcher, GenerateSpec
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from shared.protocol import ChatMessage, Sampling, StreamOut
+
+SERVICE_NAME = "radixserve.v1.RadixServe"
+WATCH_INTERVAL_S = 1.0
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_code(http_status: int) -> grpc.StatusCode:
+    return _CODES.get(http_status, grpc.StatusCode.INTERNAL)
+
+
+def sampling_from_proto(p: Any) -> Sampling:
+    """Unset optional fields stay None (the model's defaults apply)."""
+    values = {
+        name: getattr(p, name) if p.HasField(name) else None
+        for name in (
+            "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+            "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
+        )
+    }
+    return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None)
+
+
+def spec_from_proto(request: Any) -> GenerateSpec:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise bad_request("give one of text, input_ids or chat", "prompt")
+    return GenerateSpec(
+        sampling=sampling_from_proto(request.sampling_params),
+        text=request.text if kind == "text" else None,
+        input_ids=list(request.input_ids.ids) if kind == "input_ids" else None,
+        messages=[ChatMessage(role=m.role, content=m.content) for m in request.chat.messages] if kind == "chat" else None,
+        model=request.model or None,
+        rid=request.rid or None,
+        return_logprob=request.return_logprob,
+        top_logprobs_num=request.top_logprobs_num,
+    )
+
+
+def response_from(rid: str, out: StreamOut) -> Any:
+    response = radixserve_pb2.GenerateResponse(rid=rid, text=out.text, token_ids=out.token_ids)
+    tops = out.top_logprobs or []
+    for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs or [])):
+        entry = response.logprobs.add(token_id=token_id, logprob=logprob)
+        for candidate in tops[i] if i < len(tops) else []:
+            entry.top_logprobs.add(token_id=candidate.token_id, logprob=candidate.logprob)
+    if out.finish is not None:
+        response.final = True
+        response.finish.type = out.finish.type
+        response.finish.message = out.finish.message or ""
+        if isinstance(out.finish.matched, int):
+            response.finish.matched_token = out.finish.matched
+        elif isinstance(out.finish.matched, str):
+            response.finish.matched_text = out.finish.matched
+        response.usage.prompt_tokens = out.prompt_tokens
+        response.usage.completion_tokens = out.completion_tokens
+        response.usage.cached_tokens = out.cached_tokens
+    return response
+
+
+class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignore[misc]
+    """Generate, Abort and ModelInfo over the Dispatcher."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        try:
+            stream = await self.dispatcher.submit(spec_from_proto(request))
+        except GatewayError as exc:
+            self.dispatcher.metrics.count("grpc.Generate", exc.status)
+            await context.abort(status_code(exc.status), exc.message)
+        status = 200
+        try:
+            async for out in stream.outputs():
+                yield response_from(stream.rid, out)
+        except GatewayError as exc:
+            status = exc.status
+            await context.abort(status_code(exc.status), exc.message)
+        finally:
+            self.dispatcher.release(stream)
+            self.dispatcher.metrics.count("grpc.Generate", status)
+
+    async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        if not request.rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid: must not be empty")
+        found = await self.dispatcher.abort(request.rid)
+        return radixserve_pb2.AbortResponse(found=found)
+
+    async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        registry = self.dispatcher.registry
+        response = radixserve_pb2.ModelInfoResponse()
+        for model in registry.models():
+            workers = registry.live(model)
+            response.models.add(
+                model=model,
+                context_len=max(w.load.context_len for w in workers),
+                max_total_tokens=max(w.load.max_total_tokens for w in workers),
+                workers=len(workers),
+            )
+        return response
+
+
+class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1.Health: Check and Watch."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+
+    def status(self, service: str) -> int | None:
+        """The ServingStatus of `service`, or None for a service this server does not have."""
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        connected = self.dispatcher.bus.nc.is_connected
+        if service == "":
+            return serving if connected else not_serving
+        if service == SERVICE_NAME:
+            return serving if connected and self.dispatcher.registry.live() else not_serving
+        return None
+
+    async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        status = self.status(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        last = None
+        while True:
+            status = self.status(request.service)
+            if status is None:
+                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+
+async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server on host:port (0: a free port); returns it and the bound port."""
+    limit = dispatcher.bus.max_payload + 64 * 1024  # room for protobuf framing around a maximal request
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
+    radixserve_pb2_grpc.add_RadixServeServicer_to_server(RadixServeServicer(dispatcher), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(dispatcher), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC could not bind {host}:{port}")
+    await server.start()
+    return server, bound

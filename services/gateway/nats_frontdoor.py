@@ -1,0 +1,150 @@
+"""The NATS front door, for clients that live on NATS.
+
+`{p}.v1.generate` (queue group "gateway": one gateway takes each request): a NatsGenerateRequest with
+a reply inbox. Replies go to that inbox: NatsGenerateChunk text deltas (stream=True) and always a last
+chunk with final=True carrying finish and usage, or `error` (with the HTTP-style status in its text).
+`{p}.v1.abort` (every gateway hears it, no queue group; the one that holds the request aborts it):
+NatsAbort(rid). A message that does not decode is logged and answered with an error final when it
+has a reply inbox; the front door keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
+from services.gateway.errors import GatewayError
+from services.gateway.streams import RequestStream
+from shared.bus import PayloadTooLarge
+from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, decoder
+
+logger = logging.getLogger(__name__)
+
+QUEUE_GROUP = "gateway"
+ENDPOINT = "nats.v1.generate"
+
+
+class NatsFrontDoor:
+    """Serves {p}.v1.generate and {p}.v1.abort for one gateway."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.bus = dispatcher.bus
+        self._decode_request = decoder(NatsGenerateRequest)
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        subjects = self.bus.subjects
+        self._subs = [
+            await self.bus.nc.subscribe(subjects.v1_generate, queue=QUEUE_GROUP, cb=self._on_generate),
+            await self.bus.subscribe(subjects.v1_abort, (NatsAbort,), self._on_abort),
+        ]
+
+    async def stop_taking(self) -> None:
+        """Stop receiving new requests (in-flight ones go on)."""
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs = []
+
+    async def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for in-flight requests to send their finals."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def _on_generate(self, raw: Msg) -> None:
+        # nats-py runs one callback at a time per subscription: serve each request in its own task.
+        task = asyncio.create_task(self._serve(raw))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_abort(self, msg: NatsAbort, raw: Msg) -> None:
+        if msg.rid in self.dispatcher.hub:
+            await self.dispatcher.abort(msg.rid)
+
+    async def _reply(self, raw: Msg, chunk: NatsGenerateChunk) -> None:
+        try:
+            await self.bus.respond(raw, chunk)
+        except PayloadTooLarge as exc:
+            await self.bus.respond(raw, _error(chunk.rid, 413, str(exc)))
+
+    async def _serve(self, raw: Msg) -> None:
+        try:
+            request = self._decode_request.decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("dropped a malformed request on %s: %s", raw.subject, exc)
+            self.dispatcher.metrics.count(ENDPOINT, 400)
+            await self._reply(raw, _error("", 400, f"malformed NatsGenerateRequest: {exc}"))
+            return
+        if request.v != PROTOCOL_VERSION:
+            self.dispatcher.metrics.count(ENDPOINT, 400)
+            await self._reply(raw, _error(request.rid or "", 400, f"protocol v{request.v} is not v{PROTOCOL_VERSION}"))
+            return
+        if not raw.reply:
+            logger.warning("dropped a request on %s without a reply inbox", raw.subject)
+            return
+        stream: RequestStream | None = None
+        status = 200
+        try:
+            stream = await self.dispatcher.submit(_spec(request))
+            await self._relay(raw, request, stream)
+        except GatewayError as exc:
+            status = exc.status
+            rid = stream.rid if stream is not None else request.rid or ""
+            await self._reply(raw, _error(rid, exc.status, exc.message))
+        finally:
+            if stream is not None:
+                self.dispatcher.release(stream)
+            self.dispatcher.metrics.count(ENDPOINT, status)
+
+    async def _relay(self, raw: Msg, request: NatsGenerateRequest, stream: RequestStream) -> None:
+        whole = Completion(stream.rid)
+        async for out in stream.outputs():
+            whole.add(out)
+            if request.stream and out.finish is None and (out.text or out.token_ids):
+                chunk = NatsGenerateChunk(
+                    v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs
+                )
+                await self._reply(raw, chunk)
+            elif out.finish is not None:
+                final: dict[str, Any] = (
+                    {"text": out.text, "token_ids": out.token_ids, "logprobs": out.logprobs}
+                    if request.stream
+                    else {"text": whole.text, "token_ids": whole.token_ids, "logprobs": whole.logprobs or None}
+                )
+                await self._reply(
+                    raw,
+                    NatsGenerateChunk(
+                        v=PROTOCOL_VERSION,
+                        rid=stream.rid,
+                        final=True,
+                        finish=out.finish,
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=whole.completion_tokens,
+                        cached_tokens=out.cached_tokens,
+                        **final,
+                    ),
+                )
+
+
+def _spec(request: NatsGenerateRequest) -> GenerateSpec:
+    return GenerateSpec(
+        sampling=request.sampling,
+        text=request.text,
+        messages=request.messages,
+        input_ids=request.input_ids,
+        model=request.model,
+        rid=request.rid,
+        return_logprob=request.return_logprob,
+        top_logprobs_num=request.top_logprobs_num,
+    )
+
+
+def _error(rid: str, status: int, message: str) -> NatsGenerateChunk:
+    return NatsGenerateChunk(v=PROTOCOL_VERSION, rid=rid, final=True, error=f"{status}: {message}")

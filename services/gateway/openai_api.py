@@ -1,0 +1,264 @@
+"""OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+Each of the n choices (and each prompt of a batch) is its own request, routed on its own; their
+outputs are merged into one response or one SSE stream (`data: {...}` chunks, `data: [DONE]` last).
+`usage` counts each prompt once, with `prompt_tokens_details.cached_tokens` from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.dispatch import Completion, Dispatcher, token_texts, top_logprob_texts
+from services.gateway.errors import NOT_FOUND, GatewayError
+from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
+from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.router import model_matches
+from services.gateway.streams import RequestStream
+from shared.protocol import Finish, StreamOut, TopLogprob
+
+router = APIRouter(tags=["OpenAI-compatible"])
+
+
+def dispatcher_of(request: Request) -> Dispatcher:
+    return request.app.state.dispatcher  # type: ignore[no-any-return]
+
+
+# ---- /v1/models ---------------------------------------------------------------------------------
+
+
+def _model_card(dispatcher: Dispatcher, model: str, created: int) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "radixserve",
+        "max_model_len": dispatcher.context_len(model),
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The models live workers serve."""
+    dispatcher = dispatcher_of(request)
+    created = request.app.state.started
+    return {"object": "list", "data": [_model_card(dispatcher, m, created) for m in dispatcher.registry.models()]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    dispatcher = dispatcher_of(request)
+    for served in dispatcher.registry.models():
+        if model_matches(model, served):
+            return _model_card(dispatcher, served, request.app.state.started)
+    raise GatewayError(NOT_FOUND, f"model {model!r} is not served here", "model")
+
+
+# ---- response pieces ----------------------------------------------------------------------------
+
+
+def finish_reason(finish: Finish | None) -> str | None:
+    return None if finish is None else finish.type
+
+
+def usage(completions: list[Completion], n: int) -> dict[str, Any]:
+    """Token counts: each prompt once (the first of its n choices), every choice's output."""
+    firsts = completions[::n]
+    prompt = sum(c.prompt_tokens for c in firsts)
+    generated = sum(c.completion_tokens for c in completions)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
+    }
+
+
+def _token_entry(text: str, logprob: float) -> dict[str, Any]:
+    # A fallback name ("token_id:N") has no bytes of its own.
+    raw = None if text.startswith("token_id:") else list(text.encode("utf-8"))
+    return {"token": text, "logprob": logprob, "bytes": raw}
+
+
+def chat_logprobs(
+    texts: list[str], logprobs: list[float], tops: list[list[TopLogprob]], top_texts: list[list[str]]
+) -> dict[str, Any]:
+    content = []
+    for i, (text, logprob) in enumerate(zip(texts, logprobs)):
+        entry = _token_entry(text, logprob)
+        step = tops[i] if i < len(tops) else []
+        names = top_texts[i] if i < len(top_texts) else []
+        entry["top_logprobs"] = [_token_entry(name, c.logprob) for name, c in zip(names, step)]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(
+    texts: list[str],
+    logprobs: list[float],
+    tops: list[list[TopLogprob]],
+    top_texts: list[list[str]],
+    offset: int,
+) -> dict[str, Any]:
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top = [{name: c.logprob for name, c in zip(names, step)} for names, step in zip(top_texts, tops)]
+    return {"tokens": texts, "token_logprobs": logprobs[: len(texts)], "top_logprobs": top or None, "text_offset": offsets}
+
+
+def _stream_logprobs(out: StreamOut) -> tuple[list[str], list[float], list[list[TopLogprob]], list[list[str]]]:
+    return token_texts(out), list(out.logprobs or []), list(out.top_logprobs or []), top_logprob_texts(out)
+
+
+def _matched(finish: Finish | None) -> int | str | None:
+    """The stop token id or string that ended a choice (SGLang's `matched_stop`); None otherwise."""
+    return finish.matched if finish is not None and finish.type == "stop" else None
+
+
+async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequest) -> list[RequestStream]:
+    dispatcher = dispatcher_of(request)
+    if isinstance(body, ChatCompletionRequest):
+        if not dispatcher.registry.live():
+            # The default length is the worker's context: wait (as routing would) to learn it.
+            await dispatcher.registry.wait_for_worker(dispatcher.config.wait_for_worker)
+        specs = body.specs(dispatcher.context_len(body.model))
+    else:
+        specs = body.specs()
+    return await dispatcher.submit_all(specs)
+
+
+async def _collect(request: Request, streams: list[RequestStream]) -> list[Completion]:
+    dispatcher = dispatcher_of(request)
+
+    def give_up() -> None:
+        for stream in streams:
+            dispatcher.release(stream)
+
+    return await unless_disconnected(request, dispatcher.collect_all(streams), give_up)
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    """Chat: the messages go through the model's chat template (in the tokenizer service)."""
+    dispatcher = dispatcher_of(request)
+    streams = await _submit(request, body)
+    rid, created = streams[0].rid, int(time.time())
+    model = body.model or dispatcher.served_model(streams[0])
+    header = {"id": f"chatcmpl-{rid}", "created": created, "model": model}
+    if body.stream:
+        return await start_stream(request, dispatcher, streams, lambda outs: _chat_chunks(body, header, outs))
+    completions = await _collect(request, streams)
+    choices = []
+    for i, c in enumerate(completions):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": None,
+            "finish_reason": finish_reason(c.finish),
+            "matched_stop": _matched(c.finish),
+        }
+        if body.logprobs:
+            choice["logprobs"] = chat_logprobs(c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts)
+        choices.append(choice)
+    return JSONResponse(
+        {**header, "object": "chat.completion", "choices": choices, "usage": usage(completions, body.n)},
+        headers=routing_headers(streams),
+    )
+
+
+async def _chat_chunks(
+    body: ChatCompletionRequest, header: dict[str, Any], outs: AsyncIterator[tuple[int, StreamOut]]
+) -> AsyncIterator[str]:
+    extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
+
+    def chunk(index: int, delta: dict[str, Any], **fields: Any) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+        return sse({**header, "object": "chat.completion.chunk", "choices": [choice], **extra})
+
+    totals = [Completion(rid="") for _ in range(body.n)]
+    for i in range(body.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for i, out in outs:
+        totals[i].add(out)
+        logprobs = chat_logprobs(*_stream_logprobs(out)) if body.logprobs and out.token_ids else None
+        if out.text or logprobs:
+            yield chunk(i, {"content": out.text}, logprobs=logprobs)
+        if out.finish is not None:
+            yield chunk(i, {}, finish_reason=finish_reason(out.finish), matched_stop=_matched(out.finish))
+    if body.include_usage:
+        yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage(totals, body.n)})
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    """Text completion of a prompt (or a batch of prompts; token-id prompts too)."""
+    dispatcher = dispatcher_of(request)
+    streams = await _submit(request, body)
+    rid, created = streams[0].rid, int(time.time())
+    model = body.model or dispatcher.served_model(streams[0])
+    header = {"id": f"cmpl-{rid}", "created": created, "model": model}
+    prompts = body.prompts()
+    echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
+    if body.stream:
+        return await start_stream(
+            request, dispatcher, streams, lambda outs: _completion_chunks(body, header, echoes, outs)
+        )
+    results = await _collect(request, streams)
+    choices = []
+    for i, c in enumerate(results):
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": echoes[i] + c.text,
+            "logprobs": None,
+            "finish_reason": finish_reason(c.finish),
+            "matched_stop": _matched(c.finish),
+        }
+        if body.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(
+                c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echoes[i])
+            )
+        choices.append(choice)
+    return JSONResponse(
+        {**header, "object": "text_completion", "choices": choices, "usage": usage(results, body.n)},
+        headers=routing_headers(streams),
+    )
+
+
+async def _completion_chunks(
+    body: CompletionRequest, header: dict[str, Any], echoes: list[str], outs: AsyncIterator[tuple[int, StreamOut]]
+) -> AsyncIterator[str]:
+    extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
+
+    def chunk(index: int, text: str, **fields: Any) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, **fields}
+        return sse({**header, "object": "text_completion", "choices": [choice], **extra})
+
+    totals = [Completion(rid="") for _ in echoes]
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield chunk(i, echo)
+    async for i, out in outs:
+        offset = len(echoes[i]) + len(totals[i].text)
+        totals[i].add(out)
+        logprobs = None
+        if body.logprobs is not None and out.token_ids:
+            logprobs = completion_logprobs(*_stream_logprobs(out), offset)
+        if out.text or logprobs:
+            yield chunk(i, out.text, logprobs=logprobs)
+        if out.finish is not None:
+            yield chunk(i, "", finish_reason=finish_reason(out.finish), matched_stop=_matched(out.finish))
+    if body.include_usage:
+        yield sse({**header, "object": "text_completion", "choices": [], "usage": usage(totals, body.n)})

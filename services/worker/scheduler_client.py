@@ -1,0 +1,243 @@
+"""SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
+
+It starts the scheduler (a thread for tp_size 1, one spawned process per rank for tp_size > 1), turns a
+validated request into `Req`s (seeds drawn here, so every sampled token is reproducible), sends
+commands, answers request/reply controls, and hands every step's outputs to a callback on its
+dispatcher thread:
+
+    client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
+    for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import queue
+import random
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from services.worker.config import EngineConfig
+from services.worker.model_config import ModelConfig
+from services.worker.request_state import validate_input_ids
+from services.worker.sampling.sampling_params import SamplingParams
+from services.worker.scheduler.req import Req
+from services.worker.scheduler.scheduler import ReqOutput
+from services.worker.scheduler_loop import (
+    AbortReq,
+    AddReq,
+    Control,
+    ControlReply,
+    LoopFailed,
+    Ready,
+    Shutdown,
+    load_tokenizer,
+    run_scheduler_loop,
+)
+from shared.service import die_with_parent
+
+START_TIMEOUT_S = 600.0
+CONTROL_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank_process(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
+    """A TP rank's process. Ctrl-C reaches the whole process group, but draining is the parent's job
+    (it shuts the ranks down after), so ranks ignore SIGINT; they die with their parent, so a killed
+    worker leaves no rank behind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    run_scheduler_loop(config, rank, init_method, inbox, outbox)
+
+
+class SchedulerClient:
+    """Starts one worker's scheduler and talks to it through its inbox and outbox.
+
+    `on_outputs(outputs)` receives each scheduler step's list of ReqOutput (one per request advanced)
+    and `on_failure(message)` is called once if the scheduler dies; both run on the dispatcher thread.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: Callable[[list[ReqOutput]], None],
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_path(
+            config.model_path, dtype=config.dtype, context_length=config.context_length
+        )
+        self.tokenizer = load_tokenizer(config.model_path)
+        self._on_outputs = on_outputs
+        self._on_failure = on_failure
+        self._rng = random.Random(config.random_seed)
+        self._tokens = itertools.count()
+        self._replies: dict[int, queue.Queue[Any]] = {}
+        self._replies_lock = threading.Lock()
+        self._closed = False  # shut down by the owner
+        self._dead = False  # the scheduler died
+        self._procs: list[Any] = []
+        self._start()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        init_method = self.config.dist_init_addr or f"tcp://127.0.0.1:{_free_port()}"
+        if self.config.tp_size == 1:
+            self._inbox: Any = queue.Queue()
+            self._outbox: Any = queue.Queue()
+            self._thread = threading.Thread(
+                target=run_scheduler_loop,
+                args=(self.config, 0, init_method, self._inbox, self._outbox),
+                name="radixserve-scheduler",
+                daemon=True,
+            )
+            self._thread.start()
+        else:
+            ctx = mp.get_context("spawn")
+            self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+            for rank in range(self.config.tp_size):
+                io = (self._inbox, self._outbox) if rank == 0 else (None, None)
+                proc = ctx.Process(
+                    target=_run_rank_process, args=(self.config, rank, init_method, *io), daemon=True
+                )
+                proc.start()
+                self._procs.append(proc)
+        first = self._outbox.get(timeout=START_TIMEOUT_S)
+        if isinstance(first, LoopFailed):
+            self._stop_processes()
+            raise RuntimeError(f"the scheduler failed to start: {first.message}")
+        assert isinstance(first, Ready)
+        self.server_info: dict[str, Any] = first.info
+        self._dispatcher = threading.Thread(target=self._dispatch, name="radixserve-outputs", daemon=True)
+        self._dispatcher.start()
+
+    def shutdown(self) -> None:
+        """Stop the scheduler and the dispatcher; pending controls get None."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(Shutdown())
+        if self.config.tp_size == 1:
+            self._thread.join(timeout=30)
+        self._stop_processes()
+        # Wakes the dispatcher, which would otherwise wait on the outbox forever.
+        self._outbox.put(Shutdown())
+        self._fail_replies()
+
+    def _stop_processes(self) -> None:
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
+
+    # ---- outputs --------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while True:
+            try:
+                item = self._outbox.get()
+            except (EOFError, OSError):
+                self._fail("the scheduler stopped")
+                return
+            if isinstance(item, Shutdown):
+                return
+            if isinstance(item, ControlReply):
+                with self._replies_lock:
+                    box = self._replies.pop(item.token, None)
+                if box is not None:
+                    box.put(item.value)
+            elif isinstance(item, LoopFailed):
+                self._fail(item.message)
+                return
+            else:
+                self._on_outputs(item)
+            if self._closed:
+                return
+
+    def _fail(self, message: str) -> None:
+        with self._replies_lock:
+            self._dead = True
+        self._fail_replies()
+        self._on_failure(message)
+
+    def _fail_replies(self) -> None:
+        with self._replies_lock:
+            boxes, self._replies = list(self._replies.values()), {}
+        for box in boxes:
+            box.put(None)
+
+    # ---- requests and commands ------------------------------------------------------------------
+
+    def build_reqs(
+        self,
+        input_ids: Any,
+        sampling: dict[str, Any] | None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: Any = 0,
+        priority: int = 0,
+    ) -> list[Req]:
+        """Validate one prompt's token ids and sampling settings (ValueError naming the field) and
+        build its `n` Reqs; without `rid` each gets a fresh id, with n > 1 ids get a `-i` suffix.
+        Requests without a seed get one from this client's RNG (`random_seed`)."""
+        mc = self.model_config
+        validate_input_ids(input_ids, mc.vocab_size, mc.context_len, self.server_info["max_total_tokens"])
+        params = SamplingParams.from_dict(sampling, defaults=mc.generation_defaults)
+        params.verify(mc.vocab_size)
+        params.normalize()
+        if params.stop_strings() and self.tokenizer is None:
+            raise ValueError("`stop` strings need a tokenizer; this checkpoint has none")
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {top_logprobs_num!r}")
+        params.max_new_tokens = min(params.max_new_tokens, mc.context_len - len(input_ids))
+        reqs: list[Req] = []
+        for i in range(params.n):
+            req_rid = rid or uuid.uuid4().hex
+            if params.n > 1:
+                req_rid = f"{req_rid}-{i}"
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            reqs.append(
+                Req(
+                    req_rid,
+                    list(input_ids),
+                    params,
+                    seed=seed,
+                    return_logprob=bool(return_logprob) or top_logprobs_num > 0,
+                    top_logprobs_num=top_logprobs_num,
+                    priority=priority,
+                    eos_token_ids=frozenset(mc.eos_token_ids),
+                )
+            )
+        return reqs
+
+    def add(self, req: Req) -> None:
+        self._inbox.put(AddReq(req))
+
+    def abort(self, rid: str) -> None:
+        """Abort a waiting or running request; its final output (type 'abort') comes with the next step."""
+        self._inbox.put(AbortReq(rid))
+
+    def control(self, name: str, timeout: float = CONTROL_TIMEOUT_S) -> Any:
+        """'flush_cache' (bool) or 'get_info' (dict), answered between two steps; None once the
+        scheduler has stopped. queue.Empty after `timeout` seconds."""
+        token = next(self._tokens)
+        box: queue.Queue[Any] = queue.Queue()
+        with self._replies_lock:
+            if self._closed or self._dead:
+                return None
+            self._replies[token] = box
+        self._inbox.put(Control(name, token))
+        return box.get(timeout=timeout)

@@ -1,0 +1,366 @@
+"""The worker service: the scheduler (through SchedulerClient) behind NATS. Rank 0's process alone talks
+to NATS; with tp_size > 1 the ranks are its child processes.
+
+    {p}.worker.{wid}.requests  in   GenerateRequest -> a Req (validated, seeded) on the scheduler
+    {p}.worker.{wid}.control   in   ControlRequest abort | flush_cache | get_info -> ControlReply
+    {p}.detok.{wid}            out  one BatchTokenOut per scheduler step (every request it advanced)
+    {p}.gateway.{gid}.stream   out  error finals for requests refused here; with --with-detokenizer,
+                                    every stream message (the detokenizer runs in this process)
+    {p}.workers.load           out  WorkerLoad every load_interval seconds
+
+A request's first TokenOut carries its stop strings and skip_special_tokens, so a detokenizer needs no
+other channel. An abort for a request not (yet) here is remembered for a minute: a request whose abort
+overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker stops its WorkerLoad (gateways stop routing to it), refuses new
+requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
+an 'abort' final) and drains NATS.
+
+Metrics: rs_worker_running_requests, rs_worker_waiting_requests, rs_worker_kv_usage,
+rs_worker_cache_hit_rate (gauges); rs_worker_generated_tokens_total, rs_worker_prompt_tokens_total,
+rs_worker_steps_total, rs_worker_requests_total{status=stop|length|abort|error}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+from prometheus_client import Counter, Gauge
+
+from services.detokenizer.service import StreamPublisher
+from services.worker.scheduler.req import FinishReason
+from services.worker.scheduler.scheduler import ReqOutput
+from services.worker.scheduler_client import SchedulerClient
+from services.worker.service_config import WorkerServiceConfig
+from shared.bus import Bus, PayloadTooLarge
+from shared.metrics import MetricsServer, start_metrics_server
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    BatchTokenOut,
+    ControlReply,
+    ControlRequest,
+    Finish,
+    GenerateRequest,
+    TokenOut,
+    TopLogprob,
+    WorkerInfo,
+    WorkerLoad,
+)
+from shared.service import Service, connect_bus, drain_bus, is_subject_token, publish_error
+
+logger = logging.getLogger(__name__)
+
+INFO_TIMEOUT_S = 30.0
+# After drain_timeout, aborted requests get this long to publish their 'abort' finals.
+ABORT_GRACE_S = 5.0
+# An abort can overtake its request (still at the tokenizer); it is remembered this long, this many.
+EARLY_ABORT_TTL_S = 60.0
+EARLY_ABORT_MAX = 10_000
+
+
+@dataclass
+class _Flight:
+    """What the worker remembers of a request between its arrival and its final output."""
+
+    gateway_id: str
+    stop: list[str]
+    skip_special_tokens: bool
+    first: bool = True
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics."""
+
+    def __init__(self) -> None:
+        self.running = Gauge("rs_worker_running_requests", "requests decoding or prefilling")
+        self.waiting = Gauge("rs_worker_waiting_requests", "requests waiting for admission")
+        self.kv_usage = Gauge("rs_worker_kv_usage", "fraction of KV slots held by running requests")
+        self.cache_hit_rate = Gauge("rs_worker_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens")
+        self.generated = Counter("rs_worker_generated_tokens", "tokens generated")
+        self.prompt_tokens = Counter("rs_worker_prompt_tokens", "prompt tokens of accepted requests")
+        self.steps = Counter("rs_worker_steps", "scheduler steps that produced output")
+        self.requests = Counter("rs_worker_requests", "requests ended, by finish type", ["status"])
+
+
+class WorkerService(Service):
+    """One worker: a model on one device (or one TP group) serving requests from NATS."""
+
+    name = "worker"
+
+    def __init__(self, config: WorkerServiceConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.worker_id = config.worker_id
+        self.bus: Bus | None = None
+        self.client: SchedulerClient | None = None
+        self.stream: StreamPublisher | None = None
+        self.metrics = WorkerMetrics()
+        self._flights: dict[str, _Flight] = {}
+        self._early_aborts: dict[str, float] = {}  # rid -> when its abort came, oldest first
+        self._draining = False
+        self._step = 0
+        self._steps: asyncio.Queue[list[ReqOutput] | None] = asyncio.Queue()
+        self._step_task: asyncio.Task[None] | None = None
+        self._load_task: asyncio.Task[None] | None = None
+        self._metrics_server: MetricsServer | None = None
+
+    # ---- life cycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
+        logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
+        self.client = await asyncio.to_thread(
+            SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread
+        )
+        if cfg.with_detokenizer:
+            if self.client.tokenizer is None:
+                raise ValueError("--with-detokenizer needs a tokenizer; this checkpoint has none")
+            self.stream = StreamPublisher(self.bus, self.client.tokenizer)
+        subjects = self.bus.subjects
+        self._step_task = asyncio.create_task(self._publish_steps())
+        await self.bus.subscribe(subjects.worker_requests(self.worker_id), (GenerateRequest,), self._on_generate)
+        await self.bus.subscribe(subjects.worker_control(self.worker_id), (ControlRequest,), self._on_control)
+        self._load_task = asyncio.create_task(self._publish_load())
+        self._metrics_server = start_metrics_server(cfg.metrics_port, cfg.metrics_host)
+        logger.info(
+            "worker %s serves %s on %s (outputs to %s)", self.worker_id, cfg.model_name,
+            subjects.worker_requests(self.worker_id),
+            "gateways directly" if self.stream else subjects.detok(self.worker_id),
+        )
+
+    async def drain(self) -> None:
+        """Refuse new work, let running requests finish (bounded), abort the rest, drain NATS."""
+        self._draining = True
+        if self._load_task is not None:
+            self._load_task.cancel()
+        if self.client is not None:
+            if self._flights:
+                logger.info("waiting up to %.0f s for %d request(s)", self.config.drain_timeout, len(self._flights))
+            if not await self._wait_for_flights(self.config.drain_timeout):
+                logger.warning("aborting %d request(s) still running", len(self._flights))
+                for rid in list(self._flights):
+                    self.client.abort(rid)
+                await self._wait_for_flights(ABORT_GRACE_S)
+        self._steps.put_nowait(None)  # the step publisher sends what is queued, then stops
+        for task in (self._step_task, self._load_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                    await asyncio.wait_for(task, timeout=ABORT_GRACE_S)
+        await drain_bus(self.bus, 10.0)
+        if self.client is not None:
+            await asyncio.to_thread(self.client.shutdown)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+
+    async def _wait_for_flights(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._flights and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._flights
+
+    # ---- scheduler -> NATS ----------------------------------------------------------------------
+
+    def _outputs_from_thread(self, outputs: list[ReqOutput]) -> None:
+        """Called on the client's dispatcher thread: hand the step to the event loop, in order."""
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
+            self._loop.call_soon_threadsafe(self._steps.put_nowait, outputs)
+
+    def _failure_from_thread(self, message: str) -> None:
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._scheduler_failed(message)))
+
+    async def _scheduler_failed(self, message: str) -> None:
+        logger.error("worker %s: the scheduler failed: %s", self.worker_id, message)
+        flights, self._flights = self._flights, {}
+        for rid, flight in flights.items():
+            await self._refuse(flight.gateway_id, rid, f"worker {self.worker_id} failed: {message.splitlines()[0]}")
+        self.stop(1)
+
+    async def _publish_steps(self) -> None:
+        while (outputs := await self._steps.get()) is not None:
+            batch = self._token_batch(outputs)
+            if batch.items:
+                try:
+                    await self._send(batch)
+                except Exception:  # noqa: BLE001 - a lost step must not stop the next ones
+                    logger.exception("worker %s: could not publish step %d", self.worker_id, batch.step)
+
+    def _token_batch(self, outputs: list[ReqOutput]) -> BatchTokenOut:
+        self._step += 1
+        self.metrics.steps.inc()
+        items: list[TokenOut] = []
+        for out in outputs:
+            flight = self._flights.get(out.rid)
+            if flight is None:
+                continue
+            item = TokenOut(rid=out.rid, gateway_id=flight.gateway_id, token_ids=list(out.token_ids))
+            if out.logprobs:
+                item.logprobs = list(out.logprobs)
+            if out.top_logprobs:
+                item.top_logprobs = [[TopLogprob(tid, lp) for tid, lp in step] for step in out.top_logprobs]
+            if flight.first:
+                item.first, flight.first = True, False
+                item.stop = flight.stop or None
+                item.skip_special_tokens = flight.skip_special_tokens
+            if out.finished_reason is not None:
+                reason = out.finished_reason
+                item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message)
+                item.prompt_tokens = out.prompt_tokens
+                item.completion_tokens = out.completion_tokens
+                item.cached_tokens = out.cached_tokens
+                del self._flights[out.rid]
+                self.metrics.requests.labels(status=reason.type).inc()
+            self.metrics.generated.inc(len(out.token_ids))
+            items.append(item)
+        return BatchTokenOut(v=PROTOCOL_VERSION, worker_id=self.worker_id, step=self._step, items=items)
+
+    async def _send(self, batch: BatchTokenOut) -> None:
+        assert self.bus is not None
+        if self.stream is not None:
+            await self.stream.handle(batch)
+            return
+        subject = self.bus.subjects.detok(self.worker_id)
+        try:
+            await self.bus.publish(subject, batch)
+        except PayloadTooLarge:
+            # Many requests with many top logprobs: send the step one request at a time.
+            for item in batch.items:
+                await self.bus.publish(subject, BatchTokenOut(v=batch.v, worker_id=batch.worker_id, step=batch.step, items=[item]))
+
+    async def _publish_load(self) -> None:
+        assert self.bus is not None
+        while True:
+            started = time.monotonic()
+            try:
+                info = await self._info()
+                await self.bus.publish(
+                    self.bus.subjects.workers_load,
+                    WorkerLoad(
+                        v=PROTOCOL_VERSION, worker_id=self.worker_id, model=info.model,
+                        num_running=info.num_running, num_waiting=info.num_waiting,
+                        kv_usage=info.kv_in_use / max(1, info.max_total_tokens), cache_hit_rate=info.cache_hit_rate,
+                        max_total_tokens=info.max_total_tokens, context_len=info.context_len, timestamp=time.time(),
+                    ),
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - NATS down or scheduler busy: try next period
+                logger.warning("worker %s: no WorkerLoad this period: %s", self.worker_id, exc)
+            await asyncio.sleep(max(0.0, self.config.load_interval - (time.monotonic() - started)))
+
+    async def _info(self) -> WorkerInfo:
+        assert self.client is not None
+        raw = await asyncio.to_thread(self.client.control, "get_info", INFO_TIMEOUT_S)
+        if raw is None:
+            raise RuntimeError("the scheduler has stopped")
+        stats = raw["stats"]
+        info = WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.config.model_name,
+            max_total_tokens=raw["max_total_tokens"],
+            max_running_requests=raw["max_running_requests"],
+            context_len=self.client.model_config.context_len,
+            num_running=raw["num_running"],
+            num_waiting=raw["num_waiting"],
+            kv_free=raw["kv_free"],
+            kv_cached=raw["kv_cached"],
+            kv_in_use=raw["kv_in_use"],
+            cache_hit_rate=stats["cached_tokens"] / max(1, stats["prompt_tokens"]),
+            generated_tokens=stats["generated_tokens"],
+            tp_size=self.config.engine.tp_size,
+            device=raw["device"],
+        )
+        self.metrics.running.set(info.num_running)
+        self.metrics.waiting.set(info.num_waiting)
+        self.metrics.kv_usage.set(info.kv_in_use / max(1, info.max_total_tokens))
+        self.metrics.cache_hit_rate.set(info.cache_hit_rate)
+        return info
+
+    # ---- NATS -> scheduler ----------------------------------------------------------------------
+
+    async def _refuse(self, gateway_id: str, rid: str, message: str) -> None:
+        assert self.bus is not None
+        self.metrics.requests.labels(status="error").inc()
+        await publish_error(self.bus, gateway_id, rid, message)
+
+    async def _on_generate(self, msg: GenerateRequest, raw: Msg) -> None:
+        assert self.client is not None
+        if not is_subject_token(msg.gateway_id):
+            logger.warning("worker %s dropped request %s: gateway_id %r is not a subject token", self.worker_id, msg.rid, msg.gateway_id)
+            return
+        if self._draining:
+            await self._refuse(msg.gateway_id, msg.rid, f"worker {self.worker_id} is shutting down")
+            return
+        if msg.rid in self._flights:
+            await self._refuse(msg.gateway_id, msg.rid, f"request id {msg.rid!r} is already in flight")
+            return
+        try:
+            (req,) = self.client.build_reqs(
+                msg.input_ids, msg.sampling.to_dict(), rid=msg.rid, return_logprob=msg.return_logprob,
+                top_logprobs_num=msg.top_logprobs_num, priority=msg.priority,
+            )
+        except ValueError as exc:
+            logger.info("worker %s refused request %s: %s", self.worker_id, msg.rid, exc)
+            await self._refuse(msg.gateway_id, msg.rid, str(exc))
+            return
+        params = req.sampling_params
+        self._flights[req.rid] = _Flight(msg.gateway_id, params.stop_strings(), params.skip_special_tokens)
+        self.metrics.prompt_tokens.inc(len(msg.input_ids))
+        if self._early_aborts.pop(req.rid, None) is not None:
+            self._finish_unscheduled(req.rid, FinishReason("abort", message="aborted by request"), len(msg.input_ids))
+        elif params.max_new_tokens == 0:
+            self._finish_unscheduled(req.rid, FinishReason("length", 0), len(msg.input_ids))
+        else:
+            self.client.add(req)
+
+    def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int) -> None:
+        """A request that ends before the scheduler sees it: its final goes out as a step of its own."""
+        self._steps.put_nowait([ReqOutput(rid, [], finished_reason=reason, prompt_tokens=prompt_tokens)])
+
+    def _remember_early_abort(self, rid: str) -> None:
+        now = time.monotonic()
+        self._early_aborts[rid] = now
+        while self._early_aborts and (
+            len(self._early_aborts) > EARLY_ABORT_MAX or now - next(iter(self._early_aborts.values())) > EARLY_ABORT_TTL_S
+        ):
+            del self._early_aborts[next(iter(self._early_aborts))]
+
+    async def _on_control(self, msg: ControlRequest, raw: Msg) -> None:
+        assert self.bus is not None
+        try:
+            reply = await self._control(msg)
+        except (queue.Empty, RuntimeError) as exc:
+            reply = self._reply(False, f"the scheduler did not answer: {exc or 'timeout'}")
+        await self.bus.respond(raw, reply)
+
+    async def _control(self, msg: ControlRequest) -> ControlReply:
+        assert self.client is not None
+        if msg.command == "abort":
+            if not msg.rid:
+                return self._reply(False, "abort needs `rid`")
+            if msg.rid not in self._flights:
+                self._remember_early_abort(msg.rid)
+                return self._reply(
+                    False,
+                    f"request {msg.rid!r} is not in flight on worker {self.worker_id}; "
+                    "if it arrives within a minute it ends at once",
+                )
+            self.client.abort(msg.rid)
+            return self._reply(True)
+        if msg.command == "flush_cache":
+            if await asyncio.to_thread(self.client.control, "flush_cache", INFO_TIMEOUT_S):
+                return self._reply(True)
+            return self._reply(False, "requests are in flight; the cache was not flushed")
+        if msg.command == "get_info":
+            return ControlReply(v=PROTOCOL_VERSION, ok=True, info=await self._info())
+        return self._reply(False, f"unknown command {msg.command!r}; expected abort, flush_cache or get_info")
+
+    @staticmethod
+    def _reply(ok: bool, message: str | None = None) -> ControlReply:
+        return ControlReply(v=PROTOCOL_VERSION, ok=ok, message=message)

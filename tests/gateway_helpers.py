@@ -1,0 +1,298 @@
+"""Gateway test support: a gateway served from a background thread, and FakePipeline, a scripted
+stand-in for tokenizer + workers + detokenizer that speaks the real protocol on a real nats-server.
+
+FakePipeline "generates" by echoing the prompt's words, one word per step:
+- text (or the last chat message, or input ids as `t<id>`) -> one token per word, text "<word> ";
+  finish "stop" after the last word, "length" at max_new_tokens, or "stop" matched on a stop string
+  (the matching word is not emitted);
+- a prompt starting with "ERROR" is refused like a tokenizer refusing it (error final);
+- a prompt starting with "HANG" emits one word and then waits until it is aborted (abort final) or its
+  worker is killed (nothing more, as a crashed worker);
+- a prompt starting with "SILENT" is taken by the worker and never produces anything;
+- a prompt seen before reports all but its last token as cached.
+Logprobs: token i has logprob -(i + 1) / 10; top candidates are ids 0..k-1 with texts "c<j>".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from nats.aio.msg import Msg
+
+from services.gateway.config import GatewayConfig
+from services.gateway.service import GatewayService
+from shared.bus import Bus
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    BatchStreamOut,
+    ControlReply,
+    ControlRequest,
+    Finish,
+    StreamOut,
+    TokenizeRequest,
+    TopLogprob,
+    WorkerInfo,
+    WorkerLoad,
+)
+
+T = TypeVar("T")
+
+FAKE_MODEL = "fake-model"
+FAKE_CONTEXT = 64
+LOAD_INTERVAL_S = 0.2
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread; `run` executes a coroutine on it."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class GatewayThread:
+    """A full GatewayService (HTTP, gRPC, NATS front door) on free ports, in its own thread."""
+
+    def __init__(self, nats_url: str, **overrides: Any) -> None:
+        values: dict[str, Any] = {"nats_url": nats_url, "port": 0, "grpc_port": 0, "drain_timeout": 2.0}
+        self.config = GatewayConfig(**{**values, **overrides})
+        self.service = GatewayService(self.config)
+        self.thread = LoopThread(f"gateway-{self.config.gateway_id}")
+        self.thread.run(self.service.start())
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.config.host}:{self.service.grpc_port}"
+
+    def close(self) -> None:
+        try:
+            self.thread.run(self.service.drain(), timeout=30)
+        finally:
+            self.thread.close()
+
+
+@dataclass
+class FakeRequest:
+    """One request the fake pipeline is serving."""
+
+    msg: TokenizeRequest
+    words: list[str]
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakePipeline:
+    """Tokenizer, workers and detokenizer in one scripted NATS client (see the module docstring)."""
+
+    def __init__(
+        self,
+        nats_url: str,
+        workers: tuple[str, ...] = ("w1",),
+        prefix: str = "rs",
+        step_s: float = 0.01,
+        with_tokenizer: bool = True,
+    ) -> None:
+        self.nats_url = nats_url
+        self.with_tokenizer = with_tokenizer
+        self.prefix = prefix
+        self.step_s = step_s
+        self.alive = {wid: True for wid in workers}
+        self.requests: list[TokenizeRequest] = []
+        self.aborts: list[tuple[str, str]] = []
+        self.controls: list[tuple[str, str]] = []
+        self.running: dict[str, dict[str, FakeRequest]] = {wid: {} for wid in workers}
+        self.seen_prompts: set[str] = set()
+        self.refuse_flush = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.thread = LoopThread("fake-pipeline")
+        self.thread.run(self._start())
+
+    async def _start(self) -> None:
+        self.bus = await Bus.connect(self.nats_url, "fake-pipeline", self.prefix)
+        if self.with_tokenizer:
+            await self.bus.subscribe(
+                self.bus.subjects.tokenize, (TokenizeRequest,), self._on_tokenize, queue="tokenizer"
+            )
+        for wid in self.alive:
+            await self.bus.subscribe(self.bus.subjects.worker_control(wid), (ControlRequest,), self._control_handler(wid))
+        self._loads = asyncio.create_task(self._publish_loads())
+        await self._publish_loads_once()
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for task in [self._loads, *self._tasks]:
+                task.cancel()
+            await asyncio.gather(self._loads, *self._tasks, return_exceptions=True)
+            await self.bus.nc.close()
+
+        self.thread.run(stop())
+        self.thread.close()
+
+    def kill_worker(self, worker_id: str) -> None:
+        """The worker stops reporting and stepping, without finals (as a crashed process)."""
+        self.alive[worker_id] = False
+
+    def in_flight(self, worker_id: str) -> list[str]:
+        return list(self.running[worker_id])
+
+    def wait_until(self, predicate: Any, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached in time")
+            time.sleep(0.02)
+
+    # ---- NATS side ------------------------------------------------------------------------------
+
+    async def _publish_loads_once(self) -> None:
+        for wid, alive in self.alive.items():
+            if alive:
+                load = WorkerLoad(
+                    v=PROTOCOL_VERSION, worker_id=wid, model=FAKE_MODEL, num_running=len(self.running[wid]),
+                    num_waiting=0, kv_usage=0.0, cache_hit_rate=0.0, max_total_tokens=1000,
+                    context_len=FAKE_CONTEXT, timestamp=time.time(),
+                )
+                await self.bus.publish(self.bus.subjects.workers_load, load)
+
+    async def _publish_loads(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            await self._publish_loads_once()
+
+    def _control_handler(self, wid: str) -> Any:
+        async def handle(msg: ControlRequest, raw: Msg) -> None:
+            if not self.alive[wid]:
+                return
+            self.controls.append((wid, msg.command))
+            reply = ControlReply(v=PROTOCOL_VERSION, ok=True)
+            if msg.command == "abort":
+                assert msg.rid is not None
+                self.aborts.append((wid, msg.rid))
+                request = self.running[wid].get(msg.rid)
+                if request is not None:
+                    request.aborted.set()
+                else:
+                    reply = ControlReply(v=PROTOCOL_VERSION, ok=False, message=f"no request {msg.rid}")
+            elif msg.command == "flush_cache":
+                reply = ControlReply(v=PROTOCOL_VERSION, ok=not self.refuse_flush)
+            elif msg.command == "get_info":
+                info = WorkerInfo(
+                    worker_id=wid, model=FAKE_MODEL, max_total_tokens=1000, max_running_requests=8,
+                    context_len=FAKE_CONTEXT, num_running=len(self.running[wid]), num_waiting=0, kv_free=1000,
+                    kv_cached=0, kv_in_use=0, cache_hit_rate=0.0, generated_tokens=0, tp_size=1, device="cpu",
+                )
+                reply = ControlReply(v=PROTOCOL_VERSION, ok=True, info=info)
+            await self.bus.respond(raw, reply)
+
+        return handle
+
+    async def _on_tokenize(self, msg: TokenizeRequest, raw: Msg) -> None:
+        self.requests.append(msg)
+        prompt = _prompt_of(msg)
+        if prompt.startswith("ERROR"):
+            await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
+                type="error", message="the prompt has 9999 tokens; the model's context is 64 (`input_ids` too long)")))
+            return
+        request = FakeRequest(msg, prompt.split())
+        self.running[msg.worker_id][msg.rid] = request
+        if prompt.startswith("SILENT"):
+            return
+        task = asyncio.create_task(self._generate(request, cached=prompt in self.seen_prompts))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self.seen_prompts.add(prompt)
+
+    async def _send(self, msg: TokenizeRequest, out: StreamOut) -> None:
+        await self.bus.publish(self.bus.subjects.gateway_stream(msg.gateway_id), BatchStreamOut(v=PROTOCOL_VERSION, items=[out]))
+
+    async def _generate(self, request: FakeRequest, cached: bool) -> None:
+        msg, wid = request.msg, request.msg.worker_id
+        limit = msg.sampling.max_new_tokens if msg.sampling.max_new_tokens is not None else 128
+        stops = msg.sampling.stop or []
+        hang = request.words[0] == "HANG"
+        usage = {"prompt_tokens": len(request.words), "cached_tokens": len(request.words) - 1 if cached else 0}
+        produced = 0
+        try:
+            for i, word in enumerate(request.words):
+                await asyncio.sleep(self.step_s)
+                if not self.alive[wid]:
+                    return
+                if produced == limit:
+                    await self._send(msg, _final(msg.rid, Finish(type="length", matched=limit), produced, usage))
+                    return
+                if word in stops:
+                    await self._send(msg, _final(msg.rid, Finish(type="stop", matched=word), produced, usage))
+                    return
+                produced += 1
+                await self._send(msg, _token(msg, i, word))
+                if hang:
+                    await request.aborted.wait()
+                    if self.alive[wid]:
+                        await self._send(msg, _final(msg.rid, Finish(type="abort", message="aborted"), produced, usage))
+                    return
+            await asyncio.sleep(self.step_s)
+            if self.alive[wid]:
+                await self._send(msg, _final(msg.rid, Finish(type="stop"), produced, usage))
+        finally:
+            self.running[wid].pop(msg.rid, None)
+
+
+def _prompt_of(msg: TokenizeRequest) -> str:
+    if msg.text is not None:
+        return msg.text
+    if msg.messages:
+        return msg.messages[-1].content
+    return " ".join(f"t{i}" for i in msg.input_ids or [])
+
+
+def _token(msg: TokenizeRequest, index: int, word: str) -> StreamOut:
+    out = StreamOut(rid=msg.rid, text=word + " ", token_ids=[100 + index])
+    if msg.return_logprob:
+        out.logprobs = [-(index + 1) / 10]
+        out.token_texts = [word + " "]
+        if msg.top_logprobs_num:
+            out.top_logprobs = [[TopLogprob(j, -(j + 1) / 10) for j in range(msg.top_logprobs_num)]]
+            out.top_logprob_texts = [[f"c{j}" for j in range(msg.top_logprobs_num)]]
+    return out
+
+
+def _final(rid: str, finish: Finish, produced: int, usage: dict[str, int]) -> StreamOut:
+    return StreamOut(rid=rid, text="", token_ids=[], finish=finish, completion_tokens=produced, **usage)
+
+
+def wait_for_workers(url: str, count: int, timeout: float = 10.0) -> None:
+    """Block until the gateway at `url` hears `count` live workers."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).json().get("workers", 0) >= count:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the gateway at {url} did not see {count} worker(s) within {timeout} s")
+
+
+def run_in_new_loop(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    """Run a coroutine on a fresh event loop in a helper thread (tests are synchronous)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result(timeout)

@@ -1,0 +1,295 @@
+"""The whole pipeline as real processes on a real nats-server, through the gateway's every door:
+two gateways, one tokenizer, two workers (each detokenizing in-process) serving the embedded default
+model. The official `openai` client, httpx on the native API, generated gRPC stubs and nats-py; greedy
+answers equal the offline Engine's. The last test kills a worker, so it stays last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import msgspec
+import nats
+import openai
+import pytest
+
+from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from services.worker.engine import Engine
+from shared.natsd import NatsServer, start_nats_server
+from shared.protocol import PROTOCOL_VERSION, NatsGenerateChunk, NatsGenerateRequest, Sampling
+from tests.gateway_helpers import wait_for_workers
+from tests.services_helpers import ServiceProcess
+
+QUESTION = "What is the capital of France?"
+GREEDY_TOKENS = 24
+WORKERS = ("w1", "w2")
+
+
+@dataclass
+class Gateway:
+    process: ServiceProcess
+    url: str
+    grpc_target: str
+
+
+@dataclass
+class Stack:
+    nats: NatsServer
+    gateways: list[Gateway]
+    workers: dict[str, ServiceProcess]
+    model: str
+
+
+def _gateway_addresses(process: ServiceProcess) -> tuple[str, str]:
+    match = re.search(r"HTTP on (http://[\d.]+:\d+), gRPC on ([\d.]+:\d+)", process.log())
+    assert match, f"the gateway logged no addresses:\n{process.log()[-2000:]}"
+    return match.group(1), match.group(2)
+
+
+@pytest.fixture(scope="module")
+def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    log_dir = tmp_path_factory.mktemp("gateway_e2e_logs")
+    nats_server = start_nats_server()
+    common = ["--nats-url", nats_server.url, "--metrics-port", "0"]
+    model = ["--model-path", str(default_model_path)]
+    with pytest.MonkeyPatch.context() as env:
+        # Two model processes share the test machine's cores: one thread each, no oversubscription.
+        env.setenv("OMP_NUM_THREADS", "1")
+        processes = [ServiceProcess.start("tokenizer", [*common, *model], log_dir)]
+        workers = {
+            wid: ServiceProcess.start(
+                "worker", [*common, *model, "--worker-id", wid, "--with-detokenizer", "--max-total-tokens", "8192"],
+                log_dir, label=wid,
+            )
+            for wid in WORKERS
+        }
+        gateway_processes = [
+            ServiceProcess.start(
+                "gateway", [*common, "--gateway-id", gid, "--port", "0", "--grpc-port", "0"], log_dir, label=gid
+            )
+            for gid in ("g1", "g2")
+        ]
+    processes += [*workers.values(), *gateway_processes]
+    try:
+        for process in processes:
+            process.wait_ready()
+        gateways = [Gateway(p, *_gateway_addresses(p)) for p in gateway_processes]
+        for gateway in gateways:
+            wait_for_workers(gateway.url, len(WORKERS), timeout=30)
+        yield Stack(nats_server, gateways, workers, default_model_path.name)
+    finally:
+        for process in processes:
+            process.kill()
+        nats_server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Path) -> Iterator[Engine]:
+    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateways[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_chat_says_paris_exactly_like_the_offline_engine(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(model=stack.model, messages=messages, temperature=0, max_tokens=GREEDY_TOKENS)
+    expected = engine.generate(engine.apply_chat_template(messages), {"temperature": 0, "max_new_tokens": GREEDY_TOKENS})
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].message.content == expected["text"]
+    assert reply.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert reply.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+    streamed = client.chat.completions.create(
+        model=stack.model, messages=messages, temperature=0, max_tokens=GREEDY_TOKENS, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    # The same prompt again: its prefix is in the radix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_openai_completions_n2_logprobs_stop_and_usage(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
+    prompt = "The three primary colors are"
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})
+    # The reference text is the decoded ids (the Engine's own text drops a length-finished last token).
+    free_text = engine.tokenizer.decode(free["output_ids"], skip_special_tokens=True)
+    stop = free_text[len(free_text) // 2 :][:3]
+    reply = client.completions.create(
+        model=stack.model, prompt=prompt, n=2, temperature=0, max_tokens=16, stop=[stop], logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    expected_text = free_text[: free_text.index(stop)]
+    assert [c.text for c in reply.choices] == [expected_text, expected_text]
+    assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+    per_choice = reply.usage.completion_tokens // 2
+    for choice in reply.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == per_choice
+        assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+        assert "".join(choice.logprobs.tokens).startswith(expected_text)
+    streamed = client.completions.create(model=stack.model, prompt=prompt, temperature=0, max_tokens=16, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == free_text
+
+
+def test_native_generate_streams_the_same_text_it_returns(stack: Stack) -> None:
+    body = {"text": "Once upon a time", "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+    url = stack.gateways[1].url
+    whole = httpx.post(f"{url}/generate", json=body, timeout=60).json()
+    streamed = httpx.post(f"{url}/generate", json=body | {"stream": True}, timeout=60)
+    events = [e[6:] for e in streamed.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert (last["text"], last["output_ids"]) == (whole["text"], whole["output_ids"])
+    assert last["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_prompt_longer_than_the_context_is_400(stack: Stack) -> None:
+    response = httpx.post(f"{stack.gateways[0].url}/v1/completions", json={"prompt": [5] * 9000}, timeout=60)
+    assert response.status_code == 400
+    assert "input_ids" in response.json()["error"]["message"]
+
+
+def test_grpc_generate_streams_and_health_serves(stack: Stack) -> None:
+    reference = httpx.post(
+        f"{stack.gateways[0].url}/generate",
+        json={"text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 10}}, timeout=60,
+    ).json()
+    with grpc.insecure_channel(stack.gateways[1].grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="radixserve.v1.RadixServe"), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        request = radixserve_pb2.GenerateRequest(
+            text="The sky is", sampling_params=radixserve_pb2.SamplingParams(temperature=0, max_new_tokens=10)
+        )
+        responses = list(radixserve_pb2_grpc.RadixServeStub(channel).Generate(request, timeout=60))
+    assert len(responses) > 1 and responses[-1].final
+    assert "".join(r.text for r in responses) == reference["text"]
+    assert [t for r in responses for t in r.token_ids] == reference["output_ids"]
+
+
+def test_nats_client_on_v1_generate(stack: Stack) -> None:
+    async def ask() -> list[NatsGenerateChunk]:
+        nc = await nats.connect(stack.nats.url)
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            request = NatsGenerateRequest(v=PROTOCOL_VERSION, text="The sky is", sampling=Sampling(temperature=0.0, max_new_tokens=10))
+            await nc.publish("rs.v1.generate", msgspec.msgpack.encode(request), reply=inbox)
+            chunks = [msgspec.msgpack.decode((await sub.next_msg(timeout=60)).data, type=NatsGenerateChunk)]
+            while not chunks[-1].final:
+                chunks.append(msgspec.msgpack.decode((await sub.next_msg(timeout=60)).data, type=NatsGenerateChunk))
+            return chunks
+        finally:
+            await nc.close()
+
+    chunks = asyncio.run(ask())
+    reference = httpx.post(
+        f"{stack.gateways[0].url}/generate",
+        json={"text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 10}}, timeout=60,
+    ).json()
+    assert chunks[-1].error is None
+    assert "".join(c.text for c in chunks) == reference["text"]
+    assert chunks[-1].completion_tokens == len(reference["output_ids"])
+
+
+def _worker_info(url: str, worker_id: str) -> dict[str, Any]:
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    return next(w["info"] for w in info["workers"] if w["worker_id"] == worker_id)
+
+
+def _wait_for_idle_load_reports(url: str, timeout: float = 10.0) -> None:
+    """Until every worker's latest WorkerLoad (what routing sees) shows nothing running or waiting."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        loads = [w["load"] for w in httpx.get(f"{url}/get_server_info", timeout=30).json()["workers"]]
+        if all(load["num_running"] == load["num_waiting"] == 0 for load in loads):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the workers did not report idle")
+
+
+def test_client_disconnect_aborts_and_frees_the_kv(stack: Stack) -> None:
+    url = stack.gateways[0].url
+    body = {"text": "Count to ten thousand:", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/generate", json=body) as response:
+        worker = response.headers["x-radixserve-worker"]
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: "))
+        busy = _worker_info(url, worker)
+    assert busy["num_running"] == 1 and busy["kv_in_use"] > 0
+    deadline = time.monotonic() + 10
+    while (info := _worker_info(url, worker))["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (info["num_running"], info["kv_in_use"]) == (0, 0)
+
+
+def test_two_gateways_and_two_workers_serve_concurrent_requests(stack: Stack) -> None:
+    body = {"text": "List three fruits:", "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+
+    def ask(url: str) -> tuple[str, str]:
+        response = httpx.post(f"{url}/generate", json=body, timeout=60)
+        return response.json()["text"], response.headers["x-radixserve-worker"]
+
+    for gateway in stack.gateways:
+        _wait_for_idle_load_reports(gateway.url)  # then each gateway sends its two to different workers
+    urls = [g.url for g in stack.gateways for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+        answers = list(pool.map(ask, urls))
+    assert len({text for text, _ in answers}) == 1, answers
+    assert {worker for _, worker in answers} == set(WORKERS), answers
+
+
+def test_worker_killed_mid_stream_errors_within_10_s_and_spares_the_other(stack: Stack) -> None:
+    url = stack.gateways[0].url
+    _wait_for_idle_load_reports(url)  # then two requests in a row go to different workers
+    body = {"model": stack.model, "prompt": "Count to ten thousand:", "stream": True, "max_tokens": 2000, "ignore_eos": True}
+    spared_body = body | {"max_tokens": 40}
+    with httpx.Client(timeout=10) as a, httpx.Client(timeout=60) as b:
+        with a.stream("POST", f"{url}/v1/completions", json=body) as doomed, b.stream(
+            "POST", f"{url}/v1/completions", json=spared_body
+        ) as spared:
+            victim, survivor = doomed.headers["x-radixserve-worker"], spared.headers["x-radixserve-worker"]
+            assert victim != survivor
+            doomed_lines = doomed.iter_lines()
+            next(line for line in doomed_lines if line.startswith("data: "))
+            stack.workers[victim].kill()
+            # a's read timeout (10 s) bounds how long the error event may take.
+            events = [line[6:] for line in doomed_lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert "stopped responding" in json.loads(events[-2])["error"]["message"]
+            rest = [json.loads(line[6:]) for line in spared.iter_lines() if line.startswith("data: {")]
+    assert rest[-1]["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{url}/health", timeout=5).json()["workers"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+    assert after.status_code == 200 and after.headers["x-radixserve-worker"] == survivor
+
+
+def test_sigterm_lets_a_running_stream_finish_and_the_gateway_exits_0(stack: Stack) -> None:
+    gateway = stack.gateways[1]
+    body = {"text": "Count to ten:", "stream": True, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{gateway.url}/generate", json=body) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        gateway.process.proc.send_signal(signal.SIGTERM)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "length"
+    assert gateway.process.terminate() == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{gateway.url}/health", timeout=5)

@@ -1,0 +1,204 @@
+"""Bad input and faults at the gateway, each with its status: malformed JSON or wrong types -> 400
+naming the field; unknown model -> 404; too large -> 413; no worker or no tokenizer -> 503 within 5 s;
+a worker that dies mid-stream -> an error event and a closed stream within 10 s, other workers'
+requests untouched; a client that goes away -> its request is aborted on the worker.
+Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real nats-server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from shared.natsd import NatsServer, start_nats_server
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with start_nats_server(max_payload=MB) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
+    fake = FakePipeline(nats.url, workers=("w1",))
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
+    gw = GatewayThread(nats.url, first_output_timeout=1.0)
+    wait_for_workers(gw.url, 1)
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        yield client
+
+
+def error_of(response: httpx.Response) -> tuple[int, str | None, str]:
+    error = response.json()["error"]
+    return response.status_code, error["param"], error["message"]
+
+
+def chat(content: object, **fields: object) -> dict[str, object]:
+    return {"model": FAKE_MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def test_malformed_json_is_400(http: httpx.Client) -> None:
+    response = http.post("/v1/chat/completions", content=b'{"model": "x", "messages": [', headers={"content-type": "application/json"})
+    status, param, message = error_of(response)
+    assert (status, param) == (400, "body")
+    assert "not valid JSON" in message
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/chat/completions", chat(5), "messages.0.content"),
+        ("/v1/chat/completions", chat("hi", temperature="hot"), "temperature"),
+        ("/v1/chat/completions", chat("hi", stream="yes"), "stream"),
+        ("/v1/chat/completions", {"model": FAKE_MODEL}, "messages"),
+        ("/v1/completions", {"model": FAKE_MODEL, "prompt": "hi", "max_tokens": "7"}, "max_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_k": 1.5}}, "sampling_params.top_k"),
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+    ],
+)
+def test_wrong_types_are_400_naming_the_field(http: httpx.Client, path: str, body: dict[str, object], field: str) -> None:
+    status, param, message = error_of(http.post(path, json=body))
+    assert (status, param) == (400, field)
+    assert message.startswith(field)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (chat("hi", top_p=2.0), "top_p"),
+        (chat("hi", temperature=-1), "temperature"),
+        (chat("hi", top_k=0), "top_k"),
+        (chat("hi", max_tokens=-1), "max_tokens"),
+        (chat("hi", n=0), "n"),
+        (chat("hi", top_logprobs=2), "top_logprobs"),
+        (chat("hi", stop=[""]), "stop"),
+        (chat([{"type": "image_url", "image_url": {"url": "x"}}]), "messages.0.content.0.type"),
+    ],
+)
+def test_out_of_range_values_are_400_naming_the_field(http: httpx.Client, body: dict[str, object], field: str) -> None:
+    status, param, _ = error_of(http.post("/v1/chat/completions", json=body))
+    assert (status, param) == (400, field)
+
+
+def test_unknown_model_is_404(http: httpx.Client) -> None:
+    status, param, message = error_of(http.post("/v1/chat/completions", json=chat("hi") | {"model": "gpt-9"}))
+    assert (status, param) == (404, "model")
+    assert FAKE_MODEL in message
+    assert http.get("/v1/models/gpt-9").status_code == 404
+
+
+def test_body_over_the_limit_is_413(http: httpx.Client) -> None:
+    response = http.post("/generate", json={"text": "x" * (2 * MB)})
+    assert response.status_code == 413
+    assert "limit" in response.json()["error"]["message"]
+
+
+def test_request_over_nats_max_payload_is_413(nats: NatsServer, pipeline: FakePipeline) -> None:
+    gw = GatewayThread(nats.url, max_request_bytes=4 * MB)
+    try:
+        response = httpx.post(f"{gw.url}/generate", json={"text": "x" * (2 * MB)}, timeout=10)
+    finally:
+        gw.close()
+    assert response.status_code == 413
+    assert "max_payload" in response.json()["error"]["message"]
+
+
+def test_prompt_refused_by_the_pipeline_is_400_with_its_message(http: httpx.Client) -> None:
+    status, _, message = error_of(http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long"}))
+    assert status == 400
+    assert "too long" in message
+    # Streaming too: the response starts only once the first output is known.
+    streamed = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long", "stream": True})
+    assert streamed.status_code == 400
+
+
+def test_no_worker_is_503_within_5_s(nats: NatsServer) -> None:
+    gw = GatewayThread(nats.url, subject_prefix="empty")
+    try:
+        response = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "hi"}, timeout=5)
+    finally:
+        gw.close()
+    assert response.status_code == 503
+    assert "no live worker" in response.json()["error"]["message"]
+
+
+def test_no_tokenizer_is_503_at_once(nats: NatsServer) -> None:
+    fake = FakePipeline(nats.url, workers=("lonely",), prefix="notok", with_tokenizer=False)
+    gw = GatewayThread(nats.url, subject_prefix="notok")
+    try:
+        wait_for_workers(gw.url, 1)
+        response = httpx.post(f"{gw.url}/generate", json={"text": "hi"}, timeout=5)
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 503
+    assert "no tokenizer" in response.json()["error"]["message"]
+
+
+def test_a_request_without_any_output_ends_with_504(http: httpx.Client) -> None:
+    status, _, message = error_of(http.post("/generate", json={"text": "SILENT please"}))
+    assert status == 504
+    assert "no output" in message
+
+
+def test_worker_killed_mid_stream_ends_its_streams_only(nats: NatsServer) -> None:
+    fake = FakePipeline(nats.url, workers=("k1", "k2"), prefix="kill")
+    gw = GatewayThread(nats.url, subject_prefix="kill")
+    try:
+        wait_for_workers(gw.url, 2)
+        with httpx.Client(base_url=gw.url, timeout=10) as a, httpx.Client(base_url=gw.url, timeout=10) as b:
+            body = {"model": FAKE_MODEL, "stream": True, "max_tokens": 5}
+            with a.stream("POST", "/v1/completions", json=body | {"prompt": "HANG a"}) as doomed, b.stream(
+                "POST", "/v1/completions", json=body | {"prompt": "HANG b"}
+            ) as spared:
+                doomed_lines, spared_lines = doomed.iter_lines(), spared.iter_lines()
+                assert json.loads(next(doomed_lines)[6:])["choices"][0]["text"] == "HANG "
+                assert json.loads(next(spared_lines)[6:])["choices"][0]["text"] == "HANG "
+                (victim,) = {r.worker_id for r in fake.requests if r.text == "HANG a"}
+                fake.kill_worker(victim)
+                # The read timeout (10 s) bounds how long the error may take.
+                events = [line[6:] for line in doomed_lines if line.startswith("data: ")]
+                assert events[-1] == "[DONE]"
+                assert "stopped responding" in json.loads(events[-2])["error"]["message"]
+                (spared_rid,) = [r.rid for r in fake.requests if r.text == "HANG b"]
+                assert spared_rid in fake.in_flight("k2" if victim == "k1" else "k1")
+                httpx.post(f"{gw.url}/abort_request", json={"rid": spared_rid}, timeout=5)
+                rest = [json.loads(line[6:]) for line in spared_lines if line.startswith("data: {")]
+                assert rest[-1]["choices"][0]["finish_reason"] == "abort"
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
+        assert 'rs_gateway_requests_total{endpoint="/v1/completions",status="503"} 1.0' in metrics
+    finally:
+        gw.close()
+        fake.close()
+
+
+def test_sse_disconnect_aborts_the_request_on_its_worker(gateway: GatewayThread, pipeline: FakePipeline) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        with client.stream("POST", "/generate", json={"text": "HANG up", "rid": "gone-sse", "stream": True}) as response:
+            assert json.loads(next(response.iter_lines())[6:])["text"] == "HANG "
+    pipeline.wait_until(lambda: ("w1", "gone-sse") in pipeline.aborts)
+    pipeline.wait_until(lambda: "gone-sse" not in pipeline.in_flight("w1"))
+
+
+def test_non_streaming_disconnect_aborts_the_request(gateway: GatewayThread, pipeline: FakePipeline) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway.url}/generate", json={"text": "HANG still", "rid": "gone-plain"}, timeout=0.5)
+    pipeline.wait_until(lambda: ("w1", "gone-plain") in pipeline.aborts)
+    pipeline.wait_until(lambda: 'endpoint="/generate",status="499"' in httpx.get(f"{gateway.url}/metrics").text)

@@ -1,0 +1,131 @@
+"""The gateway's gRPC API with the stubs generated from proto/ (services/gateway/protos.py): streaming
+Generate, Abort, ModelInfo, status codes, cancel -> abort, and grpc.health.v1. Against a scripted
+pipeline (tests/gateway_helpers.FakePipeline) on a real nats-server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from shared.natsd import NatsServer, start_nats_server
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with start_nats_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
+    fake = FakePipeline(nats.url)
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
+    gw = GatewayThread(nats.url)
+    wait_for_workers(gw.url, 1)
+    yield gw
+    gw.close()
+
+
+@pytest.fixture(scope="module")
+def channel(gateway: GatewayThread) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(gateway.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel: grpc.Channel) -> Any:
+    return radixserve_pb2_grpc.RadixServeStub(channel)
+
+
+def request(**fields: Any) -> Any:
+    return radixserve_pb2.GenerateRequest(**fields)
+
+
+def test_generate_streams_deltas_then_a_final_with_usage(stub: Any, pipeline: FakePipeline) -> None:
+    sampling = radixserve_pb2.SamplingParams(max_new_tokens=10, temperature=0.0, stop=["never"])
+    responses = list(stub.Generate(request(text="hello grpc world", sampling_params=sampling, rid="g-1"), timeout=10))
+    assert "".join(r.text for r in responses) == "hello grpc world "
+    assert [t for r in responses for t in r.token_ids] == [100, 101, 102]
+    assert all(r.rid == "g-1" for r in responses)
+    assert [r.final for r in responses] == [False] * (len(responses) - 1) + [True]
+    final = responses[-1]
+    assert final.finish.type == "stop"
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 3)
+    sent = next(r for r in pipeline.requests if r.rid == "g-1")
+    assert (sent.sampling.max_new_tokens, sent.sampling.temperature, sent.sampling.stop) == (10, 0.0, ["never"])
+    assert sent.sampling.top_p is None  # unset optional fields stay unset
+
+
+def test_generate_from_token_ids_and_chat_with_logprobs(stub: Any) -> None:
+    ids = list(stub.Generate(request(input_ids=radixserve_pb2.TokenIds(ids=[7, 8])), timeout=10))
+    assert "".join(r.text for r in ids) == "t7 t8 "
+    chat = radixserve_pb2.ChatMessages(messages=[radixserve_pb2.ChatMessage(role="user", content="q r")])
+    out = list(stub.Generate(request(chat=chat, return_logprob=True, top_logprobs_num=1), timeout=10))
+    logprobs = [lp for r in out for lp in r.logprobs]
+    assert [(lp.token_id, round(lp.logprob, 5)) for lp in logprobs] == [(100, -0.1), (101, -0.2)]
+    assert [c.token_id for c in logprobs[0].top_logprobs] == [0]
+
+
+def test_stop_string_and_length_finishes(stub: Any) -> None:
+    stopped = list(stub.Generate(request(text="a b c", sampling_params=radixserve_pb2.SamplingParams(stop=["b"])), timeout=10))
+    assert stopped[-1].finish.matched_text == "b"
+    cut = list(stub.Generate(request(text="a b c", sampling_params=radixserve_pb2.SamplingParams(max_new_tokens=1)), timeout=10))
+    assert (cut[-1].finish.type, "".join(r.text for r in cut)) == ("length", "a ")
+
+
+@pytest.mark.parametrize(
+    ("fields", "code"),
+    [
+        ({}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"text": "ERROR x"}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"text": "x", "sampling_params": radixserve_pb2.SamplingParams(top_p=3.0)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"text": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_errors_are_grpc_statuses(stub: Any, fields: dict[str, Any], code: grpc.StatusCode) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request(**fields), timeout=10))
+    assert err.value.code() == code
+
+
+def test_cancel_aborts_the_request_on_its_worker(stub: Any, pipeline: FakePipeline) -> None:
+    call = stub.Generate(request(text="HANG around", rid="g-cancel"), timeout=10)
+    assert next(call).text == "HANG "
+    call.cancel()
+    pipeline.wait_until(lambda: ("w1", "g-cancel") in pipeline.aborts)
+
+
+def test_abort_rpc_ends_the_stream_with_abort(stub: Any) -> None:
+    call = stub.Generate(request(text="HANG there", rid="g-abort"), timeout=10)
+    assert next(call).text == "HANG "
+    assert stub.Abort(radixserve_pb2.AbortRequest(rid="g-abort"), timeout=5).found is True
+    rest = list(call)
+    assert rest[-1].final and rest[-1].finish.type == "abort"
+
+
+def test_model_info_lists_the_served_model(stub: Any) -> None:
+    info = stub.ModelInfo(radixserve_pb2.ModelInfoRequest(), timeout=5)
+    assert [(m.model, m.context_len, m.workers) for m in info.models] == [(FAKE_MODEL, 64, 1)]
+
+
+def test_health_check_and_watch(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == serving
+    assert health.Check(health_pb2.HealthCheckRequest(service="radixserve.v1.RadixServe"), timeout=5).status == serving
+    with pytest.raises(grpc.RpcError) as err:
+        health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert next(watch).status == serving
+    watch.cancel()

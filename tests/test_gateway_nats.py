@@ -1,0 +1,118 @@
+"""The NATS front door ({p}.v1.generate, {p}.v1.abort) with a plain nats-py client, as docs/API.md shows
+it: streamed chunks to the reply inbox, an explicit final, errors as finals, abort, malformed
+messages, and the queue group that gives each request to exactly one of several gateways.
+Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import msgspec
+import nats
+import pytest
+
+from shared.natsd import NatsServer, start_nats_server
+from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, Sampling
+from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, wait_for_workers
+
+CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
+
+
+@pytest.fixture(scope="module")
+def nats_server() -> Iterator[NatsServer]:
+    with start_nats_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pipeline(nats_server: NatsServer) -> Iterator[FakePipeline]:
+    fake = FakePipeline(nats_server.url)
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def gateways(nats_server: NatsServer, pipeline: FakePipeline) -> Iterator[list[GatewayThread]]:
+    gws = [GatewayThread(nats_server.url, enable_grpc=False) for _ in range(2)]
+    for gw in gws:
+        wait_for_workers(gw.url, 1)
+    yield gws
+    for gw in gws:
+        gw.close()
+
+
+async def generate(url: str, payload: bytes, abort_after_first: bool = False) -> list[NatsGenerateChunk]:
+    """Send one request to rs.v1.generate and collect the replies up to the final one."""
+    nc = await nats.connect(url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("rs.v1.generate", payload, reply=inbox)
+        chunks: list[NatsGenerateChunk] = []
+        while not chunks or not chunks[-1].final:
+            chunks.append(CHUNK.decode((await sub.next_msg(timeout=10)).data))
+            if abort_after_first and len(chunks) == 1:
+                await nc.publish("rs.v1.abort", msgspec.msgpack.encode(NatsAbort(v=PROTOCOL_VERSION, rid=chunks[0].rid)))
+        return chunks
+    finally:
+        await nc.close()
+
+
+def request(**fields: object) -> bytes:
+    return msgspec.msgpack.encode(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields))  # type: ignore[arg-type]
+
+
+def test_streamed_replies_end_with_an_explicit_final(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
+    chunks = run_in_new_loop(generate(nats_server.url, request(text="over the wire", rid="n-1")))
+    assert "".join(c.text for c in chunks) == "over the wire "
+    assert [c.final for c in chunks] == [False, False, False, True]
+    final = chunks[-1]
+    assert final.finish is not None and final.finish.type == "stop"
+    assert (final.rid, final.prompt_tokens, final.completion_tokens, final.error) == ("n-1", 3, 3, None)
+
+
+def test_unstreamed_request_gets_one_final_with_the_whole_text(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
+    chunks = run_in_new_loop(
+        generate(nats_server.url, request(text="all at once", stream=False, sampling=Sampling(max_new_tokens=2)))
+    )
+    assert len(chunks) == 1
+    assert (chunks[0].text, chunks[0].token_ids, chunks[0].finish.type) == ("all at ", [100, 101], "length")
+
+
+def test_each_request_is_served_by_exactly_one_gateway(
+    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    async def many() -> list[list[NatsGenerateChunk]]:
+        return list(await asyncio.gather(*(generate(nats_server.url, request(text=f"q{i}", rid=f"qg-{i}")) for i in range(8))))
+
+    results = run_in_new_loop(many())
+    assert ["".join(c.text for c in r) for r in results] == [f"q{i} " for i in range(8)]
+    rids = [r.rid for r in pipeline.requests if r.rid.startswith("qg-")]
+    assert sorted(rids) == sorted(f"qg-{i}" for i in range(8))  # no request was taken twice
+
+
+def test_errors_arrive_as_a_final_with_error(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
+    refused = run_in_new_loop(generate(nats_server.url, request(text="ERROR x")))
+    assert refused[-1].final and refused[-1].error.startswith("400: ") and "too long" in refused[-1].error
+    unknown = run_in_new_loop(generate(nats_server.url, request(text="x", model="nope")))
+    assert unknown[-1].error.startswith("404: ")
+    invalid = run_in_new_loop(generate(nats_server.url, request(text="x", sampling=Sampling(temperature=-1.0))))
+    assert invalid[-1].error.startswith("400: temperature")
+
+
+def test_abort_ends_the_request_with_an_abort_final(
+    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    chunks = run_in_new_loop(generate(nats_server.url, request(text="HANG tight", rid="n-abort"), abort_after_first=True))
+    assert chunks[-1].final and chunks[-1].finish.type == "abort"
+    assert ("w1", "n-abort") in pipeline.aborts
+
+
+def test_malformed_message_is_answered_and_the_door_keeps_serving(
+    nats_server: NatsServer, gateways: list[GatewayThread]
+) -> None:
+    broken = run_in_new_loop(generate(nats_server.url, b"\x93not msgpack"))
+    assert broken[-1].final and broken[-1].error.startswith("400: malformed")
+    again = run_in_new_loop(generate(nats_server.url, request(text="still here")))
+    assert "".join(c.text for c in again) == "still here "

@@ -1,0 +1,86 @@
+"""`radixserve up` (what `make run` calls): starts NATS and every service, serves the default model at
+the printed URL, and on SIGTERM stops everything it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children_of(pid: int) -> set[int]:
+    """Every descendant of pid, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_serves_the_default_model_and_stops_everything(default_model_path: Path, tmp_path: Path) -> None:
+    port, grpc_port = free_port(), free_port()
+    # An address nothing answers on: `up` must start its own nats-server.
+    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "up.out"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
+             "--run-dir", str(tmp_path / "run")],
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while "radixserve is up" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.5)
+        text = log.read_text()
+        assert "started nats-server" in text
+        url = re.search(r"radixserve is up: (http://\S+)", text).group(1)
+        assert url == f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=24,
+        )
+        assert "Paris" in reply.choices[0].message.content
+        started = children_of(proc.pid)
+        assert len(started) >= 4  # nats-server, gateway, tokenizer, worker
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code == 0
+    time.sleep(0.5)
+    assert not [pid for pid in started if alive(pid)], "processes left behind"

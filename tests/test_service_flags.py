@@ -1,0 +1,72 @@
+"""Service configs from the command line and RS_* variables: flag beats variable beats default, bad
+values are ValueErrors naming the flag or variable, and the worker's command line carries the engine's."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from services.detokenizer.config import DetokenizerConfig
+from services.tokenizer.config import TokenizerConfig
+from services.worker.service_config import WorkerServiceConfig
+from shared import flags
+
+
+def parse(cls: type, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    flags.add_arguments(parser, cls)
+    return parser.parse_args(argv)
+
+
+def test_flag_beats_environment_beats_default() -> None:
+    env = {"RS_NATS_URL": "nats://env:4222", "RS_QUEUE_GROUP": "from-env"}
+    config = flags.build(TokenizerConfig, parse(TokenizerConfig, ["--nats-url", "nats://flag:4222"]), env)
+    assert config.nats_url == "nats://flag:4222"
+    assert config.queue_group == "from-env"
+    assert config.subject_prefix == "rs" and config.metrics_port == 9401
+
+
+def test_none_booleans_and_numbers_are_read_from_text() -> None:
+    env = {"RS_METRICS_PORT": "none", "RS_SILENT_WORKER_TIMEOUT": "2.5"}
+    config = flags.build(DetokenizerConfig, parse(DetokenizerConfig, ["--worker-id", "w7"]), env)
+    assert (config.metrics_port, config.silent_worker_timeout, config.worker_id) == (None, 2.5, "w7")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "named"),
+    [
+        ([], {"RS_METRICS_PORT": "many"}, "RS_METRICS_PORT"),
+        ([], {"RS_DRAIN_TIMEOUT": "-1"}, "drain_timeout"),
+        ([], {"RS_SUBJECT_PREFIX": "a b"}, "subject_prefix"),
+        ([], {"RS_WORKER_ID": "w.1"}, "worker_id"),
+    ],
+)
+def test_bad_values_name_the_setting(argv: list[str], env: dict[str, str], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        flags.build(DetokenizerConfig, parse(DetokenizerConfig, argv), env)
+
+
+def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(TokenizerConfig, ["--metrics-port", "many"])
+    assert "--metrics-port" in capsys.readouterr().err
+
+
+def test_worker_command_line_builds_the_engine_config_too(qwen3_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    WorkerServiceConfig.add_arguments(parser)
+    args = parser.parse_args(
+        ["--model-path", str(qwen3_path), "--worker-id", "w1", "--with-detokenizer", "--chunked-prefill-size", "none"]
+    )
+    config = WorkerServiceConfig.from_args(args, {"RS_TP_SIZE": "2", "RS_MAX_TOTAL_TOKENS": "512"})
+    assert (config.worker_id, config.with_detokenizer, config.model_name) == ("w1", True, qwen3_path.name)
+    assert config.engine.model_path == str(qwen3_path)
+    assert (config.engine.tp_size, config.engine.max_total_tokens, config.engine.chunked_prefill_size) == (2, 512, None)
+
+
+def test_workers_get_distinct_random_ids_by_default(qwen3_path: Path) -> None:
+    env = {"RS_MODEL_PATH": str(qwen3_path)}
+    ids = {WorkerServiceConfig.from_args(None, env).worker_id for _ in range(3)}
+    assert len(ids) == 3
