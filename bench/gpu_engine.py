@@ -138,6 +138,9 @@ def main() -> int:
     ap.add_argument("--models", default="0.6b,8b")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--tokens-per-split", default="",
+                    help="comma list: rerun decode with the split-K kernel's min tokens per split set to each")
     args = ap.parse_args()
     rows: list[tuple[str, str]] = []
     results: dict[str, object] = {}
@@ -168,10 +171,20 @@ def main() -> int:
         path = build_checkpoint(name, torch.bfloat16)
         ceiling = bw / weight_bytes(path)
         tps = decode_speed(path, args.steps, attention_backend="triton")
-        hf = hf_speed(path, min(args.steps, 64))
+        hf = float("nan") if args.skip_hf else hf_speed(path, min(args.steps, 64))
         results[name] = {"tok_s": tps, "ceiling_tok_s": ceiling, "ratio": tps / ceiling, "hf_eager_tok_s": hf}
         rows.append((f"Qwen3-{name} bs1 decode (bf16, triton)",
                      f"{tps:.1f} tok/s; ceiling {ceiling:.0f}; ratio {tps / ceiling:.3f}; HF eager {hf:.1f}"))
+        for per_split in [int(x) for x in args.tokens_per_split.split(",") if x]:
+            import kernels.decode_attention as decode
+
+            saved = decode.kv_splits_per_request.__defaults__
+            decode.kv_splits_per_request.__defaults__ = (None, per_split)
+            tps = decode_speed(path, args.steps, attention_backend="triton")
+            decode.kv_splits_per_request.__defaults__ = saved
+            results[f"{name}-split{per_split}"] = {"tok_s": tps, "ratio": tps / ceiling}
+            rows.append((f"Qwen3-{name} bs1 decode, {per_split} tokens/split",
+                         f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_engine.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
     print("\n== gpu_engine ==")

@@ -1,11 +1,12 @@
-"""Profile decode steps of the real scheduler on the GPU (Qwen3-0.6B-shaped, bf16, batch 1): where the
-host time of a step goes (cProfile) and what the device runs (torch.profiler), to find per-step overhead.
+"""Profile decode steps of the real scheduler on the GPU: where the host time of a step goes
+(cProfile) and which kernels the device runs (torch.profiler), to find what bounds a step.
 
-    python bench/gpu_profile_step.py [checkpoint dir]
+    python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128]
 """
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import os
 import pstats
@@ -24,12 +25,21 @@ from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "/tmp/rs-qwen3-0.6b-bfloat16"
-    loop = SchedulerLoop(EngineConfig(model_path=path, max_total_tokens=65536), 0, "tcp://127.0.0.1:0")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--host-profile", action="store_true")
+    args = ap.parse_args()
+    pool = max(65536, args.batch * (args.prompt + 600))
+    loop = SchedulerLoop(EngineConfig(model_path=args.model, max_total_tokens=pool), 0, "tcp://127.0.0.1:0")
     s = loop.scheduler
-    params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
     params.normalize()
-    s.add_request(Req("a", list(range(1000, 1128)), params, seed=0))
+    for i in range(args.batch):
+        s.add_request(Req(f"r{i}", [1000 + (i * 7 + j) % 50000 for j in range(args.prompt)], params, seed=i))
+    while s.waiting or s.chunked_req:
+        s.step()
     for _ in range(20):
         s.step()
     torch.cuda.synchronize()
@@ -37,19 +47,20 @@ def main() -> None:
     for _ in range(50):
         s.step()
     torch.cuda.synchronize()
-    print(f"step: {(time.perf_counter() - t0) / 50 * 1e3:.2f} ms")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(20):
-        s.step()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as p:
+    step_ms = (time.perf_counter() - t0) / 50 * 1e3
+    print(f"batch {args.batch}, prompt {args.prompt}: step {step_ms:.2f} ms, {args.batch / step_ms * 1e3:.0f} tok/s")
+    if args.host_profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            s.step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
         for _ in range(5):
             s.step()
         torch.cuda.synchronize()
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    print(p.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 if __name__ == "__main__":
