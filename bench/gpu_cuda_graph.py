@@ -30,37 +30,14 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
+from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
-OUT = Path(os.environ.get("OUT", "bench/out"))
 POOL = 65536
 # A stuck run is killed (with every thread's traceback) before the device lease runs out.
 WATCHDOG_S = 345
-
-
-def build_checkpoint(name: str, dtype: torch.dtype) -> Path:
-    """A random Qwen3 checkpoint of the named shape (as bench/gpu_engine.py builds it)."""
-    path = Path(f"/tmp/rs-qwen3-{name}-{str(dtype).split('.')[-1]}")
-    if (path / "config.json").exists():
-        return path
-    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                         initializer_range=0.1, **SHAPES[name])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(dtype)
-    model.save_pretrained(str(path))
-    del model
-    torch.cuda.empty_cache()
-    return path
 
 
 def build_moe_checkpoint() -> Path:
@@ -82,32 +59,6 @@ def build_moe_checkpoint() -> Path:
     del model
     torch.cuda.empty_cache()
     return path
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (median of 10)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n / sorted(times)[len(times) // 2]
-
-
-def weight_bytes(path: Path) -> int:
-    """Bytes one decode step reads: every weight once (a tied embedding table once, as the LM head)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def random_ids(gen: torch.Generator, n: int) -> list[int]:

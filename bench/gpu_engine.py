@@ -26,53 +26,10 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
+from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
-
-SHAPES = {
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-}
-OUT = Path(os.environ.get("OUT", "bench/out"))
-
-
-def build_checkpoint(name: str, dtype: torch.dtype) -> Path:
-    path = Path(f"/tmp/rs-qwen3-{name}-{str(dtype).split('.')[-1]}")
-    if (path / "config.json").exists():
-        return path
-    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                         initializer_range=0.1, **SHAPES[name])
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(dtype)
-    model.save_pretrained(str(path))
-    del model
-    torch.cuda.empty_cache()
-    return path
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n / sorted(times)[len(times) // 2]
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
@@ -125,12 +82,6 @@ def hf_speed(path: Path, steps: int) -> float:
     del model
     torch.cuda.empty_cache()
     return steps / (time.perf_counter() - t0)
-
-
-def weight_bytes(path: Path) -> int:
-    """Bytes one decode step reads: every weight once (the tied embedding table once, as the LM head)."""
-    model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    return model_bytes
 
 
 def main() -> int:

@@ -24,55 +24,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_common import OUT, copy_bandwidth, matmul_rate, weight_bytes  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 from services.worker.model_config import ModelConfig  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", "bench/out"))
 VOCAB_LOW, VOCAB_HIGH = 10, 150000
-
-
-def copy_bandwidth() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * n / sorted(times)[len(times) // 2]
-
-
-def matmul_rate() -> float:
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * n**3 * 10 / (time.perf_counter() - t0)
 
 
 def rand_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
-
-
-def model_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def kv_bytes_per_token(mc: ModelConfig) -> int:
@@ -93,7 +56,7 @@ def p3(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> di
         e.generate(input_ids=prompts, sampling_params=params)
         dt = time.perf_counter() - t0
     # Ceiling: every decode step reads all weights and the KV of every running request once.
-    w, kvb = model_bytes(path), kv_bytes_per_token(mc)
+    w, kvb = weight_bytes(path), kv_bytes_per_token(mc)
     floor = 2 * (w / 2) * sum(ins) / flops  # prefill: 2 FLOPs per parameter per token (bf16: bytes/2 params)
     for t in range(max(outs)):
         running = [(i, o) for i, o in zip(ins, outs) if o > t]

@@ -1,0 +1,78 @@
+"""What the GPU benchmarks share: random Qwen3-shaped checkpoints (no weights can be downloaded on the
+device machine) and the two ceilings every figure is divided by, measured in the same run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+SHAPES = {
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+OUT = Path(os.environ.get("OUT", "bench/out"))
+
+
+def build_checkpoint(name: str, dtype: torch.dtype) -> Path:
+    """A seeded random Qwen3 checkpoint of the named shape under /tmp (built once per machine)."""
+    path = Path(f"/tmp/rs-qwen3-{name}-{str(dtype).split('.')[-1]}")
+    if (path / "config.json").exists():
+        return path
+    config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                         initializer_range=0.1, **SHAPES[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    model.save_pretrained(str(path))
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (median of 10 after 3 warm-ups)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def matmul_rate() -> float:
+    """bf16 8192^3 matrix products per second, in FLOP/s, on random data."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes one decode step reads: every weight once (a tied embedding table once, as the LM head)."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
