@@ -174,59 +174,47 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_service(build_config: Callable[[], object], make_service: Callable[[object], object]) -> int:
+    """Build a service's config (a bad flag or RS_* value is a usage error, exit 2) and run it."""
+    from shared.service import run_service
+
+    try:
+        config = build_config()
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    return run_service(make_service(config), config.log_level)  # type: ignore[attr-defined]
+
+
 def _run_tokenizer(args: argparse.Namespace) -> int:
     from services.tokenizer.config import TokenizerConfig
     from services.tokenizer.service import TokenizerService
     from shared import flags
-    from shared.service import run_service
 
-    try:
-        config = flags.build(TokenizerConfig, args)
-    except ValueError as exc:
-        print(f"radixserve: error: {exc}", file=sys.stderr)
-        return 2
-    return run_service(TokenizerService(config), config.log_level)
+    return _run_service(lambda: flags.build(TokenizerConfig, args), TokenizerService)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
     from services.worker.service import WorkerService
     from services.worker.service_config import WorkerServiceConfig
-    from shared.service import run_service
 
-    try:
-        config = WorkerServiceConfig.from_args(args)
-    except ValueError as exc:
-        print(f"radixserve: error: {exc}", file=sys.stderr)
-        return 2
-    return run_service(WorkerService(config), config.log_level)
+    return _run_service(lambda: WorkerServiceConfig.from_args(args), WorkerService)
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:
     from services.detokenizer.config import DetokenizerConfig
     from services.detokenizer.service import DetokenizerService
     from shared import flags
-    from shared.service import run_service
 
-    try:
-        config = flags.build(DetokenizerConfig, args)
-    except ValueError as exc:
-        print(f"radixserve: error: {exc}", file=sys.stderr)
-        return 2
-    return run_service(DetokenizerService(config), config.log_level)
+    return _run_service(lambda: flags.build(DetokenizerConfig, args), DetokenizerService)
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
     from services.gateway.config import GatewayConfig
     from services.gateway.service import GatewayService
     from shared import flags
-    from shared.service import run_service
 
-    try:
-        config = flags.build(GatewayConfig, args)
-    except ValueError as exc:
-        print(f"radixserve: error: {exc}", file=sys.stderr)
-        return 2
-    return run_service(GatewayService(config), config.log_level)
+    return _run_service(lambda: flags.build(GatewayConfig, args), GatewayService)
 
 
 if __name__ == "__main__":

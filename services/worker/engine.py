@@ -119,6 +119,8 @@ class Engine:
                 ids, params_dict, rid=item_rid, return_logprob=want_lp, top_logprobs_num=top_n
             )
             built.extend((req, RequestState(req, self.tokenizer, stream=stream)) for req in reqs)
+        if stream and len(built) != 1:
+            raise ValueError("stream=True takes one prompt with n=1")
         return built, single and built[0][0].sampling_params.n == 1
 
     def _submit(self, built: list[tuple[Req, RequestState]]) -> None:
@@ -154,8 +156,6 @@ class Engine:
         built, single = self._build_states(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream
         )
-        if stream and len(built) != 1:
-            raise ValueError("stream=True takes one prompt with n=1")
         self._submit(built)
         if stream:
             return built[0][1].iter_chunks()
@@ -176,8 +176,6 @@ class Engine:
         built, single = self._build_states(
             prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream
         )
-        if stream and len(built) != 1:
-            raise ValueError("stream=True takes one prompt with n=1")
         loop = asyncio.get_running_loop()
         for _, state in built:
             state.attach_loop(loop)
