@@ -7,10 +7,13 @@ worker service). Defaults sit beside each field with a one-line help.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 def _help(text: str, default: object) -> object:
@@ -45,6 +48,18 @@ class EngineConfig:
         "True: prepare each step only after the last one's tokens are back; default: overlap on CUDA only",
         None,
     )
+    # Speculative decoding (services/worker/spec/).
+    speculative_algorithm: str | None = _help(
+        "propose tokens cheaply and verify them in one target forward: 'ngram' (prompt lookup) or 'draft' "
+        "(a small model); None: off. Speculation turns the overlap schedule off",
+        None,
+    )
+    speculative_num_draft_tokens: int = _help("tokens proposed per request and decode step (k)", 4)
+    speculative_draft_model_path: str | None = _help(
+        "draft checkpoint directory for 'draft'; it must share the target's vocabulary", None
+    )
+    speculative_ngram_max_match: int = _help("'ngram': longest suffix of a request looked up in its own tokens", 12)
+    speculative_ngram_min_match: int = _help("'ngram': shortest suffix that counts as a match", 1)
     # TP rendezvous.
     dist_init_addr: str | None = _help("tcp://host:port for the TP group; default: a free local port", None)
 
@@ -69,10 +84,46 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0 turns CUDA graphs off), got {self.cuda_graph_max_bs}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        algorithm = self.speculative_algorithm
+        if algorithm is not None and algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, got {algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min_match <= self.speculative_ngram_max_match:
+            raise ValueError(
+                "speculative_ngram_min_match must be >= 1 and <= speculative_ngram_max_match, got "
+                f"{self.speculative_ngram_min_match} and {self.speculative_ngram_max_match}"
+            )
+        draft = self.speculative_draft_model_path
+        if algorithm != "draft":
+            if draft is not None:
+                raise ValueError("speculative_draft_model_path is set but speculative_algorithm is not 'draft'")
+            return
+        if draft is None:
+            raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path")
+        draft_vocab = _checkpoint_vocab_size(draft)
+        if draft_vocab is None:
+            raise ValueError(f"speculative_draft_model_path {draft!r} has no config.json with a vocab_size")
+        # Checked here rather than when the draft loads, so a mismatch fails before any scheduler starts.
+        target_vocab = _checkpoint_vocab_size(self.model_path)
+        if target_vocab is not None and draft_vocab != target_vocab:
+            raise ValueError(
+                f"speculative_draft_model_path {draft!r} has a vocabulary of {draft_vocab} tokens; the target "
+                f"model has {target_vocab}: a draft must share the target's vocabulary"
+            )
 
     def overlap_enabled(self, device_type: str) -> bool:
         """Overlap pays where the device runs asynchronously to the host (CUDA); it can be forced on
-        anywhere with disable_overlap_schedule=False (the CPU tests do, to check it)."""
+        anywhere with disable_overlap_schedule=False (the CPU tests do, to check it). Speculative
+        decoding needs each step's accepted tokens on the host before the next step is built, so it
+        turns overlap off."""
+        if self.speculative_algorithm is not None:
+            return False
         if self.disable_overlap_schedule is None:
             return device_type == "cuda"
         return not self.disable_overlap_schedule
@@ -90,3 +141,13 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _checkpoint_vocab_size(path: str) -> int | None:
+    """vocab_size from a checkpoint directory's config.json (None when absent or unreadable)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) else None

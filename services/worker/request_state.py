@@ -115,6 +115,9 @@ class RequestState:
             "cached_tokens": final.cached_tokens if final else 0,
             "finish_reason": self.finished.to_dict() if self.finished else None,
         }
+        if final is not None and final.spec_accept_length is not None:
+            meta["spec_accept_length"] = final.spec_accept_length
+            meta["spec_accept_rate"] = final.spec_accept_rate
         if self.return_logprob:
             meta["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.logprobs, self.output_ids)]
             if self.top_logprobs:

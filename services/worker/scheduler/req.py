@@ -81,6 +81,11 @@ class Req:
         self.num_retractions = 0
         # Tokens sampled by launched steps but not yet read back (overlap scheduling: 0 or 1).
         self.num_inflight = 0
+        # Speculative decoding: this request's decode steps, and the draft tokens proposed to and
+        # accepted by the target in them (see spec_metrics).
+        self.spec_verify_steps = 0
+        self.spec_proposed_tokens = 0
+        self.spec_accepted_tokens = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -100,6 +105,18 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def spec_metrics(self) -> tuple[float, float] | None:
+        """(spec_accept_length, spec_accept_rate), or None when no speculative step ran.
+
+        The accept length is the mean number of tokens a decode step gained, counting the target's
+        own token after the accepted drafts, as SGLang does (1.0 = no gain); the rate is accepted
+        drafts / proposed drafts (0.0 when none was proposed)."""
+        if self.spec_verify_steps == 0:
+            return None
+        length = (self.spec_accepted_tokens + self.spec_verify_steps) / self.spec_verify_steps
+        rate = self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+        return length, rate
 
     def check_finished(self, tail_text: str | None) -> None:
         """After a token was appended. `tail_text` is the decoded tail of the output, given when the

@@ -26,6 +26,7 @@ from services.worker.scheduler.schedule_policy import (
 
 if TYPE_CHECKING:
     from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
+    from services.worker.spec.spec_worker import SpecStep, SpecWorker
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ RETRACT_DECODE_STEPS = 20
 
 @dataclass
 class ReqOutput:
-    """What one request produced in one step: at most one token, and the final state if done."""
+    """What one request produced in one step: its new tokens (one, or several from a speculative
+    step), and the final state if done."""
 
     rid: str
     token_ids: list[int]
@@ -50,6 +52,9 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With speculative decoding, on the final output (Req.spec_metrics).
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
 
 
 @dataclass
@@ -103,6 +108,15 @@ class Scheduler:
         self._pending_outputs: list[ReqOutput] = []
         self.overlap = config.overlap_enabled(runner.device.type)
         self._inflight: InFlight | None = None
+        self.spec: SpecWorker | None = None
+        if config.speculative_algorithm is not None:
+            from services.worker.spec.spec_worker import SpecWorker
+
+            self.spec = SpecWorker(config, runner, self.mem)
+            logger.info(
+                "speculative decoding: %s, %d draft tokens per step; the overlap schedule is off",
+                config.speculative_algorithm, config.speculative_num_draft_tokens,
+            )
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -154,6 +168,12 @@ class Scheduler:
         if self._inflight is not None and self._must_sync_before_scheduling():
             self._finish_inflight(outputs)
         batch = self._next_batch(outputs)
+        if self.spec is not None and batch is not None and batch.mode.is_decode():
+            # Speculation turns overlap off; without proposals the batch decodes as usual.
+            spec_step = self.spec.step(batch.reqs)
+            if spec_step is not None:
+                self._apply_spec_step(batch, spec_step, outputs)
+                return outputs
         launched = self._launch(batch) if batch is not None else None
         self._finish_inflight(outputs)
         if self.overlap:
@@ -207,30 +227,52 @@ class Scheduler:
             self._after_extend(inflight.batch)
         self.running = [r for r in self.running if not r.finished()]
 
+    def _apply_spec_step(self, batch: ScheduleBatch, step: SpecStep, outputs: list[ReqOutput]) -> None:
+        """Each request of a speculative decode step gains its accepted proposals and the target's
+        own token (or one plainly sampled token)."""
+        self.stats.num_steps += 1
+        for req, tokens, row in zip(batch.reqs, step.tokens, step.sampled_rows):
+            if row is not None:
+                assert step.sampled is not None
+                self._append_token(req, step.sampled, row, outputs)
+            else:
+                out = ReqOutput(rid=req.rid, token_ids=[])
+                self._add_tokens(req, tokens, out)
+                outputs.append(out)
+        self.running = [r for r in self.running if not r.finished()]
+
     def _append_token(self, req: Req, result: SampledTokens, j: int, outputs: list[ReqOutput]) -> None:
-        token = result.token_ids[j]
-        req.output_ids.append(token)
-        out = ReqOutput(rid=req.rid, token_ids=[token])
+        out = ReqOutput(rid=req.rid, token_ids=[])
         if req.return_logprob:
             req.output_logprobs.append(result.logprobs[j])
             out.logprobs = [result.logprobs[j]]
             if req.top_logprobs_num:
                 req.output_top_logprobs.append(result.top_logprobs[j])
                 out.top_logprobs = [result.top_logprobs[j]]
-        self.stats.generated_tokens += 1
-        tail = None
-        stops = req.sampling_params.stop_strings()
-        if stops:
-            longest = max(len(s) for s in stops)
-            tail = self.decode_tail(req.output_ids[-(longest + 2) :])
-        req.check_finished(tail)
-        if req.finished():
-            self._release(req)
-            final = self._final_output(req)
-            out.finished_reason = final.finished_reason
-            out.prompt_tokens, out.completion_tokens = final.prompt_tokens, final.completion_tokens
-            out.cached_tokens = final.cached_tokens
+        self._add_tokens(req, [result.token_ids[j]], out)
         outputs.append(out)
+
+    def _add_tokens(self, req: Req, tokens: list[int], out: ReqOutput) -> None:
+        """Append tokens to the request and to `out`, checking for a finish after each; tokens after a
+        finishing one are dropped."""
+        for token in tokens:
+            req.output_ids.append(token)
+            out.token_ids.append(token)
+            self.stats.generated_tokens += 1
+            tail = None
+            stops = req.sampling_params.stop_strings()
+            if stops:
+                longest = max(len(s) for s in stops)
+                tail = self.decode_tail(req.output_ids[-(longest + 2) :])
+            req.check_finished(tail)
+            if req.finished():
+                self._release(req)
+                final = self._final_output(req)
+                out.finished_reason = final.finished_reason
+                out.prompt_tokens, out.completion_tokens = final.prompt_tokens, final.completion_tokens
+                out.cached_tokens = final.cached_tokens
+                out.spec_accept_length, out.spec_accept_rate = final.spec_accept_length, final.spec_accept_rate
+                return
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         """Every request this step prefilled (a chunk or all of it) puts that KV into the tree, locked,
@@ -365,6 +407,8 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
             req.req_pool_idx = None
+        if self.spec is not None:
+            self.spec.release(req)
         if req is self.chunked_req:
             self.chunked_req = None
 
@@ -376,6 +420,7 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished()]
 
     def _final_output(self, req: Req) -> ReqOutput:
+        spec = req.spec_metrics()
         return ReqOutput(
             rid=req.rid,
             token_ids=[],
@@ -383,6 +428,8 @@ class Scheduler:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
+            spec_accept_length=spec[0] if spec else None,
+            spec_accept_rate=spec[1] if spec else None,
         )
 
     # ---- invariants ----------------------------------------------------------------------------
@@ -407,3 +454,5 @@ class Scheduler:
         )
         if sum(parts) != total:
             raise AssertionError(f"KV pool leak: free+evictable+protected+running={parts} != {total}")
+        if self.spec is not None:
+            self.spec.check_pool_invariant()
