@@ -109,6 +109,9 @@ def _available_ram_bytes() -> int:
 class ModelRunner:
     """Runs forwards and sampling for one TP rank."""
 
+    # The last sampled batch's requests and their SamplingBatchInfo, while it can be reused.
+    _sampling_cache: tuple[list[Req], SamplingBatchInfo] | None = None
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
         self.config = config
         self.model_config = model_config
@@ -176,6 +179,35 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
+    def _sampling_info(
+        self, reqs: list[Req], device: torch.device, pending: torch.Tensor | None
+    ) -> SamplingBatchInfo:
+        """The batch's sampling tensors. Decode steps repeat the same requests, and without penalties
+        or min_new_tokens bans left the tensors depend only on each request's fixed parameters and
+        seed: then the last step's are reused instead of rebuilt from 256 requests' lists."""
+        cached = self._sampling_cache
+        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
+            return cached[1]
+        produced = [len(r.output_ids) + r.num_inflight for r in reqs]
+        info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs],
+            [r.seed for r in reqs],
+            vocab_size=self.model_config.vocab_size,
+            device=device,
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            num_output_tokens=produced,
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+            pending_output_ids=pending,
+        )
+        # The output count only grows, so a request past min_new_tokens stays past it.
+        static = info.penalties is None and all(
+            n >= r.sampling_params.min_new_tokens for r, n in zip(reqs, produced)
+        )
+        # The cache holds the requests themselves: an id() could be reused by a later request.
+        self._sampling_cache = (list(reqs), info) if static else None
+        return info
+
     def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
         """Next token of each request (rows of `logits` in `reqs` order), with log-probs if asked."""
         return self.sample_async(logits, reqs).result()
@@ -191,17 +223,7 @@ class ModelRunner:
             tokens, rows = future
             index = to_device_async(torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64), logits.device)
             pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
-        info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs],
-            [r.seed for r in reqs],
-            vocab_size=self.model_config.vocab_size,
-            device=logits.device,
-            prompt_ids=[r.origin_input_ids for r in reqs],
-            output_ids=[r.output_ids for r in reqs],
-            num_output_tokens=[len(r.output_ids) + r.num_inflight for r in reqs],
-            eos_token_ids=tuple(self.model_config.eos_token_ids),
-            pending_output_ids=pending,
-        )
+        info = self._sampling_info(reqs, logits.device, pending)
         positions = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
         top_n = max((r.top_logprobs_num for r in reqs), default=0)
         out = self.sampler(

@@ -1,6 +1,13 @@
-"""The `torch` attention backend: store the new K/V in the pool, then for each request gather its
-whole sequence's K/V through req_to_token and run torch SDPA. Runs anywhere (it is the CPU backend and
-the reference the GPU kernels are checked against); the per-request loop is the price of simplicity.
+"""The `torch` attention backend: store the new K/V in the pool, then attend over each request's whole
+sequence gathered through req_to_token. Runs anywhere (it is the CPU backend and the reference the GPU
+kernels are checked against).
+
+Decode (one query per request) is batched: every request's key slots are padded to the longest
+sequence in the batch (padding reads slot 0 and is masked to -inf), gathered per KV head, and the
+grouped query heads attend with two batched matmuls. All index and mask tensors are built once per
+step in `init_forward_metadata`, so a layer costs a handful of tensor ops whatever the batch size.
+Extend keeps a per-request SDPA loop: prefill is matmul-bound, and the loop keeps the causal
+bookkeeping of mixed prefix lengths obvious.
 """
 
 from __future__ import annotations
@@ -19,64 +26,119 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class TorchAttnMetadata:
+class ExtendMetadata:
     """Per request: its KV slots for positions 0..seq_len-1, the row of its first new token in the
-    batch, its new-token count and its cached-prefix length."""
+    batch, its new-token count, and its causal mask (None for a single new token, which sees all)."""
 
     kv_slots: list[torch.Tensor]
     q_starts: list[int]
     q_lens: list[int]
-    prefix_lens: list[int]
+    masks: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """The batch's keys as one padded block: row (b * kv_heads + h) of the gather reads, for each of
+    `max_len` positions, KV head h of request b's slot there (a row of the pool viewed as
+    [slots * kv_heads, head_dim]). `bias` is 0 for real keys and -inf for padding, shaped
+    [bs * kv_heads, 1, max_len]; None when every request has the same length."""
+
+    head_rows: torch.Tensor  # [bs * kv_heads * max_len] int64
+    max_len: int
+    bias: torch.Tensor | None
+
+
+def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
+    table = batch.req_to_token_pool.req_to_token
+    rows = batch.req_pool_indices.tolist()
+    kv_slots = [table[row, :seq_len].to(torch.int64) for row, seq_len in zip(rows, batch.seq_lens_cpu)]
+    q_lens = list(batch.extend_seq_lens_cpu)
+    q_starts = [0] * len(q_lens)
+    for i in range(1, len(q_lens)):
+        q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+    device = batch.input_ids.device
+    masks: list[torch.Tensor | None] = []
+    for seq_len, prefix, q_len in zip(batch.seq_lens_cpu, batch.extend_prefix_lens_cpu, q_lens):
+        if q_len == 1:
+            masks.append(None)
+            continue
+        # New token j sits at position prefix + j and sees keys 0 .. prefix + j.
+        key_pos = torch.arange(seq_len, device=device)
+        query_pos = torch.arange(prefix, prefix + q_len, device=device)
+        masks.append(key_pos[None, :] <= query_pos[:, None])
+    return ExtendMetadata(kv_slots, q_starts, q_lens, masks)
+
+
+def _decode_metadata(batch: ForwardBatch) -> DecodeMetadata:
+    pool = batch.token_to_kv_pool
+    kv_heads = pool.num_kv_heads
+    seq_lens = batch.seq_lens_cpu
+    max_len = max(seq_lens)
+    table = batch.req_to_token_pool.req_to_token
+    slots = table.index_select(0, batch.req_pool_indices)[:, :max_len].to(torch.int64)
+    bias = None
+    if min(seq_lens) != max_len:
+        key_pos = torch.arange(max_len, device=slots.device)
+        real = key_pos[None, :] < batch.seq_lens[:, None]
+        # Entries past a request's length may hold stale slots: read the padding row instead.
+        slots = slots.masked_fill(~real, 0)
+        bias = torch.zeros(real.shape, dtype=torch.float32, device=slots.device).masked_fill_(~real, float("-inf"))
+        bias = bias.repeat_interleave(kv_heads, dim=0).unsqueeze(1)
+    heads = torch.arange(kv_heads, device=slots.device)
+    head_rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+    return DecodeMetadata(head_rows, max_len, bias)
 
 
 class TorchAttnBackend(AttentionBackend):
-    """SDPA over gathered KV, one request at a time."""
+    """Batched matmul attention for decode, per-request SDPA for extend."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = batch.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices.tolist()
-        kv_slots = [table[row, :seq_len].to(torch.int64) for row, seq_len in zip(rows, batch.seq_lens_cpu)]
-        q_lens = list(batch.extend_seq_lens_cpu)
-        q_starts = [0] * len(q_lens)
-        for i in range(1, len(q_lens)):
-            q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
-        batch.attn_metadata = TorchAttnMetadata(
-            kv_slots, q_starts, q_lens, list(batch.extend_prefix_lens_cpu)
-        )
+        if batch.forward_mode.is_decode():
+            batch.attn_metadata = _decode_metadata(batch)
+        else:
+            batch.attn_metadata = _extend_metadata(batch)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
     ) -> torch.Tensor:
         batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
-        return self._attend(q, layer, batch)
-
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
-    ) -> torch.Tensor:
-        batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
-        return self._attend(q, layer, batch)
-
-    def _attend(self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch) -> torch.Tensor:
-        if batch.attn_metadata is None:
+        if not isinstance(batch.attn_metadata, ExtendMetadata):
             self.init_forward_metadata(batch)
-        meta: TorchAttnMetadata = batch.attn_metadata
+        meta: ExtendMetadata = batch.attn_metadata  # type: ignore[assignment]
         k_buffer = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         gqa = layer.num_heads != layer.num_kv_heads
-        for slots, start, q_len, prefix in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.prefix_lens):
+        for slots, start, q_len, mask in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.masks):
             qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
             ki = k_buffer[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             vi = v_buffer[slots].to(q.dtype).transpose(0, 1)
-            mask = None
-            if q_len > 1:
-                # New token j sits at position prefix + j and sees keys 0 .. prefix + j.
-                key_pos = torch.arange(slots.numel(), device=q.device)
-                query_pos = torch.arange(prefix, prefix + q_len, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa
             )
             out[start : start + q_len] = oi.transpose(0, 1)
         return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = batch.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        if not isinstance(batch.attn_metadata, DecodeMetadata):
+            self.init_forward_metadata(batch)
+        meta: DecodeMetadata = batch.attn_metadata  # type: ignore[assignment]
+        bs, kv_heads, head_dim = batch.batch_size, layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kv_heads
+        # Query head h * group + j attends with KV head h (HF's repeat_interleave order).
+        qg = q.reshape(bs * kv_heads, group, head_dim)
+        keys = pool.get_key_buffer(layer.layer_id).view(-1, head_dim).index_select(0, meta.head_rows)
+        values = pool.get_value_buffer(layer.layer_id).view(-1, head_dim).index_select(0, meta.head_rows)
+        keys = keys.view(bs * kv_heads, meta.max_len, head_dim).to(q.dtype)
+        values = values.view(bs * kv_heads, meta.max_len, head_dim).to(q.dtype)
+        if meta.bias is None:
+            scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(layer.scaling)
+        else:
+            scores = torch.baddbmm(meta.bias.to(q.dtype), qg, keys.transpose(1, 2), alpha=layer.scaling)
+        probs = scores.float().softmax(dim=-1).to(q.dtype)
+        return torch.bmm(probs, values).view(bs, layer.num_heads * head_dim)
