@@ -1,0 +1,432 @@
+"""What the service pipeline costs over the in-process Engine, on this CPU, with the embedded default model.
+
+    .venv/bin/python bench/pipeline_overhead.py        (from the repository root; 2-3 minutes)
+
+The pipeline is `radixserve up` as a child process (its own nats-server, gateway, tokenizer, and a worker
+with its detokenizer); the peer is `Engine` in this process. Both get the same compute threads
+(--threads, default 2: OMP_NUM_THREADS for the pipeline, torch.set_num_threads here) and KV pool size.
+Prompts are random token ids, fresh for every batch, so no prefix cache ever helps.
+
+1. Throughput: --batch requests (--prompt-len ids, greedy, ignore_eos, --new-tokens each) as concurrent
+   native `/generate` calls (httpx AsyncClient), and as one `Engine.generate` call; output tokens / wall
+   seconds, sides alternating. loss = 1 - gateway / engine, median over repeats (target <= 5%).
+2. TTFT at low load: one streamed request at a time, time to the first token; --ttft-runs pairs, sides
+   alternating; added TTFT = median of the per-pair differences (target <= 2 ms).
+3. The floor: the same round trip with max_new_tokens=0, which the worker answers without the model:
+   the transport alone (HTTP, three NATS messages, four processes), free of the prefill's noise.
+
+The 2-core machine is shared, so each figure records the cores other people's processes kept busy
+meanwhile (/proc/stat less this benchmark's process tree). A throughput repeat counts only if that
+stayed under CLEAN_FOREIGN_CORES on both sides; a disturbed one stays in the JSON and is replaced (at
+most twice). A table closes the output; a JSON copy goes to bench/results/pipeline_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+if __package__ in (None, ""):
+    # Run as a script: make the repository's packages importable without an install.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shared.model_path import resolve_model_path  # noqa: E402
+from shared.service import die_with_parent  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_cpu.json"
+# Nothing answers here, so `up` starts its own nats-server instead of joining someone else's.
+UNREACHABLE_NATS = "nats://127.0.0.1:1"
+STACK_READY_TIMEOUT_S = 240.0
+LOSS_TARGET = 0.05
+ADDED_TTFT_TARGET_MS = 2.0
+# The first token is timed; a second keeps the first chunk from also being the final one.
+TTFT_NEW_TOKENS = 2
+FLOOR_RUNS = 50
+CLEAN_FOREIGN_CORES = 0.15
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A worker answers get_info (which its WorkerLoad needs) only between scheduler steps, and on this
+# CPU one prefill step of the batch takes 3-13 s: longer than the gateway's default 3 s routing TTL
+# and 5 s death timeout, which would end every request in flight with an error. Liveness is not what
+# is measured here, so the gateway's two timeouts are raised; the data path is untouched.
+LIVENESS_ENV = {"RS_WORKER_TTL": "120", "RS_WORKER_DEAD_AFTER": "120"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _busy_ticks() -> int:
+    """Ticks all CPUs of the machine spent busy (steal included) since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(values) - values[3] - values[4]  # less idle and iowait
+
+
+def _tree_ticks(root: int) -> int:
+    """CPU ticks of `root` and its live descendants (this benchmark and the pipeline it started)."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(fields[1])
+            ticks[int(entry.name)] = int(fields[11]) + int(fields[12])
+    found, frontier = {root}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return sum(ticks.get(pid, 0) for pid in found)
+
+
+class ForeignCpu:
+    """Cores kept busy by processes outside this benchmark since it was made."""
+
+    def __init__(self) -> None:
+        self._t, self._busy, self._own = time.perf_counter(), _busy_ticks(), _tree_ticks(os.getpid())
+
+    def cores(self) -> float:
+        foreign = (_busy_ticks() - self._busy) - (_tree_ticks(os.getpid()) - self._own)
+        return max(0.0, foreign / CLOCK_TICKS / (time.perf_counter() - self._t))
+
+
+class Stack:
+    """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
+
+    def __init__(self, threads: int, max_total_tokens: int, run_dir: Path) -> None:
+        self.port, grpc_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        self.log_path = run_dir / "up.out"
+        env = {**os.environ, "RS_NATS_URL": UNREACHABLE_NATS, "OMP_NUM_THREADS": str(threads),
+               "PYTHONUNBUFFERED": "1", **LIVENESS_ENV}
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
+                 str(grpc_port), "--run-dir", str(run_dir), "--max-total-tokens", str(max_total_tokens),
+                 "--device", "cpu"],
+                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STACK_READY_TIMEOUT_S
+        while "radixserve is up" not in self.log():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`radixserve up` exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`radixserve up` not ready in {STACK_READY_TIMEOUT_S:.0f} s:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        port = re.search(r"metrics at http://[^:]+:(\d+)/metrics", (self.run_dir / "worker-0.log").read_text())
+        self.worker_metrics = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
+
+    def worker_steps(self) -> float:
+        """The worker's scheduler steps so far (those that produced output); NaN if it logged no metrics port."""
+        if self.worker_metrics is None:
+            return float("nan")
+        with urllib.request.urlopen(self.worker_metrics, timeout=10) as response:
+            found = re.search(r"^rs_worker_steps_total (\S+)$", response.read().decode(), re.MULTILINE)
+        return float(found.group(1)) if found else float("nan")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def make_prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[list[int]]:
+    # Ids away from both ends of the vocabulary: the specials sit at the start.
+    return [[rng.randrange(256, vocab - 256) for _ in range(length)] for _ in range(count)]
+
+
+def sampling(new_tokens: int) -> dict[str, Any]:
+    return {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": new_tokens}
+
+
+# ---- throughput -------------------------------------------------------------------------------------
+
+
+def engine_batch(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for one Engine.generate call over the batch, and each prompt's output ids."""
+    start = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=sampling(new_tokens))
+    return time.perf_counter() - start, [out["output_ids"] for out in outs]
+
+
+async def _gateway_batch(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        # Open the connections first: a TCP handshake is the client's cost, not the pipeline's.
+        await asyncio.gather(*(client.get("/health") for _ in prompts))
+
+        async def one(ids: list[int]) -> list[int]:
+            response = await client.post("/generate", json={"input_ids": ids, "sampling_params": sampling(new_tokens)})
+            response.raise_for_status()
+            return response.json()["output_ids"]
+
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        return time.perf_counter() - start, list(outs)
+
+
+def gateway_batch(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds for the batch as concurrent /generate calls, and each prompt's output ids."""
+    return asyncio.run(_gateway_batch(url, prompts, new_tokens))
+
+
+def throughput_repeat(engine: Any, stack: Stack, prompts: list[list[int]], new_tokens: int,
+                      engine_first: bool) -> dict[str, Any]:
+    run: dict[str, Any] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for side in ("engine", "gateway") if engine_first else ("gateway", "engine"):
+        foreign = ForeignCpu()
+        if side == "engine":
+            steps = engine.get_server_info()["stats"]["num_steps"]
+            seconds, outputs[side] = engine_batch(engine, prompts, new_tokens)
+            run["engine_steps"] = engine.get_server_info()["stats"]["num_steps"] - steps
+        else:
+            steps = stack.worker_steps()
+            seconds, outputs[side] = gateway_batch(stack.url, prompts, new_tokens)
+            run["gateway_steps"] = stack.worker_steps() - steps
+        run[f"{side}_s"] = seconds
+        run[f"{side}_tok_s"] = sum(len(ids) for ids in outputs[side]) / seconds
+        run[f"{side}_foreign_cores"] = foreign.cores()
+    run["loss"] = 1.0 - run["gateway_tok_s"] / run["engine_tok_s"]
+    run["identical_outputs"] = sum(a == b for a, b in zip(outputs["engine"], outputs["gateway"]))
+    run["clean"] = max(run["engine_foreign_cores"], run["gateway_foreign_cores"]) < CLEAN_FOREIGN_CORES
+    return run
+
+
+def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: random.Random, vocab: int) -> dict[str, Any]:
+    warm = make_prompts(rng, args.batch, args.prompt_len, vocab)
+    # Both sides' first batch at once (the first big prefill pays torch's one-off costs), untimed.
+    with ThreadPoolExecutor(1) as pool:
+        engine_warm = pool.submit(engine_batch, engine, warm, 4)
+        gateway_batch(stack.url, warm, 4)
+        engine_warm.result()
+    runs: list[dict[str, Any]] = []
+    while sum(r["clean"] for r in runs) < args.repeats and len(runs) < args.repeats + 2:
+        prompts = make_prompts(rng, args.batch, args.prompt_len, vocab)
+        run = throughput_repeat(engine, stack, prompts, args.new_tokens, engine_first=len(runs) % 2 == 0)
+        runs.append(run)
+        print(f"  repeat {len(runs)}: engine {run['engine_tok_s']:6.1f} tok/s ({run['engine_steps']} steps), "
+              f"gateway {run['gateway_tok_s']:6.1f} tok/s ({run['gateway_steps']:.0f} steps), loss "
+              f"{run['loss'] * 100:+5.1f}%, identical outputs {run['identical_outputs']}/{args.batch}, others' CPU "
+              f"{run['engine_foreign_cores']:.2f} / {run['gateway_foreign_cores']:.2f} cores"
+              f"{'' if run['clean'] else ' (disturbed: not counted)'}", flush=True)
+    counted = [r for r in runs if r["clean"]] or runs
+    losses = [r["loss"] for r in counted]
+    return {
+        "runs": runs,
+        "counted": len(counted),
+        "all_disturbed": not any(r["clean"] for r in runs),
+        "engine_tok_s": statistics.median(r["engine_tok_s"] for r in counted),
+        "gateway_tok_s": statistics.median(r["gateway_tok_s"] for r in counted),
+        "loss_median": statistics.median(losses),
+        "loss_min": min(losses),
+        "loss_max": max(losses),
+    }
+
+
+# ---- TTFT -------------------------------------------------------------------------------------------
+
+
+def engine_first_chunk(engine: Any, ids: list[int], new_tokens: int) -> float:
+    """Seconds from the streamed call to its first chunk with a token (new_tokens=0: its only chunk)."""
+    start = time.perf_counter()
+    first: float | None = None
+    for chunk in engine.generate(input_ids=ids, sampling_params=sampling(new_tokens), stream=True):
+        if first is None and (chunk["output_ids"] or not new_tokens):
+            first = time.perf_counter() - start
+    assert first is not None, "the engine streamed no chunk"
+    return first
+
+
+def gateway_first_chunk(client: httpx.Client, ids: list[int], new_tokens: int) -> float:
+    """Seconds from sending a streamed /generate to its first SSE event with a token (new_tokens=0:
+    its first event)."""
+    body = {"input_ids": ids, "sampling_params": sampling(new_tokens), "stream": True}
+    first: float | None = None
+    start = time.perf_counter()
+    with client.stream("POST", "/generate", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {") and (json.loads(line[6:])["output_ids"] or not new_tokens):
+                first = time.perf_counter() - start
+    assert first is not None, "the gateway streamed no event"
+    return first
+
+
+def paired_first_chunk(engine: Any, client: httpx.Client, prompts: list[list[int]], new_tokens: int,
+                       warmup: int) -> dict[str, Any]:
+    """Each prompt on both sides (each has its own cache, so neither hits it), in alternating order;
+    the added time is the median of the per-prompt differences."""
+    engine_ms: list[float] = []
+    gateway_ms: list[float] = []
+    foreign = ForeignCpu()
+    for i, ids in enumerate(prompts):
+        if i % 2 == 0:
+            e, g = engine_first_chunk(engine, ids, new_tokens), gateway_first_chunk(client, ids, new_tokens)
+        else:
+            g, e = gateway_first_chunk(client, ids, new_tokens), engine_first_chunk(engine, ids, new_tokens)
+        if i >= warmup:
+            engine_ms.append(e * 1e3)
+            gateway_ms.append(g * 1e3)
+    quartiles = statistics.quantiles([g - e for g, e in zip(gateway_ms, engine_ms)], n=4)
+    return {
+        "engine_ms": engine_ms,
+        "gateway_ms": gateway_ms,
+        "engine_median_ms": statistics.median(engine_ms),
+        "gateway_median_ms": statistics.median(gateway_ms),
+        "added_median_ms": quartiles[1],
+        "added_p25_ms": quartiles[0],
+        "added_p75_ms": quartiles[2],
+        "foreign_cores": foreign.cores(),
+    }
+
+
+def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Random,
+               vocab: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """TTFT, then the floor (max_new_tokens=0: the worker answers without the model)."""
+    with httpx.Client(base_url=url, timeout=120) as client:
+        client.get("/health")  # the keep-alive connection every request then reuses
+        runs = {"TTFT": (args.ttft_runs, TTFT_NEW_TOKENS), "floor (max_new_tokens=0)": (FLOOR_RUNS, 0)}
+        results = []
+        for name, (count, new_tokens) in runs.items():
+            prompts = make_prompts(rng, count + args.ttft_warmup, args.prompt_len, vocab)
+            r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup)
+            print(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
+                  f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
+                  f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores",
+                  flush=True)
+            results.append(r)
+    return results[0], results[1]
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2, help="compute threads of the worker and of the Engine")
+    p.add_argument("--batch", type=int, default=32, help="concurrent requests of the throughput workload")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per throughput request")
+    p.add_argument("--repeats", type=int, default=3, help="clean throughput repeats (each runs both sides)")
+    p.add_argument("--ttft-runs", type=int, default=30, help="timed TTFT pairs")
+    p.add_argument("--ttft-warmup", type=int, default=3, help="TTFT pairs before timing")
+    p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
+    args = p.parse_args()
+    least = {"threads": 1, "batch": 1, "prompt_len": 1, "new_tokens": 1, "repeats": 1, "ttft_runs": 2, "ttft_warmup": 0}
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    return args
+
+
+def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], args: argparse.Namespace) -> None:
+    def row(figure: str, gateway: str, engine: str = "", ratio: str = "", spread: str = "", target: str = "",
+            met: bool | None = None) -> None:
+        status = "" if met is None else ("met" if met else "missed")
+        print(f"{figure:34s} {gateway:>9s} {engine:>9s} {ratio:>7s}  {spread:20s} {target:>7s}  {status}")
+
+    row("figure", "gateway", "engine", "ratio", "spread", "target")
+    row(f"output tok/s (median of {t['counted']})", f"{t['gateway_tok_s']:.1f}", f"{t['engine_tok_s']:.1f}",
+        f"{t['gateway_tok_s'] / t['engine_tok_s']:.3f}")
+    row("throughput loss (median)", f"{t['loss_median'] * 100:.1f}%",
+        spread=f"{t['loss_min'] * 100:.1f} .. {t['loss_max'] * 100:.1f}%", target="<= 5%",
+        met=t["loss_median"] <= LOSS_TARGET)
+    row(f"TTFT ms (median of {args.ttft_runs})", f"{tt['gateway_median_ms']:.1f}", f"{tt['engine_median_ms']:.1f}",
+        f"{tt['gateway_median_ms'] / tt['engine_median_ms']:.3f}")
+    row("added TTFT ms (median of pairs)", f"{tt['added_median_ms']:.2f}",
+        spread=f"IQR {tt['added_p25_ms']:.2f} .. {tt['added_p75_ms']:.2f}", target="<= 2",
+        met=tt["added_median_ms"] <= ADDED_TTFT_TARGET_MS)
+    row(f"floor ms, 0 new tokens ({FLOOR_RUNS})", f"{fl['gateway_median_ms']:.2f}", f"{fl['engine_median_ms']:.2f}")
+    row("added floor ms (median of pairs)", f"{fl['added_median_ms']:.2f}",
+        spread=f"IQR {fl['added_p25_ms']:.2f} .. {fl['added_p75_ms']:.2f}")
+
+
+def main() -> None:
+    args = parse_args()
+    # Before torch is imported, so its OpenMP pool has the same size as the pipeline worker's.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    from services.worker.engine import Engine
+
+    torch.set_num_threads(args.threads)
+    model_path = resolve_model_path(None)
+    max_total_tokens = args.batch * (args.prompt_len + args.new_tokens) + 1024
+    print(f"torch {torch.__version__}, {args.threads} compute threads on each side (OMP_NUM_THREADS / "
+          f"torch.set_num_threads), {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+          f"load average {os.getloadavg()[0]:.2f}; model {model_path.name}", flush=True)
+    started = time.perf_counter()
+    run_dir = Path(tempfile.mkdtemp(prefix="rs-pipeline-bench-"))
+    stack = Stack(args.threads, max_total_tokens, run_dir)
+    try:
+        # The Engine loads while the pipeline starts: neither is timed.
+        engine = Engine(str(model_path), device="cpu", max_total_tokens=max_total_tokens)
+        try:
+            stack.wait_ready()
+            print(f"pipeline up at {stack.url} (logs in {run_dir}), engine loaded: "
+                  f"{time.perf_counter() - started:.0f} s", flush=True)
+            vocab = engine.model_config.vocab_size
+            rng = random.Random(args.seed)
+            print(f"throughput: {args.batch} requests x {args.prompt_len} prompt tokens -> {args.new_tokens} "
+                  "new tokens, greedy, ignore_eos", flush=True)
+            throughput = bench_throughput(engine, stack, args, rng, vocab)
+            print(f"TTFT: one streamed request at a time, {args.prompt_len} prompt tokens", flush=True)
+            ttft, floor = bench_ttft(engine, stack.url, args, rng, vocab)
+        finally:
+            engine.shutdown()
+    finally:
+        stack.stop()
+    elapsed = time.perf_counter() - started
+
+    workload = {**{k: v for k, v in vars(args).items() if k != "out"}, "ttft_new_tokens": TTFT_NEW_TOKENS,
+                "floor_runs": FLOOR_RUNS, "max_total_tokens": max_total_tokens}
+    targets = {"loss_max": LOSS_TARGET, "loss_met": throughput["loss_median"] <= LOSS_TARGET,
+               "added_ttft_max_ms": ADDED_TTFT_TARGET_MS,
+               "added_ttft_met": ttft["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
+    result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "torch": torch.__version__,
+              "model": model_path.name, "workload": workload, "gateway_env": LIVENESS_ENV, "throughput": throughput,
+              "ttft": ttft, "floor": floor, "targets": targets, "wall_s": elapsed}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\ndone in {elapsed:.0f} s; JSON in {args.out}"
+          f"{'; WARNING: every throughput repeat was disturbed' if throughput['all_disturbed'] else ''}")
+    print_table(throughput, ttft, floor, args)
+
+
+if __name__ == "__main__":
+    main()
