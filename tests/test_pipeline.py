@@ -273,7 +273,10 @@ def test_every_service_serves_its_prometheus_metrics(pipeline: Pipeline) -> None
     async def main() -> None:
         async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
             short = Sampling(temperature=0.0, max_new_tokens=3, ignore_eos=True)
-            await gateway.generate(gateway.tokenize_request("metrics", WORKER, sampling=short, text="Hi"))
+            text = "Prometheus scrapes every service of the pipeline once a second"
+            # The same prompt twice, one after the other: the second is served from the prefix cache.
+            for rid in ("metrics-1", "metrics-2"):
+                await gateway.generate(gateway.tokenize_request(rid, WORKER, sampling=short, text=text))
             await gateway.control(WORKER, "get_info")  # refreshes the worker's gauges
 
     run(main())
@@ -282,7 +285,7 @@ def test_every_service_serves_its_prometheus_metrics(pipeline: Pipeline) -> None
     assert metric_value(worker, "rs_worker_requests_total", 'status="length"') >= 1
     assert metric_value(worker, "rs_worker_running_requests") == 0
     assert 0.0 <= metric_value(worker, "rs_worker_kv_usage") <= 1.0
-    assert 0.0 < metric_value(worker, "rs_worker_cache_hit_rate") <= 1.0  # the chat prompt was asked twice
+    assert 0.0 < metric_value(worker, "rs_worker_cache_hit_rate") <= 1.0  # the prompt was asked twice
     tokenizer = pipeline.tokenizer.scrape()
     assert metric_value(tokenizer, "rs_tokenizer_message_seconds_count") >= 1
     assert metric_value(tokenizer, "rs_tokenizer_requests_total", 'status="ok"') >= 1
