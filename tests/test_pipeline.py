@@ -277,6 +277,8 @@ def test_every_service_serves_its_prometheus_metrics(pipeline: Pipeline) -> None
             # The same prompt twice, one after the other: the second is served from the prefix cache.
             for rid in ("metrics-1", "metrics-2"):
                 await gateway.generate(gateway.tokenize_request(rid, WORKER, sampling=short, text=text))
+            bad = await gateway.generate(gateway.tokenize_request("metrics-bad", WORKER, sampling=short, text=""))
+            assert bad.finish.type == "error"  # counted as a tokenizer error
             await gateway.control(WORKER, "get_info")  # refreshes the worker's gauges
 
     run(main())
