@@ -237,19 +237,23 @@ def test_client_disconnect_aborts_and_frees_the_kv(stack: Stack) -> None:
     assert (info["num_running"], info["kv_in_use"]) == (0, 0)
 
 
-def test_two_gateways_and_two_workers_serve_concurrent_requests(stack: Stack) -> None:
-    body = {"text": "List three fruits:", "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+def test_two_gateways_and_two_workers_serve_concurrent_requests(stack: Stack, engine: Engine) -> None:
+    # Distinct prompts, so cache-aware routing has no shared prefix to follow and spreads by load.
+    prompts = ["List three fruits:", "Name two rivers:", "The sky is", "Write a haiku about snow:"]
+    sampling = {"temperature": 0, "max_new_tokens": 12}
+    expected = [out["text"] for out in engine.generate(prompts, sampling)]
 
-    def ask(url: str) -> tuple[str, str]:
-        response = httpx.post(f"{url}/generate", json=body, timeout=60)
+    def ask(url_and_prompt: tuple[str, str]) -> tuple[str, str]:
+        url, prompt = url_and_prompt
+        response = httpx.post(f"{url}/generate", json={"text": prompt, "sampling_params": sampling}, timeout=60)
         return response.json()["text"], response.headers["x-radixserve-worker"]
 
     for gateway in stack.gateways:
         _wait_for_idle_load_reports(gateway.url)  # then each gateway sends its two to different workers
-    urls = [g.url for g in stack.gateways for _ in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
-        answers = list(pool.map(ask, urls))
-    assert len({text for text, _ in answers}) == 1, answers
+    jobs = list(zip([g.url for g in stack.gateways for _ in range(2)], prompts))
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(ask, jobs))
+    assert [text for text, _ in answers] == expected, answers
     assert {worker for _, worker in answers} == set(WORKERS), answers
 
 
@@ -257,7 +261,7 @@ def test_worker_killed_mid_stream_errors_within_10_s_and_spares_the_other(stack:
     url = stack.gateways[0].url
     _wait_for_idle_load_reports(url)  # then two requests in a row go to different workers
     body = {"model": stack.model, "prompt": "Count to ten thousand:", "stream": True, "max_tokens": 2000, "ignore_eos": True}
-    spared_body = body | {"max_tokens": 40}
+    spared_body = body | {"prompt": "Say hello:", "max_tokens": 40}  # no shared prefix to route by
     with httpx.Client(timeout=10) as a, httpx.Client(timeout=60) as b:
         with a.stream("POST", f"{url}/v1/completions", json=body) as doomed, b.stream(
             "POST", f"{url}/v1/completions", json=spared_body

@@ -34,6 +34,17 @@ class GatewayConfig(ServiceConfig):
     enable_nats_frontdoor: bool = _help("serve {prefix}.v1.generate and {prefix}.v1.abort on NATS", True)
     worker_ttl: float = _help("seconds: route only to workers heard on {prefix}.workers.load this recently", 3.0)
     worker_dead_after: float = _help("seconds: a worker silent this long is dead and its requests end in an error", 5.0)
+    routing_policy: str = _help(
+        "cache_aware (send a prompt where its prefix was sent before while loads are balanced) or least_loaded",
+        "cache_aware",
+    )
+    cache_threshold: float = _help("cache_aware: the share of the prompt a worker must have seen to be preferred", 0.5)
+    balance_abs_threshold: int = _help(
+        "cache_aware: queues are imbalanced when longest - shortest exceeds this (and the relative threshold)", 32
+    )
+    balance_rel_threshold: float = _help(
+        "cache_aware: queues are imbalanced when longest > shortest * this (and the absolute threshold)", 1.5
+    )
     wait_for_worker: float = _help("seconds a request waits for a first live worker before a 503", 2.0)
     first_output_timeout: float = _help("seconds: a request with no output at all by then ends with a 504", 300.0)
     control_timeout: float = _help("seconds to wait for a worker's reply to abort, flush_cache or get_info", 5.0)
@@ -55,6 +66,15 @@ class GatewayConfig(ServiceConfig):
         if self.worker_dead_after < self.worker_ttl:
             raise ValueError(
                 f"worker_dead_after ({self.worker_dead_after}) must be >= worker_ttl ({self.worker_ttl})"
+            )
+        if self.routing_policy not in ("cache_aware", "least_loaded"):
+            raise ValueError(f"routing_policy must be cache_aware or least_loaded, got {self.routing_policy!r}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
+                f"{self.balance_abs_threshold} and {self.balance_rel_threshold}"
             )
         if self.wait_for_worker < 0:
             raise ValueError(f"wait_for_worker must be >= 0, got {self.wait_for_worker}")

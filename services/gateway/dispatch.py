@@ -28,6 +28,7 @@ from services.gateway.errors import (
     bad_request,
 )
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry
 from services.gateway.streams import RequestStream, StreamHub
 from services.worker.sampling.sampling_params import SamplingParams
@@ -144,7 +145,14 @@ class Dispatcher:
         self.bus = bus
         self.config = config
         self.metrics = metrics
-        self.registry = WorkerRegistry(config.worker_ttl, config.worker_dead_after)
+        self.registry = WorkerRegistry(
+            config.worker_ttl,
+            config.worker_dead_after,
+            policy=config.routing_policy,
+            cache_threshold=config.cache_threshold,
+            balance_abs_threshold=config.balance_abs_threshold,
+            balance_rel_threshold=config.balance_rel_threshold,
+        )
         self.hub = StreamHub(bus, config.gateway_id, metrics)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watchdog: asyncio.Task[None] | None = None
@@ -178,7 +186,7 @@ class Dispatcher:
     async def submit(self, spec: GenerateSpec) -> RequestStream:
         """Validate, route and publish one request; its outputs arrive on the returned stream."""
         spec.validate()
-        worker = await self._choose(spec.model)
+        worker = await self._choose(spec.model, routing_key(spec.text, spec.messages, spec.input_ids))
         rid = spec.rid or uuid.uuid4().hex
         stream = self.hub.open(rid, worker.load.worker_id)
         msg = TokenizeRequest(
@@ -239,7 +247,7 @@ class Dispatcher:
         entry = self.registry.get(stream.worker_id)
         return entry.load.model if entry is not None else ""
 
-    async def _choose(self, model: str | None) -> WorkerEntry:
+    async def _choose(self, model: str | None, key: bytes | None = None) -> WorkerEntry:
         if not self.registry.live():
             await self.registry.wait_for_worker(self.config.wait_for_worker)
         if not self.registry.live():
@@ -248,7 +256,7 @@ class Dispatcher:
                 f"no live worker: none has reported on {self.bus.subjects.workers_load} "
                 f"in the last {self.config.worker_ttl:g} s",
             )
-        worker = self.registry.choose(model, self.hub.per_worker())
+        worker = self.registry.choose(model, self.hub.per_worker(), key=key)
         if worker is None:
             raise GatewayError(
                 NOT_FOUND, f"model {model!r} is not served here; available: {self.registry.models()}", "model"
@@ -298,6 +306,10 @@ class Dispatcher:
         """The same control request to every live worker, concurrently."""
         workers = [w.load.worker_id for w in self.registry.live()]
         replies = await asyncio.gather(*(self.control(wid, command) for wid in workers))
+        if command == "flush_cache":
+            for wid, reply in zip(workers, replies):
+                if reply.ok:
+                    self.registry.prefixes.forget(wid)
         return dict(zip(workers, replies))
 
     # ---- background -----------------------------------------------------------------------------

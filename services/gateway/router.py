@@ -1,5 +1,11 @@
 """The worker registry: which workers are alive (heard on `{p}.workers.load` recently), which model each
-serves, and the least-loaded choice among them.
+serves, and the choice among them: cache-aware (SGLang router's rule) or least loaded.
+
+Cache-aware routing: while the live workers' queues are balanced, a request goes to the worker that
+was sent the longest prefix of its prompt (services/gateway/prefix_index.py), if that prefix is at
+least `cache_threshold` of the prompt, so the worker's radix cache holds it; otherwise to the least
+loaded. When the queues are imbalanced (longest - shortest > balance_abs_threshold and longest >
+shortest * balance_rel_threshold) the least-loaded worker takes it, whatever it has cached.
 
 Loads arrive once a second, so between two reports a burst of requests would all pick the same worker.
 A worker's queue is therefore taken as the larger of (its reported running + waiting requests, plus
@@ -15,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import PurePath
 
+from services.gateway.prefix_index import PrefixIndex
 from shared.protocol import WorkerLoad
+
+ROUTING_POLICIES = ("cache_aware", "least_loaded")
 
 
 @dataclass
@@ -39,9 +48,24 @@ def model_matches(requested: str, served: str) -> bool:
 class WorkerRegistry:
     """Live workers, their loads, and routing."""
 
-    def __init__(self, ttl_s: float, dead_s: float) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        dead_s: float,
+        policy: str = "cache_aware",
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         self.ttl_s = ttl_s
         self.dead_s = dead_s
+        self.policy = policy
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.prefixes = PrefixIndex()
         self._workers: dict[str, WorkerEntry] = {}
         self._changed = asyncio.Event()
 
@@ -68,17 +92,33 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def choose(
-        self, model: str | None = None, in_flight_here: Mapping[str, int] | None = None, now: float | None = None
+        self,
+        model: str | None = None,
+        in_flight_here: Mapping[str, int] | None = None,
+        now: float | None = None,
+        key: bytes | None = None,
     ) -> WorkerEntry | None:
-        """The least-loaded live worker for `model` (ties: lower KV usage, then id), counted as sent.
-        `in_flight_here`: this gateway's unfinished requests per worker id."""
+        """A live worker for `model`, counted as sent: by the cache-aware rule (module docstring) when
+        the policy is cache_aware and the request's routing `key` is given, else the least loaded
+        (ties: lower KV usage, then id). `in_flight_here`: this gateway's unfinished requests per
+        worker id."""
         candidates = self.live(model, now)
         if not candidates:
             return None
         local = in_flight_here or {}
-        best = min(
-            candidates, key=lambda w: (w.queued(local.get(w.load.worker_id, 0)), w.load.kv_usage, w.load.worker_id)
-        )
+        queued = {w.load.worker_id: w.queued(local.get(w.load.worker_id, 0)) for w in candidates}
+        best = min(candidates, key=lambda w: (queued[w.load.worker_id], w.load.kv_usage, w.load.worker_id))
+        if self.policy == "cache_aware" and key:
+            shortest, longest = min(queued.values()), max(queued.values())
+            imbalanced = (
+                longest - shortest > self.balance_abs_threshold and longest > shortest * self.balance_rel_threshold
+            )
+            if not imbalanced:
+                matched = self.prefixes.matched_bytes(key, queued)
+                top = max(candidates, key=lambda w: (matched[w.load.worker_id], -queued[w.load.worker_id]))
+                if matched[top.load.worker_id] >= self.cache_threshold * len(key) and matched[top.load.worker_id]:
+                    best = top
+            self.prefixes.record(best.load.worker_id, key)
         best.sent_since_report += 1
         return best
 
@@ -88,6 +128,7 @@ class WorkerRegistry:
         dead = [wid for wid, w in self._workers.items() if now - w.last_seen > self.dead_s]
         for wid in dead:
             del self._workers[wid]
+            self.prefixes.forget(wid)
         return dead
 
     async def wait_for_worker(self, timeout: float) -> bool:
