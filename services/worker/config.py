@@ -32,6 +32,10 @@ class EngineConfig:
     attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
     cuda_graph_max_bs: int = _help("capture decode CUDA graphs for batch sizes up to this (0: off); CUDA only", 256)
     # Memory.
+    cpu_weight_prepack: bool = _help(
+        "CPU: keep a oneDNN-blocked copy of each linear weight for batched products (weights take 2x memory)",
+        True,
+    )
     max_total_tokens: int | None = _help("KV pool size in tokens; default: from free memory", None)
     mem_fraction_static: float = _help("fraction of device memory for weights + KV pool", 0.85)
     max_running_requests: int = _help("most requests decoding at once", 256)

@@ -18,6 +18,7 @@ from services.worker import distributed
 from services.worker.attention.base import AttentionBackend
 from services.worker.config import EngineConfig
 from services.worker.forward_batch import ForwardBatch
+from services.worker.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
@@ -119,6 +120,9 @@ class ModelRunner:
         self.tp_size = distributed.get_tp_size()
         self.model = load_model(model_config, device)
         self.model.eval()
+        if device.type == "cpu" and config.cpu_weight_prepack and cpu_prepack_available():
+            packed = prepack_cpu_weights(self.model)
+            logger.info("prepacked %.1f MiB of linear weights for batched CPU products", packed / 2**20)
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
         bytes_per_token = TokenToKVPool.bytes_per_token(

@@ -23,7 +23,11 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table whose rows (token ids) are split across TP ranks."""
+    """Embedding table whose rows (token ids) are split across TP ranks. As the LM head (its own or
+    tied) its weight may be prepacked for CPU products (layers/linear.py)."""
+
+    prepackable = True
+    packed_weight: torch.Tensor | None = None
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_multiple: int = DEFAULT_VOCAB_PADDING

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import tp_all_gather
 from services.worker.layers.embedding import VocabParallelEmbedding
+from services.worker.layers.linear import linear
 
 if TYPE_CHECKING:
     from services.worker.forward_batch import ForwardBatch
@@ -32,5 +32,5 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         if not batch.return_all_logits and not batch.forward_mode.is_decode():
             hidden = hidden[batch.last_token_indices()]
-        logits = tp_all_gather(F.linear(hidden, lm_head.weight), dim=-1)
+        logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight), dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -2,7 +2,8 @@
 
 cos/sin are precomputed once per model for every position up to the context length, in float32 and
 exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/rotary.py)
-rotates q and k in place, in float32; elsewhere torch ops return rotated copies.
+rotates q and k in place, in float32; elsewhere torch ops return rotated copies, with the per-position
+tables gathered once per forward rather than once per layer.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq.float())
         self.register_buffer("cos_cache", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
+        # CPU path: (positions, dtype, cos table, signed sin table) of the last forward.
+        self._tables: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x.reshape(x.shape[0], -1, self.head_dim)
@@ -65,9 +68,31 @@ class RotaryEmbedding(nn.Module):
             from kernels.rotary import rotary_neox_
 
             return rotary_neox_(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            cos, sin = self._full_width(positions, q.dtype)
+            return self._rotate_full(q, cos, sin), self._rotate_full(k, cos, sin)
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _full_width(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, 1, head_dim] (cos, cos) and (-sin, sin) for these positions, built once per forward:
+        every layer gets the same `positions` tensor, so the last one's tables are reused."""
+        cached = self._tables
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
+        cos = self.cos_cache[positions]
+        sin = self.sin_cache[positions]
+        cos2 = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(dtype)
+        sin2 = torch.cat((-sin, sin), dim=-1).unsqueeze(1).to(dtype)
+        self._tables = (positions, dtype, cos2, sin2)
+        return cos2, sin2
+
+    def _rotate_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x * cos + swap_halves(x) * (-sin, sin): HF's q * cos + rotate_half(q) * sin, rounding for
+        rounding (x2 * -sin is exactly -(x2 * sin)), in four tensor ops."""
+        x = x.reshape(x.shape[0], -1, self.head_dim)
+        return (x * cos + x.roll(self.rotary_dim // 2, dims=-1) * sin).flatten(1)
 
 
 def get_rope(hf_config: PretrainedConfig, head_dim: int, max_position: int) -> RotaryEmbedding:

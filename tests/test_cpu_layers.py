@@ -1,0 +1,110 @@
+"""The CPU fast paths of the layers against their references: the oneDNN-prepacked linear against
+F.linear, the once-per-forward rotary tables against HF's apply_rotary_pos_emb, the composite
+RMSNorm against HF's LlamaRMSNorm, and a prepacked model's logits against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from services.worker.layers.layernorm import RMSNorm
+from services.worker.layers.linear import (
+    ColumnParallelLinear,
+    cpu_prepack_available,
+    linear,
+    prepack_cpu_weights,
+    prepack_weight,
+)
+from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.model_config import ModelConfig
+from services.worker.model_loader import load_model
+from tests.forward_helpers import BatchDriver
+
+needs_onednn = pytest.mark.skipif(not cpu_prepack_available(), reason="this torch build has no oneDNN linear ops")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 300])
+def test_prepacked_linear_equals_f_linear(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    w = (torch.randn(160, 96, generator=g) * 0.1).to(dtype)
+    b = torch.randn(160, generator=g).to(dtype)
+    ours = linear(x, w, b, prepack_weight(w)).float()
+    ref = F.linear(x.float(), w.float(), b.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ours.shape == ref.shape
+    assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= tol
+
+
+@needs_onednn
+def test_prepack_covers_every_linear_and_the_lm_head(llama_path) -> None:
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    packed = prepack_cpu_weights(model)
+    opted_in = [m for m in model.modules() if getattr(m, "prepackable", False)]
+    assert opted_in and all(m.packed_weight is not None for m in opted_in)
+    assert packed == sum(m.weight.numel() * m.weight.element_size() for m in opted_in)
+    assert any(isinstance(m, ColumnParallelLinear) for m in opted_in)
+    assert model.lm_head.packed_weight is not None
+
+
+@needs_onednn
+@torch.no_grad()
+def test_prepacked_model_logits_match_transformers(llama_path) -> None:
+    config = ModelConfig.from_path(llama_path, dtype="float32")
+    model = load_model(config, "cpu")
+    prepack_cpu_weights(model)
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [[5, 9, 17, 33, 2 + i, 40 + 3 * i] for i in range(4)]  # 24 rows: the prepacked path
+    driver = BatchDriver(model, config)
+    rows = [driver.new_request() for _ in prompts]
+    logits = driver.extend(list(zip(rows, prompts)), return_all_logits=True)
+    ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+    assert ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
+    # Then one decode step of 4 rows, also prepacked, against HF on the prompts plus that token.
+    step = driver.decode([(row, 7) for row in rows])
+    ref = torch.stack([hf(torch.tensor([p + [7]])).logits[0, -1].float() for p in prompts])
+    assert ((step - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
+
+
+def test_rotary_tables_once_per_forward_equal_hf_rotation() -> None:
+    head_dim, max_pos = 64, 512
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rope = RotaryEmbedding(head_dim, inv_freq, max_pos)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, max_pos, (7,), generator=g)
+    q, k = torch.randn(7, 4 * head_dim, generator=g), torch.randn(7, 2 * head_dim, generator=g)
+    ours_q, ours_k = rope(positions, q, k)
+    # HF: cos/sin [tokens, head_dim] (the half tables repeated), heads on dim 1 via unsqueeze_dim.
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    ref_q, ref_k = apply_rotary_pos_emb(
+        q.view(7, 4, head_dim), k.view(7, 2, head_dim), emb.cos(), emb.sin(), unsqueeze_dim=1
+    )
+    assert torch.equal(ours_q, ref_q.flatten(1)) and torch.equal(ours_k, ref_k.flatten(1))
+    # A second layer with the same positions reuses the tables; new positions rebuild them.
+    tables = rope._tables
+    rope(positions, q, k)
+    assert rope._tables is tables
+    rope(positions.clone(), q, k)
+    assert rope._tables is not tables
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_float32_is_bit_identical_to_hf(with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(5, 48, generator=g), torch.randn(5, 48, generator=g)
+    ours, hf = RMSNorm(48, 1e-5), LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(48, generator=g))
+        hf.weight.copy_(ours.weight)
+    if with_residual:
+        y, new_residual = ours(x, residual)
+        assert torch.equal(new_residual, x + residual)
+        assert torch.equal(y, hf(x + residual))
+    else:
+        assert torch.equal(ours(x), hf(x))
