@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.bus import Bus, PayloadTooLarge
@@ -185,7 +186,26 @@ class Service(abc.ABC):
         return self.exit_code
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (it cuts the per-message cost of every NATS hop) unless
+    RS_EVENT_LOOP=asyncio asks for the standard one; None means asyncio's default."""
+    choice = os.environ.get("RS_EVENT_LOOP", "auto")
+    if choice not in ("auto", "asyncio", "uvloop"):
+        raise ValueError(f"RS_EVENT_LOOP must be auto, asyncio or uvloop, got {choice!r}")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError("RS_EVENT_LOOP=uvloop but uvloop is not installed") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run_service(service: Service, log_level: str = "INFO") -> int:
-    """Set up logging and run `service` to completion; returns its exit code."""
+    """Set up logging and run `service` to completion on the event loop event_loop_factory picks;
+    returns its exit code."""
     setup_logging(log_level)
-    return asyncio.run(service.serve())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(service.serve())

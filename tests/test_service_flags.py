@@ -70,3 +70,21 @@ def test_workers_get_distinct_random_ids_by_default(qwen3_path: Path) -> None:
     env = {"RS_MODEL_PATH": str(qwen3_path)}
     ids = {WorkerServiceConfig.from_args(None, env).worker_id for _ in range(3)}
     assert len(ids) == 3
+
+
+def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvloop
+
+    from shared.service import event_loop_factory
+
+    monkeypatch.delenv("RS_EVENT_LOOP", raising=False)
+    loop = event_loop_factory()()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
+    monkeypatch.setenv("RS_EVENT_LOOP", "asyncio")
+    assert event_loop_factory() is None
+    monkeypatch.setenv("RS_EVENT_LOOP", "tokio")
+    with pytest.raises(ValueError, match="RS_EVENT_LOOP must be auto, asyncio or uvloop, got 'tokio'"):
+        event_loop_factory()
