@@ -1,18 +1,21 @@
-"""Decode attention over the token-paged KV pool: split-K ("flash-decoding") in two launches.
+"""Decode attention over the token-paged KV pool: split-K ("flash-decoding") in one launch.
 
 One query token per request attends to positions 0 .. seq_len-1, whose KV slots are read through
 req_to_token. Decode is bound by reading K and V, so the kernel is shaped around reading each KV tile
-exactly once and keeping the whole GPU busy:
+exactly once and keeping the whole GPU busy. Grid (request, kv_head, split): a program takes every query
+head that shares one KV head (the GQA group, padded to 16 rows so `tl.dot` can use the tensor cores) and
+one contiguous chunk of the sequence, streams the chunk's K/V tiles once and keeps an online softmax.
 
-- Stage 1, grid (request, kv_head, split): a program takes every query head that shares one KV head
-  (the GQA group, padded to 16 rows so `tl.dot` can use the tensor cores) and one contiguous chunk of
-  the sequence. It streams the chunk's K/V tiles once, keeps an online softmax, and writes a
-  normalized partial output plus its log-sum-exp (base 2).
-- Stage 2, grid (request, head): merges the splits, weighting each by exp2(lse - max lse).
+- A request with one split (a short context) writes its normalized output straight to `out`.
+- With several splits, each program writes a normalized partial output plus its log-sum-exp (base 2) to
+  scratch and counts itself in on a per-(request, kv_head) counter; the program that arrives last merges
+  the splits, weighting each by exp2(lse - max lse), and sets the counter back to zero.
 
-The number of splits per request lives in a device tensor (so a CUDA graph can replay with new
-lengths); the grid's split dimension is a fixed power-of-two bound chosen on the host. A batch of one
-long request gets many splits; a large batch gets few, because its requests already fill the GPU.
+So every split count costs one launch: batch-1 decode is bound by launches, and a separate merge launch
+would add one per layer. The number of splits per request lives in a device tensor (so a CUDA graph can
+replay with new lengths); the grid's split dimension is a fixed power-of-two bound chosen on the host. A
+batch of one long request gets many splits; a large batch gets few, because its requests already fill
+the GPU.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import triton.language as tl
 
 # A split shorter than this spends more on its partial write and the merge than on reading KV.
 MIN_TOKENS_PER_SPLIT = 256
-# Upper bound on splits per request (also the merge kernel's vector width).
+# Upper bound on splits per request (also the merge's vector width over splits).
 MAX_KV_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
@@ -47,7 +50,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def max_kv_splits_for(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     """Grid bound on splits for a batch: enough (request, kv_head, split) programs for about four per
-    SM, as a power of two (the merge kernel's width). It depends on the batch shape only, never on the
+    SM, as a power of two (the merge's width). It depends on the batch shape only, never on the
     lengths, so a CUDA graph captured for a batch size stays valid; kv_splits_per_request decides how
     many of those splits each request really uses, and the rest exit at once."""
     if batch_size < 1 or num_kv_heads < 1 or num_sms < 1:
@@ -74,7 +77,60 @@ def kv_splits_per_request(
 
 
 @triton.jit
-def _decode_split_kernel(
+def _merge_splits(
+    Part_out,
+    Part_lse,
+    Out,
+    b,
+    heads,
+    h_mask,
+    offs_d,
+    d_mask,
+    num_splits,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
+    """Write to Out's rows `heads` the splits' partial outputs weighted by exp2(lse - max lse). Splits are
+    summed in index order, whichever program runs this, so the result is the same on every run."""
+    # .cg reads from L2, where the other programs' writes landed, never from this SM's L1.
+    offs_s = tl.arange(0, MAX_SPLITS)
+    lse_rows = Part_lse + b * stride_plb + heads * stride_plh
+    lse = tl.load(
+        lse_rows[:, None] + offs_s[None, :],
+        mask=h_mask[:, None] & (offs_s[None, :] < num_splits),
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    m = tl.max(lse, 1)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    part_rows = Part_out + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in range(num_splits):
+        # An empty split (the tail of a short sequence) has lse = -inf and weighs 0.
+        w = tl.exp2(tl.load(lse_rows + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
+        part = tl.load(part_rows + s * stride_pos, mask=hd_mask, other=0.0, cache_modifier=".cg")
+        acc += part * w[:, None]
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(
+        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=hd_mask,
+    )
+
+
+@triton.jit
+def _decode_kernel(
     Q,
     K_buf,
     V_buf,
@@ -82,8 +138,10 @@ def _decode_split_kernel(
     Req_pool_indices,
     Seq_lens,
     Num_splits,
+    Out,
     Part_out,
     Part_lse,
+    Split_counters,
     sm_scale_log2,
     stride_qb,
     stride_qh,
@@ -92,6 +150,8 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_r2t,
+    stride_ob,
+    stride_oh,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -102,12 +162,14 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.load(Num_splits + b)
+    # Clamped to the grid, so every split that is counted below is also launched.
+    num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
     if split < num_splits:
         seq_len = tl.load(Seq_lens + b).to(tl.int32)
         req_row = tl.load(Req_pool_indices + b).to(tl.int64)
@@ -121,11 +183,8 @@ def _decode_split_kernel(
         h_mask = offs_h < GROUP
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
-        q = tl.load(
-            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=h_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+        hd_mask = h_mask[:, None] & d_mask[None, :]
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -154,66 +213,75 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-        # An empty split (the tail of a short sequence) writes lse = -inf, which the merge weighs as 0.
+        # No tokens (an empty split, or a padded CUDA-graph row of length 0) gives zeros and lse = -inf.
         has_tokens = l_i > 0
-        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         part = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
-        tl.store(
-            Part_out + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + offs_d[None, :],
-            part,
-            mask=h_mask[:, None] & d_mask[None, :],
-        )
-        tl.store(Part_lse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    Part_out,
-    Part_lse,
-    Num_splits,
-    Out,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    MAX_SPLITS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    num_splits = tl.load(Num_splits + b)
-    offs_s = tl.arange(0, MAX_SPLITS)
-    s_mask = offs_s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(Part_lse + b * stride_plb + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    # A request with no tokens at all (a padded CUDA-graph row) gets zeros, not NaN.
-    m = tl.where(m > float("-inf"), m, 0.0)
-    w = tl.where(s_mask, tl.exp2(lse - m), 0.0)
-    parts = tl.load(
-        Part_out + b * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + b * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+        if num_splits == 1:
+            tl.store(
+                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                part.to(Out.dtype.element_ty),
+                mask=hd_mask,
+            )
+        else:
+            lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+            part_rows = Part_out + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
+            tl.store(part_rows + split * stride_pos, part, mask=hd_mask)
+            tl.store(Part_lse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
+            # The last program to count itself in merges. On the GPU one elected thread performs a scalar
+            # atomic, so each side takes two steps. Writers: the barrier orders every thread's partial stores
+            # before that thread's atomic, whose release (gpu scope, cumulative) publishes them. Merger: its
+            # acquire sees every earlier release, and the barrier after it orders all its threads' reads
+            # (from L2, see _merge_splits) after that acquire. No program waits for another, so any
+            # scheduling order is safe, and the counter is zero again when the launch ends. The interpreter
+            # runs programs one at a time, highest split last, so tests cannot exercise these orderings.
+            tl.debug_barrier()
+            counter = Split_counters + b * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                _merge_splits(
+                    Part_out,
+                    Part_lse,
+                    Out,
+                    b,
+                    heads,
+                    h_mask,
+                    offs_d,
+                    d_mask,
+                    num_splits,
+                    stride_pob,
+                    stride_poh,
+                    stride_pos,
+                    stride_plb,
+                    stride_plh,
+                    stride_ob,
+                    stride_oh,
+                    BLOCK_H,
+                    BLOCK_D,
+                    MAX_SPLITS,
+                )
+                # Every split of this launch has counted in, so nothing else touches the counter now;
+                # the launch boundary makes the zero visible to the next layer's launch.
+                tl.store(counter, 0)
 
 
 def alloc_decode_partials(
     batch_size: int, num_heads: int, max_kv_splits: int, head_dim: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for stage 1: partial outputs [bs, heads, splits, head_dim] and their lse [bs, heads, splits]."""
+    """Scratch for multi-split requests: partial outputs [bs, heads, splits, head_dim] and their lse
+    [bs, heads, splits]."""
     part_out = torch.empty(
         (batch_size, num_heads, max_kv_splits, head_dim), dtype=torch.float32, device=device
     )
     part_lse = torch.empty((batch_size, num_heads, max_kv_splits), dtype=torch.float32, device=device)
     return part_out, part_lse
+
+
+def alloc_split_counters(batch_size: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """Arrival counters for the in-kernel merge: [bs * kv_heads] int32, zero. decode_attention leaves them
+    zero again, so allocate once (before capturing CUDA graphs) and reuse them for every layer and step;
+    only calls that run one after another (one stream) may share them."""
+    return torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=device)
 
 
 def decode_attention(
@@ -230,12 +298,15 @@ def decode_attention(
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
     tiles: DecodeTiles | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
     k_buffer/v_buffer: one layer's pool, [slots, kv_heads, head_dim]; out: [bs, heads * head_dim] (written);
     num_kv_splits: [bs] int32 from kv_splits_per_request; part_out/part_lse: alloc_decode_partials scratch
-    with at least bs rows and max_kv_splits splits. Launches two kernels and never syncs with the host.
+    with at least bs rows and max_kv_splits splits; split_counters: alloc_split_counters(>= bs, kv_heads).
+    Without split_counters, a max_kv_splits above 1 allocates zeroed counters on every call (a memset).
+    One launch; never syncs with the host.
     """
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     batch_size = q.shape[0]
@@ -248,14 +319,27 @@ def decode_attention(
         raise ValueError(
             f"part_out {tuple(part_out.shape)} too small for bs {batch_size}, {max_kv_splits} splits"
         )
-    if max_kv_splits & (max_kv_splits - 1):
+    if max_kv_splits < 1 or max_kv_splits & (max_kv_splits - 1):
         raise ValueError(f"max_kv_splits must be a power of two, got {max_kv_splits}")
+    if split_counters is None:
+        # With one split the counters are never touched; any int32 pointer will do.
+        split_counters = (
+            num_kv_splits if max_kv_splits == 1 else alloc_split_counters(batch_size, num_kv_heads, q.device)
+        )
+    elif (
+        split_counters.dtype != torch.int32
+        or not split_counters.is_contiguous()
+        or split_counters.numel() < batch_size * num_kv_heads
+    ):
+        raise ValueError(
+            f"split_counters must be contiguous int32 with >= {batch_size * num_kv_heads} elements, got "
+            f"{split_counters.dtype} {tuple(split_counters.shape)}"
+        )
     tiles = tiles or DecodeTiles()
     q3 = q.view(batch_size, num_heads, head_dim)
     o3 = out.view(batch_size, num_heads, head_dim)
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    _decode_split_kernel[(batch_size, num_kv_heads, max_kv_splits)](
+    _decode_kernel[(batch_size, num_kv_heads, max_kv_splits)](
         q3,
         k_buffer,
         v_buffer,
@@ -263,8 +347,10 @@ def decode_attention(
         req_pool_indices,
         seq_lens,
         num_kv_splits,
+        o3,
         part_out,
         part_lse,
+        split_counters,
         sm_scale * _LOG2E,
         q3.stride(0),
         q3.stride(1),
@@ -273,6 +359,8 @@ def decode_attention(
         v_buffer.stride(0),
         v_buffer.stride(1),
         req_to_token.stride(0),
+        o3.stride(0),
+        o3.stride(1),
         part_out.stride(0),
         part_out.stride(1),
         part_out.stride(2),
@@ -280,28 +368,12 @@ def decode_attention(
         part_lse.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=tiles.block_n,
+        MAX_SPLITS=max_kv_splits,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-    )
-    _decode_merge_kernel[(batch_size, num_heads)](
-        part_out,
-        part_lse,
-        num_kv_splits,
-        o3,
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        o3.stride(0),
-        o3.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        MAX_SPLITS=max_kv_splits,
-        num_warps=4,
     )
     return out

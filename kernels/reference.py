@@ -118,6 +118,32 @@ def rotary_neox_ref(
     return rotate(q), rotate(k)
 
 
+def qk_norm_rope_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused attention prologue: RMSNorm over each head of q and k with q_weight / k_weight
+    [head_dim] (both None: no norm), then rotary_neox_ref. The norm rounds where Hugging Face's
+    Qwen3RMSNorm does: x * rsqrt(mean(x^2) + eps) is rounded to q's dtype, and so is weight * that.
+    Returns new (q, k), float32 (the pool store is kv_store_ref of k rounded to its dtype, and v)."""
+
+    def norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        if weight is None:
+            return x
+        heads = x.reshape(x.shape[0], -1, head_dim)
+        normed = rmsnorm_ref(heads, torch.ones_like(weight), eps).to(x.dtype)
+        return (weight * normed).to(x.dtype).reshape(x.shape)
+
+    return rotary_neox_ref(positions, norm(q, q_weight), norm(k, k_weight), cos_cache, sin_cache, head_dim)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x [n, 2d] -> silu(x[:, :d]) * x[:, d:]."""
     gate, up = x.float().chunk(2, dim=-1)

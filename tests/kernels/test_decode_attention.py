@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime import interpreter
 
 from kernels.decode_attention import (
     MAX_KV_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     DecodeTiles,
     alloc_decode_partials,
+    alloc_split_counters,
     decode_attention,
     kv_splits_per_request,
     max_kv_splits_for,
@@ -17,46 +21,160 @@ from kernels.decode_attention import (
 from kernels.reference import decode_attention_ref
 from tests.kernels.conftest import poisoned, rel_error
 
+# Few tokens per split, so short test sequences still use many splits (up to MAX_KV_SPLITS).
+TOKENS_PER_SPLIT = 16
 
-def _run(kv, q: torch.Tensor, num_heads: int, max_splits: int, sm_scale: float) -> torch.Tensor:
-    bs, head_dim = q.shape[0], kv.k_buffer.shape[2]
-    splits = kv_splits_per_request(kv.seq_lens, max_splits)
-    part_out, part_lse = alloc_decode_partials(bs, num_heads, max_splits, head_dim, "cpu")
-    part_out.fill_(float("nan"))
-    part_lse.fill_(float("nan"))
-    out = poisoned((bs, num_heads * head_dim))
+
+@pytest.fixture
+def bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton 3.6's interpreter stores bfloat16 as uint16 and `tl.dot` multiplies those bit patterns
+    (triton-lang/triton#11584; bfloat16 is unsupported there). Widen the operands to float32 first, which
+    is what the tensor cores compute: exact products of bfloat16 values, summed in float32."""
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widen(x: interpreter.TensorHandle) -> interpreter.TensorHandle:
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+class Scratch:
+    """Poisoned scratch and fresh counters for one call, kept so tests can look at them afterwards."""
+
+    def __init__(self, bs: int, num_heads: int, num_kv_heads: int, max_splits: int, head_dim: int) -> None:
+        self.part_out, self.part_lse = alloc_decode_partials(bs, num_heads, max_splits, head_dim, "cpu")
+        self.part_out.fill_(float("nan"))
+        self.part_lse.fill_(float("nan"))
+        self.counters = alloc_split_counters(bs, num_kv_heads, "cpu")
+
+
+def _run(
+    kv,
+    q: torch.Tensor,
+    num_heads: int,
+    max_splits: int,
+    sm_scale: float,
+    tokens_per_split: int = TOKENS_PER_SPLIT,
+    scratch: Scratch | None = None,
+    splits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    bs, num_kv_heads, head_dim = q.shape[0], kv.k_buffer.shape[1], kv.k_buffer.shape[2]
+    if splits is None:
+        splits = kv_splits_per_request(kv.seq_lens, max_splits, min_tokens_per_split=tokens_per_split)
+    scratch = scratch or Scratch(bs, num_heads, num_kv_heads, max_splits, head_dim)
+    out = poisoned((bs, num_heads * head_dim), q.dtype)
     decode_attention(
         q, kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
-        splits, max_splits, sm_scale, part_out, part_lse, DecodeTiles(block_n=16),
+        splits, max_splits, sm_scale, scratch.part_out, scratch.part_lse, DecodeTiles(block_n=16),
+        scratch.counters,
     )  # fmt: skip
     return out
 
 
+def _ref(kv, q: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    return decode_attention_ref(
+        q, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, sm_scale
+    )
+
+
+@pytest.mark.parametrize("max_splits", [1, 4, MAX_KV_SPLITS])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "seq_lens"),
     [
         (4, 4, 32, [1, 37, 300, 530]),  # MHA; lengths of one token, one split, several splits
-        (8, 2, 16, [600, 5, 257, 64]),  # GQA 4: one program covers four query heads
+        (8, 2, 16, [1100, 5, 257, 64]),  # GQA 4: four query heads per program; 1100 tokens reach 64 splits
         (6, 2, 24, [90, 700]),  # head_dim not a power of two, group of 3 padded to 16 rows
     ],
 )
-def test_decode_matches_reference(gen, paged_kv, num_heads, num_kv_heads, head_dim, seq_lens) -> None:
+def test_decode_matches_reference(
+    gen, paged_kv, num_heads, num_kv_heads, head_dim, seq_lens, max_splits
+) -> None:
     kv = paged_kv(gen, seq_lens, num_kv_heads, head_dim)
     q = torch.randn((len(seq_lens), num_heads * head_dim), generator=gen)
     scale = head_dim**-0.5
-    out = _run(kv, q, num_heads, max_splits=4, sm_scale=scale)
-    ref = decode_attention_ref(
-        q, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, scale
-    )
-    assert rel_error(out, ref) < 1e-3
+    out = _run(kv, q, num_heads, max_splits, scale)
+    assert rel_error(out, _ref(kv, q, scale)) < 1e-3
 
 
-def test_decode_result_does_not_depend_on_split_count(gen, paged_kv) -> None:
-    kv = paged_kv(gen, [1000, 3], num_kv_heads=2, head_dim=16)
-    q = torch.randn((2, 4 * 16), generator=gen)
+@pytest.mark.parametrize("max_splits", [1, 8, MAX_KV_SPLITS])
+def test_decode_bfloat16_matches_reference(gen, paged_kv, bf16_dot, max_splits) -> None:
+    kv = paged_kv(gen, [1050, 3, 200], num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+    q = torch.randn((3, 4 * 32), generator=gen).to(torch.bfloat16)
+    out = _run(kv, q, 4, max_splits, sm_scale=32**-0.5)
+    assert out.dtype == torch.bfloat16
+    # bfloat16 keeps 8 significant bits: rounding the output alone costs up to 2^-9 relative.
+    assert rel_error(out, _ref(kv, q, 32**-0.5)) < 1e-2
+
+
+@pytest.mark.parametrize("max_splits", [2, 8, MAX_KV_SPLITS])
+def test_decode_result_does_not_depend_on_split_count(gen, paged_kv, max_splits) -> None:
+    kv = paged_kv(gen, [1030, 3, 130], num_kv_heads=2, head_dim=16)
+    q = torch.randn((3, 4 * 16), generator=gen)
+    splits = kv_splits_per_request(kv.seq_lens, max_splits, min_tokens_per_split=TOKENS_PER_SPLIT)
+    assert splits.tolist() == [max_splits, 1, min(max_splits, 9)]
     one = _run(kv, q, 4, max_splits=1, sm_scale=0.3)
-    many = _run(kv, q, 4, max_splits=8, sm_scale=0.3)
+    many = _run(kv, q, 4, max_splits=max_splits, sm_scale=0.3)
     assert rel_error(many, one) < 1e-5
+
+
+def test_one_split_requests_write_out_without_scratch_or_counters(gen, paged_kv) -> None:
+    # A grid bound of 8 (as for a small batch) but contexts short enough for one split each: the output
+    # comes straight from the split's program, with no partials and no merge.
+    kv = paged_kv(gen, [MIN_TOKENS_PER_SPLIT, 40, 1], num_kv_heads=2, head_dim=16)
+    q = torch.randn((3, 4 * 16), generator=gen)
+    scratch = Scratch(3, 4, 2, 8, 16)
+    out = _run(kv, q, 4, max_splits=8, sm_scale=0.25, tokens_per_split=MIN_TOKENS_PER_SPLIT, scratch=scratch)
+    assert rel_error(out, _ref(kv, q, 0.25)) < 1e-3
+    assert scratch.part_out.isnan().all() and scratch.part_lse.isnan().all()
+    assert not scratch.counters.any()
+
+
+def test_split_counters_return_to_zero_and_serve_the_next_call(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [500, 70, 3], num_kv_heads=2, head_dim=16)
+    scratch = Scratch(3, 4, 2, 8, 16)
+    for _ in range(2):  # as two layers (or two CUDA-graph replays) sharing the counters
+        q = torch.randn((3, 4 * 16), generator=gen)
+        out = _run(kv, q, 4, max_splits=8, sm_scale=0.25, scratch=scratch)
+        assert rel_error(out, _ref(kv, q, 0.25)) < 1e-3
+        assert not scratch.counters.any()
+
+
+def test_split_counts_above_the_grid_bound_are_clamped(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [300, 20], num_kv_heads=1, head_dim=16)
+    q = torch.randn((2, 2 * 16), generator=gen)
+    scratch = Scratch(2, 2, 1, 4, 16)
+    too_many = torch.tensor([9, 5], dtype=torch.int32)
+    out = _run(kv, q, 2, max_splits=4, sm_scale=0.25, scratch=scratch, splits=too_many)
+    assert rel_error(out, _ref(kv, q, 0.25)) < 1e-3
+    assert not scratch.counters.any()
+
+
+def test_decode_allocates_counters_when_none_are_given(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [400, 9], num_kv_heads=2, head_dim=16)
+    q = torch.randn((2, 4 * 16), generator=gen)
+    splits = kv_splits_per_request(kv.seq_lens, 4, min_tokens_per_split=TOKENS_PER_SPLIT)
+    part_out, part_lse = alloc_decode_partials(2, 4, 4, 16, "cpu")
+    out = poisoned((2, 4 * 16))
+    decode_attention(
+        q, kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+        splits, 4, 0.25, part_out, part_lse, DecodeTiles(block_n=16),
+    )  # fmt: skip
+    assert rel_error(out, _ref(kv, q, 0.25)) < 1e-3
+
+
+def test_decode_rejects_counters_of_the_wrong_type(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [40], num_kv_heads=2, head_dim=16)
+    q = torch.randn((1, 4 * 16), generator=gen)
+    scratch = Scratch(1, 4, 2, 4, 16)
+    scratch.counters = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="split_counters"):
+        _run(kv, q, 4, max_splits=4, sm_scale=0.25, scratch=scratch)
 
 
 def test_decode_reads_only_the_first_seq_len_positions(gen, paged_kv) -> None:

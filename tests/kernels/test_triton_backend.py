@@ -1,18 +1,26 @@
 """TritonAttnBackend gives the torch backend's outputs and pool contents, step after step: prefill,
-a continued (chunked) prefill over a cached prefix next to a fresh request, then decode."""
+a continued (chunked) prefill over a cached prefix next to a fresh request, then decode. Whole models
+(Qwen3, Llama) check the fused path too: on the triton backend each layer's q/k norm, RoPE and KV store
+are one kernel (kernels/qk_norm_rope.py) and the backend's own store is skipped."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from services.worker.attention import triton_backend
 from services.worker.attention.torch_backend import TorchAttnBackend
 from services.worker.attention.triton_backend import TritonAttnBackend
 from services.worker.forward_batch import ForwardBatch, ForwardMode
 from services.worker.layers.attention import RadixAttention
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.model_config import ModelConfig
+from services.worker.model_loader import load_model
+from tests.forward_helpers import BatchDriver
 from tests.kernels.conftest import rel_error
 
 NUM_LAYERS = 2
@@ -132,3 +140,53 @@ def test_reserved_decode_buffers_never_move(gen) -> None:
         pointers.add(batch.attn_metadata.num_kv_splits.data_ptr())
     assert len(pointers) == 1
     assert backend._scratch.data_ptr() == scratch
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_path", "llama_path"])
+def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str
+) -> None:
+    path: Path = request.getfixturevalue(checkpoint)
+    config = ModelConfig.from_path(path, dtype="float32")
+    model = load_model(config, "cpu")
+    drivers = {name: BatchDriver(model, config, max_requests=3, max_tokens=96) for name in ("torch", "triton")}
+    drivers["triton"].backend = TritonAttnBackend()
+    fused_calls: list[bool] = []
+    qk_norm_rope = triton_backend.qk_norm_rope_
+
+    def fused_spy(*args: object, **kwargs: object) -> object:
+        fused_calls.append(kwargs["q_weight"] is not None)
+        return qk_norm_rope(*args, **kwargs)
+
+    def unfused_store(*args: object) -> None:
+        raise AssertionError("the triton backend stored K/V again after the fused prologue")
+
+    monkeypatch.setattr(triton_backend, "qk_norm_rope_", fused_spy)
+    monkeypatch.setattr(triton_backend, "store_kv", unfused_store)
+
+    def step(run: Callable[[BatchDriver], torch.Tensor]) -> None:
+        logits = {name: run(driver) for name, driver in drivers.items()}
+        assert logits["triton"].shape == logits["torch"].shape
+        assert rel_error(logits["triton"], logits["torch"]) < 1e-4
+
+    rows = [drivers["torch"].new_request() for _ in range(2)]
+    assert rows == [drivers["triton"].new_request() for _ in range(2)]
+    step(lambda d: d.extend([(rows[0], _prompt(9, 1)), (rows[1], _prompt(5, 2))], return_all_logits=True))
+    fresh = drivers["torch"].new_request()
+    assert drivers["triton"].new_request() == fresh
+    # A continued (chunked) prefill over request 0's cached prefix, next to a fresh request.
+    step(lambda d: d.extend([(rows[0], _prompt(6, 3)), (fresh, _prompt(4, 4))], return_all_logits=True))
+    for token in (7, 11, 13):
+        step(lambda d, t=token: d.decode([(rows[0], t), (rows[1], t + 1), (fresh, t + 2)]))
+
+    # Every layer of every step went through the fused kernel, with the norms exactly when the model has them.
+    assert fused_calls == [checkpoint == "qwen3_path"] * (5 * config.num_layers)
+    pools = {name: driver.kv_pool for name, driver in drivers.items()}
+    for layer_id in range(config.num_layers):
+        for buffers in ("k_buffer", "v_buffer"):
+            ours, ref = getattr(pools["triton"], buffers)[layer_id], getattr(pools["torch"], buffers)[layer_id]
+            assert rel_error(ours, ref) < 1e-5

@@ -4,6 +4,10 @@ A backend owns nothing but metadata: KV lives in the TokenToKVPool. Each step th
 `init_forward_metadata(batch)` once; every attention layer then calls `forward`, which stores the
 new tokens' K and V into the pool at `batch.out_cache_loc` and attends over each request's whole
 sequence (cached prefix + new tokens, causally).
+
+Models hand over q and k before their rotary embedding (and Qwen3's per-head q/k norm), through
+`forward_with_rope`: by default that prologue runs layer by layer and then `forward`, but a backend may
+fuse it with its own KV store (the triton backend does it all in one kernel launch).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import torch
 if TYPE_CHECKING:
     from services.worker.forward_batch import ForwardBatch
     from services.worker.layers.attention import RadixAttention
+    from services.worker.layers.layernorm import RMSNorm
+    from services.worker.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(ABC):
@@ -38,6 +44,29 @@ class AttentionBackend(ABC):
         if batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)
+
+    def forward_with_rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`forward` for q and k as the QKV projection gives them: each head of q and k is first
+        RMS-normalized by q_norm / k_norm (Qwen3; None skips it), then rotated at `positions`. Here
+        step by step with the layers' own modules; backends may override this to fuse the prologue
+        with their KV store."""
+        if q_norm is not None:
+            q = q_norm(q.reshape(-1, layer.head_dim)).view(q.shape)
+        if k_norm is not None:
+            k = k_norm(k.reshape(-1, layer.head_dim)).view(k.shape)
+        q, k = rotary_emb(positions, q, k)
+        return self.forward(q, k, v, layer, batch)
 
     @abstractmethod
     def forward_extend(

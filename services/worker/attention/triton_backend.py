@@ -3,29 +3,37 @@
 Per step, init_forward_metadata turns the batch into the few device tensors the kernels read (the
 req_to_token rows and lengths the batch already has, plus per-request split counts for decode or
 cumulative new-token offsets and prefix lengths for extend); every layer then stores its new K/V with
-one kernel and attends with one (extend) or two (decode) more.
+one kernel and attends with one more (decode merges its splits inside that launch: the last split
+program of a request and KV head to finish merges, so there is no separate merge launch). Layers that hand over unrotated q/k
+(`forward_with_rope`) get their per-head q/k norm, rotary embedding and KV store in that one store
+launch (kernels/qk_norm_rope.py): at batch 1 a decode step is bound by kernel launches.
 
 CUDA graphs: decode's grid depends on the batch size alone (kernels.decode_attention.max_kv_splits_for),
-its split counts are computed on the device from seq_lens, and its scratch comes from a buffer the
-backend keeps, so a decode step launches nothing that depends on host-side lengths and never syncs.
+its split counts are computed on the device from seq_lens, and its scratch and its merge's arrival
+counters (which the kernel leaves at zero) come from buffers the backend keeps, so a decode step launches nothing that depends on host-side lengths and never syncs. The
+fused prologue reads only the step's positions and out_cache_loc, the rotary tables, the norm weights
+and the pool, all tensors that keep their addresses between replays.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
 from kernels.extend_attention import extend_attention
 from kernels.kv_store import store_kv
+from kernels.qk_norm_rope import qk_norm_rope_
 from services.worker.attention.base import AttentionBackend
 from services.worker.sampling.penalties import to_device_async
 
 if TYPE_CHECKING:
     from services.worker.forward_batch import ForwardBatch
     from services.worker.layers.attention import RadixAttention
+    from services.worker.layers.layernorm import RMSNorm
+    from services.worker.layers.rotary import RotaryEmbedding
 
 # Used where the device reports no multiprocessor count (the CPU interpreter): only shapes the grid.
 _DEFAULT_NUM_SMS = 8
@@ -49,6 +57,16 @@ class TritonExtendMetadata:
     max_extend_len: int
 
 
+_Metadata = TypeVar("_Metadata", TritonDecodeMetadata, TritonExtendMetadata)
+
+
+def _fusable_norms(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+    """The fused prologue takes both per-head norms or neither, sharing one eps (as Qwen3's do)."""
+    if q_norm is None or k_norm is None:
+        return q_norm is k_norm
+    return q_norm.eps == k_norm.eps
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -56,13 +74,15 @@ def _num_sms(device: torch.device) -> int:
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Triton kernels over the token-paged KV pool. Stateless between steps apart from two reusable
-    device buffers (decode split counts and decode scratch), which only grow."""
+    """Triton kernels over the token-paged KV pool. Stateless between steps apart from three reusable
+    device buffers (decode split counts, decode scratch and the merge's arrival counters), which only
+    grow."""
 
     def __init__(self) -> None:
         self._num_sms: dict[torch.device, int] = {}
         self._splits_buffer: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
 
     def reserve(
         self,
@@ -81,6 +101,7 @@ class TritonAttnBackend(AttentionBackend):
         worst = max(bs * max_kv_splits_for(bs, num_kv_heads, sms) for bs in range(1, max_batch_size + 1))
         self._splits(max_batch_size, device)
         self._scratch_for(worst * num_heads * (head_dim + 1), device)
+        self._counters_for(max_batch_size * num_kv_heads, device)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.seq_lens.device
@@ -105,18 +126,81 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
     ) -> torch.Tensor:
+        meta = self._metadata(batch, TritonExtendMetadata)
+        self._store(k, v, layer, batch)
+        return self._extend(q, k, v, layer, batch, meta)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+    ) -> torch.Tensor:
+        meta = self._metadata(batch, TritonDecodeMetadata)
+        self._store(k, v, layer, batch)
+        return self._decode(q, layer, batch, meta)
+
+    def forward_with_rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Norm (optional), rotary and the KV store in one launch that rotates q and k in place, then
+        attention straight from the pool (no separate store)."""
+        if not _fusable_norms(q_norm, k_norm):
+            return super().forward_with_rope(positions, q, k, v, rotary_emb, q_norm, k_norm, layer, batch)
+        decode = batch.forward_mode.is_decode()
+        meta = self._metadata(batch, TritonDecodeMetadata if decode else TritonExtendMetadata)
+        pool = batch.token_to_kv_pool
+        qk_norm_rope_(
+            positions,
+            q,
+            k,
+            rotary_emb.cos_cache,
+            rotary_emb.sin_cache,
+            layer.head_dim,
+            q_weight=q_norm.weight if q_norm is not None else None,
+            k_weight=k_norm.weight if k_norm is not None else None,
+            eps=q_norm.eps if q_norm is not None else 0.0,
+            v=v,
+            k_buffer=pool.get_key_buffer(layer.layer_id),
+            v_buffer=pool.get_value_buffer(layer.layer_id),
+            out_cache_loc=batch.out_cache_loc,
+        )
+        if decode:
+            return self._decode(q, layer, batch, meta)
+        return self._extend(q, k, v, layer, batch, meta)
+
+    def _metadata(self, batch: ForwardBatch, kind: type[_Metadata]) -> _Metadata:
         meta = batch.attn_metadata
-        if not isinstance(meta, TritonExtendMetadata):
-            raise ValueError("attn_metadata: call init_forward_metadata(batch) for this extend batch first")
-        k_buffer, v_buffer = self._store(k, v, layer, batch)
+        if not isinstance(meta, kind):
+            mode = batch.forward_mode.value
+            raise ValueError(f"attn_metadata: call init_forward_metadata(batch) for this {mode} batch first")
+        return meta
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: RadixAttention,
+        batch: ForwardBatch,
+        meta: TritonExtendMetadata,
+    ) -> torch.Tensor:
+        """Attention of the new tokens (k, v: theirs, already in the pool too) over their requests."""
+        pool = batch.token_to_kv_pool
         out = torch.empty((q.shape[0], layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
         return extend_attention(
             q,
             k,
             v,
             out,
-            k_buffer,
-            v_buffer,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
             meta.prefix_lens,
@@ -125,13 +209,11 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
         )
 
-    def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+    def _decode(
+        self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, meta: TritonDecodeMetadata
     ) -> torch.Tensor:
-        meta = batch.attn_metadata
-        if not isinstance(meta, TritonDecodeMetadata):
-            raise ValueError("attn_metadata: call init_forward_metadata(batch) for this decode batch first")
-        k_buffer, v_buffer = self._store(k, v, layer, batch)
+        """Split-K decode attention over the pool (the new token's K/V already stored)."""
+        pool = batch.token_to_kv_pool
         bs = q.shape[0]
         out = torch.empty((bs, layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
         part_out, part_lse = self._decode_scratch(
@@ -139,8 +221,8 @@ class TritonAttnBackend(AttentionBackend):
         )
         return decode_attention(
             q,
-            k_buffer,
-            v_buffer,
+            pool.get_key_buffer(layer.layer_id),
+            pool.get_value_buffer(layer.layer_id),
             out,
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
@@ -150,16 +232,13 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
             part_out,
             part_lse,
+            split_counters=self._counters_for(bs * pool.get_key_buffer(layer.layer_id).shape[1], q.device),
         )
 
-    def _store(
-        self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
-        k_buffer = pool.get_key_buffer(layer.layer_id)
-        v_buffer = pool.get_value_buffer(layer.layer_id)
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
-        return k_buffer, v_buffer
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
@@ -177,6 +256,13 @@ class TritonAttnBackend(AttentionBackend):
         if buf is None or buf.numel() < numel or buf.device != device:
             buf = self._scratch = torch.empty(numel, dtype=torch.float32, device=device)
         return buf
+
+    def _counters_for(self, numel: int, device: torch.device) -> torch.Tensor:
+        """The decode merge's arrival counters: zeroed once; every decode call leaves them zero."""
+        buf = self._counters
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._counters = torch.zeros(max(numel, 256), dtype=torch.int32, device=device)
+        return buf[:numel]
 
     def _decode_scratch(
         self, bs: int, num_heads: int, max_splits: int, head_dim: int, device: torch.device

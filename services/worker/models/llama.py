@@ -2,8 +2,8 @@
 
 Pre-norm decoder layers of attention (fused QKV, neox RoPE, GQA) and a SwiGLU MLP (fused gate_up),
 with RMSNorm fused into the residual adds. Subclasses swap parts through class attributes and small
-hooks: `LlamaAttention.norm_qk`, `LlamaDecoderLayer.make_mlp`, and the checkpoint-name mapping of
-`LlamaForCausalLM.weight_target`.
+hooks: `LlamaAttention.q_norm` / `k_norm` (per-head norms before RoPE), `LlamaDecoderLayer.make_mlp`,
+and the checkpoint-name mapping of `LlamaForCausalLM.weight_target`.
 """
 
 from __future__ import annotations
@@ -70,16 +70,15 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
         )
-
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head normalisation before RoPE; none in Llama."""
-        return q, k
+        # Per-head RMSNorm of q and k before RoPE: none in Llama (Qwen3 sets both).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        # The backend applies the norms and RoPE (the triton one together with its KV store).
+        out = self.attn.forward_with_rope(positions, q, k, v, batch, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
@@ -22,11 +20,6 @@ class Qwen3Attention(LlamaAttention):
         eps = float(config.hf_config.rms_norm_eps)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
-
-    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        return q, k
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
