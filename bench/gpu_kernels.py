@@ -33,6 +33,7 @@ from kernels.decode_attention import (  # noqa: E402
     MIN_TOKENS_PER_SPLIT,
     DecodeTiles,
     alloc_decode_partials,
+    alloc_split_counters,
     decode_attention,
     kv_splits_per_request,
     max_kv_splits_for,
@@ -40,6 +41,7 @@ from kernels.decode_attention import (  # noqa: E402
 from kernels.extend_attention import ExtendTiles, extend_attention  # noqa: E402
 from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
+from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rotary import rotary_neox_  # noqa: E402
 
@@ -171,6 +173,7 @@ def bench_decode(
     max_splits = max_kv_splits_for(bs, kv_heads, device_facts()[1])
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=DEV)
     part_out, part_lse = alloc_decode_partials(bs, heads, max_splits, head_dim, DEV)
+    counters = alloc_split_counters(bs, kv_heads, DEV)
     scale = head_dim**-0.5
     sets = []
     for _ in range(copies_for(kv_bytes)):
@@ -191,7 +194,8 @@ def bench_decode(
 
         def launch(s, splits=splits, tiles=tiles) -> object:
             return decode_attention(
-                s[0], s[1], s[2], s[5], s[3], s[4], lens, splits, max_splits, scale, part_out, part_lse, tiles
+                s[0], s[1], s[2], s[5], s[3], s[4], lens, splits, max_splits, scale, part_out, part_lse, tiles,
+                split_counters=counters,
             )
 
         try:
@@ -366,6 +370,39 @@ def rotary_case(tokens: int, heads: int, kv_heads: int, head_dim: int):
     return make
 
 
+def qk_norm_rope_case(tokens: int, heads: int, kv_heads: int, head_dim: int, pool_slots: int):
+    """Qwen3's per-head q/k RMSNorm + rotary + KV store in one launch, against the unfused reference."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    freqs = torch.outer(torch.arange(40960, device=DEV).float(), inv_freq)
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+
+    def make():
+        qkv = torch.randn((tokens, (heads + 2 * kv_heads) * head_dim), device=DEV, dtype=DT)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+        pos = torch.randint(0, 40960, (tokens,), device=DEV)
+        qw = (1 + 0.1 * torch.randn(head_dim, device=DEV)).to(DT)
+        kw = (1 + 0.1 * torch.randn(head_dim, device=DEV)).to(DT)
+        k_buf = torch.randn((pool_slots + 1, kv_heads, head_dim), device=DEV, dtype=DT)
+        v_buf = torch.randn_like(k_buf)
+        loc = torch.randperm(pool_slots, device=DEV)[:tokens] + 1
+        kw_args = dict(q_weight=qw, k_weight=kw, eps=1e-6, v=v, k_buffer=k_buf, v_buffer=v_buf, out_cache_loc=loc)
+
+        def check() -> float:
+            eq, ek = ref.qk_norm_rope_ref(pos, q, k, cos, sin, head_dim, qw, kw, 1e-6)
+            ev = v.clone()
+            k_buf[loc] = float("nan")
+            v_buf[loc] = float("nan")
+            qk_norm_rope_(pos, q, k, cos, sin, head_dim, **kw_args)
+            return max(
+                rel_err(q, eq), rel_err(k, ek),
+                rel_err(k_buf[loc].flatten(1), ek), rel_err(v_buf[loc].flatten(1), ev),
+            )  # fmt: skip
+
+        return (lambda: qk_norm_rope_(pos, q, k, cos, sin, head_dim, **kw_args)), check
+
+    return make
+
+
 def silu_case(tokens: int, d: int):
     def make():
         x = torch.randn((tokens, 2 * d), device=DEV, dtype=DT)
@@ -432,6 +469,10 @@ def main() -> int:
     qk_bytes = 2 * t * (32 + 8) * 128 * 2
     bench_memory_bound(
         "rotary_neox", f"{t} tok 32q/8kv x128", qk_bytes, rotary_case(t, 32, 8, 128), copy_gbps
+    )
+    qkv_bytes = 2 * t * (32 + 8) * 128 * 2 + 2 * t * 8 * 128 * 2 * 2
+    bench_memory_bound(
+        "qk_norm_rope+store", f"{t} tok 32q/8kv x128", qkv_bytes, qk_norm_rope_case(t, 32, 8, 128, 4 * t), copy_gbps
     )
     bench_memory_bound("silu_and_mul", f"{t}x(2x{inter})", 3 * t * inter * 2, silu_case(t, inter), copy_gbps)
     n = t // 2

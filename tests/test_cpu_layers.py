@@ -1,6 +1,6 @@
-"""The CPU fast paths of the layers against their references: the oneDNN-prepacked linear against
-F.linear, the once-per-forward rotary tables against HF's apply_rotary_pos_emb, the composite
-RMSNorm against HF's LlamaRMSNorm, and a prepacked model's logits against transformers."""
+"""The CPU paths of the layers against their references: the oneDNN-prepacked linear against
+F.linear, the once-per-forward rotary tables against HF's apply_rotary_pos_emb, RMSNorm against HF's
+LlamaRMSNorm, and a prepacked model's logits against transformers."""
 
 from __future__ import annotations
 
