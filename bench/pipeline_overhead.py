@@ -119,7 +119,7 @@ class ForeignCpu:
 class Stack:
     """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
 
-    def __init__(self, threads: int, max_total_tokens: int, run_dir: Path) -> None:
+    def __init__(self, threads: int, max_total_tokens: int, run_dir: Path, gateway_tokenizes: bool = False) -> None:
         self.port, grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -130,7 +130,7 @@ class Stack:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
                  str(grpc_port), "--run-dir", str(run_dir), "--max-total-tokens", str(max_total_tokens),
-                 "--device", "cpu"],
+                 "--device", "cpu", *(["--gateway-tokenizes"] if gateway_tokenizes else [])],
                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
@@ -353,6 +353,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ttft-runs", type=int, default=60, help="timed TTFT pairs")
     p.add_argument("--ttft-warmup", type=int, default=3, help="TTFT pairs before timing")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
+    p.add_argument("--gateway-tokenizes", action="store_true",
+                   help="`up --gateway-tokenizes`: the gateway tokenizes, no tokenizer-service hop")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
     args = p.parse_args()
     least = {"threads": 1, "batch": 1, "prompt_len": 1, "new_tokens": 1, "repeats": 1, "ttft_runs": 2, "ttft_warmup": 0}
@@ -400,7 +402,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}; model {model_path.name}", flush=True)
     started = time.perf_counter()
     run_dir = Path(tempfile.mkdtemp(prefix="rs-pipeline-bench-"))
-    stack = Stack(args.threads, max_total_tokens, run_dir)
+    stack = Stack(args.threads, max_total_tokens, run_dir, args.gateway_tokenizes)
     try:
         # The Engine loads while the pipeline starts: neither is timed.
         engine = Engine(str(model_path), device="cpu", max_total_tokens=max_total_tokens)

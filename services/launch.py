@@ -72,6 +72,8 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     up.add_argument("--workers", type=int, default=1, help="worker processes (each loads the model)")
+    up.add_argument("--gateway-tokenizes", action="store_true",
+                    help="the gateway tokenizes (--local-tokenizer): one NATS hop less per request")
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
                     help="use this NATS when it answers, else start one (env RS_NATS_URL)")
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
@@ -163,8 +165,10 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        gateway = _spawn("gateway", "gateway", ["--host", args.host, "--port", str(args.port),
-                                                "--grpc-port", str(args.grpc_port)], env, run_dir)
+        gateway_args = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+        if args.gateway_tokenizes:
+            gateway_args += ["--local-tokenizer", str(model_path)]
+        gateway = _spawn("gateway", "gateway", gateway_args, env, run_dir)
         tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env, run_dir)
         workers = [
             _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",

@@ -49,6 +49,7 @@ class Stack:
     gateways: list[Gateway]
     workers: dict[str, ServiceProcess]
     model: str
+    tokenizer: ServiceProcess
 
 
 def _gateway_addresses(process: ServiceProcess) -> tuple[str, str]:
@@ -74,9 +75,12 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
             )
             for wid in WORKERS
         }
+        # g2 tokenizes the default model's requests itself (--local-tokenizer); g1 uses the tokenizer.
+        local = {"g1": [], "g2": ["--local-tokenizer", str(default_model_path)]}
         gateway_processes = [
             ServiceProcess.start(
-                "gateway", [*common, "--gateway-id", gid, "--port", "0", "--grpc-port", "0"], log_dir, label=gid
+                "gateway", [*common, "--gateway-id", gid, "--port", "0", "--grpc-port", "0", *local[gid]],
+                log_dir, label=gid,
             )
             for gid in ("g1", "g2")
         ]
@@ -87,7 +91,7 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
         gateways = [Gateway(p, *_gateway_addresses(p)) for p in gateway_processes]
         for gateway in gateways:
             wait_for_workers(gateway.url, len(WORKERS), timeout=30)
-        yield Stack(nats_server, gateways, workers, default_model_path.name)
+        yield Stack(nats_server, gateways, workers, default_model_path.name, processes[0])
     finally:
         for process in processes:
             process.kill()
@@ -203,6 +207,31 @@ def test_nats_client_on_v1_generate(stack: Stack) -> None:
     assert chunks[-1].error is None
     assert "".join(c.text for c in chunks) == reference["text"]
     assert chunks[-1].completion_tokens == len(reference["output_ids"])
+
+
+def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_service(
+    stack: Stack, engine: Engine
+) -> None:
+    local = openai.OpenAI(base_url=f"{stack.gateways[1].url}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = local.chat.completions.create(model=stack.model, messages=messages, temperature=0, max_tokens=8)
+    expected = engine.generate(engine.apply_chat_template(messages), {"temperature": 0, "max_new_tokens": 8})
+    assert reply.choices[0].message.content == expected["text"]
+    assert reply.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    # A prompt no worker could run: 400 naming the field from either gateway, but only g1's went
+    # through the tokenizer service (which logs every refusal with the request id).
+    vocab = engine.model_config.vocab_size
+    tokenizer = stack.tokenizer
+    for gateway, rid in ((stack.gateways[1], "local-bad"), (stack.gateways[0], "remote-bad")):
+        response = httpx.post(
+            f"{gateway.url}/generate", json={"input_ids": [5, vocab + 7], "rid": rid}, timeout=30
+        )
+        assert response.status_code == 400, response.text
+        assert "input_ids" in response.json()["error"]["message"]
+    deadline = time.monotonic() + 10
+    while "remote-bad" not in tokenizer.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "remote-bad" in tokenizer.log() and "local-bad" not in tokenizer.log()
 
 
 def _worker_info(url: str, worker_id: str) -> dict[str, Any]:

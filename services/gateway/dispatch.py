@@ -1,7 +1,8 @@
 """The Dispatcher: what every front door (HTTP, gRPC, NATS) does with a request.
 
 validate -> choose a worker (router) -> register the stream (streams) -> publish a TokenizeRequest to
-`{p}.tokenize` -> the front door reads the stream. A client that goes away releases its request, which
+`{p}.tokenize` (or, with --local-tokenizer for the worker's model, tokenize here and publish the
+GenerateRequest straight to the worker) -> the front door reads the stream. A client that goes away releases its request, which
 aborts it on its worker (freeing its KV). A watchdog forgets silent workers and ends their requests.
 """
 
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 import nats.errors
@@ -29,10 +31,12 @@ from services.gateway.errors import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import routing_key
-from services.gateway.router import WorkerEntry, WorkerRegistry
+from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
+from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from services.worker.sampling.sampling_params import SamplingParams
 from shared.bus import Bus, PayloadTooLarge
+from shared.model_path import resolve_model_path
 from shared.protocol import (
     PROTOCOL_VERSION,
     ChatMessage,
@@ -49,6 +53,8 @@ from shared.protocol import (
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
+# With --local-tokenizer, text prompts up to this many characters are encoded on the event loop.
+INLINE_TOKENIZE_CHARS = 4096
 # Any id is valid at the gateway; the worker checks ids against the real vocabulary.
 _ANY_VOCAB = 2**31 - 1
 
@@ -107,6 +113,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
 
     def add(self, out: StreamOut) -> None:
         self.text += out.text
@@ -120,6 +128,8 @@ class Completion:
             self.prompt_tokens = out.prompt_tokens
             self.completion_tokens = out.completion_tokens or len(self.token_ids)
             self.cached_tokens = out.cached_tokens
+            self.spec_accept_length = out.spec_accept_length
+            self.spec_accept_rate = out.spec_accept_rate
 
 
 def token_texts(out: StreamOut) -> list[str]:
@@ -154,6 +164,7 @@ class Dispatcher:
             balance_rel_threshold=config.balance_rel_threshold,
         )
         self.hub = StreamHub(bus, config.gateway_id, metrics)
+        self.local_tokenizer: PromptTokenizer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -162,6 +173,9 @@ class Dispatcher:
         return self.config.gateway_id
 
     async def start(self) -> None:
+        if self.config.local_tokenizer:
+            path = str(resolve_model_path(self.config.local_tokenizer))
+            self.local_tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
         await self.hub.start()
         await self.bus.subscribe(self.bus.subjects.workers_load, (WorkerLoad,), self._on_load)
         self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
@@ -203,14 +217,39 @@ class Dispatcher:
             top_logprobs_num=spec.top_logprobs_num,
         )
         try:
-            await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
+            if self.tokenizes_for(worker):
+                await self._publish_tokenized(msg)
+            else:
+                await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
         except PayloadTooLarge as exc:
             self.hub.close(stream)
             raise GatewayError(PAYLOAD_TOO_LARGE, f"the request is too large: {exc}") from None
+        except ValueError as exc:
+            self.hub.close(stream)
+            raise bad_request(str(exc), _field_of(str(exc))) from None
         except Exception:
             self.hub.close(stream)
             raise
         return stream
+
+    def tokenizes_for(self, worker: WorkerEntry) -> bool:
+        """Whether this gateway tokenizes requests for `worker` itself (its --local-tokenizer model is
+        the one the worker serves)."""
+        return self.local_tokenizer is not None and model_matches(
+            PurePath(self.config.local_tokenizer).name, worker.load.model
+        )
+
+    async def _publish_tokenized(self, msg: TokenizeRequest) -> None:
+        """What the tokenizer service would do, here: ids (or ValueError naming the field) straight to
+        the worker. Short prompts are encoded on the event loop (a thread hand-off costs more than
+        they do); long ones in a thread, so other requests keep flowing."""
+        assert self.local_tokenizer is not None
+        short = msg.input_ids is not None or (msg.text is not None and len(msg.text) <= INLINE_TOKENIZE_CHARS)
+        if short:
+            out = self.local_tokenizer.to_generate(msg)
+        else:
+            out = await asyncio.to_thread(self.local_tokenizer.to_generate, msg)
+        await self.bus.publish(self.bus.subjects.worker_requests(msg.worker_id), out)
 
     async def submit_all(self, specs: list[GenerateSpec]) -> list[RequestStream]:
         """Submit several requests (n > 1, batches); if one fails, the others are released."""
