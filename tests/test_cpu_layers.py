@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from services.worker.layers.layernorm import RMSNorm
 from services.worker.layers.linear import (
     ColumnParallelLinear,
+    calibrate_single_row,
     cpu_prepack_available,
     linear,
     prepack_cpu_weights,
@@ -34,7 +35,8 @@ def test_prepacked_linear_equals_f_linear(rows: int, dtype: torch.dtype) -> None
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = (torch.randn(160, 96, generator=g) * 0.1).to(dtype)
     b = torch.randn(160, generator=g).to(dtype)
-    ours = linear(x, w, b, prepack_weight(w)).float()
+    # min_rows=1: the packed product even for one row (what calibrate_single_row may choose).
+    ours = linear(x, w, b, prepack_weight(w), min_rows=1).float()
     ref = F.linear(x.float(), w.float(), b.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert ours.shape == ref.shape
@@ -50,6 +52,19 @@ def test_prepack_covers_every_linear_and_the_lm_head(llama_path) -> None:
     assert packed == sum(m.weight.numel() * m.weight.element_size() for m in opted_in)
     assert any(isinstance(m, ColumnParallelLinear) for m in opted_in)
     assert model.lm_head.packed_weight is not None
+
+
+@needs_onednn
+def test_single_row_calibration_picks_the_faster_path(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.worker.layers.linear as linear_module
+
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    assert calibrate_single_row(model) == {}  # nothing prepacked yet: nothing to time, nothing changed
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    best = calibrate_single_row(model)
+    assert set(best) == {"plain", "packed"} and all(0 < t < 10 for t in best.values())
+    assert linear_module.PREPACKED_MIN_ROWS == (1 if best["packed"] < best["plain"] else 2)
 
 
 @needs_onednn

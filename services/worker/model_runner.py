@@ -18,7 +18,7 @@ from services.worker import distributed
 from services.worker.attention.base import AttentionBackend
 from services.worker.config import EngineConfig
 from services.worker.forward_batch import ForwardBatch
-from services.worker.layers.linear import cpu_prepack_available, prepack_cpu_weights
+from services.worker.layers.linear import calibrate_single_row, cpu_prepack_available, prepack_cpu_weights
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
@@ -122,7 +122,13 @@ class ModelRunner:
         self.model.eval()
         if device.type == "cpu" and config.cpu_weight_prepack and cpu_prepack_available():
             packed = prepack_cpu_weights(self.model)
-            logger.info("prepacked %.1f MiB of linear weights for batched CPU products", packed / 2**20)
+            best = calibrate_single_row(self.model)
+            logger.info(
+                "prepacked %.1f MiB of linear weights for batched CPU products; single rows use the %s "
+                "product (one pass over the weights: plain %.1f ms, packed %.1f ms)",
+                packed / 2**20, "packed" if best["packed"] < best["plain"] else "plain",
+                best["plain"] * 1e3, best["packed"] * 1e3,
+            )
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
         bytes_per_token = TokenToKVPool.bytes_per_token(

@@ -10,13 +10,17 @@ tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight`
 columns this rank keeps, so no rank materialises a whole sharded matrix.
 
 On the CPU, `prepack_cpu_weights` gives every linear layer (and the LM head) a copy of its weight in
-oneDNN's blocked layout. Batches of PREPACKED_MIN_ROWS rows or more multiply with it: the plain
-F.linear repacks the weight on every call, which at batch 16 costs as much as the product itself.
-Single rows keep F.linear, whose matrix-vector path streams the plain weight faster.
+oneDNN's blocked layout. Batches of two rows or more multiply with it: the plain F.linear repacks
+the weight on every call, which at batch 16 costs as much as the product itself. For single rows the
+faster path depends on the CPU (MKL's matrix-vector product streams the plain weight at the memory's
+speed on Intel; on AMD it ran on one core at about half of it, where oneDNN's did not), so
+`calibrate_single_row` times one pass over the model's weights each way at load time and keeps the
+faster.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,7 +30,8 @@ from torch import nn
 
 from services.worker.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 
-# Rows from which a prepacked CPU weight beats F.linear (measured with the default model's shapes).
+# Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row found the packed
+# matrix-vector product faster on this CPU.
 PREPACKED_MIN_ROWS = 2
 
 
@@ -41,10 +46,15 @@ def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    min_rows: int | None = None,
 ) -> torch.Tensor:
-    """x W^T + b, through the prepacked weight when there is one and the batch has enough rows."""
-    if packed is not None and x.dim() == 2 and x.shape[0] >= PREPACKED_MIN_ROWS:
+    """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
+    (default PREPACKED_MIN_ROWS) rows."""
+    if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -62,6 +72,32 @@ def prepack_cpu_weights(model: nn.Module) -> int:
         module.packed_weight = prepack_weight(weight)
         total += weight.numel() * weight.element_size()
     return total
+
+
+def calibrate_single_row(model: nn.Module, repeats: int = 3) -> dict[str, float]:
+    """Time one single-row pass over every prepacked weight of `model` with F.linear and with the
+    packed product (alternating, best of `repeats` each, after one warm pass), and set
+    PREPACKED_MIN_ROWS to 1 if the packed one was faster. Returns the best seconds per path."""
+    global PREPACKED_MIN_ROWS
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not modules:
+        return {}
+    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+
+    def one_pass(rows_from: int) -> float:
+        start = time.perf_counter()
+        for module, x in zip(modules, inputs):
+            linear(x, module.weight, None, module.packed_weight, min_rows=rows_from)
+        return time.perf_counter() - start
+
+    best = {"plain": float("inf"), "packed": float("inf")}
+    with torch.inference_mode():
+        one_pass(2), one_pass(1)
+        for _ in range(repeats):
+            best["plain"] = min(best["plain"], one_pass(2))
+            best["packed"] = min(best["packed"], one_pass(1))
+    PREPACKED_MIN_ROWS = 1 if best["packed"] < best["plain"] else 2
+    return best
 
 
 class WeightSlice(Protocol):
