@@ -144,6 +144,10 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # On a final of a request that ran speculative decoding: mean tokens per verify step, and the
+    # share of proposed tokens accepted.
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
     first: bool = False
     stop: list[str] | None = None
     skip_special_tokens: bool = True
@@ -170,6 +174,8 @@ class StreamOut(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_accept_length: float | None = None  # as on TokenOut
+    spec_accept_rate: float | None = None
     # Each output token's own text (and each top-logprob candidate's), sent only when the request
     # asked for logprobs: OpenAI's logprobs name tokens by text, and only the detokenizer has the
     # tokenizer. Absent, the gateway names a token "token_id:<id>".
@@ -265,6 +271,8 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_accept_length: float | None = None  # as on StreamOut, on a final with speculative decoding
+    spec_accept_rate: float | None = None
     error: str | None = None
 
 

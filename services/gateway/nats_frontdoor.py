@@ -2,7 +2,8 @@
 
 `{p}.v1.generate` (queue group "gateway": one gateway takes each request): a NatsGenerateRequest with
 a reply inbox. Replies go to that inbox: NatsGenerateChunk text deltas (stream=True) and always a last
-chunk with final=True carrying finish and usage, or `error` (with the HTTP-style status in its text).
+chunk with final=True carrying finish and usage (and, with speculative decoding, spec_accept_length and
+spec_accept_rate), or `error` (with the HTTP-style status in its text).
 `{p}.v1.abort` (every gateway hears it, no queue group; the one that holds the request aborts it):
 NatsAbort(rid). A message that does not decode is logged and answered with an error final when it
 has a reply inbox; the front door keeps serving.
@@ -128,6 +129,8 @@ class NatsFrontDoor:
                         prompt_tokens=out.prompt_tokens,
                         completion_tokens=whole.completion_tokens,
                         cached_tokens=out.cached_tokens,
+                        spec_accept_length=out.spec_accept_length,
+                        spec_accept_rate=out.spec_accept_rate,
                         **final,
                     ),
                 )

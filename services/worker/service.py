@@ -16,7 +16,10 @@ an 'abort' final) and drains NATS.
 
 Metrics: rs_worker_running_requests, rs_worker_waiting_requests, rs_worker_kv_usage,
 rs_worker_cache_hit_rate (gauges); rs_worker_generated_tokens_total, rs_worker_prompt_tokens_total,
-rs_worker_steps_total, rs_worker_requests_total{status=stop|length|abort|error}.
+rs_worker_steps_total, rs_worker_requests_total{status=stop|length|abort|error}. With speculative decoding,
+over finished requests: rs_worker_spec_verify_steps_total, rs_worker_spec_proposed_tokens_total,
+rs_worker_spec_accepted_tokens_total, and rs_worker_spec_accept_length (histogram of each request's mean
+accepted length, 1 .. k+1).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.detokenizer.service import StreamPublisher
 from services.worker.scheduler.req import FinishReason
@@ -72,10 +75,17 @@ class _Flight:
     first: bool = True
 
 
-class WorkerMetrics:
-    """The worker's Prometheus metrics."""
+def accept_length_buckets(num_draft_tokens: int) -> list[float]:
+    """Histogram buckets for a request's mean accepted length, which lies in 1 .. k+1: at most 16,
+    evenly spaced (half-token steps up to k = 8)."""
+    n = min(2 * num_draft_tokens, 16)
+    return [1.0 + num_draft_tokens * i / n for i in range(n + 1)]
 
-    def __init__(self) -> None:
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics (`num_draft_tokens`: k, for the accepted-length buckets)."""
+
+    def __init__(self, num_draft_tokens: int) -> None:
         self.running = Gauge("rs_worker_running_requests", "requests decoding or prefilling")
         self.waiting = Gauge("rs_worker_waiting_requests", "requests waiting for admission")
         self.kv_usage = Gauge("rs_worker_kv_usage", "fraction of KV slots held by running requests")
@@ -84,6 +94,23 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("rs_worker_prompt_tokens", "prompt tokens of accepted requests")
         self.steps = Counter("rs_worker_steps", "scheduler steps that produced output")
         self.requests = Counter("rs_worker_requests", "requests ended, by finish type", ["status"])
+        # Speculative decoding, counted when a request finishes.
+        self.spec_verify_steps = Counter("rs_worker_spec_verify_steps", "speculative decode steps")
+        self.spec_proposed = Counter("rs_worker_spec_proposed_tokens", "draft tokens proposed")
+        self.spec_accepted = Counter("rs_worker_spec_accepted_tokens", "draft tokens the target accepted")
+        self.spec_accept_length = Histogram(
+            "rs_worker_spec_accept_length", "a finished request's mean tokens per speculative decode step",
+            buckets=accept_length_buckets(num_draft_tokens),
+        )
+
+    def observe_final(self, out: ReqOutput) -> None:
+        """Count a final output's speculation (nothing for a request without a speculative step)."""
+        if out.spec_accept_length is None:
+            return
+        self.spec_verify_steps.inc(out.spec_verify_steps)
+        self.spec_proposed.inc(out.spec_proposed_tokens)
+        self.spec_accepted.inc(out.spec_accepted_tokens)
+        self.spec_accept_length.observe(out.spec_accept_length)
 
 
 class WorkerService(Service):
@@ -98,7 +125,7 @@ class WorkerService(Service):
         self.bus: Bus | None = None
         self.client: SchedulerClient | None = None
         self.stream: StreamPublisher | None = None
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(config.engine.speculative_num_draft_tokens)
         self._flights: dict[str, _Flight] = {}
         self._early_aborts: dict[str, float] = {}  # rid -> when its abort came, oldest first
         self._draining = False
@@ -214,8 +241,10 @@ class WorkerService(Service):
                 item.prompt_tokens = out.prompt_tokens
                 item.completion_tokens = out.completion_tokens
                 item.cached_tokens = out.cached_tokens
+                item.spec_accept_length, item.spec_accept_rate = out.spec_accept_length, out.spec_accept_rate
                 del self._flights[out.rid]
                 self.metrics.requests.labels(status=reason.type).inc()
+                self.metrics.observe_final(out)
             self.metrics.generated.inc(len(out.token_ids))
             items.append(item)
         return BatchTokenOut(v=PROTOCOL_VERSION, worker_id=self.worker_id, step=self._step, items=items)

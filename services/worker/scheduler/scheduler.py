@@ -37,6 +37,11 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 IN_BATCH_PREFIX_TOKENS = 32
 # After a retraction, assume each running request still needs this many steps.
 RETRACT_DECODE_STEPS = 20
+# What a final output adds to a step's tokens.
+_FINAL_FIELDS = (
+    "finished_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "spec_accept_length",
+    "spec_accept_rate", "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens",
+)
 
 
 @dataclass
@@ -52,9 +57,18 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # With speculative decoding, on the final output (Req.spec_metrics).
+    # With speculative decoding, on the final output (Req.spec_metrics), and the counts behind them:
+    # the request's verify steps, the draft tokens proposed in them and those the target accepted.
     spec_accept_length: float | None = None
     spec_accept_rate: float | None = None
+    spec_verify_steps: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    def take_final(self, final: ReqOutput) -> None:
+        """Give this step's output the final state (finish, usage, speculation) of `final`."""
+        for name in _FINAL_FIELDS:
+            setattr(self, name, getattr(final, name))
 
 
 @dataclass
@@ -267,11 +281,7 @@ class Scheduler:
             req.check_finished(tail)
             if req.finished():
                 self._release(req)
-                final = self._final_output(req)
-                out.finished_reason = final.finished_reason
-                out.prompt_tokens, out.completion_tokens = final.prompt_tokens, final.completion_tokens
-                out.cached_tokens = final.cached_tokens
-                out.spec_accept_length, out.spec_accept_rate = final.spec_accept_length, final.spec_accept_rate
+                out.take_final(self._final_output(req))
                 return
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
@@ -430,6 +440,9 @@ class Scheduler:
             cached_tokens=req.cached_tokens or 0,
             spec_accept_length=spec[0] if spec else None,
             spec_accept_rate=spec[1] if spec else None,
+            spec_verify_steps=req.spec_verify_steps,
+            spec_proposed_tokens=req.spec_proposed_tokens,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
 
     # ---- invariants ----------------------------------------------------------------------------
