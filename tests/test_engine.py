@@ -266,3 +266,13 @@ def test_overlap_schedule_gives_the_same_tokens(llama_path: Path, options: dict)
         with Engine(str(llama_path), disable_overlap_schedule=not overlap, **options) as engine:
             runs.append(output_ids(engine.generate(input_ids=prompts, sampling_params=params)))
     assert runs[1] == runs[0]
+
+
+def test_tensor_parallel_2_with_the_triton_backend_matches_1(qwen3_path: Path) -> None:
+    # The GPU path's pieces over two ranks (gloo, Triton's interpreter on the CPU): heads split per
+    # rank, the fused q/k-norm + rotary + KV-store launch and the one-launch decode, against TP=1 on
+    # the torch backend.
+    prompts = random_prompts(3, 5, 20, seed=11)
+    reference = generate_ids(qwen3_path, prompts, n=8)
+    assert generate_ids(qwen3_path, prompts, n=8, tp_size=2, attention_backend="triton") == reference
+    assert generate_ids(qwen3_path, prompts, n=8, attention_backend="triton") == reference

@@ -12,11 +12,12 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels.interpreter_compat import install as install_interpreter_fix  # noqa: E402
 
 
 def _interpret_language_helpers() -> None:
@@ -45,26 +46,9 @@ _interpret_language_helpers()
 _reload_compiled_kernels()
 
 
-def _index_of_scalar_handle(self: object) -> int:
-    return int(self.handle.data.squeeze())  # type: ignore[attr-defined]
-
-
-def _install_numpy_24_fix() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar (a 1-element array) into a loop bound with
-    int(array), which NumPy >= 2.4 rejects ("only 0-dimensional arrays can be converted to Python
-    scalars"; triton-lang/triton#9171, fixed upstream by #9172 after 3.6.0). Apply the same squeeze."""
-    if tuple(int(p) for p in np.__version__.split(".")[:2]) < (2, 4):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", _index_of_scalar_handle)
-
-    interpreter._patch_lang_tensor = patched
-
-
-_install_numpy_24_fix()
+# Every process that imports kernels/ under the interpreter gets kernels.interpreter_compat's NumPy 2.4
+# fix; installing it here too covers kernel modules this file re-decorated above.
+install_interpreter_fix()
 
 
 @pytest.fixture
