@@ -91,12 +91,20 @@ def add_launcher_commands(subparsers: argparse._SubParsersAction[argparse.Argume
     add_up_commands(subparsers)
 
 
+def add_key_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve keys create|list|revoke`: the gateway's API keys in Redis (services/gateway/auth.py)."""
+    from services.gateway.auth import add_keys_commands
+
+    add_keys_commands(subparsers)
+
+
 COMMANDS: list[CommandGroup] = [
     add_model_commands,
     add_chat_commands,
     add_service_commands,
     add_gateway_commands,
     add_launcher_commands,
+    add_key_commands,
 ]
 
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway import native_api, openai_api
+from services.gateway.auth import ApiKeyAuth
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
 
@@ -129,7 +130,7 @@ class CountRequests:
             await self.app(scope, receive, tracking_send)
         finally:
             route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
+            endpoint = getattr(route, "path", None) or scope.get("state", {}).get("endpoint") or "unmatched"
             final = scope.get("state", {}).get("stream_status", status)
             self.dispatcher.metrics.count(endpoint, final)
 
@@ -156,5 +157,7 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
+    if dispatcher.keys.enabled:
+        app.add_middleware(ApiKeyAuth, store=dispatcher.keys)  # inside CountRequests: 401/429 are counted
     app.add_middleware(CountRequests, dispatcher=dispatcher)
     return app

@@ -34,6 +34,13 @@ class GatewayConfig(ServiceConfig):
     enable_nats_frontdoor: bool = _help("serve {prefix}.v1.generate and {prefix}.v1.abort on NATS", True)
     worker_ttl: float = _help("seconds: route only to workers heard on {prefix}.workers.load this recently", 3.0)
     worker_dead_after: float = _help("seconds: a worker silent this long is dead and its requests end in an error", 5.0)
+    api_key: str = _help(
+        "comma-separated API keys every HTTP request (but /health, /metrics, docs) must bring as a Bearer token",
+        "",
+    )
+    redis_url: str = _help(
+        "Redis holding API keys with rate limits and usage (`radixserve keys ...`); empty: static keys only", ""
+    )
     local_tokenizer: str = _help(
         "model directory or name whose tokenizer this gateway loads to tokenize requests for that model "
         "itself, sending them straight to the worker (one NATS hop less); empty: the tokenizer service does it",

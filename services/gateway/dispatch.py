@@ -20,6 +20,7 @@ from typing import Any
 
 import nats.errors
 
+from services.gateway.auth import ApiKey, KeyStore, StoreUnavailable, current_key
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import (
     GATEWAY_TIMEOUT,
@@ -165,6 +166,9 @@ class Dispatcher:
         )
         self.hub = StreamHub(bus, config.gateway_id, metrics)
         self.local_tokenizer: PromptTokenizer | None = None
+        keys = [k.strip() for k in config.api_key.split(",") if k.strip()]
+        self.keys = KeyStore(keys, config.redis_url, config.subject_prefix)
+        self.hub.on_usage = self._record_usage
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -173,6 +177,7 @@ class Dispatcher:
         return self.config.gateway_id
 
     async def start(self) -> None:
+        await self.keys.check()
         if self.config.local_tokenizer:
             path = str(resolve_model_path(self.config.local_tokenizer))
             self.local_tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
@@ -187,6 +192,7 @@ class Dispatcher:
                 await self._watchdog
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.control_timeout)
+        await self.keys.close()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for every in-flight request to end; True if they did."""
@@ -203,6 +209,7 @@ class Dispatcher:
         worker = await self._choose(spec.model, routing_key(spec.text, spec.messages, spec.input_ids))
         rid = spec.rid or uuid.uuid4().hex
         stream = self.hub.open(rid, worker.load.worker_id)
+        stream.api_key = current_key.get()
         msg = TokenizeRequest(
             v=PROTOCOL_VERSION,
             rid=rid,
@@ -350,6 +357,17 @@ class Dispatcher:
                 if reply.ok:
                     self.registry.prefixes.forget(wid)
         return dict(zip(workers, replies))
+
+    def _record_usage(self, stream: RequestStream, out: StreamOut) -> None:
+        """A finished request's tokens count against its API key (Redis keys only)."""
+        if stream.api_key is not None and self.keys.redis is not None:
+            self._spawn(self._usage(stream.api_key, out.prompt_tokens, out.completion_tokens))
+
+    async def _usage(self, key: ApiKey, prompt_tokens: int, completion_tokens: int) -> None:
+        try:
+            await self.keys.record_usage(key, prompt_tokens, completion_tokens)
+        except StoreUnavailable as exc:
+            logger.warning("usage of key %r not recorded: %s", key.name, exc)
 
     # ---- background -----------------------------------------------------------------------------
 

@@ -14,10 +14,11 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from nats.aio.msg import Msg
 
+from services.gateway.auth import ApiKey
 from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.metrics import GatewayMetrics
 from shared.bus import Bus
@@ -44,6 +45,7 @@ class RequestStream:
         self.last_output_at: float | None = None
         self.finished = False  # the final (real or made here) has been queued
         self.error_status = BAD_REQUEST  # status of an error final from the pipeline (bad input)
+        self.api_key: ApiKey | None = None  # the HTTP request's key, when keys are required
         self._queue: asyncio.Queue[StreamOut] = asyncio.Queue()
 
     def deliver(self, out: StreamOut) -> None:
@@ -82,6 +84,8 @@ class StreamHub:
         self._by_reply: dict[str, str] = {}
         self._tokens = itertools.count()
         self._inbox = ""
+        # Called with (stream, final) for every request that finishes without an error.
+        self.on_usage: Callable[[RequestStream, StreamOut], None] | None = None
 
     async def start(self) -> None:
         subject = self.bus.subjects.gateway_stream(self.gateway_id)
@@ -172,6 +176,8 @@ class StreamHub:
             self.metrics.prompt_tokens.inc(out.prompt_tokens)
             self.metrics.generation_tokens.inc(out.completion_tokens)
             self.metrics.cached_tokens.inc(out.cached_tokens)
+            if self.on_usage is not None:
+                self.on_usage(stream, out)
 
     async def _on_reply(self, raw: Msg) -> None:
         token = raw.subject.rsplit(".", 1)[-1]
