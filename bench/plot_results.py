@@ -1,4 +1,5 @@
-"""PNG plots of the recorded GPU figures (bench/results/*.json, copied from the device runs' $OUT).
+"""PNG plots of the recorded figures (bench/results/*.json: the GPU ones copied from the device runs'
+$OUT, the CPU pipeline's written here).
 
     python bench/plot_results.py        # writes bench/plots/*.png
 """
@@ -84,11 +85,51 @@ def plot_kernels() -> None:
     fig.savefig(PLOTS / "kernels.png", dpi=110)
 
 
+def plot_decode_second_run() -> None:
+    """P2 after the fused attention prologue (gpu_engine_s2) beside P1 from gpu_tp's TP=1 run."""
+    p2 = load("gpu_engine_s2")["results"]["0.6b"]
+    tp = load("gpu_tp")["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    bars(axes[0], ["radixserve", "ceiling", "target"], [p2["tok_s"], p2["ceiling_tok_s"], 1000.0],
+         ["tab:blue", "tab:gray", "tab:green"])
+    axes[0].set_title(f"Qwen3-0.6B batch-1 decode, second run (ratio {p2['ratio']:.3f})")
+    axes[0].set_ylabel("tokens/s")
+    labels = ["TP=1\nbs1", "TP=2\nbs1", "TP=1\nbs64 /50", "TP=2\nbs64 /50"]
+    values = [tp["8b_tp1"]["bs1_tok_s"], tp["8b_tp2"]["bs1_tok_s"],
+              tp["8b_tp1"]["bs64_tok_s"] / 50, tp["8b_tp2"]["bs64_tok_s"] / 50]
+    bars(axes[1], labels, values, ["tab:blue", "tab:orange", "tab:blue", "tab:orange"])
+    axes[1].set_title("Qwen3-8B decode, TP=1 vs TP=2 (NCCL, 2x H200)")
+    axes[1].set_ylabel("tokens/s (batch 64 divided by 50)")
+    fig.tight_layout()
+    fig.savefig(PLOTS / "p1_p2_tp_second_run.png", dpi=110)
+
+
+def plot_pipeline() -> None:
+    """The CPU pipeline vs the in-process Engine: added floor and added TTFT, with and without the
+    gateway tokenizing."""
+    runs = {"tokenizer service": load("pipeline_cpu"), "gateway tokenizes": load("pipeline_cpu_gateway_tokenizes")}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels, values, colors = [], [], []
+    for name, r in runs.items():
+        labels += [f"floor\n{name}", f"TTFT\n{name}"]
+        values += [r["floor"]["added_median_ms"], r["ttft"]["added_median_ms"]]
+        colors += ["tab:gray", "tab:blue"]
+    bars(ax, labels, values, colors)
+    ax.axhline(2.0, color="tab:green", linestyle="--", label="target 2 ms")
+    ax.set_ylabel("added ms (median of pairs)")
+    ax.set_title("NATS pipeline vs in-process Engine (CPU, 2 vCPUs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOTS / "pipeline_cpu.png", dpi=110)
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     plot_decode()
     plot_serving()
     plot_kernels()
+    plot_decode_second_run()
+    plot_pipeline()
     print(f"plots in {PLOTS}")
 
 
