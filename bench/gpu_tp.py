@@ -3,13 +3,13 @@ Qwen3-8B-shaped and small Qwen3-MoE models (no weights can be downloaded there).
 
     python bench/gpu_tp.py [--tp 2] [--steps 64]
 
-For each TP size, one Engine (bf16, triton attention, CUDA graphs up to batch 64) runs, in order:
-  1. a mixed batch of 6 prompts (lengths 5..200, two sharing a 48-token prefix), greedy, --steps
-     tokens each, with the log-probabilities of the chosen tokens;
-  2. batch-1 decode speed (128-token prompt, 256 new tokens; prefill time subtracted);
-  3. batch-64 decode speed (64 distinct 128-token prompts, 128 new tokens each).
-TP>1 must give the TP=1 greedy tokens; the log-probabilities of the chosen tokens are compared in
-bf16 tolerance. The all-reduce cost is measured apart: NCCL all_reduce of one decode step's
+First the token check in float32 (the bf16 checkpoint upcast, no CUDA graphs, so it is quick): a
+mixed batch of 6 prompts (lengths 5..200, two sharing a 48-token prefix), greedy, --steps tokens
+each, with the log-probabilities of the chosen tokens; TP>1 must give the TP=1 tokens (float32, so
+summation order cannot flip a near-tie). Then, for each TP size, one bf16 Engine (triton attention,
+CUDA graphs up to batch 64) runs the same batch (tokens compared, log-probs in bf16 tolerance), then
+  1. batch-1 decode speed (128-token prompt, 256 new tokens; prefill time subtracted);
+  2. batch-64 decode speed (64 distinct 128-token prompts, 128 new tokens each). The all-reduce cost is measured apart: NCCL all_reduce of one decode step's
 activations ([batch, hidden] bf16), two per layer, timed over CUDA events on every rank. The small
 Qwen3-MoE (fp32) is checked the same way for tokens. A table closes the output; JSON goes to
 $OUT/gpu_tp.json.
@@ -71,7 +71,8 @@ def decode_rate(engine: Engine, prompts: list[list[int]], steps: int) -> float:
 def run_model(path: Path, tp: int, steps: int, dtype: str, speed: bool) -> dict[str, object]:
     g = torch.Generator().manual_seed(11)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    with Engine(str(path), tp_size=tp, dtype=dtype, max_total_tokens=POOL, cuda_graph_max_bs=64,
+    graphs = 64 if speed else 0
+    with Engine(str(path), tp_size=tp, dtype=dtype, max_total_tokens=POOL, cuda_graph_max_bs=graphs,
                 attention_backend="triton") as engine:
         tokens, logprobs = greedy(engine, mixed_prompts(vocab), steps)
         out: dict[str, object] = {"tokens": tokens, "logprobs": logprobs}
@@ -148,6 +149,14 @@ def main() -> int:
     path = build_checkpoint("8b", torch.bfloat16)
     ceiling = bw / weight_bytes(path)
     rows.append(("device copy bandwidth (read+write), one GPU", f"{bw / 1e9:.0f} GB/s; 8B bs1 ceiling {ceiling:.0f} tok/s"))
+    fp32 = {tp: run_model(path, tp, args.steps, "float32", speed=False) for tp in (1, args.tp)}
+    same, delta, first = compare(fp32[1], fp32[args.tp])
+    results["8b_fp32_tokens_identical"] = same
+    rows.append((f"Qwen3-8B float32 TP={args.tp} vs TP=1, 6 mixed prompts x {args.steps} greedy",
+                 f"tokens identical: {same}" + ("" if same else f" (first divergence at step {first})")
+                 + f"; max |d logprob| {delta:.2e}"))
+    print(rows[-1], flush=True)
+    save()
     runs = {}
     for tp in (1, args.tp):
         t0 = time.perf_counter()
@@ -191,7 +200,7 @@ def main() -> int:
     print("\n| check / figure | result |\n| --- | --- |")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    return 0 if results["8b_tokens_identical"] and results.get("moe_tokens_identical", True) else 1
+    return 0 if results["8b_fp32_tokens_identical"] and results.get("moe_tokens_identical", True) else 1
 
 
 if __name__ == "__main__":
