@@ -202,3 +202,18 @@ def test_non_streaming_disconnect_aborts_the_request(gateway: GatewayThread, pip
         httpx.post(f"{gateway.url}/generate", json={"text": "HANG still", "rid": "gone-plain"}, timeout=0.5)
     pipeline.wait_until(lambda: ("w1", "gone-plain") in pipeline.aborts)
     pipeline.wait_until(lambda: 'endpoint="/generate",status="499"' in httpx.get(f"{gateway.url}/metrics").text)
+
+
+@pytest.mark.parametrize("service", ["gateway", "tokenizer", "detokenizer"])
+def test_a_service_without_nats_exits_1_naming_the_url(service: str) -> None:
+    import subprocess
+    import sys
+
+    args = ["--nats-url", "nats://127.0.0.1:1", "--nats-connect-timeout", "1"]
+    if service == "gateway":
+        args += ["--port", "0", "--grpc-port", "0"]
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", service, *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "NATS at nats://127.0.0.1:1 is unreachable" in done.stdout + done.stderr

@@ -23,7 +23,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.nats_frontdoor import NatsFrontDoor
 from shared.bus import Bus
 from shared.metrics import MetricsServer, start_metrics_server
-from shared.service import Service, drain_bus
+from shared.service import Service, connect_bus, drain_bus
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class GatewayService(Service):
 
     async def start(self) -> None:
         cfg = self.config
-        self.bus = await Bus.connect(cfg.nats_url, f"gateway-{cfg.gateway_id}", cfg.subject_prefix)
+        # Bounded like every service's: an unreachable NATS is a clear exit 1, not a retry for ever.
+        self.bus = await connect_bus(cfg, f"gateway-{cfg.gateway_id}")
         self.dispatcher = Dispatcher(self.bus, cfg, self.metrics)
         await self.dispatcher.start()
         await self._start_http()
