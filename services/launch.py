@@ -183,6 +183,7 @@ def run_up(args: argparse.Namespace) -> int:
         model = models["data"][0]["id"]
         print(f"\nradixserve is up: {base}  (model {model}, {args.workers} worker(s), logs in {run_dir})")
         print(f"  OpenAI API: {base}/v1   docs: {base}/docs   gRPC: {args.host}:{args.grpc_port}   NATS: {nats_url}")
+        print(f"  playground: {base}/playground")
         print("  try:")
         print(f"    curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
         print(f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "

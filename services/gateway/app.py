@@ -25,6 +25,7 @@ from services.gateway import native_api, openai_api
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
+from services.gateway.playground_routes import router as playground_router
 
 # Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
@@ -156,6 +157,7 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(playground_router)
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
     if dispatcher.keys.enabled:
         app.add_middleware(ApiKeyAuth, store=dispatcher.keys)  # inside CountRequests: 401/429 are counted

@@ -2,7 +2,7 @@
 keys kept in Redis with per-key request-rate limits and usage counters that every gateway replica
 shares (Redis is the control plane, never the data plane: DESIGN.md §2).
 
-A request to any route but the open ones (/health, /metrics and the API docs) must carry
+A request to any route but the open ones (/health, /metrics, the API docs, the playground page) must carry
 `Authorization: Bearer <key>`: a missing or unknown key is a 401, a key over its requests-per-minute
 limit a 429 with Retry-After, an unreachable Redis a 503. Keys are stored hashed (SHA-256): Redis
 never holds a usable key. Redis layout under `radixserve:{subject_prefix}:`
@@ -36,7 +36,11 @@ logger = logging.getLogger(__name__)
 UNAUTHORIZED = 401
 TOO_MANY_REQUESTS = 429
 SERVICE_UNAVAILABLE = 503
-OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+# The playground's page and script are static; its API calls carry the key the user types in.
+OPEN_PATHS = frozenset({
+    "/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
+    "/playground", "/playground/playground.js",
+})
 RATE_WINDOW_S = 60
 
 def key_hash(key: str) -> str:
