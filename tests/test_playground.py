@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import start_nats_server
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 SCRIPT = Path(__file__).resolve().parents[1] / "services" / "gateway" / "playground" / "playground.js"
