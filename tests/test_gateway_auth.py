@@ -14,12 +14,14 @@ import time
 import uuid
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import pytest
 import redis
 
 from services.cli import main as cli_main
 from services.gateway.config import GatewayConfig
+from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
 from services.gateway.service import GatewayService
 from shared.natsd import NatsServer, start_nats_server
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
@@ -78,6 +80,24 @@ def test_static_keys_guard_every_route_but_health_and_metrics(nats: NatsServer, 
         assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "invalid API key"
         ok = complete(gw.url, "k-two")
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "one two three "
+        # gRPC: the key travels as `authorization` metadata; the health service needs none.
+        with grpc.insecure_channel(gw.grpc_target) as channel:
+            stub = radixserve_pb2_grpc.RadixServeStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfo(radixserve_pb2.ModelInfoRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "missing API key" in refused.value.details()
+            with pytest.raises(grpc.RpcError) as wrong_key:
+                list(stub.Generate(radixserve_pb2.GenerateRequest(text="x y"), timeout=5,
+                                   metadata=[("authorization", "Bearer nope")]))
+            assert wrong_key.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            good = [("authorization", "Bearer k-one")]
+            assert [m.model for m in stub.ModelInfo(radixserve_pb2.ModelInfoRequest(), timeout=5,
+                                                    metadata=good).models] == [FAKE_MODEL]
+            replies = list(stub.Generate(radixserve_pb2.GenerateRequest(text="x y"), timeout=5, metadata=good))
+            assert "".join(r.text for r in replies) == "x y "
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
         metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
         assert 'rs_gateway_requests_total{endpoint="auth",status="401"} 2.0' in metrics
         assert 'rs_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics

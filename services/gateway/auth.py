@@ -10,8 +10,9 @@ never holds a usable key. Redis layout under `radixserve:{subject_prefix}:`
   apikey_names      hash   name -> key hash
   rl:{hash}:{minute} string requests counted in that minute (expires after two minutes)
   usage:{hash}      hash   requests, prompt_tokens, completion_tokens
-`radixserve keys create|list|revoke` manages them. The gRPC and NATS doors are not covered: secure
-those with gRPC TLS and NATS accounts.
+`radixserve keys create|list|revoke` manages them. gRPC calls bring the key as `authorization`
+metadata (UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE); the NATS front door is not covered:
+secure it with NATS accounts.
 """
 
 from __future__ import annotations
@@ -183,6 +184,37 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What an Authorization value gets: the key when admitted, else the status, message and (429)
+    seconds to wait."""
+
+    key: ApiKey | None
+    status: int = 200
+    message: str = ""
+    retry_after: int | None = None
+
+
+async def authorize(store: KeyStore, authorization: str) -> Verdict:
+    """Check `Authorization: Bearer <key>` against the store and count it against the key's limit;
+    shared by the HTTP middleware and the gRPC servicer (metadata `authorization`)."""
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return Verdict(None, UNAUTHORIZED, "missing API key: send `Authorization: Bearer <key>`")
+    try:
+        known = await store.lookup(key.strip())
+        wait = await store.admit(known) if known is not None else None
+    except StoreUnavailable as exc:
+        logger.warning("API-key store unreachable: %s", exc)
+        return Verdict(None, SERVICE_UNAVAILABLE, "the API-key store is unreachable")
+    if known is None:
+        return Verdict(None, UNAUTHORIZED, "invalid API key")
+    if wait is not None:
+        message = f"rate limit of {known.rpm} requests per minute reached for key {known.name!r}"
+        return Verdict(None, TOO_MANY_REQUESTS, message, int(wait))
+    return Verdict(known)
+
+
 class ApiKeyAuth:
     """ASGI middleware: every HTTP request outside OPEN_PATHS needs a known key within its limit."""
 
@@ -197,29 +229,12 @@ class ApiKeyAuth:
         # Refused before routing: /metrics counts these under endpoint="auth".
         scope.setdefault("state", {})["endpoint"] = "auth"
         headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode(errors="replace")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            await _error(UNAUTHORIZED, "missing API key: send `Authorization: Bearer <key>`")(scope, receive, send)
+        verdict = await authorize(self.store, headers.get(b"authorization", b"").decode(errors="replace"))
+        if verdict.key is None:
+            extra = {"Retry-After": str(verdict.retry_after)} if verdict.retry_after is not None else None
+            await _error(verdict.status, verdict.message, extra)(scope, receive, send)
             return
-        try:
-            known = await self.store.lookup(key.strip())
-            wait = await self.store.admit(known) if known is not None else None
-        except StoreUnavailable as exc:
-            logger.warning("API-key store unreachable: %s", exc)
-            await _error(SERVICE_UNAVAILABLE, "the API-key store is unreachable")(scope, receive, send)
-            return
-        if known is None:
-            await _error(UNAUTHORIZED, "invalid API key")(scope, receive, send)
-            return
-        if wait is not None:
-            response = _error(
-                TOO_MANY_REQUESTS,
-                f"rate limit of {known.rpm} requests per minute reached for key {known.name!r}",
-                {"Retry-After": str(int(wait))},
-            )
-            await response(scope, receive, send)
-            return
+        known = verdict.key
         token = current_key.set(known)
         try:
             await self.app(scope, receive, send)

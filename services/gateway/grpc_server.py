@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from services.gateway.auth import authorize, current_key
 from services.gateway.dispatch import Dispatcher, GenerateSpec
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
@@ -25,6 +26,8 @@ WATCH_INTERVAL_S = 1.0
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -91,7 +94,20 @@ class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignor
     def __init__(self, dispatcher: Dispatcher) -> None:
         self.dispatcher = dispatcher
 
+    async def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """With API keys on, the call's `authorization` metadata must hold a key within its limit
+        (services/gateway/auth.py); the key then counts the request's usage."""
+        if not self.dispatcher.keys.enabled:
+            return
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        verdict = await authorize(self.dispatcher.keys, str(metadata.get("authorization", "")))
+        if verdict.key is None:
+            self.dispatcher.metrics.count(method, verdict.status)
+            await context.abort(status_code(verdict.status), verdict.message)
+        current_key.set(verdict.key)
+
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        await self._authorize(context, "grpc.Generate")
         try:
             stream = await self.dispatcher.submit(spec_from_proto(request))
         except GatewayError as exc:
@@ -109,12 +125,14 @@ class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignor
             self.dispatcher.metrics.count("grpc.Generate", status)
 
     async def Abort(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await self._authorize(context, "grpc.Abort")
         if not request.rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid: must not be empty")
         found = await self.dispatcher.abort(request.rid)
         return radixserve_pb2.AbortResponse(found=found)
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await self._authorize(context, "grpc.ModelInfo")
         registry = self.dispatcher.registry
         response = radixserve_pb2.ModelInfoResponse()
         for model in registry.models():
