@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call that runs the GPU benchmarks in priority order, each under its own time limit, and
+# leaves logs and JSON in $OUT (the device tool brings them back). From the repository root, with
+# the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
+#   bash bench/gpu_session.sh [tp|engine|kernels|serving|spec ...]     (default: all, in this order)
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/out}"
+mkdir -p "$OUT"
+nvidia-smi -L
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tp engine kernels serving spec)
+for step in "${steps[@]}"; do
+  case "$step" in
+    tp)      gpus=$(nvidia-smi -L | wc -l)
+             [ "$gpus" -ge 2 ] && timeout 420 python bench/gpu_tp.py > "$OUT/tp.log" 2>&1 ;;
+    engine)  timeout 300 python bench/gpu_engine.py --models 0.6b,8b --skip-hf > "$OUT/engine.log" 2>&1 ;;
+    kernels) timeout 300 python bench/gpu_kernels.py > "$OUT/kernels.log" 2>&1 ;;
+    serving) timeout 500 python bench/gpu_serving.py --figures p3,p6 > "$OUT/serving.log" 2>&1 ;;
+    spec)    timeout 300 python bench/gpu_spec.py --k 4 --steps 128 > "$OUT/spec.log" 2>&1 ;;
+    *)       echo "unknown step $step"; continue ;;
+  esac
+  echo "== $step: exit $?"
+  tail -n 15 "$OUT/$step.log" 2>/dev/null
+done
