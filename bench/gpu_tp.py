@@ -129,6 +129,13 @@ def compare(base: dict[str, object], other: dict[str, object]) -> tuple[bool, fl
     return same, max(deltas, default=0.0), first
 
 
+def token_check(base: dict[str, object], other: dict[str, object]) -> tuple[bool, float, str]:
+    """compare(), and its table cell."""
+    same, delta, first = compare(base, other)
+    text = f"tokens identical: {same}" + ("" if same else f" (first divergence at step {first})")
+    return same, delta, text + f"; max |d logprob| (equal tokens) {delta:.2e}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
@@ -150,11 +157,9 @@ def main() -> int:
     ceiling = bw / weight_bytes(path)
     rows.append(("device copy bandwidth (read+write), one GPU", f"{bw / 1e9:.0f} GB/s; 8B bs1 ceiling {ceiling:.0f} tok/s"))
     fp32 = {tp: run_model(path, tp, args.steps, "float32", speed=False) for tp in (1, args.tp)}
-    same, delta, first = compare(fp32[1], fp32[args.tp])
+    same, _, cell = token_check(fp32[1], fp32[args.tp])
     results["8b_fp32_tokens_identical"] = same
-    rows.append((f"Qwen3-8B float32 TP={args.tp} vs TP=1, 6 mixed prompts x {args.steps} greedy",
-                 f"tokens identical: {same}" + ("" if same else f" (first divergence at step {first})")
-                 + f"; max |d logprob| {delta:.2e}"))
+    rows.append((f"Qwen3-8B float32 TP={args.tp} vs TP=1, 6 mixed prompts x {args.steps} greedy", cell))
     print(rows[-1], flush=True)
     save()
     runs = {}
@@ -167,12 +172,10 @@ def main() -> int:
                      f"one GPU's ceiling); bs64 {r['bs64_tok_s']:.0f} tok/s"))
         print(rows[-1], flush=True)
         save()
-    same, delta, first = compare(runs[1], runs[args.tp])
+    same, delta, cell = token_check(runs[1], runs[args.tp])
     results["8b_tokens_identical"] = same
     results["8b_max_logprob_delta"] = delta
-    rows.append((f"Qwen3-8B bf16 TP={args.tp} vs TP=1, 6 mixed prompts x {args.steps} greedy",
-                 f"tokens identical: {same}" + ("" if same else f" (first divergence at step {first})")
-                 + f"; max |d logprob| (same tokens) {delta:.2e}"))
+    rows.append((f"Qwen3-8B bf16 TP={args.tp} vs TP=1, 6 mixed prompts x {args.steps} greedy", cell))
     print(rows[-1], flush=True)
     save()
 
@@ -190,11 +193,9 @@ def main() -> int:
         moe = build_moe_checkpoint()
         base = run_model(moe, 1, 32, "float32", speed=False)
         other = run_model(moe, args.tp, 32, "float32", speed=False)
-        same, delta, first = compare(base, other)
+        same, _, cell = token_check(base, other)
         results["moe_tokens_identical"] = same
-        rows.append((f"Qwen3-MoE small fp32 TP={args.tp} vs TP=1, 6 prompts x 32 greedy",
-                     f"tokens identical: {same}" + ("" if same else f" (first divergence at step {first})")
-                     + f"; max |d logprob| {delta:.2e}"))
+        rows.append((f"Qwen3-MoE small fp32 TP={args.tp} vs TP=1, 6 prompts x 32 greedy", cell))
         save()
 
     print("\n| check / figure | result |\n| --- | --- |")

@@ -39,25 +39,25 @@ IDS = list(range(100, 164))
 WARMUP = 5
 
 
-def start_stack(port: int, gateway_tokenizes: bool) -> tuple[subprocess.Popen[bytes], str]:
-    """`radixserve up` on `port`; returns the process and its nats-server URL."""
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--grpc-port", str(free_port()),
-           "--device", "cpu", "--max-total-tokens", "8192"]
-    if gateway_tokenizes:
-        cmd.append("--gateway-tokenizes")
-    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def start_up(up_args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+    """`radixserve up` with its own nats-server, one compute thread per model process, on the CPU, plus
+    `up_args`; returns the process, its URL and its nats-server URL once it prints them."""
+    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           **(env or {})}
+    cmd = [sys.executable, "-m", "services.cli", "up", "--grpc-port", str(free_port()), "--device", "cpu", *up_args]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
-    deadline = time.monotonic() + 240
-    seen = ""
+    deadline = time.monotonic() + 300
+    seen, url = "", ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline().decode(errors="replace")
         if not line and proc.poll() is not None:
             raise RuntimeError(f"`radixserve up` exited:\n{seen[-3000:]}")
         seen += line
-        match = re.search(r"NATS: (nats://[\d.]+:\d+)", line)
-        if match:
-            return proc, match.group(1)
+        if match := re.search(r"radixserve is up: (http://\S+)", line):
+            url = match.group(1)
+        if match := re.search(r"NATS: (nats://[\d.]+:\d+)", line):
+            return proc, url, match.group(1)
     proc.kill()
     raise RuntimeError(f"`radixserve up` not ready:\n{seen[-3000:]}")
 
@@ -118,10 +118,10 @@ def main() -> None:
     p.add_argument("--gateway-tokenizes", action="store_true", help="`up --gateway-tokenizes`")
     p.add_argument("--runs", type=int, default=60)
     args = p.parse_args()
-    port = free_port()
-    proc, nats_url = start_stack(port, args.gateway_tokenizes)
+    up_args = ["--port", str(free_port()), "--max-total-tokens", "8192"]
+    proc, url, nats_url = start_up(up_args + (["--gateway-tokenizes"] if args.gateway_tokenizes else []))
     try:
-        figures = http_figures(f"http://127.0.0.1:{port}", args.runs)
+        figures = http_figures(url, args.runs)
         figures |= asyncio.run(nats_figures(nats_url, args.runs))
     finally:
         proc.send_signal(signal.SIGTERM)

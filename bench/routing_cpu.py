@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +28,7 @@ import httpx
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.pipeline_floor import start_up  # noqa: E402
 from bench.pipeline_overhead import free_port  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,29 +46,6 @@ def workload(groups: int, per_group: int, seed: int) -> list[tuple[int, str]]:
              for q in range(per_group)]
     rng.shuffle(items)
     return items
-
-
-def start(policy: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "RS_ROUTING_POLICY": policy}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--workers", "2", "--port", str(port), "--grpc-port",
-         str(free_port()), "--device", "cpu", "--max-total-tokens", "16384"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    assert proc.stdout is not None
-    seen = ""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().decode(errors="replace")
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"`radixserve up` exited:\n{seen[-3000:]}")
-        seen += line
-        if re.search(r"radixserve is up: (http://\S+)", line):
-            return proc, re.search(r"radixserve is up: (http://\S+)", line).group(1)  # type: ignore[union-attr]
-    proc.kill()
-    raise RuntimeError(f"`radixserve up` not ready:\n{seen[-3000:]}")
 
 
 def run(url: str, items: list[tuple[int, str]], concurrency: int) -> dict[str, float]:
@@ -105,7 +81,10 @@ def main() -> None:
     items = workload(args.groups, args.per_group, args.seed)
     figures = {}
     for policy in ("cache_aware", "least_loaded"):
-        proc, url = start(policy)
+        proc, url, _ = start_up(
+            ["--workers", "2", "--port", str(free_port()), "--max-total-tokens", "16384"],
+            {"RS_ROUTING_POLICY": policy},
+        )
         try:
             figures[policy] = run(url, items, args.concurrency)
         finally:
