@@ -20,7 +20,7 @@ from shared.protocol import ChatMessage
 def routing_key(text: str | None, messages: list[ChatMessage] | None, input_ids: list[int] | None) -> bytes:
     """The bytes a request's prompt starts with, so two requests sharing a prompt prefix share a key
     prefix. Messages are joined role, content, role, content... with separators that cannot occur in
-    UTF-8 text; token ids are 4 little-endian bytes each."""
+    UTF-8 text; token ids are C ints (4 bytes each here)."""
     if text is not None:
         return text.encode()
     if messages is not None:
@@ -29,10 +29,7 @@ def routing_key(text: str | None, messages: list[ChatMessage] | None, input_ids:
             parts += [message.role.encode(), b"\xff", message.content.encode(), b"\xfe"]
         return b"".join(parts)
     if input_ids is not None:
-        ids = array("i", input_ids)
-        if ids.itemsize != 4:  # pragma: no cover - every platform we run on has 4-byte C ints
-            ids = array("l", input_ids)
-        return ids.tobytes()
+        return array("i", input_ids).tobytes()
     return b""
 
 
