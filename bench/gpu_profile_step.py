@@ -1,7 +1,9 @@
-"""Profile decode steps of the real scheduler on the GPU: where the host time of a step goes
-(cProfile) and which kernels the device runs (torch.profiler), to find what bounds a step.
+"""Profile the real scheduler on the GPU: where a step's host time goes (cProfile), which kernels the
+device runs (torch.profiler), what an eager EXTEND forward costs, and a step timeline of the P3
+workload, to find what bounds each figure.
 
-    python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128]
+    python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128] [--temperature 0]
+                                     [--host-profile] [--extend] [--p3-timeline [--scale 1.0]]
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import argparse
 import cProfile
 import os
 import pstats
+import random
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -19,36 +23,41 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.worker.config import EngineConfig  # noqa: E402
+from services.worker.forward_batch import ForwardMode  # noqa: E402
 from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
+from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--host-profile", action="store_true")
-    args = ap.parse_args()
-    pool = max(65536, args.batch * (args.prompt + 600))
-    loop = SchedulerLoop(EngineConfig(model_path=args.model, max_total_tokens=pool), 0, "tcp://127.0.0.1:0")
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def params(max_new: int, temperature: float) -> SamplingParams:
+    p = SamplingParams(max_new_tokens=max_new, temperature=temperature, ignore_eos=True)
+    p.normalize()
+    return p
+
+
+def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
     s = loop.scheduler
-    params = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)
-    params.normalize()
     for i in range(args.batch):
-        s.add_request(Req(f"r{i}", [1000 + (i * 7 + j) % 50000 for j in range(args.prompt)], params, seed=i))
+        s.add_request(Req(f"r{i}", [(1000 + i * 7 + j) % loop.runner.model_config.vocab_size for j in range(args.prompt)],
+                          params(500, args.temperature), seed=i))
     while s.waiting or s.chunked_req:
         s.step()
     for _ in range(20):
         s.step()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(50):
         s.step()
-    torch.cuda.synchronize()
+    sync()
     step_ms = (time.perf_counter() - t0) / 50 * 1e3
-    print(f"batch {args.batch}, prompt {args.prompt}: step {step_ms:.2f} ms, {args.batch / step_ms * 1e3:.0f} tok/s")
+    print(f"batch {args.batch}, prompt {args.prompt}, temperature {args.temperature}: step {step_ms:.2f} ms, "
+          f"{args.batch / step_ms * 1e3:.0f} tok/s")
     if args.host_profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -59,8 +68,115 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
         for _ in range(5):
             s.step()
-        torch.cuda.synchronize()
+        sync()
     print(p.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    while s.has_work():
+        for r in s.running:
+            s.abort_request(r.rid)
+        s.step()
+
+
+def extend_probe(loop: SchedulerLoop) -> None:
+    """Wall time of eager EXTEND forwards (synchronised), and the host ops of one of them."""
+    s, runner = loop.scheduler, loop.runner
+    rng = random.Random(0)
+    shapes = [(1, 5), (4, 5), (1, 128), (1, 2048), (16, 128)]
+    for reqs_n, tokens in shapes:
+        if tokens >= runner.model_config.context_len:
+            continue
+        reqs = [Req(f"x{reqs_n}-{tokens}-{i}", [rng.randrange(10, loop.runner.model_config.vocab_size) for _ in range(tokens)],
+                    params(1, 0.0), seed=i) for i in range(reqs_n)]
+        times = []
+        for _ in range(6):
+            for r in reqs:
+                r.fill_ids = list(r.origin_input_ids)
+                r.prefix_indices = torch.empty(0, dtype=torch.int64)
+                r.kv_committed_len = 0
+            batch = ScheduleBatch(reqs, ForwardMode.EXTEND, s.mem)
+            fb = batch.prepare_extend()
+            sync()
+            t0 = time.perf_counter()
+            runner.forward(fb)
+            t_launch = time.perf_counter() - t0
+            sync()
+            times.append((t_launch, time.perf_counter() - t0))
+            for r in reqs:
+                runner.allocator.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
+                runner.req_to_token_pool.free(r.req_pool_idx)
+                r.req_pool_idx = None
+        launch, total = sorted(times[2:])[len(times[2:]) // 2]
+        print(f"eager extend {reqs_n} req x {tokens} tokens: host launch {launch * 1e3:.2f} ms, "
+              f"wall {total * 1e3:.2f} ms")
+        if (reqs_n, tokens) == (1, 5):
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            for r in reqs:
+                r.fill_ids, r.prefix_indices, r.kv_committed_len = list(r.origin_input_ids), torch.empty(0, dtype=torch.int64), 0
+            fb = ScheduleBatch(reqs, ForwardMode.EXTEND, s.mem).prepare_extend()
+            with torch.profiler.profile(activities=acts) as p:
+                runner.forward(fb)
+                sync()
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+            for r in reqs:
+                runner.allocator.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
+                runner.req_to_token_pool.free(r.req_pool_idx)
+                r.req_pool_idx = None
+
+
+def p3_timeline(loop: SchedulerLoop, scale: float) -> None:
+    """The P3 workload through the scheduler, each step timed by its mode and batch size."""
+    s = loop.scheduler
+    rng = random.Random(0)
+    n = max(8, int(256 * scale))
+    top = min(1024, loop.runner.model_config.context_len // 2)
+    ins = [rng.randint(100 * top // 1024, top) for _ in range(n)]
+    outs = [rng.randint(100 * top // 1024, top) for _ in range(n)]
+    for i, (a, b) in enumerate(zip(ins, outs)):
+        s.add_request(Req(f"p{i}", [rng.randrange(10, loop.runner.model_config.vocab_size) for _ in range(a)], params(b, 0.6), seed=i))
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    prev_prefill, prev_decode = 0, 0
+    sync()
+    t_start = time.perf_counter()
+    while s.has_work():
+        t0 = time.perf_counter()
+        s.step()
+        dt = time.perf_counter() - t0
+        st = s.stats
+        if st.num_prefill_steps > prev_prefill:
+            kind = "extend"
+        elif st.num_decode_steps > prev_decode:
+            bs = len(s.running)
+            kind = f"decode bs {min(256, (bs + 63) // 64 * 64):>3}"
+        else:
+            kind = "drain"
+        prev_prefill, prev_decode = st.num_prefill_steps, st.num_decode_steps
+        by_kind[kind].append(dt)
+    total = time.perf_counter() - t_start
+    print(f"P3 timeline: {n} requests, {sum(outs)} output tokens in {total:.2f} s = {sum(outs) / total:.0f} tok/s")
+    for kind in sorted(by_kind):
+        t = sorted(by_kind[kind])
+        print(f"  {kind:<14} steps {len(t):>5}  total {sum(t):7.2f} s  median {t[len(t) // 2] * 1e3:7.2f} ms"
+              f"  p90 {t[int(len(t) * 0.9)] * 1e3:7.2f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--host-profile", action="store_true")
+    ap.add_argument("--extend", action="store_true", help="time eager EXTEND forwards")
+    ap.add_argument("--p3-timeline", action="store_true", help="step timeline of the P3 workload")
+    ap.add_argument("--scale", type=float, default=1.0)
+    args = ap.parse_args()
+    pool = max(400_000 if args.p3_timeline else 65536, args.batch * (args.prompt + 600))
+    loop = SchedulerLoop(EngineConfig(model_path=args.model, max_total_tokens=pool), 0, "tcp://127.0.0.1:0")
+    if args.extend:
+        extend_probe(loop)
+    if args.p3_timeline:
+        p3_timeline(loop, args.scale)
+    if args.batch > 0:
+        decode_profile(loop, args)
 
 
 if __name__ == "__main__":

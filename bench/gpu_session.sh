@@ -2,7 +2,7 @@
 # One device call that runs the GPU benchmarks in priority order, each under its own time limit, and
 # leaves logs and JSON in $OUT (the device tool brings them back). From the repository root, with
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
-#   bash bench/gpu_session.sh [tp|engine|kernels|serving|spec ...]     (default: all, in this order)
+#   bash bench/gpu_session.sh [tp|engine|kernels|serving|profile|spec ...]     (default: all, in this order)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -18,6 +18,9 @@ for step in "${steps[@]}"; do
     engine)  timeout 300 python bench/gpu_engine.py --models 0.6b,8b --skip-hf > "$OUT/engine.log" 2>&1 ;;
     kernels) timeout 300 python bench/gpu_kernels.py > "$OUT/kernels.log" 2>&1 ;;
     serving) timeout 500 python bench/gpu_serving.py --figures p3,p6 > "$OUT/serving.log" 2>&1 ;;
+    profile) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
+               && timeout 300 python bench/gpu_profile_step.py --extend --p3-timeline --batch 256 --prompt 600 \
+                  --temperature 0.6 > "$OUT/profile.log" 2>&1 ;;
     spec)    timeout 300 python bench/gpu_spec.py --k 4 --steps 128 > "$OUT/spec.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
