@@ -14,8 +14,10 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.engine import Engine
+from services.worker.forward_batch import ForwardMode
 from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
+from services.worker.scheduler.schedule_batch import ScheduleBatch
 from services.worker.scheduler_loop import SchedulerLoop
 from services.worker.spec.ngram import ngram_lookup
 from services.worker.spec.verify import verify
@@ -147,6 +149,66 @@ def test_greedy_output_is_identical_with_speculation(
     if spec_options["speculative_algorithm"] == "ngram":
         # A tiny random model falls into loops that lookup in its own output predicts.
         assert max(rates) > 0.0
+
+
+def test_verification_as_decode_rows_gives_the_extend_logits(qwen3_path: Path) -> None:
+    """[last token, proposals...] of each running request as one decode row per token (what a CUDA
+    graph replays) against one EXTEND over the same tokens with every token's logits (float32)."""
+    config = EngineConfig.from_kwargs(str(qwen3_path), max_total_tokens=512)
+    scheduler = SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    for i, prompt in enumerate(PROMPTS[:3]):
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        params.normalize()
+        scheduler.add_request(Req(f"r{i}", prompt, params, seed=i))
+    while len(scheduler.running) < 3 or scheduler.waiting:
+        scheduler.step()
+    scheduler.step()  # a decode step: every request holds KV up to its last token
+    reqs = list(scheduler.running)
+    committed = [r.kv_committed_len for r in reqs]
+    assert committed == [r.seq_len - 1 for r in reqs]
+    mem, runner = scheduler.mem, scheduler.runner
+
+    def run(prepare: str) -> torch.Tensor:
+        for req, extra in zip(reqs, ([], [5, 9], [7, 7, 3, 1])):
+            req.fill_ids = req.all_ids + extra
+        batch = ScheduleBatch(reqs, ForwardMode.EXTEND, mem)
+        forward_batch = batch.prepare_rows() if prepare == "rows" else batch.prepare_extend()
+        forward_batch.return_all_logits = prepare == "extend"
+        logits = runner.forward(forward_batch).clone()
+        for req, start in zip(reqs, committed):
+            mem.allocator.free(mem.req_to_token_pool.read(req.req_pool_idx, start, len(req.fill_ids)))
+            req.fill_ids = req.all_ids
+        return logits
+
+    rows, extend = run("rows"), run("extend")
+    assert rows.shape == extend.shape == (1 + 3 + 5, runner.model_config.vocab_size)
+    torch.testing.assert_close(rows, extend, rtol=1e-5, atol=1e-5)
+    scheduler.check_pool_invariant()
+
+
+def test_greedy_speculation_through_extend_steps_matches_decode_rows(
+    qwen3_path: Path, greedy_reference: list[list[int]]
+) -> None:
+    """With the rows bound at 0, the target verifies and the draft catches up in EXTEND steps (what
+    the GPU does past its largest CUDA graph): the tokens are still plain greedy's."""
+    config = EngineConfig.from_kwargs(
+        str(qwen3_path), chunked_prefill_size=8, speculative_algorithm="draft",
+        speculative_draft_model_path=str(qwen3_path), speculative_num_draft_tokens=K,
+    )
+    scheduler = SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    assert scheduler.spec is not None
+    scheduler.spec.max_verify_rows = 0
+    scheduler.spec.proposer.max_rows = 0
+    reqs = []
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(**{**GREEDY, "max_new_tokens": 24})
+        params.normalize()
+        reqs.append(Req(f"r{i}", prompt, params, seed=i))
+        scheduler.add_request(reqs[-1])
+    while scheduler.has_work():
+        scheduler.step()
+    assert [r.output_ids for r in reqs] == greedy_reference
+    assert all(r.spec_accepted_tokens == r.spec_proposed_tokens > 0 for r in reqs)
 
 
 def test_tokens_after_a_stop_token_in_an_accepted_run_are_dropped(qwen3_path: Path) -> None:

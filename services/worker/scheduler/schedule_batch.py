@@ -108,6 +108,35 @@ class ScheduleBatch:
             writes, future_index,
         )
 
+    def prepare_rows(self) -> ForwardBatch:
+        """Every request's new tokens (fill_ids past kv_committed_len) as DECODE rows, one per token.
+
+        Row j of a request sits at position kv_committed_len + j and attends to the request's first
+        kv_committed_len + j + 1 tokens: all rows store their KV before any attends, and the later
+        rows lie past its length, so the decode kernels compute exactly the causal attention of an
+        EXTEND over those tokens, and the step can replay a decode CUDA graph (an EXTEND step runs
+        eagerly). Speculative verification checks its k + 1 tokens per request this way. Logits come
+        back for every row; the caller commits each request's KV itself."""
+        mem = self.mem
+        counts = [len(req.fill_ids) - req.kv_committed_len for req in self.reqs]
+        slots = mem.alloc_slots(sum(counts))
+        input_ids: list[int] = []
+        positions: list[int] = []
+        pool_rows: list[int] = []
+        for req, n in zip(self.reqs, counts):
+            assert req.req_pool_idx is not None, "rows extend requests that already hold a request row"
+            start = req.kv_committed_len
+            input_ids.extend(req.fill_ids[start:])
+            positions.extend(range(start, start + n))
+            pool_rows.extend([req.req_pool_idx] * n)
+        position_t = torch.tensor(positions, dtype=torch.int64)
+        writes = _SlotWrites()
+        writes.add_flat(torch.tensor(pool_rows, dtype=torch.int64), position_t, slots)
+        return self._forward_batch(
+            ForwardMode.DECODE, input_ids, position_t, slots, [p + 1 for p in positions], positions,
+            [1] * len(positions), writes, pool_rows=pool_rows,
+        )
+
     def commit(self, batch: ForwardBatch) -> None:
         """After the forward: the new tokens' KV is resident."""
         for req, seq_len in zip(self.reqs, batch.seq_lens_cpu):
@@ -124,17 +153,21 @@ class ScheduleBatch:
         extend_lens: list[int],
         writes: _SlotWrites,
         future_index: tuple[torch.Tensor, list[int]] | None = None,
+        pool_rows: list[int] | None = None,
     ) -> ForwardBatch:
         """Everything the device needs for the step goes over in one (pinned) copy; a pageable
-        copy would make the host wait for the step in flight and undo overlap scheduling."""
+        copy would make the host wait for the step in flight and undo overlap scheduling. The
+        batch has one row per request unless `pool_rows` gives each row's request row."""
         mem = self.mem
-        bs, n = len(self.reqs), len(input_ids)
+        if pool_rows is None:
+            pool_rows = [r.req_pool_idx for r in self.reqs]
+        bs, n = len(pool_rows), len(input_ids)
         rows, cols, values = writes.flat()
         mem.req_to_token_pool.write_cpu(rows, cols, values)
         parts = [
             torch.tensor(input_ids, dtype=torch.int64),
             positions,
-            torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            torch.tensor(pool_rows, dtype=torch.int64),
             torch.tensor(seq_lens, dtype=torch.int64),
             slots,
         ]

@@ -3,8 +3,9 @@ per request by decoding k steps on its own ModelRunner (own weights, own KV pool
 
 Each request keeps a draft sequence: draft KV for its first `length` tokens. A step first catches the
 draft up on the tokens it has not seen (the whole prompt the first time; afterwards the target's own
-token and whatever else was appended since) in one extend, which yields the first proposal, then runs
-one decode per further proposal. After verification the draft keeps the KV of the accepted drafts and
+token and whatever else was appended since) in one forward, which yields the first proposal, then runs
+one decode per further proposal. A short catch-up goes as decode rows, one per token, so on the GPU
+every draft forward after the first replays a CUDA graph. After verification the draft keeps the KV of the accepted drafts and
 frees the rest, so it never holds a rejected token.
 
 The draft has no prefix cache: every request holds its full sequence. When the draft pool is short,
@@ -75,6 +76,9 @@ class DraftProposer:
             speculative_draft_model_path=None,
         )
         self.runner = ModelRunner(draft_config, model_config, target.device)
+        # Catch-ups of at most this many tokens in all run as decode rows (the largest captured
+        # decode graph; no bound without graphs), longer ones as an EXTEND.
+        self.max_rows: int | None = self.runner.graph_runner.max_bs if self.runner.graph_runner is not None else None
         self.vocab_size = model_config.vocab_size
         self._seqs: dict[int, _DraftSeq] = {}
         self._planned: list[_Planned] = []
@@ -176,25 +180,40 @@ class DraftProposer:
             runner.req_to_token_pool.write(seq.row, prefix, slots[start : start + n])
             seq.length = prefix + n
             start += n
-        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
         positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, new_lens)])
+        rows = len(positions)
+        as_rows = mode.is_extend() and (self.max_rows is None or rows <= self.max_rows)
+        if as_rows:
+            # Each new token its own decode row over its request's KV (see ScheduleBatch.prepare_rows):
+            # the catch-up replays a decode CUDA graph instead of running an eager EXTEND.
+            mode = ForwardMode.DECODE
+            pool_rows = [s.row for s, n in zip(seqs, new_lens) for _ in range(n)]
+            prefix_list = positions.tolist()
+            seq_lens, prefix_lens, new_counts = [p + 1 for p in prefix_list], prefix_list, [1] * rows
+        else:
+            pool_rows = [s.row for s in seqs]
+            seq_lens, new_counts = [p + n for p, n in zip(prefix_lens, new_lens)], list(new_lens)
         device = runner.device
         batch = ForwardBatch(
             forward_mode=mode,
-            batch_size=len(seqs),
+            batch_size=len(pool_rows),
             input_ids=input_ids.to(device),
             positions=positions.to(device),
-            req_pool_indices=torch.tensor([s.row for s in seqs], dtype=torch.int64).to(device),
+            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
             out_cache_loc=slots.to(device),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=list(new_lens),
+            extend_seq_lens_cpu=new_counts,
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
         )
-        return runner.forward(batch)
+        logits = runner.forward(batch)
+        if as_rows and rows != len(seqs):
+            last = torch.tensor(new_lens, dtype=torch.int64).cumsum(0) - 1
+            logits = logits[last.to(device)]
+        return logits
 
     # ---- bookkeeping ----------------------------------------------------------------------------
 

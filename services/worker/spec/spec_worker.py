@@ -2,9 +2,11 @@
 
     propose      the proposer offers up to k tokens per request (fewer near max_new_tokens, the
                  context end or a full pool; none for requests that do not speculate)
-    verify       the target runs ONE extend forward per request over [last token, proposals...]
-                 (return_all_logits), inside the usual continuous batch; verify.py accepts a prefix
-                 of each request's proposals and adds the target's own next token
+    verify       the target runs ONE forward over every request's [last token, proposals...], inside
+                 the usual continuous batch: one decode row per token (a CUDA graph replay on the
+                 GPU), or an extend with every token's logits when the rows exceed the largest graph;
+                 verify.py accepts a prefix of each request's proposals and adds the target's own
+                 next token
     free         KV slots of rejected proposals go back at once, in the target and the draft;
                  req.kv_committed_len then covers accepted tokens only, so the radix cache (which
                  takes a request's committed tokens) only ever receives accepted ones
@@ -65,6 +67,9 @@ class SpecWorker:
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.runner = runner
         self.mem = mem
+        # Most verification rows one DECODE batch takes: the largest captured decode graph (a larger
+        # eager decode would grow the attention buffers the graphs hold); no bound without graphs.
+        self.max_verify_rows: int | None = runner.graph_runner.max_bs if runner.graph_runner is not None else None
         self.proposer: Proposer
         if config.speculative_algorithm == "ngram":
             from services.worker.spec.ngram import NgramProposer
@@ -91,10 +96,7 @@ class SpecWorker:
         seq_lens = [r.seq_len for r in reqs]
         for req, draft in zip(reqs, drafts):
             req.fill_ids = req.all_ids + draft
-        forward_batch = ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem).prepare_extend()
-        forward_batch.return_all_logits = True
-        assert forward_batch.extend_seq_lens_cpu == [len(d) + 1 for d in drafts], "KV must end before the last token"
-        logits = self.runner.forward(forward_batch)
+        logits = self._verify_forward(reqs, drafts)
         starts = [0]
         for draft in drafts[:-1]:
             starts.append(starts[-1] + len(draft) + 1)
@@ -128,6 +130,20 @@ class SpecWorker:
             req.spec_accepted_tokens += accepted
         self.proposer.commit(reqs, num_accepted)
         return SpecStep(tokens, sampled_rows, sampled)
+
+    def _verify_forward(self, reqs: list[Req], drafts: list[list[int]]) -> torch.Tensor:
+        """The target's logits at each of [last token, proposals...] of every request, rows in batch
+        order. Up to `max_verify_rows` rows go as one DECODE row per token (ScheduleBatch.prepare_rows:
+        a CUDA graph replay on the GPU); more go as one EXTEND step with every token's logits."""
+        batch = ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem)
+        rows = sum(len(d) + 1 for d in drafts)
+        if self.max_verify_rows is None or rows <= self.max_verify_rows:
+            forward_batch = batch.prepare_rows()
+        else:
+            forward_batch = batch.prepare_extend()
+            forward_batch.return_all_logits = True
+        assert forward_batch.num_tokens == rows, "the request's KV must end before its last token"
+        return self.runner.forward(forward_batch)
 
     def _limits(self, reqs: list[Req]) -> list[int]:
         """Proposals each request may take: k, less near max_new_tokens (the target adds one token of
