@@ -84,12 +84,37 @@ def hf_speed(path: Path, steps: int) -> float:
     return steps / (time.perf_counter() - t0)
 
 
+def hf_compile_speed(path: Path, steps: int) -> tuple[float, float]:
+    """transformers' generate with a static cache and torch.compile (mode "default": "reduce-overhead"
+    fails with transformers 5.17 / torch 2.11 on overwritten CUDA-graph outputs). Returns (tok/s,
+    seconds the first call took, compilation included)."""
+    from transformers import CompileConfig
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).cuda().eval()
+    ids = torch.arange(1000, 1128, device="cuda")[None]
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None,
+              cache_implementation="static", compile_config=CompileConfig(mode="default"))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)  # compiles (the static cache has this call's length, so no recompiles)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        tps = steps / (time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return tps, first
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="0.6b,8b")
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
     ap.add_argument("--tokens-per-split", default="",
                     help="comma list: rerun decode with the split-K kernel's min tokens per split set to each")
     args = ap.parse_args()
@@ -126,6 +151,11 @@ def main() -> int:
         results[name] = {"tok_s": tps, "ceiling_tok_s": ceiling, "ratio": tps / ceiling, "hf_eager_tok_s": hf}
         rows.append((f"Qwen3-{name} bs1 decode (bf16, triton)",
                      f"{tps:.1f} tok/s; ceiling {ceiling:.0f}; ratio {tps / ceiling:.3f}; HF eager {hf:.1f}"))
+        if args.hf_compile:
+            ctps, first = hf_compile_speed(path, min(args.steps, 64))
+            results[name].update(hf_compile_tok_s=ctps, hf_compile_ratio=ctps / ceiling, hf_compile_first_call_s=first)
+            rows.append((f"Qwen3-{name} HF static cache + torch.compile",
+                         f"{ctps:.1f} tok/s; ratio {ctps / ceiling:.3f}; first call {first:.0f} s"))
         for per_split in [int(x) for x in args.tokens_per_split.split(",") if x]:
             import kernels.decode_attention as decode
 
