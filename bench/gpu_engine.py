@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    ap.add_argument("--decode-tiles", default="",
+                    help="comma list of BLOCK_N/WARPS/STAGES (e.g. 64/4/3): rerun decode with those tiles")
     ap.add_argument("--tokens-per-split", default="",
                     help="comma list: rerun decode with the split-K kernel's min tokens per split set to each")
     args = ap.parse_args()
@@ -166,6 +168,15 @@ def main() -> int:
             results[f"{name}-split{per_split}"] = {"tok_s": tps, "ratio": tps / ceiling}
             rows.append((f"Qwen3-{name} bs1 decode, {per_split} tokens/split",
                          f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
+        for spec in [x for x in args.decode_tiles.split(",") if x]:
+            import kernels.decode_attention as decode
+
+            saved_tiles = decode.DecodeTiles.__init__.__defaults__
+            decode.DecodeTiles.__init__.__defaults__ = tuple(int(v) for v in spec.split("/"))
+            tps = decode_speed(path, args.steps, attention_backend="triton")
+            decode.DecodeTiles.__init__.__defaults__ = saved_tiles
+            results[f"{name}-tiles{spec}"] = {"tok_s": tps, "ratio": tps / ceiling}
+            rows.append((f"Qwen3-{name} bs1 decode, decode tiles {spec}", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_engine.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
     print("\n== gpu_engine ==")
