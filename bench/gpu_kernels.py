@@ -44,6 +44,9 @@ from kernels.kv_store import store_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rotary import rotary_neox_  # noqa: E402
+from kernels.sampling import gumbel_argmax  # noqa: E402
+from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
+from services.worker.sampling.sampler import gumbel_noise, hashed_uniform  # noqa: E402
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -438,6 +441,40 @@ def kv_store_case(tokens: int, kv_heads: int, head_dim: int, pool_slots: int):
     return make
 
 
+def bench_gumbel_argmax(bs: int, vocab: int, copy_gbps: float) -> None:
+    """Temperature sampling's Gumbel-max over the whole vocabulary (sampler.py's path without top-k/top-p):
+    bf16 logits / temperature in float32, the fused kernel against the torch ops it replaces (the peer).
+    err counts rows whose token differs from torch's by more than a 1e-6 relative near-tie of the
+    perturbed scores (a last-bit log difference), so one wrong row fails; a hashed uniform that is not
+    bit-identical to the sampler's gives inf."""
+    seeds = torch.randint(-(2**63), 2**63 - 1, (bs,), dtype=torch.int64).to(DEV)
+    positions = torch.randint(0, 40960, (bs,), device=DEV)
+    temperatures = torch.empty((bs, 1), device=DEV).uniform_(0.5, 1.5)
+    vocab_ids = torch.arange(vocab, device=DEV).unsqueeze(0)
+    nbytes = bs * vocab * 4
+    sets = [
+        torch.randn((bs, vocab), device=DEV, dtype=DT).float() / temperatures
+        for _ in range(copies_for(nbytes))
+    ]
+    scores = sets[0] + gumbel_noise(seeds, positions, vocab_ids)
+    best = scores.max(dim=-1).values
+    got = gumbel_argmax(sets[0], seeds, positions)
+    chosen = scores.gather(1, got.unsqueeze(1)).squeeze(1)
+    differs = got != scores.argmax(dim=-1)
+    err = float((differs & (chosen < best - 1e-6 * best.abs())).sum())
+    if not torch.equal(kernel_uniform(seeds, positions, vocab), hashed_uniform(seeds, positions, vocab_ids)):
+        err = float("inf")
+    print(f"gumbel_argmax: {int(differs.sum())}/{bs} rows pick another token than torch.argmax", flush=True)
+    ms = bench_ms(rotating([lambda s=s: gumbel_argmax(s, seeds, positions) for s in sets]))
+    peer = bench_ms(
+        rotating([lambda s=s: (s + gumbel_noise(seeds, positions, vocab_ids)).argmax(-1) for s in sets])
+    )
+    ROWS.append(
+        Row("gumbel_argmax", f"bs{bs} V{vocab} (bf16 logits / T)", ms * 1e3, nbytes / (ms * 1e-3) / 1e9, "GB/s",
+            copy_gbps, err, peer * 1e3)
+    )  # fmt: skip
+
+
 def main() -> int:
     torch.manual_seed(0)
     name, sms, l2 = device_facts()
@@ -479,6 +516,7 @@ def main() -> int:
     bench_memory_bound(
         "kv_store", f"{n} tok 8kv x128", 2 * 2 * n * 8 * 128 * 2, kv_store_case(n, 8, 128, 4 * n), copy_gbps
     )
+    bench_gumbel_argmax(256, 151936, copy_gbps)
 
     for tokens in MOE_TOKENS:
         bench_moe(tokens, *MOE_SHAPE, copy_gbps, mm_tflops)

@@ -9,6 +9,11 @@ Seeded noise: a request's noise depends only on its own seed, the position being
 token id, so its tokens do not depend on what else is in the batch or on its row, and sampling is
 reproducible and testable. The scheduler draws a seed for requests that bring none.
 
+On CUDA, unless top-k or top-p needs the sorted path, the noise and the argmax over the vocabulary (after
+any min-p mask) are one fused Triton kernel (kernels/sampling.py: the same hashed uniforms bit for bit,
+the same lowest-id tie-break) instead of ~20 elementwise passes over [bs, V] int64 tensors; CPU tensors and the
+top-k/top-p path use the torch ops here.
+
 Log-probs follow SGLang: log_softmax of the penalised, temperature-scaled logits, before top-k/top-p/
 min-p truncation (greedy rows use temperature 1), so a truncated-away token still has a finite log-prob.
 """
@@ -29,6 +34,9 @@ def _signed64(x: int) -> int:
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
 
+
+# Tests set this to run the CUDA path's Triton kernel on CPU tensors, through Triton's interpreter.
+FUSED_GUMBEL_ON_CPU = False
 
 # splitmix64 constants (Steele et al.), as signed int64 so torch accepts them as scalars.
 _GAMMA = _signed64(0x9E3779B97F4A7C15)
@@ -311,5 +319,10 @@ class Sampler:
             choice = (candidates + noise).argmax(dim=-1, keepdim=True)
             return token_ids.gather(1, choice).squeeze(1)
         candidates = _mask_min_p(scaled, info) if info.need_min_p else scaled
+        if candidates.is_cuda or FUSED_GUMBEL_ON_CPU:
+            # Imported here: triton is needed (and installed) only where CUDA runs.
+            from kernels.sampling import gumbel_argmax
+
+            return gumbel_argmax(candidates, info.seeds, positions)
         vocab_ids = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
         return (candidates + gumbel_noise(info.seeds, positions, vocab_ids)).argmax(dim=-1)
