@@ -38,7 +38,7 @@ from kernels.decode_attention import (  # noqa: E402
     kv_splits_per_request,
     max_kv_splits_for,
 )
-from kernels.extend_attention import ExtendTiles, extend_attention  # noqa: E402
+from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table  # noqa: E402
 from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
@@ -240,7 +240,6 @@ def bench_extend(
     out = torch.empty_like(q)
     prefix_t = torch.tensor(prefix_lens, dtype=torch.int32, device=DEV)
     indptr = torch.tensor([0, *extend_lens], device=DEV).cumsum(0).to(torch.int32)
-    max_ext = max(extend_lens)
     expect = ref.extend_attention_ref(q, k, v, k_buf, v_buf, table, rows, prefix_lens, extend_lens, scale)
     # Useful FLOPs only: QK^T and PV over the visible (prefix + causal) keys.
     flops = sum(4 * heads * head_dim * e * (p + (e + 1) / 2) for p, e in zip(prefix_lens, extend_lens))
@@ -251,10 +250,11 @@ def bench_extend(
         sdpa = torch.nn.functional.scaled_dot_product_attention
         peer = bench_ms(lambda: sdpa(qd, kd, vd, is_causal=True, enable_gqa=True)) * 1e3
     for i, (name, tiles) in enumerate(variants.items()):
+        blocks = extend_block_table(prefix_lens, extend_lens, tiles.block_m).to(DEV)
 
-        def run(tiles=tiles) -> object:
+        def run(tiles=tiles, blocks=blocks) -> object:
             return extend_attention(
-                q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, max_ext, scale, tiles
+                q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, blocks, scale, tiles
             )
 
         try:

@@ -2,8 +2,15 @@
 
 Many requests of different lengths go in one launch. Request i owns rows qo_indptr[i] ..
 qo_indptr[i+1]-1 of q / k_new / v_new; its new tokens sit after prefix_lens[i] cached positions whose
-K/V are read from the pool through req_to_token. Grid (q head, block of BLOCK_M new tokens, request);
-blocks past a request's end return at once, and the blocks with the most causal work start first. Each program runs one online softmax in two phases:
+K/V are read from the pool through req_to_token.
+
+The grid is (q head, block table entry). The host lists every BLOCK_M-row query block of the batch as
+(request index, first new-token row within the request), heaviest first (extend_block_table: the
+blocks that visit the most keys start first, so the short ones fill the tail of the launch). The table
+may be longer than the batch needs: entries with request index -1 return at once. So the launch depends
+on the table's length alone, not on the requests' lengths, and a CUDA graph captured with a table long
+enough for any batch of its token bucket replays every such batch. Each program runs one online
+softmax in two phases:
 
 1. the prefix, read from the pool through req_to_token, with no mask (every new token sees all of it);
 2. the new tokens themselves, read straight from k_new / v_new (no gather), with the causal mask, and
@@ -14,6 +21,7 @@ The query heads of one KV head are adjacent in the grid, so their K/V tiles are 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +67,7 @@ def _extend_kernel(
     Req_pool_indices,
     Prefix_lens,
     Qo_indptr,
+    Block_table,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -73,6 +82,7 @@ def _extend_kernel(
     stride_vbt,
     stride_vbh,
     stride_r2t,
+    stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -81,17 +91,17 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
-    # Longest (most causal work) blocks first, so the short ones fill the tail of the launch.
-    block_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(2)
-    kv_head = head // GROUP
-    q_start = tl.load(Qo_indptr + b)
-    extend_len = tl.load(Qo_indptr + b + 1) - q_start
-    if block_m * BLOCK_M < extend_len:
+    entry = tl.program_id(1)
+    b = tl.load(Block_table + entry)
+    if b >= 0:
+        block_start = tl.load(Block_table + stride_bt + entry)
+        kv_head = head // GROUP
+        q_start = tl.load(Qo_indptr + b)
+        extend_len = tl.load(Qo_indptr + b + 1) - q_start
         prefix_len = tl.load(Prefix_lens + b)
         req_row = tl.load(Req_pool_indices + b).to(tl.int64)
 
-        offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = block_start + tl.arange(0, BLOCK_M)
         m_mask = offs_m < extend_len
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
@@ -126,8 +136,8 @@ def _extend_kernel(
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         # New tokens before this block are visible to every row: no mask at all (BLOCK_M is a multiple
-        # of BLOCK_N, so these tiles end exactly at the block's first row).
-        block_start = block_m * BLOCK_M
+        # of BLOCK_N and the table's first rows are multiples of BLOCK_M, so these tiles end exactly at
+        # the block's first row).
         for n0 in range(0, block_start, BLOCK_N):
             kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
             k = tl.load(
@@ -180,6 +190,34 @@ def _heads_view(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
     return x.view(x.shape[0], -1, head_dim) if x.dim() == 2 else x
 
 
+def extend_block_table(
+    prefix_lens: Sequence[int], extend_lens: Sequence[int], block_m: int, num_blocks: int | None = None
+) -> torch.Tensor:
+    """The launch's block table, on the host: int32 [2, num_blocks], column j = (request index, first
+    new-token row within the request) of one block_m-row query block.
+
+    Blocks are ordered by the keys they visit (the prefix plus the new tokens up to the block's last
+    row), most first, ties in batch order. num_blocks (default: exactly the blocks there are) pads the
+    table with (-1, 0) entries, which the kernel skips; it must be at least the number of blocks.
+    """
+    blocks: list[tuple[int, int]] = []
+    work: list[int] = []
+    for i, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
+        for start in range(0, n, block_m):
+            blocks.append((i, start))
+            work.append(prefix + min(n, start + block_m))
+    num_blocks = len(blocks) if num_blocks is None else num_blocks
+    if num_blocks < len(blocks):
+        raise ValueError(f"num_blocks {num_blocks} is below the {len(blocks)} query blocks of the batch")
+    table = torch.zeros((2, num_blocks), dtype=torch.int32)
+    table[0] = -1
+    if blocks:
+        # sorted() is stable with reverse=True: equal work keeps batch order.
+        order = sorted(range(len(blocks)), key=work.__getitem__, reverse=True)
+        table[:, : len(blocks)] = torch.tensor([blocks[j] for j in order], dtype=torch.int32).T
+    return table
+
+
 def extend_attention(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -191,15 +229,17 @@ def extend_attention(
     req_pool_indices: torch.Tensor,
     prefix_lens: torch.Tensor,
     qo_indptr: torch.Tensor,
-    max_extend_len: int,
+    block_table: torch.Tensor,
     sm_scale: float,
     tiles: ExtendTiles | None = None,
 ) -> torch.Tensor:
-    """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d]; out [tokens, heads * d] (written).
+    """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d]; out [tokens, heads * d] (written at
+    the rows of the requests' new tokens; rows past qo_indptr[-1] are left as they are).
 
     k_buffer/v_buffer: one layer's pool [slots, kv_heads, d]; prefix_lens [bs] and qo_indptr [bs + 1]
-    (int32, device) give each request's cached length and its rows; max_extend_len bounds
-    qo_indptr[i+1] - qo_indptr[i] (it sizes the grid).
+    (int32, device) give each request's cached length and its rows; block_table [2, num_blocks] (int32,
+    device, each row contiguous) is extend_block_table's for these lengths and tiles.block_m, possibly
+    padded: its length sizes the grid.
     """
     tiles = tiles or ExtendTiles()
     if tiles.block_m % tiles.block_n:
@@ -218,8 +258,15 @@ def extend_attention(
     batch_size = prefix_lens.shape[0]
     if qo_indptr.shape[0] != batch_size + 1:
         raise ValueError(f"qo_indptr must have {batch_size + 1} entries, got {qo_indptr.shape[0]}")
+    if block_table.dim() != 2 or block_table.shape[0] != 2 or block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must be [2, num_blocks] with contiguous rows, got {tuple(block_table.shape)}"
+        )
+    num_blocks = block_table.shape[1]
+    if num_blocks == 0:
+        return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (num_heads, triton.cdiv(max(max_extend_len, 1), tiles.block_m), batch_size)
+    grid = (num_heads, num_blocks)
     _extend_kernel[grid](
         q3,
         k3,
@@ -231,6 +278,7 @@ def extend_attention(
         req_pool_indices,
         prefix_lens,
         qo_indptr,
+        block_table,
         sm_scale * _LOG2E,
         q3.stride(0),
         q3.stride(1),
@@ -245,6 +293,7 @@ def extend_attention(
         v_buffer.stride(0),
         v_buffer.stride(1),
         req_to_token.stride(0),
+        block_table.stride(0),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

@@ -30,7 +30,14 @@ class EngineConfig:
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
     context_length: int | None = _help("override the model's max positions", None)
     attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
-    cuda_graph_max_bs: int = _help("capture decode CUDA graphs for batch sizes up to this (0: off); CUDA only", 256)
+    cuda_graph_max_bs: int = _help(
+        "capture decode CUDA graphs for batch sizes up to this (0: no CUDA graphs at all); CUDA only", 256
+    )
+    cuda_graph_max_extend_tokens: int = _help(
+        "capture extend (prefill, chunked prefill, mixed) CUDA graphs for steps of up to this many tokens "
+        "(0: off; ignored when cuda_graph_max_bs is 0)",
+        2048,
+    )
     # Memory.
     cpu_weight_prepack: bool = _help(
         "CPU: keep a oneDNN-blocked copy of each linear weight for batched products (weights take 2x memory)",
@@ -86,6 +93,11 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0 (0 turns CUDA graphs off), got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_extend_tokens < 0:
+            raise ValueError(
+                "cuda_graph_max_extend_tokens must be >= 0 (0 turns extend CUDA graphs off), got "
+                f"{self.cuda_graph_max_extend_tokens}"
+            )
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         self._check_speculative()

@@ -58,12 +58,18 @@ class ForwardBatch:
     return_all_logits: bool = False
     # Per-backend metadata, set by attn_backend.init_forward_metadata().
     attn_metadata: object | None = field(default=None, repr=False)
+    # [bs] int64 device rows of each request's last new token, when computed on the device (a CUDA
+    # graph's extend step derives them from its static offsets); None: built from extend_seq_lens_cpu.
+    last_token_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
     def last_token_indices(self) -> torch.Tensor:
-        """Row of each request's last new token in input_ids (where its next-token logits come from)."""
+        """Row of each request's last new token in input_ids (where its next-token logits come from):
+        last_token_rows when set, else built from the host lengths."""
+        if self.last_token_rows is not None:
+            return self.last_token_rows
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device, non_blocking=True)

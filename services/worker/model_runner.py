@@ -156,7 +156,9 @@ class ModelRunner:
                 # installs may lack.
                 from services.worker.cuda_graph_runner import CudaGraphRunner
 
-                self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, rows))
+                self.graph_runner = CudaGraphRunner(
+                    self, min(config.cuda_graph_max_bs, rows), config.cuda_graph_max_extend_tokens
+                )
             else:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
@@ -182,8 +184,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs replay a CUDA
-        graph; their logits are then a view that the next forward overwrites."""
+        """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs and extend batches
+        up to cuda_graph_max_extend_tokens replay a CUDA graph; their logits are then a view that the next
+        forward overwrites."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)

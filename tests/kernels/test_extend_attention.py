@@ -12,7 +12,7 @@ from kernels.decode_attention import (
     decode_attention,
     kv_splits_per_request,
 )
-from kernels.extend_attention import ExtendTiles, extend_attention
+from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table
 from kernels.reference import extend_attention_ref
 from tests.kernels.conftest import poisoned, rel_error
 
@@ -26,13 +26,15 @@ def _qkv_views(gen: torch.Generator, tokens: int, heads: int, kv_heads: int, hea
 SMALL = ExtendTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def _run(kv, q, k, v, prefix_lens: list[int], extend_lens: list[int], scale: float, tiles=SMALL):
+def _run(
+    kv, q, k, v, prefix_lens: list[int], extend_lens: list[int], scale: float, tiles=SMALL, num_blocks=None
+):
     out = poisoned(q.shape)
     indptr = torch.tensor([0, *extend_lens]).cumsum(0).to(torch.int32)
+    table = extend_block_table(prefix_lens, extend_lens, tiles.block_m, num_blocks)
     extend_attention(
         q, k, v, out, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices,
-        torch.tensor(prefix_lens, dtype=torch.int32), indptr, max(extend_lens), scale,
-        tiles,
+        torch.tensor(prefix_lens, dtype=torch.int32), indptr, table, scale, tiles,
     )  # fmt: skip
     return out
 
@@ -118,7 +120,8 @@ def test_extend_rejects_mismatched_indptr(gen, paged_kv) -> None:
     with pytest.raises(ValueError, match="qo_indptr"):
         extend_attention(
             q, k, v, poisoned(q.shape), kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices,
-            torch.tensor([0], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32), 4, 0.25,
+            torch.tensor([0], dtype=torch.int32), torch.tensor([0, 2, 4], dtype=torch.int32),
+            extend_block_table([0], [4], SMALL.block_m), 0.25, SMALL,
         )  # fmt: skip
 
 
@@ -127,3 +130,47 @@ def test_extend_rejects_block_m_not_a_multiple_of_block_n(gen, paged_kv) -> None
     q, k, v = _qkv_views(gen, 4, 1, 1, 16)
     with pytest.raises(ValueError, match="block_m"):
         _run(kv, q, k, v, [0], [4], 0.25, ExtendTiles(block_m=48, block_n=32))
+
+
+def test_block_table_lists_every_block_heaviest_first_and_pads() -> None:
+    # Keys visited: request 0's blocks 20 + 16 and 20 + 17, request 1's 5 + 16 and 5 + 32 (a tie with
+    # request 0's second block, kept in batch order); request 2 has no new tokens, so no block.
+    table = extend_block_table([20, 5, 9], [17, 32, 0], block_m=16, num_blocks=7)
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[0, 1, 0, 1, -1, -1, -1], [16, 16, 0, 0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="num_blocks"):
+        extend_block_table([0], [40], block_m=16, num_blocks=2)
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens", "num_blocks"),
+    [
+        ([5, 0], [20, 3], 9),  # a table longer than the batch needs (a CUDA graph's bound)
+        ([11, 0, 0, 7], [18, 0, 0, 2], 6),  # requests with no new tokens (a graph's padded requests)
+    ],
+)
+def test_extend_with_a_padded_block_table_matches_reference(
+    gen, paged_kv, prefix_lens, extend_lens, num_blocks
+) -> None:
+    kv = paged_kv(gen, [max(p + e, 1) for p, e in zip(prefix_lens, extend_lens)], 2, 16)
+    real = sum(extend_lens)
+    # Rows past the requests' tokens stand for a graph's padded tokens: no request owns them.
+    q, k, v = _qkv_views(gen, real + 5, 4, 2, 16)
+    out = _run(kv, q, k, v, prefix_lens, extend_lens, 0.25, num_blocks=num_blocks)
+    # The reference over the requests that have new tokens (the others own no rows).
+    some = [i for i, n in enumerate(extend_lens) if n]
+    ref = extend_attention_ref(
+        q[:real],
+        k[:real],
+        v[:real],
+        kv.k_buffer,
+        kv.v_buffer,
+        kv.req_to_token,
+        kv.req_pool_indices[some],
+        [prefix_lens[i] for i in some],
+        [extend_lens[i] for i in some],
+        0.25,
+    )
+    assert rel_error(out[:real], ref) < 1e-3
+    # The padded rows were left alone (still the poison).
+    assert out[real:].isnan().all()

@@ -10,9 +10,13 @@ launch (kernels/qk_norm_rope.py): at batch 1 a decode step is bound by kernel la
 
 CUDA graphs: decode's grid depends on the batch size alone (kernels.decode_attention.max_kv_splits_for),
 its split counts are computed on the device from seq_lens, and its scratch and its merge's arrival
-counters (which the kernel leaves at zero) come from buffers the backend keeps, so a decode step launches nothing that depends on host-side lengths and never syncs. The
-fused prologue reads only the step's positions and out_cache_loc, the rotary tables, the norm weights
-and the pool, all tensors that keep their addresses between replays.
+counters (which the kernel leaves at zero) come from buffers the backend keeps, so a decode step launches
+nothing that depends on host-side lengths and never syncs. Extend attention's grid is the length of its
+block table (kernels.extend_attention), so a graph captured over static metadata buffers sized for a
+token bucket (extend_blocks_bound) replays any batch that fits the bucket once fill_extend_metadata has
+written that batch's offsets, prefix lengths and block table into them. The fused prologue reads only
+the step's positions and out_cache_loc, the rotary tables, the norm weights and the pool, all tensors
+that keep their addresses between replays.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
-from kernels.extend_attention import extend_attention
+from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table
 from kernels.kv_store import store_kv
 from kernels.qk_norm_rope import qk_norm_rope_
 from services.worker.attention.base import AttentionBackend
@@ -37,6 +41,10 @@ if TYPE_CHECKING:
 
 # Used where the device reports no multiprocessor count (the CPU interpreter): only shapes the grid.
 _DEFAULT_NUM_SMS = 8
+# Extend attention's launch shape: its block_m is also the block table's, so both are read from here.
+EXTEND_TILES = ExtendTiles()
+# Rows of the extend metadata buffer (int32 [4, width]).
+_QO_INDPTR, _PREFIX_LENS, _BLOCK_TABLE = 0, 1, slice(2, 4)
 
 
 @dataclass(frozen=True)
@@ -50,11 +58,37 @@ class TritonDecodeMetadata:
 @dataclass(frozen=True)
 class TritonExtendMetadata:
     """qo_indptr: [bs + 1] int32 row offsets of each request's new tokens; prefix_lens: [bs] int32;
-    max_extend_len: the longest request's new-token count (sizes the grid)."""
+    block_table: [2, num_blocks] int32 (request, first new-token row) of each query block, padded with
+    (-1, 0) (its length sizes the grid). All three are views of one int32 buffer [4, width]."""
 
     qo_indptr: torch.Tensor
     prefix_lens: torch.Tensor
-    max_extend_len: int
+    block_table: torch.Tensor
+
+    @classmethod
+    def view(cls, buffer: torch.Tensor, batch_size: int, num_blocks: int) -> TritonExtendMetadata:
+        """The metadata of a batch of batch_size requests and num_blocks table entries over `buffer`
+        (as extend_metadata_rows lays it out, at least max(batch_size + 1, num_blocks) wide)."""
+        return cls(
+            qo_indptr=buffer[_QO_INDPTR, : batch_size + 1],
+            prefix_lens=buffer[_PREFIX_LENS, :batch_size],
+            block_table=buffer[_BLOCK_TABLE, :num_blocks],
+        )
+
+
+def extend_metadata_rows(prefix_lens: list[int], extend_lens: list[int], width: int) -> torch.Tensor:
+    """An extend batch's metadata on the host, int32 [4, width]: qo_indptr, prefix_lens and the two rows
+    of the block table for EXTEND_TILES. Past the batch, qo_indptr repeats the token total and prefix
+    lengths are 0 (requests with no tokens: a graph's padded requests), and the table holds (-1, 0)."""
+    rows = torch.zeros((4, width), dtype=torch.int32)
+    indptr = [0]
+    for n in extend_lens:
+        indptr.append(indptr[-1] + n)
+    rows[_QO_INDPTR] = indptr[-1]
+    rows[_QO_INDPTR, : len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
+    rows[_PREFIX_LENS, : len(prefix_lens)] = torch.tensor(prefix_lens, dtype=torch.int32)
+    rows[_BLOCK_TABLE] = extend_block_table(prefix_lens, extend_lens, EXTEND_TILES.block_m, width)
+    return rows
 
 
 _Metadata = TypeVar("_Metadata", TritonDecodeMetadata, TritonExtendMetadata)
@@ -112,16 +146,30 @@ class TritonAttnBackend(AttentionBackend):
             kv_splits_per_request(batch.seq_lens, max_splits, out=splits)
             batch.attn_metadata = TritonDecodeMetadata(splits, max_splits)
             return
-        extend_lens = batch.extend_seq_lens_cpu
-        indptr = [0]
-        for n in extend_lens:
-            indptr.append(indptr[-1] + n)
-        packed = to_device_async(torch.tensor(indptr + batch.extend_prefix_lens_cpu, dtype=torch.int32), device)
-        batch.attn_metadata = TritonExtendMetadata(
-            qo_indptr=packed[: len(indptr)],
-            prefix_lens=packed[len(indptr) :],
-            max_extend_len=max(extend_lens, default=0),
+        # An eager step's table is exactly as long as its blocks (one device copy for all of it).
+        bs = batch.batch_size
+        block_m = EXTEND_TILES.block_m
+        num_blocks = sum(-(-n // block_m) for n in batch.extend_seq_lens_cpu)
+        rows = extend_metadata_rows(
+            batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, max(bs + 1, num_blocks)
         )
+        batch.attn_metadata = TritonExtendMetadata.view(to_device_async(rows, device), bs, num_blocks)
+
+    @staticmethod
+    def extend_blocks_bound(num_tokens: int, batch_size: int) -> int:
+        """Query blocks of any extend batch of at most num_tokens tokens and batch_size requests: each
+        request's last block may be partial, so sum(cdiv(n_i, block_m)) < num_tokens / block_m + bs."""
+        return -(-num_tokens // EXTEND_TILES.block_m) + batch_size
+
+    @staticmethod
+    def fill_extend_metadata(buffer: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Write a batch's extend metadata into a static int32 [4, width] buffer in place (one copy that
+        does not wait for the device), so every TritonExtendMetadata.view of it that has room for the
+        batch describes it: a CUDA graph captured over such a view replays the batch."""
+        rows = extend_metadata_rows(prefix_lens, extend_lens, buffer.shape[1])
+        if buffer.is_cuda:
+            rows = rows.pin_memory()
+        buffer.copy_(rows, non_blocking=True)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
@@ -205,8 +253,9 @@ class TritonAttnBackend(AttentionBackend):
             batch.req_pool_indices,
             meta.prefix_lens,
             meta.qo_indptr,
-            meta.max_extend_len,
+            meta.block_table,
             layer.scaling,
+            EXTEND_TILES,
         )
 
     def _decode(

@@ -20,7 +20,9 @@ class LogitsProcessor(nn.Module):
     asks), applies the vocab-parallel LM head, gathers the vocab shards and trims the padding.
 
     A decode batch has one token per request, each its request's last, so its rows are used as they
-    are: no index tensor is built from host lengths (a CUDA graph replays decode without them).
+    are. An extend batch's rows come from ForwardBatch.last_token_indices(): built from the host
+    lengths in an eager step, or, inside a CUDA graph, the batch's device-side last_token_rows (computed
+    from the graph's static offsets), so a replay gathers the rows of the batch it replays.
     """
 
     def __init__(self, vocab_size: int) -> None:
