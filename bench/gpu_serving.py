@@ -137,13 +137,18 @@ def main() -> int:
     ap.add_argument("--figures", default="p3,p4,p6")
     ap.add_argument("--model", default="/tmp/rs-qwen3-0.6b-bfloat16")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--json", default="gpu_serving.json", help="file name under $OUT for the results")
     ap.add_argument("--p5-scale", type=float, default=0.5)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--scheduler-thread", action="store_true",
+                    help="run the Engine's scheduler in a thread of this process (default on CUDA: its own process)")
     args = ap.parse_args()
     path = Path(args.model)
     engine_kw: dict = {}
     if args.cuda_graph_max_bs is not None:
         engine_kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.scheduler_thread:
+        engine_kw["scheduler_process"] = False
     bw, flops = copy_bandwidth(), matmul_rate()
     results: dict = {"copy_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "engine": engine_kw}
     runs = {
@@ -162,7 +167,7 @@ def main() -> int:
             failed = True
             results[fig] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"[{time.perf_counter() - t0:6.1f} s] {fig}: {json.dumps(results[fig])}", flush=True)
-        (OUT / "gpu_serving.json").write_text(json.dumps(results, indent=2))
+        (OUT / args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 1 if failed else 0
 

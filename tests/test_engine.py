@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -72,6 +73,19 @@ def test_small_pool_retracts_and_still_finishes_every_request_identically(llama_
         stats = engine.get_server_info()["stats"]
     assert stats["num_retractions"] > 0
     assert small == ample
+
+
+def test_scheduler_in_its_own_process_matches_the_thread(qwen3_path: Path) -> None:
+    """scheduler_process (the CUDA default at tp_size 1) runs the loop in a spawned process: same
+    tokens, same stats and controls as the thread the CPU uses."""
+    prompts = random_prompts(6, 5, 30, seed=9)
+    with Engine(str(qwen3_path), scheduler_process=True) as engine:
+        ids = output_ids(engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12}))
+        info = engine.get_server_info()
+        assert engine.flush_cache()
+    assert ids == generate_ids(qwen3_path, prompts, n=12)
+    assert info["stats"]["generated_tokens"] == 6 * 12 and info["kv_in_use"] == 0
+    assert info["scheduler_pid"] != os.getpid()
 
 
 def test_tensor_parallel_2_matches_1(qwen3_moe_path: Path) -> None:

@@ -26,6 +26,11 @@ class EngineConfig:
 
     model_path: str = _help("HF checkpoint directory, or a model name under $RS_HOME/models", "")
     tp_size: int = _help("tensor-parallel ranks (one process each)", 1)
+    scheduler_process: bool | None = _help(
+        "tp_size 1: run the scheduler in its own process rather than a thread of the caller's (so the "
+        "caller's Python work never waits on, or stalls, the scheduler's for the GIL); default: on CUDA",
+        None,
+    )
     device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
     context_length: int | None = _help("override the model's max positions", None)
@@ -132,6 +137,18 @@ class EngineConfig:
                 f"speculative_draft_model_path {draft!r} has a vocabulary of {draft_vocab} tokens; the target "
                 f"model has {target_vocab}: a draft must share the target's vocabulary"
             )
+
+    def scheduler_in_process(self) -> bool:
+        """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""
+        if self.tp_size > 1:
+            return True
+        if self.scheduler_process is not None:
+            return self.scheduler_process
+        if self.device is not None:
+            return self.device.startswith("cuda")
+        import torch
+
+        return torch.cuda.is_available()
 
     def overlap_enabled(self, device_type: str) -> bool:
         """Overlap pays where the device runs asynchronously to the host (CUDA); it can be forced on

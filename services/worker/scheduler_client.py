@@ -1,9 +1,9 @@
 """SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
 
-It starts the scheduler (a thread for tp_size 1, one spawned process per rank for tp_size > 1), turns a
-validated request into `Req`s (seeds drawn here, so every sampled token is reproducible), sends
-commands, answers request/reply controls, and hands every step's outputs to a callback on its
-dispatcher thread:
+It starts the scheduler (one spawned process per rank; at tp_size 1 on CPU a thread, see
+EngineConfig.scheduler_process), turns a validated request into `Req`s (seeds drawn here, so every
+sampled token is reproducible), sends commands, answers request/reply controls, and hands every step's
+outputs to a callback on its dispatcher thread:
 
     client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
     for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
@@ -93,7 +93,7 @@ class SchedulerClient:
 
     def _start(self) -> None:
         init_method = self.config.dist_init_addr or f"tcp://127.0.0.1:{_free_port()}"
-        if self.config.tp_size == 1:
+        if not self.config.scheduler_in_process():
             self._inbox: Any = queue.Queue()
             self._outbox: Any = queue.Queue()
             self._thread = threading.Thread(
@@ -128,7 +128,7 @@ class SchedulerClient:
             return
         self._closed = True
         self._inbox.put(Shutdown())
-        if self.config.tp_size == 1:
+        if not self.config.scheduler_in_process():
             self._thread.join(timeout=30)
         self._stop_processes()
         # Wakes the dispatcher, which would otherwise wait on the outbox forever.

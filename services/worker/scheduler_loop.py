@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import traceback
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ class SchedulerLoop:
             "kv_in_use": s.tree_cache.protected_size() + s.kv_slots_in_use_by_requests(),
             "stats": vars(s.stats).copy(),
             "device": str(self.runner.device),
+            "scheduler_pid": os.getpid(),
         }
 
     def _apply(self, cmd: object, outbox: Any) -> bool:

@@ -22,6 +22,7 @@ import torch
 from services.worker.forward_batch import ForwardBatch, ForwardMode
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner
+from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SamplingBatchInfo, gumbel_noise, processed_logits
 from services.worker.spec import Proposal
 from services.worker.spec.verify import DRAFT_SALT
@@ -102,7 +103,8 @@ class DraftProposer:
         for j in range(1, max(p.count for p in plan)):
             keep = [i for i, p in enumerate(active) if p.count > j]
             active = [active[i] for i in keep]
-            prev = step_tokens[torch.tensor(keep, device=step_tokens.device)]
+            prev = step_tokens if len(keep) == len(step_tokens) else step_tokens[
+                to_device_async(torch.tensor(keep, dtype=torch.int64), step_tokens.device)]
             logits = self._forward(ForwardMode.DECODE, [p.seq for p in active], prev, [1] * len(active))
             step_tokens, step_probs = self._sample(logits, active, j, sampled)
             all_tokens.append(step_tokens)
@@ -150,6 +152,9 @@ class DraftProposer:
         """Each row's proposal for position seq_len + step, drawn from the draft's distribution under
         the request's own sampling settings (argmax for greedy), with noise salted away from the
         target's; and that distribution when some request samples."""
+        if not sampled:
+            # Greedy rows speculate without penalties or bans (can_speculate): the draft's argmax.
+            return logits[:, : self.vocab_size].argmax(dim=-1), None
         reqs = [p.seq.req for p in plan]
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
@@ -159,9 +164,7 @@ class DraftProposer:
             num_output_tokens=[len(r.output_ids) for r in reqs],
         )
         dist = processed_logits(logits[:, : self.vocab_size], info)
-        if not sampled:
-            return dist.argmax(dim=-1), None
-        positions = torch.tensor([p.seq_len + step for p in plan], dtype=torch.int64, device=logits.device)
+        positions = to_device_async(torch.tensor([p.seq_len + step for p in plan], dtype=torch.int64), logits.device)
         vocab = torch.arange(dist.shape[-1], device=logits.device).unsqueeze(0)
         tokens = (dist + gumbel_noise(info.seeds ^ DRAFT_SALT, positions, vocab)).argmax(dim=-1)
         return tokens, dist.softmax(dim=-1)
@@ -170,49 +173,58 @@ class DraftProposer:
         self, mode: ForwardMode, seqs: list[_DraftSeq], input_ids: torch.Tensor, new_lens: list[int]
     ) -> torch.Tensor:
         """Append new_lens[i] tokens to draft sequence i (KV slots from the plan's budget) and return
-        the draft's logits for each sequence's last new token."""
+        the draft's logits for each sequence's last new token. input_ids is a host tensor (a catch-up)
+        or the device tensor of the last step's proposals; everything else the device needs goes over
+        in one pinned copy, so preparing this step never waits for the one in flight."""
         runner = self.runner
+        pool = runner.req_to_token_pool
         slots = runner.allocator.alloc(sum(new_lens))
         assert slots is not None, "the plan reserved these slots"
         prefix_lens = [s.length for s in seqs]
-        start = 0
-        for seq, prefix, n in zip(seqs, prefix_lens, new_lens):
-            runner.req_to_token_pool.write(seq.row, prefix, slots[start : start + n])
-            seq.length = prefix + n
-            start += n
+        table_rows = torch.repeat_interleave(torch.tensor([s.row for s in seqs], dtype=torch.int64),
+                                             torch.tensor(new_lens, dtype=torch.int64))
         positions = torch.cat([torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(prefix_lens, new_lens)])
+        for seq, prefix, n in zip(seqs, prefix_lens, new_lens):
+            seq.length = prefix + n
+        pool.write_cpu(table_rows, positions, slots)
         rows = len(positions)
         as_rows = mode.is_extend() and (self.max_rows is None or rows <= self.max_rows)
         if as_rows:
             # Each new token its own decode row over its request's KV (see ScheduleBatch.prepare_rows):
             # the catch-up replays a decode CUDA graph instead of running an eager EXTEND.
             mode = ForwardMode.DECODE
-            pool_rows = [s.row for s, n in zip(seqs, new_lens) for _ in range(n)]
+            pool_rows = table_rows
             prefix_list = positions.tolist()
             seq_lens, prefix_lens, new_counts = [p + 1 for p in prefix_list], prefix_list, [1] * rows
         else:
-            pool_rows = [s.row for s in seqs]
+            pool_rows = torch.tensor([s.row for s in seqs], dtype=torch.int64)
             seq_lens, new_counts = [p + n for p, n in zip(prefix_lens, new_lens)], list(new_lens)
         device = runner.device
+        host_ids = input_ids.device.type == "cpu"
+        parts = [positions, pool_rows, torch.tensor(seq_lens, dtype=torch.int64), slots, table_rows, positions,
+                 slots] + ([input_ids] if host_ids else [])
+        pieces = list(to_device_async(torch.cat(parts), device).split([p.numel() for p in parts]))
+        positions_d, pool_rows_d, seq_lens_d, slots_d = pieces[:4]
+        pool.write_device(*pieces[4:7])
         batch = ForwardBatch(
             forward_mode=mode,
             batch_size=len(pool_rows),
-            input_ids=input_ids.to(device),
-            positions=positions.to(device),
-            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
-            out_cache_loc=slots.to(device),
+            input_ids=pieces[7] if host_ids else input_ids,
+            positions=positions_d,
+            req_pool_indices=pool_rows_d,
+            seq_lens=seq_lens_d,
+            out_cache_loc=slots_d,
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=new_counts,
-            req_to_token_pool=runner.req_to_token_pool,
+            req_to_token_pool=pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
         )
         logits = runner.forward(batch)
         if as_rows and rows != len(seqs):
             last = torch.tensor(new_lens, dtype=torch.int64).cumsum(0) - 1
-            logits = logits[last.to(device)]
+            logits = logits[to_device_async(last, device)]
         return logits
 
     # ---- bookkeeping ----------------------------------------------------------------------------

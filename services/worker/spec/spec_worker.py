@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.forward_batch import ForwardMode
+from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SamplingBatchInfo, processed_logits
 from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
 from services.worker.spec.verify import Verdict, verify
@@ -181,10 +182,26 @@ class SpecWorker:
             rows.extend(range(starts[i], starts[i] + len(drafts[i]) + 1))
             row_reqs.extend([reqs[i]] * (len(drafts[i]) + 1))
         device = logits.device
+        vocab = self.runner.model_config.vocab_size
+        if all(r.sampling_params.is_greedy for r in row_reqs):
+            # Greedy: p is one-hot at the argmax (no penalties or bans while speculating), so a draft
+            # is accepted exactly when it is the argmax, and the target's token is the argmax after
+            # the accepted run: one argmax over the rows and one host read, the same tokens as verify().
+            picked = logits if len(rows) == logits.shape[0] else logits[to_device_async(torch.tensor(rows), device)]
+            argmax = picked[:, :vocab].argmax(dim=-1).tolist()
+            num_accepted, tokens = [], []
+            for i, first in zip(spec, firsts):
+                draft = drafts[i]
+                n = 0
+                while n < len(draft) and draft[n] == argmax[first + n]:
+                    n += 1
+                num_accepted.append(n)
+                tokens.append(draft[:n] + [argmax[first + n]])
+            return Verdict(num_accepted, tokens)
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in row_reqs],
             [r.seed for r in row_reqs],
-            vocab_size=self.runner.model_config.vocab_size,
+            vocab_size=vocab,
             device=device,
             num_output_tokens=[len(r.output_ids) for r in row_reqs],
         )
