@@ -115,6 +115,8 @@ def main() -> int:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-compile", action="store_true", help="also time HF static cache + torch.compile")
+    ap.add_argument("--also-thread", action="store_true",
+                    help="rerun decode with the scheduler in a thread of this process (default on CUDA: its own)")
     ap.add_argument("--decode-tiles", default="",
                     help="comma list of BLOCK_N/WARPS/STAGES (e.g. 64/4/3): rerun decode with those tiles")
     ap.add_argument("--tokens-per-split", default="",
@@ -168,6 +170,10 @@ def main() -> int:
             results[f"{name}-split{per_split}"] = {"tok_s": tps, "ratio": tps / ceiling}
             rows.append((f"Qwen3-{name} bs1 decode, {per_split} tokens/split",
                          f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
+        if args.also_thread:
+            tps = decode_speed(path, args.steps, attention_backend="triton", scheduler_process=False)
+            results[f"{name}-thread"] = {"tok_s": tps, "ratio": tps / ceiling}
+            rows.append((f"Qwen3-{name} bs1 decode, scheduler thread", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
         for spec in [x for x in args.decode_tiles.split(",") if x]:
             import kernels.decode_attention as decode
 

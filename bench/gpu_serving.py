@@ -97,22 +97,36 @@ def p4(path: Path, scale: float, engine_kw: dict) -> dict:
 
 
 async def _itl_run(engine: Engine, long_prompt: list[int], streams: int, rng: random.Random) -> list[float]:
+    """Inter-token gaps of `streams` greedy streams, recorded while a long prompt is being served: it
+    is sent once every stream has 32 tokens, and gaps count from then until it has finished."""
     gaps: list[float] = []
+    counts = [0] * streams
+    window = {"open": False, "done": False}
+    started = asyncio.Event()
 
     async def stream(k: int) -> None:
         it = await engine.async_generate(
             input_ids=rand_ids(rng, 64), sampling_params={"temperature": 0, "ignore_eos": True,
-                                                          "max_new_tokens": 400}, stream=True)
+                                                          "max_new_tokens": 4000}, stream=True, rid=f"itl-{k}")
         last = None
         async for _ in it:
             now = time.perf_counter()
-            if last is not None:
+            counts[k] += 1
+            if last is not None and window["open"]:
                 gaps.append(now - last)
             last = now
+            if min(counts) >= 32:
+                started.set()
+            if window["done"]:
+                engine.abort(f"itl-{k}")
+                break
 
     async def long_one() -> None:
-        await asyncio.sleep(1.0)
+        await started.wait()
+        window["open"] = True
         await engine.async_generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
+        await asyncio.sleep(0.2)  # a few steps after the prompt's prefill
+        window["done"] = True
 
     await asyncio.gather(*(stream(k) for k in range(streams)), long_one())
     return gaps

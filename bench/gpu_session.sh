@@ -2,7 +2,7 @@
 # One device call that runs the GPU benchmarks in priority order, each under its own time limit, and
 # leaves logs and JSON in $OUT (the device tool brings them back). From the repository root, with
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
-#   bash bench/gpu_session.sh [tp|engine|tiles|graphs|kernels|serving|p3-thread|profile|spec ...]     (default: all, in this order)
+#   bash bench/gpu_session.sh [tp|engine|ab|p6|tiles|graphs|kernels|serving|p3-thread|profile|spec ...]     (default: all, in this order)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -18,6 +18,9 @@ for step in "${steps[@]}"; do
     engine)  timeout 300 python bench/gpu_engine.py --models 0.6b,8b --skip-hf > "$OUT/engine.log" 2>&1 ;;
     tiles)   timeout 300 python bench/gpu_engine.py --models 8b --skip-checks --skip-hf --decode-tiles 64/4/3,32/4/3 \
                --tokens-per-split 64 > "$OUT/tiles.log" 2>&1 ;;
+    ab)      timeout 300 python bench/gpu_engine.py --models 0.6b --skip-checks --skip-hf --also-thread \
+               > "$OUT/ab.log" 2>&1 ;;
+    p6)      timeout 300 python bench/gpu_serving.py --figures p6 --json gpu_serving_p6.json > "$OUT/p6.log" 2>&1 ;;
     graphs)  timeout 300 python bench/gpu_cuda_graph.py > "$OUT/graphs.log" 2>&1 ;;
     p3-thread) timeout 300 python bench/gpu_serving.py --figures p3 --scheduler-thread --json gpu_serving_thread.json \
                > "$OUT/p3-thread.log" 2>&1 ;;

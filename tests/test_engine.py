@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,27 @@ def test_tensor_parallel_2_with_the_triton_backend_matches_1(qwen3_path: Path) -
     reference = generate_ids(qwen3_path, prompts, n=8)
     assert generate_ids(qwen3_path, prompts, n=8, tp_size=2, attention_backend="triton") == reference
     assert generate_ids(qwen3_path, prompts, n=8, attention_backend="triton") == reference
+
+
+def test_an_async_caller_that_leaves_early_does_not_stop_the_engine(qwen3_path: Path) -> None:
+    """A stream abandoned when its event loop closes still gets outputs (and its final one) from the
+    scheduler: they are dropped, and the engine keeps serving everyone else."""
+
+    async def first_chunk(engine: Engine) -> dict:
+        stream = await engine.async_generate(
+            input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 40}, stream=True
+        )
+        async for chunk in stream:
+            return chunk
+        raise AssertionError("no chunk")
+
+    with Engine(str(qwen3_path)) as engine:
+        asyncio.run(first_chunk(engine))  # the loop closes with the request still running
+        pool = ThreadPoolExecutor(1)  # a dead dispatcher would leave generate waiting forever
+        try:
+            call = pool.submit(engine.generate, input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 8})
+            after = call.result(timeout=20)
+        finally:
+            pool.shutdown(wait=False)
+        alone = generate_ids(qwen3_path, [[5, 6, 7]], n=8)
+    assert after["output_ids"] == alone[0]

@@ -67,7 +67,10 @@ class RequestState:
 
     def _emit(self, item: Any) -> None:
         if self._loop is not None and self._achunks is not None:
-            self._loop.call_soon_threadsafe(self._achunks.put_nowait, item)
+            try:
+                self._loop.call_soon_threadsafe(self._achunks.put_nowait, item)
+            except RuntimeError:
+                pass  # the caller's event loop has closed: nobody waits for this request any more
         elif self._stream:
             self._chunks.put(item)
 
