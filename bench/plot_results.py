@@ -28,6 +28,20 @@ def bars(ax: plt.Axes, labels: list[str], values: list[float], colors: list[str]
         ax.text(i, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=8)
 
 
+def gap_bars(ax: plt.Axes, p6: dict, title: str) -> None:
+    """Median, p99 and longest inter-token gap per P6 mode, on a log scale (gaps under 1 us drawn at 1 us)."""
+    modes = list(p6)
+    x = range(len(modes))
+    for k, (key, color) in enumerate((("median_ms", "tab:blue"), ("p99_ms", "tab:orange"), ("max_ms", "tab:red"))):
+        ax.bar([i + 0.27 * (k - 1) for i in x], [max(p6[m][key], 1e-3) for m in modes], width=0.27, color=color,
+               label=key.replace("_ms", ""))
+    ax.set_xticks(list(x), modes)
+    ax.set_yscale("log")
+    ax.set_ylabel("inter-token gap, ms")
+    ax.set_title(title)
+    ax.legend()
+
+
 def plot_decode() -> None:
     res = load("gpu_engine")["results"]
     fig, axes = plt.subplots(1, len(res), figsize=(5 * len(res), 4))
@@ -56,17 +70,7 @@ def plot_serving() -> None:
     bars(axes[2], ["overlap off", "overlap on"], [p5["overlap_off_tok_s"], p5["overlap_on_tok_s"]],
          ["tab:orange", "tab:blue"])
     axes[2].set_title(f"P5 overlap scheduling: {p5['speedup']:.2f}x")
-    p6 = res["p6"]
-    modes = list(p6)
-    x = range(len(modes))
-    for k, (key, color) in enumerate((("median_ms", "tab:blue"), ("p99_ms", "tab:orange"), ("max_ms", "tab:red"))):
-        axes[3].bar([i + 0.27 * (k - 1) for i in x], [p6[m][key] for m in modes], width=0.27, color=color,
-                    label=key.replace("_ms", ""))
-    axes[3].set_xticks(list(x), modes)
-    axes[3].set_yscale("log")
-    axes[3].set_ylabel("inter-token latency, ms")
-    axes[3].set_title("P6 streams during a 32k-token prefill")
-    axes[3].legend()
+    gap_bars(axes[3], res["p6"], "P6 streams during a 32k-token prefill")
     fig.tight_layout()
     fig.savefig(PLOTS / "p3_p6_serving.png", dpi=110)
 
@@ -123,6 +127,41 @@ def plot_pipeline() -> None:
     fig.savefig(PLOTS / "pipeline_cpu.png", dpi=110)
 
 
+def plot_spec() -> None:
+    """Speculative decoding, Qwen3-8B-shaped batch 1: speedup against mean accepted length."""
+    rows = sorted(json.loads((RESULTS / "gpu_spec.json").read_text()), key=lambda r: r["accept_length"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["accept_length"] for r in rows], [r["speedup"] for r in rows], "o-", color="tab:blue")
+    for r in rows:
+        ax.annotate(f"eps {r['eps']:g}", (r["accept_length"], r["speedup"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, -10))
+    ax.axhline(1.0, color="gray", linestyle=":")
+    ax.axhline(1.5, color="tab:green", linestyle="--", label="target 1.5x where accept >= 2.5")
+    ax.axvline(2.5, color="tab:green", linestyle=":")
+    ax.set_xlabel("mean accepted length (tokens per verify step)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("Speculative decoding, Qwen3-8B-shaped, batch 1, k=4")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "spec_gpu.png", dpi=110)
+
+
+def plot_serving_s3() -> None:
+    """P3 through the bare scheduler, the Engine with its scheduler in a process and in a thread,
+    against the ceiling; P6 gaps while a 32k-token prompt is served."""
+    res = load("gpu_serving_s3")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    p3 = res["p3_engine_process"]
+    bars(axes[0], ["scheduler\nloop", "Engine\n(process)", "Engine\n(thread)", "ceiling"],
+         [res["p3_scheduler_direct"]["tok_s"], p3["tok_s"], res["p3_engine_thread"]["tok_s"], p3["ceiling_tok_s"]],
+         ["tab:blue", "tab:blue", "tab:orange", "tab:gray"])
+    axes[0].set_title(f"P3 offline throughput, Qwen3-0.6B-shaped (Engine ratio {p3['ratio']:.3f})")
+    axes[0].set_ylabel("output tokens/s")
+    gap_bars(axes[1], res["p6"], "P6: 32 streams while a 32k-token prompt is served")
+    fig.tight_layout()
+    fig.savefig(PLOTS / "p3_p6_serving_s3.png", dpi=110)
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     plot_decode()
@@ -130,6 +169,8 @@ def main() -> None:
     plot_kernels()
     plot_decode_second_run()
     plot_pipeline()
+    plot_spec()
+    plot_serving_s3()
     print(f"plots in {PLOTS}")
 
 
