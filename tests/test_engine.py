@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -315,3 +317,18 @@ def test_an_async_caller_that_leaves_early_does_not_stop_the_engine(qwen3_path: 
             pool.shutdown(wait=False)
         alone = generate_ids(qwen3_path, [[5, 6, 7]], n=8)
     assert after["output_ids"] == alone[0]
+
+
+def test_a_script_without_a_main_guard_gets_a_clear_error_not_a_hang(qwen3_path: Path, tmp_path: Path) -> None:
+    """The scheduler process is spawned, and spawning re-runs the script's top level: an Engine made
+    there cannot start its scheduler. The parent says so as soon as the process dies."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from services.worker.engine import Engine\n"
+        f"engine = Engine({str(qwen3_path)!r}, scheduler_process=True)\n"
+        "print('started')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0 and "started" not in done.stdout
+    assert 'if __name__ == "__main__":' in done.stderr and "exited during start-up" in done.stderr

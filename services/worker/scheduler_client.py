@@ -18,6 +18,7 @@ import random
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -113,7 +114,7 @@ class SchedulerClient:
                 )
                 proc.start()
                 self._procs.append(proc)
-        first = self._outbox.get(timeout=START_TIMEOUT_S)
+        first = self._wait_ready()
         if isinstance(first, LoopFailed):
             self._stop_processes()
             raise RuntimeError(f"the scheduler failed to start: {first.message}")
@@ -121,6 +122,28 @@ class SchedulerClient:
         self.server_info: dict[str, Any] = first.info
         self._dispatcher = threading.Thread(target=self._dispatch, name="radixserve-outputs", daemon=True)
         self._dispatcher.start()
+
+    def _wait_ready(self) -> Any:
+        """The scheduler's first message (Ready or LoopFailed). A rank process that dies before sending
+        it (a crash, or a script that creates an Engine outside `if __name__ == "__main__":`, which a
+        spawned process re-runs) ends the wait at once with an error that says so."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._stop_processes()
+                    raise RuntimeError(
+                        f"a scheduler process exited during start-up (exit code {dead[0].exitcode}); the "
+                        "scheduler runs in spawned processes (tp_size > 1, or on CUDA), so a script that "
+                        "creates an Engine must do it under `if __name__ == \"__main__\":` (or pass "
+                        "scheduler_process=False at tp_size 1); the process's own error is printed above"
+                    ) from None
+                if time.monotonic() > deadline:
+                    self._stop_processes()
+                    raise RuntimeError(f"the scheduler did not start within {START_TIMEOUT_S:.0f} s") from None
 
     def shutdown(self) -> None:
         """Stop the scheduler and the dispatcher; pending controls get None."""
