@@ -82,10 +82,14 @@ def test_scheduler_in_its_own_process_matches_the_thread(qwen3_path: Path) -> No
     """scheduler_process (the CUDA default at tp_size 1) runs the loop in a spawned process: same
     tokens, same stats and controls as the thread the CPU uses."""
     prompts = random_prompts(6, 5, 30, seed=9)
+    before = set(threading.enumerate())
     with Engine(str(qwen3_path), scheduler_process=True) as engine:
         ids = output_ids(engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12}))
         info = engine.get_server_info()
         assert engine.flush_cache()
+        readers = [t for t in set(threading.enumerate()) - before if t.name == "radixserve-outputs"]
+    # Shut down means the thread reading the scheduler's queue has stopped (none is left for exit).
+    assert len(readers) == 1 and not readers[0].is_alive()
     assert ids == generate_ids(qwen3_path, prompts, n=12)
     assert info["stats"]["generated_tokens"] == 6 * 12 and info["kv_in_use"] == 0
     assert info["scheduler_pid"] != os.getpid()

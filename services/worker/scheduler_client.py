@@ -154,8 +154,12 @@ class SchedulerClient:
         if not self.config.scheduler_in_process():
             self._thread.join(timeout=30)
         self._stop_processes()
-        # Wakes the dispatcher, which would otherwise wait on the outbox forever.
+        # Wakes the dispatcher, which would otherwise wait on the outbox forever; it is joined so that
+        # it is not still reading a multiprocessing queue when the interpreter closes it.
         self._outbox.put(Shutdown())
+        dispatcher = getattr(self, "_dispatcher", None)
+        if dispatcher is not None and threading.current_thread() is not dispatcher:
+            dispatcher.join(timeout=30)
         self._fail_replies()
 
     def _stop_processes(self) -> None:
@@ -171,8 +175,10 @@ class SchedulerClient:
         while True:
             try:
                 item = self._outbox.get()
-            except (EOFError, OSError):
-                self._fail("the scheduler stopped")
+            except (EOFError, OSError, TypeError, ValueError):
+                # A closed queue (TypeError/ValueError: its handle already released) is a stop too.
+                if not self._closed:
+                    self._fail("the scheduler stopped")
                 return
             if isinstance(item, Shutdown):
                 return
