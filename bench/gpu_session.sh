@@ -2,7 +2,13 @@
 # One device call that runs the GPU benchmarks in priority order, each under its own time limit, and
 # leaves logs and JSON in $OUT (the device tool brings them back). From the repository root, with
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
-#   bash bench/gpu_session.sh [tp|engine|ab|p6|tiles|graphs|kernels|serving|p3-thread|profile|spec ...]     (default: all, in this order)
+#   bash bench/gpu_session.sh [STEP ...]     (default: tp engine kernels serving spec; one call is <= 600 s,
+#                                              so pass a few steps per call)
+# Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (eager-extend
+# cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
+# The device's copy of the repository has an older .git: never run git there. To run committed code
+# while the tree has uncommitted edits: `git archive HEAD | tar -x -C .snap`, copy .whl/ into .snap/,
+# carry .snap and `cd .snap` first.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
