@@ -23,6 +23,8 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
+import nats
 from nats.aio.msg import Msg
 
 from services.gateway.config import GatewayConfig
@@ -34,6 +36,8 @@ from shared.protocol import (
     ControlReply,
     ControlRequest,
     Finish,
+    NatsGenerateChunk,
+    NatsGenerateRequest,
     StreamOut,
     TokenizeRequest,
     TopLogprob,
@@ -296,3 +300,23 @@ def run_in_new_loop(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
     """Run a coroutine on a fresh event loop in a helper thread (tests are synchronous)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result(timeout)
+
+
+def nats_generate(nats_url: str, request: NatsGenerateRequest, timeout: float = 120.0) -> list[NatsGenerateChunk]:
+    """What a nats-py client of the front door receives for one request on rs.v1.generate: every
+    chunk on its reply inbox, up to and including the final one."""
+
+    async def ask() -> list[NatsGenerateChunk]:
+        nc = await nats.connect(nats_url)
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish("rs.v1.generate", msgspec.msgpack.encode(request), reply=inbox)
+            chunks = [msgspec.msgpack.decode((await sub.next_msg(timeout=timeout)).data, type=NatsGenerateChunk)]
+            while not chunks[-1].final:
+                chunks.append(msgspec.msgpack.decode((await sub.next_msg(timeout=timeout)).data, type=NatsGenerateChunk))
+            return chunks
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())

@@ -6,7 +6,6 @@ answers equal the offline Engine's. The last test kills a worker, so it stays la
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import json
 import re
@@ -19,16 +18,14 @@ from typing import Any
 
 import grpc
 import httpx
-import msgspec
-import nats
 import openai
 import pytest
 
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
 from services.worker.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
-from shared.protocol import PROTOCOL_VERSION, NatsGenerateChunk, NatsGenerateRequest, Sampling
-from tests.gateway_helpers import wait_for_workers
+from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling
+from tests.gateway_helpers import nats_generate, wait_for_workers
 from tests.services_helpers import ServiceProcess
 
 QUESTION = "What is the capital of France?"
@@ -185,21 +182,10 @@ def test_grpc_generate_streams_and_health_serves(stack: Stack) -> None:
 
 
 def test_nats_client_on_v1_generate(stack: Stack) -> None:
-    async def ask() -> list[NatsGenerateChunk]:
-        nc = await nats.connect(stack.nats.url)
-        try:
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            request = NatsGenerateRequest(v=PROTOCOL_VERSION, text="The sky is", sampling=Sampling(temperature=0.0, max_new_tokens=10))
-            await nc.publish("rs.v1.generate", msgspec.msgpack.encode(request), reply=inbox)
-            chunks = [msgspec.msgpack.decode((await sub.next_msg(timeout=60)).data, type=NatsGenerateChunk)]
-            while not chunks[-1].final:
-                chunks.append(msgspec.msgpack.decode((await sub.next_msg(timeout=60)).data, type=NatsGenerateChunk))
-            return chunks
-        finally:
-            await nc.close()
-
-    chunks = asyncio.run(ask())
+    request = NatsGenerateRequest(
+        v=PROTOCOL_VERSION, text="The sky is", sampling=Sampling(temperature=0.0, max_new_tokens=10)
+    )
+    chunks = nats_generate(stack.nats.url, request, timeout=60)
     reference = httpx.post(
         f"{stack.gateways[0].url}/generate",
         json={"text": "The sky is", "sampling_params": {"temperature": 0, "max_new_tokens": 10}}, timeout=60,

@@ -10,7 +10,6 @@ One set of processes serves the whole module.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from typing import Any
 
 import httpx
 import msgspec
-import nats
 import pytest
 from transformers import AutoTokenizer
 
@@ -30,12 +28,11 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     BatchTokenOut,
     Finish,
-    NatsGenerateChunk,
     NatsGenerateRequest,
     Sampling,
     TokenOut,
 )
-from tests.gateway_helpers import GatewayThread, wait_for_workers
+from tests.gateway_helpers import GatewayThread, nats_generate, wait_for_workers
 from tests.services_helpers import ServiceProcess, metric_value
 
 WORKER = "w1"
@@ -156,21 +153,8 @@ def test_streamed_generate_reports_acceptance_on_the_last_chunk_only(stack: Stac
 def test_nats_front_door_final_chunk_carries_acceptance(stack: Stack, engine: Engine) -> None:
     expected = engine.generate(COLORS, GREEDY)
 
-    async def ask() -> list[NatsGenerateChunk]:
-        nc = await nats.connect(stack.nats.url)
-        try:
-            inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            request = NatsGenerateRequest(v=PROTOCOL_VERSION, text=COLORS, sampling=Sampling(**GREEDY))
-            await nc.publish("rs.v1.generate", msgspec.msgpack.encode(request), reply=inbox)
-            chunks = [msgspec.msgpack.decode((await sub.next_msg(timeout=120)).data, type=NatsGenerateChunk)]
-            while not chunks[-1].final:
-                chunks.append(msgspec.msgpack.decode((await sub.next_msg(timeout=120)).data, type=NatsGenerateChunk))
-            return chunks
-        finally:
-            await nc.close()
-
-    chunks = asyncio.run(ask())
+    request = NatsGenerateRequest(v=PROTOCOL_VERSION, text=COLORS, sampling=Sampling(**GREEDY))
+    chunks = nats_generate(stack.nats.url, request)
     final = chunks[-1]
     assert final.error is None
     assert [t for c in chunks for t in c.token_ids] == expected["output_ids"]
