@@ -20,7 +20,7 @@ from services.worker.scheduler.req import Req
 from services.worker.scheduler.schedule_batch import ScheduleBatch
 from services.worker.scheduler_loop import SchedulerLoop
 from services.worker.spec.ngram import ngram_lookup
-from services.worker.spec.verify import verify
+from services.worker.spec.verify import verify, verify_greedy
 from tests.checkpoints import tiny_llama_config, tiny_qwen3_config, write_checkpoint
 from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
 
@@ -92,6 +92,19 @@ def test_greedy_verification_accepts_exactly_the_leading_argmax_matches() -> Non
     verdict = verify(rows, drafts, None, torch.tensor([1, 2]), torch.tensor([10, 3]))
     assert verdict.num_accepted == [2, 0]
     assert verdict.tokens == [[4, 1, 3], [2]]
+    # The greedy fast path, from the argmaxes alone, gives the same verdict.
+    assert verify_greedy([a for per_req in argmax for a in per_req], drafts) == verdict
+
+
+def test_greedy_fast_path_matches_verify_on_random_cases() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        drafts = [[rng.randrange(4) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 4))]
+        argmax = [rng.randrange(4) for d in drafts for _ in range(len(d) + 1)]
+        rows = torch.full((len(argmax), 4), float("-inf"))
+        rows[torch.arange(len(argmax)), torch.tensor(argmax)] = 0.0
+        seeds, positions = torch.arange(len(drafts)), torch.full((len(drafts),), 7)
+        assert verify_greedy(argmax, drafts) == verify(rows, drafts, None, seeds, positions)
 
 
 def test_verification_samples_the_target_distribution_whatever_the_draft() -> None:

@@ -182,6 +182,11 @@ class ModelRunner:
         size = int(_available_ram_bytes() * CPU_MEM_SHARE // bytes_per_token)
         return max(16, min(size, CPU_MAX_POOL_TOKENS))
 
+    def max_decode_rows(self) -> int | None:
+        """Most rows a DECODE batch should have here: the largest captured decode graph, since a larger
+        eager decode would grow the attention buffers the graphs hold; None (any) without graphs."""
+        return self.graph_runner.max_bs if self.graph_runner is not None else None
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs and extend batches

@@ -77,9 +77,8 @@ class DraftProposer:
             speculative_draft_model_path=None,
         )
         self.runner = ModelRunner(draft_config, model_config, target.device)
-        # Catch-ups of at most this many tokens in all run as decode rows (the largest captured
-        # decode graph; no bound without graphs), longer ones as an EXTEND.
-        self.max_rows: int | None = self.runner.graph_runner.max_bs if self.runner.graph_runner is not None else None
+        # Catch-ups of at most this many tokens in all run as decode rows, longer ones as an EXTEND.
+        self.max_rows = self.runner.max_decode_rows()
         self.vocab_size = model_config.vocab_size
         self._seqs: dict[int, _DraftSeq] = {}
         self._planned: list[_Planned] = []

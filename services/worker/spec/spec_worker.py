@@ -27,7 +27,7 @@ from services.worker.forward_batch import ForwardMode
 from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SamplingBatchInfo, processed_logits
 from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
-from services.worker.spec.verify import Verdict, verify
+from services.worker.spec.verify import Verdict, verify, verify_greedy
 
 if TYPE_CHECKING:
     from services.worker.config import EngineConfig
@@ -68,9 +68,8 @@ class SpecWorker:
         self.num_draft_tokens = config.speculative_num_draft_tokens
         self.runner = runner
         self.mem = mem
-        # Most verification rows one DECODE batch takes: the largest captured decode graph (a larger
-        # eager decode would grow the attention buffers the graphs hold); no bound without graphs.
-        self.max_verify_rows: int | None = runner.graph_runner.max_bs if runner.graph_runner is not None else None
+        # Most verification rows one DECODE batch takes (ModelRunner.max_decode_rows).
+        self.max_verify_rows = runner.max_decode_rows()
         self.proposer: Proposer
         if config.speculative_algorithm == "ngram":
             from services.worker.spec.ngram import NgramProposer
@@ -184,20 +183,9 @@ class SpecWorker:
         device = logits.device
         vocab = self.runner.model_config.vocab_size
         if all(r.sampling_params.is_greedy for r in row_reqs):
-            # Greedy: p is one-hot at the argmax (no penalties or bans while speculating), so a draft
-            # is accepted exactly when it is the argmax, and the target's token is the argmax after
-            # the accepted run: one argmax over the rows and one host read, the same tokens as verify().
+            # No penalties or bans while speculating, so greedy rows need only the argmax.
             picked = logits if len(rows) == logits.shape[0] else logits[to_device_async(torch.tensor(rows), device)]
-            argmax = picked[:, :vocab].argmax(dim=-1).tolist()
-            num_accepted, tokens = [], []
-            for i, first in zip(spec, firsts):
-                draft = drafts[i]
-                n = 0
-                while n < len(draft) and draft[n] == argmax[first + n]:
-                    n += 1
-                num_accepted.append(n)
-                tokens.append(draft[:n] + [argmax[first + n]])
-            return Verdict(num_accepted, tokens)
+            return verify_greedy(picked[:, :vocab].argmax(dim=-1).tolist(), [drafts[i] for i in spec])
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in row_reqs],
             [r.seed for r in row_reqs],

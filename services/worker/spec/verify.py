@@ -106,3 +106,21 @@ def verify(
     accepted_host, next_host = torch.stack((num_accepted, next_tokens)).tolist()
     out = [d[:a] + [t] for d, a, t in zip(drafts, accepted_host, next_host)]
     return Verdict(accepted_host, out)
+
+
+def verify_greedy(target_argmax: list[int], drafts: list[list[int]]) -> Verdict:
+    """verify() for requests that all decode greedily, from the target's argmax at each row (request
+    i's n_i + 1 rows together, as in verify): p is then one-hot, so a draft is accepted exactly when it
+    is the argmax, and the token after the accepted run is the argmax there. The same Verdict as
+    verify() on those rows, from one argmax instead of the distribution pipeline."""
+    num_accepted: list[int] = []
+    tokens: list[list[int]] = []
+    first = 0
+    for draft in drafts:
+        n = 0
+        while n < len(draft) and draft[n] == target_argmax[first + n]:
+            n += 1
+        num_accepted.append(n)
+        tokens.append(draft[:n] + [target_argmax[first + n]])
+        first += len(draft) + 1
+    return Verdict(num_accepted, tokens)
