@@ -23,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.worker.config import EngineConfig  # noqa: E402
-from services.worker.forward_batch import ForwardMode  # noqa: E402
+from services.worker.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
@@ -77,49 +77,49 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
 
 
 def extend_probe(loop: SchedulerLoop) -> None:
-    """Wall time of eager EXTEND forwards (synchronised), and the host ops of one of them."""
+    """Host launch and wall time of EXTEND forwards (a CUDA-graph replay where a bucket holds the batch,
+    else eager), and the host ops of the smallest one."""
     s, runner = loop.scheduler, loop.runner
     rng = random.Random(0)
-    shapes = [(1, 5), (4, 5), (1, 128), (1, 2048), (16, 128)]
-    for reqs_n, tokens in shapes:
+
+    def prepare(reqs: list[Req]) -> ForwardBatch:
+        for r in reqs:
+            r.fill_ids, r.prefix_indices, r.kv_committed_len = list(r.origin_input_ids), torch.empty(0, dtype=torch.int64), 0
+        return ScheduleBatch(reqs, ForwardMode.EXTEND, s.mem).prepare_extend()
+
+    def release(reqs: list[Req]) -> None:
+        for r in reqs:
+            runner.allocator.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
+            runner.req_to_token_pool.free(r.req_pool_idx)
+            r.req_pool_idx = None
+
+    vocab = runner.model_config.vocab_size
+    for reqs_n, tokens in [(1, 5), (4, 5), (1, 128), (1, 2048), (16, 128)]:
         if tokens >= runner.model_config.context_len:
             continue
-        reqs = [Req(f"x{reqs_n}-{tokens}-{i}", [rng.randrange(10, loop.runner.model_config.vocab_size) for _ in range(tokens)],
-                    params(1, 0.0), seed=i) for i in range(reqs_n)]
+        reqs = [Req(f"x{reqs_n}-{tokens}-{i}", [rng.randrange(10, vocab) for _ in range(tokens)], params(1, 0.0), seed=i)
+                for i in range(reqs_n)]
         times = []
         for _ in range(6):
-            for r in reqs:
-                r.fill_ids = list(r.origin_input_ids)
-                r.prefix_indices = torch.empty(0, dtype=torch.int64)
-                r.kv_committed_len = 0
-            batch = ScheduleBatch(reqs, ForwardMode.EXTEND, s.mem)
-            fb = batch.prepare_extend()
+            fb = prepare(reqs)
             sync()
             t0 = time.perf_counter()
             runner.forward(fb)
             t_launch = time.perf_counter() - t0
             sync()
             times.append((t_launch, time.perf_counter() - t0))
-            for r in reqs:
-                runner.allocator.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
-                runner.req_to_token_pool.free(r.req_pool_idx)
-                r.req_pool_idx = None
+            release(reqs)
         launch, total = sorted(times[2:])[len(times[2:]) // 2]
-        print(f"eager extend {reqs_n} req x {tokens} tokens: host launch {launch * 1e3:.2f} ms, "
+        print(f"extend step {reqs_n} req x {tokens} tokens: host launch {launch * 1e3:.2f} ms, "
               f"wall {total * 1e3:.2f} ms")
         if (reqs_n, tokens) == (1, 5):
+            fb = prepare(reqs)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            for r in reqs:
-                r.fill_ids, r.prefix_indices, r.kv_committed_len = list(r.origin_input_ids), torch.empty(0, dtype=torch.int64), 0
-            fb = ScheduleBatch(reqs, ForwardMode.EXTEND, s.mem).prepare_extend()
             with torch.profiler.profile(activities=acts) as p:
                 runner.forward(fb)
                 sync()
             print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
-            for r in reqs:
-                runner.allocator.free(runner.req_to_token_pool.read(r.req_pool_idx, 0, r.kv_committed_len))
-                runner.req_to_token_pool.free(r.req_pool_idx)
-                r.req_pool_idx = None
+            release(reqs)
 
 
 def p3_timeline(loop: SchedulerLoop, scale: float) -> None:
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--host-profile", action="store_true")
-    ap.add_argument("--extend", action="store_true", help="time eager EXTEND forwards")
+    ap.add_argument("--extend", action="store_true", help="time EXTEND forwards")
     ap.add_argument("--p3-timeline", action="store_true", help="step timeline of the P3 workload")
     ap.add_argument("--scale", type=float, default=1.0)
     args = ap.parse_args()

@@ -4,7 +4,7 @@
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
 #   bash bench/gpu_session.sh [STEP ...]     (default: tp engine kernels serving spec; one call is <= 600 s,
 #                                              so pass a few steps per call)
-# Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (eager-extend
+# Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # The device's copy of the repository has an older .git: never run git there. To run committed code
 # while the tree has uncommitted edits: `git archive HEAD | tar -x -C .snap`, copy .whl/ into .snap/,
