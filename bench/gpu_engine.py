@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ if __package__ in (None, ""):
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import kernels.decode_attention as decode  # noqa: E402
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
@@ -108,6 +110,19 @@ def hf_compile_speed(path: Path, steps: int) -> tuple[float, float]:
     return tps, first
 
 
+def decode_variant(path: Path, steps: int, target: Any, defaults: tuple, **kw: object) -> float:
+    """decode_speed with `target`'s default arguments replaced (a kernel launch parameter; None: no
+    patch) and/or other engine options."""
+    saved = target.__defaults__ if target is not None else None
+    if target is not None:
+        target.__defaults__ = defaults
+    try:
+        return decode_speed(path, steps, attention_backend="triton", **kw)
+    finally:
+        if target is not None:
+            target.__defaults__ = saved
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="0.6b,8b")
@@ -160,29 +175,20 @@ def main() -> int:
             results[name].update(hf_compile_tok_s=ctps, hf_compile_ratio=ctps / ceiling, hf_compile_first_call_s=first)
             rows.append((f"Qwen3-{name} HF static cache + torch.compile",
                          f"{ctps:.1f} tok/s; ratio {ctps / ceiling:.3f}; first call {first:.0f} s"))
-        for per_split in [int(x) for x in args.tokens_per_split.split(",") if x]:
-            import kernels.decode_attention as decode
-
-            saved = decode.kv_splits_per_request.__defaults__
-            decode.kv_splits_per_request.__defaults__ = (None, per_split)
-            tps = decode_speed(path, args.steps, attention_backend="triton")
-            decode.kv_splits_per_request.__defaults__ = saved
-            results[f"{name}-split{per_split}"] = {"tok_s": tps, "ratio": tps / ceiling}
-            rows.append((f"Qwen3-{name} bs1 decode, {per_split} tokens/split",
-                         f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
+        variants: list[tuple[str, str, Any, tuple, dict]] = [
+            (f"split{n}", f"{n} tokens/split", decode.kv_splits_per_request, (None, n), {})
+            for n in [int(x) for x in args.tokens_per_split.split(",") if x]
+        ]
         if args.also_thread:
-            tps = decode_speed(path, args.steps, attention_backend="triton", scheduler_process=False)
-            results[f"{name}-thread"] = {"tok_s": tps, "ratio": tps / ceiling}
-            rows.append((f"Qwen3-{name} bs1 decode, scheduler thread", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
-        for spec in [x for x in args.decode_tiles.split(",") if x]:
-            import kernels.decode_attention as decode
-
-            saved_tiles = decode.DecodeTiles.__init__.__defaults__
-            decode.DecodeTiles.__init__.__defaults__ = tuple(int(v) for v in spec.split("/"))
-            tps = decode_speed(path, args.steps, attention_backend="triton")
-            decode.DecodeTiles.__init__.__defaults__ = saved_tiles
-            results[f"{name}-tiles{spec}"] = {"tok_s": tps, "ratio": tps / ceiling}
-            rows.append((f"Qwen3-{name} bs1 decode, decode tiles {spec}", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
+            variants.append(("thread", "scheduler thread", None, (), {"scheduler_process": False}))
+        variants += [
+            (f"tiles{t}", f"decode tiles {t}", decode.DecodeTiles.__init__, tuple(int(v) for v in t.split("/")), {})
+            for t in [x for x in args.decode_tiles.split(",") if x]
+        ]
+        for key, label, target, defaults, kw in variants:
+            tps = decode_variant(path, args.steps, target, defaults, **kw)
+            results[f"{name}-{key}"] = {"tok_s": tps, "ratio": tps / ceiling}
+            rows.append((f"Qwen3-{name} bs1 decode, {label}", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_engine.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
     print("\n== gpu_engine ==")

@@ -32,6 +32,7 @@ the CPU tests compare the padding against plain eager forwards.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -214,7 +215,7 @@ class CudaGraphRunner:
         return self._decode_graph(bs).batch_size
 
     def _decode_graph(self, bs: int) -> _Graph:
-        return next(g for g in self.decode_graphs if g.batch_size >= bs)
+        return self.decode_graphs[bisect.bisect_left(self.batch_sizes, bs)]
 
     def padded_extend(self, num_tokens: int, bs: int) -> tuple[int, int] | None:
         """(tokens, requests) of the extend graph a batch of num_tokens tokens and bs requests replays;
