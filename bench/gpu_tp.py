@@ -228,7 +228,7 @@ def _allreduce_worker(rank: int, world: int, port: int, hidden: int, batches: li
     g = torch.Generator(device="cuda").manual_seed(rank)
     for bs in batches:
         x = torch.randn((bs, hidden), dtype=torch.bfloat16, device="cuda", generator=g)
-        times[f"nccl_{bs}"] = timed(lambda: dist.all_reduce(x))
+        times[f"nccl_{bs}"] = timed(lambda x=x: dist.all_reduce(x))
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -242,7 +242,7 @@ def _allreduce_worker(rank: int, world: int, port: int, hidden: int, batches: li
             want = x.clone()
             dist.all_reduce(want)
             times[f"symm_equal_{bs}"] = bool(torch.equal(got, want))
-            times[f"symm_{bs}"] = timed(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
+            times[f"symm_{bs}"] = timed(lambda buf=buf: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
     except Exception as exc:  # noqa: BLE001 - reported in the table, the NCCL figures stand
         times["symm_error"] = f"{type(exc).__name__}: {exc}"[:300]
     if rank == 0:
