@@ -43,6 +43,11 @@ class EngineConfig:
         "(0: off; ignored when cuda_graph_max_bs is 0)",
         2048,
     )
+    disable_custom_all_reduce: bool = _help(
+        "TP on CUDA: sum every activation through NCCL, also the small ones that otherwise take the "
+        "symmetric-memory one-shot all-reduce",
+        False,
+    )
     # Memory.
     cpu_weight_prepack: bool = _help(
         "CPU: keep a oneDNN-blocked copy of each linear weight for batched products (weights take 2x memory)",

@@ -1,15 +1,19 @@
 """The tensor-parallel group of one worker: rank, size and the two collectives layers need.
 
 With tp_size 1 nothing is initialised and the collectives are identities, so single-device code pays
-nothing. CPU runs use gloo (tests spawn two processes); CUDA runs use NCCL.
+nothing. CPU runs use gloo (tests spawn two processes); CUDA runs use NCCL, and on CUDA the small
+all-reduces of decode steps can go through PyTorch's symmetric memory instead (enable_fast_all_reduce).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,8 +35,57 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> Non
     _GROUP = TPGroup(rank=rank, size=size)
 
 
+class FastAllReduce:
+    """One-shot all-reduce over symmetric memory: each rank copies its tensor into its own registered
+    buffer, a barrier, then every rank reads all ranks' buffers over NVLink and sums them in rank order
+    (so every rank holds the same bits). One launch and no NCCL protocol: 9.5 us against NCCL's 33 us
+    for a [1, 4096] bf16 sum on two H200s (bench/gpu_tp.py), which decode steps do twice a layer.
+
+    Two buffers alternate. A rank leaves call N's barrier only when every rank has reached it, so when
+    it writes call N+2's input into call N's buffer every rank has finished reading that buffer (they
+    have reached call N+1). A tensor over `max_bytes` (prefill steps) goes to NCCL, which is faster for
+    large sums. NVLink multicast is not used."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, max_bytes: int) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.dtype = dtype
+        self.max_numel = max_bytes // dtype.itemsize
+        self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
+        self.buffer = symm_mem.empty((2, self.max_numel), dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum over ranks as a new tensor, or None when x is not for this path."""
+        if x.dtype != self.dtype or x.numel() > self.max_numel or not x.is_contiguous():
+            return None
+        buffer = self.buffer[self.calls % 2, : x.numel()].view(x.shape)
+        self.calls += 1
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(buffer, x, "sum", self.group_name)
+
+
+_FAST: FastAllReduce | None = None
+
+
+def enable_fast_all_reduce(dtype: torch.dtype, device: torch.device, max_bytes: int = 1 << 20) -> bool:
+    """Route all-reduces of up to max_bytes through FastAllReduce. Collective: every rank calls it at
+    the same point, before any CUDA graph capture. False (NCCL stays) where it cannot run here."""
+    global _FAST
+    if _GROUP.size == 1 or device.type != "cuda":
+        return False
+    try:
+        _FAST = FastAllReduce(dtype, device, max_bytes)
+    except Exception as exc:  # noqa: BLE001 - an older torch or a driver without P2P: NCCL still works
+        logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(exc).__name__, exc)
+        _FAST = None
+        return False
+    return True
+
+
 def destroy_tp() -> None:
-    global _GROUP
+    global _GROUP, _FAST
+    _FAST = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _GROUP = TPGroup()
@@ -47,9 +100,13 @@ def get_tp_size() -> int:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place when possible."""
+    """Sum over ranks: in place through NCCL, or a new tensor through FastAllReduce; use the result."""
     if _GROUP.size == 1:
         return x
+    if _FAST is not None:
+        summed = _FAST(x)
+        if summed is not None:
+            return summed
     dist.all_reduce(x)
     return x
 

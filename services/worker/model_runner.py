@@ -120,6 +120,9 @@ class ModelRunner:
         self.tp_size = distributed.get_tp_size()
         self.model = load_model(model_config, device)
         self.model.eval()
+        if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
+            if distributed.enable_fast_all_reduce(model_config.dtype, device):
+                logger.info("TP all-reduces of up to 1 MiB go through symmetric memory (one-shot)")
         if device.type == "cpu" and config.cpu_weight_prepack and cpu_prepack_available():
             packed = prepack_cpu_weights(self.model)
             best = calibrate_single_row(self.model)

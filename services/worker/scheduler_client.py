@@ -58,7 +58,7 @@ def _run_rank_process(config: EngineConfig, rank: int, init_method: str, inbox: 
     worker leaves no rank behind."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
-    run_scheduler_loop(config, rank, init_method, inbox, outbox)
+    run_scheduler_loop(config, rank, init_method, inbox, outbox, own_process=True)
 
 
 class SchedulerClient:

@@ -7,6 +7,7 @@ of the Engine's process; with TP every rank is its own process.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import os
@@ -25,6 +26,7 @@ from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+CLEANUP_TRACE_S = 10.0
 
 
 @dataclass
@@ -157,8 +159,12 @@ class SchedulerLoop:
                 outbox.put(outputs)
 
 
-def run_scheduler_loop(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
-    """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox."""
+def run_scheduler_loop(
+    config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any, own_process: bool = False
+) -> None:
+    """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox. In its own
+    process, a clean-up that takes over CLEANUP_TRACE_S prints every thread's stack to stderr (the
+    parent kills a rank that has not exited 30 s after shutdown; this says where it was)."""
     loop = None
     try:
         loop = SchedulerLoop(config, rank, init_method)
@@ -170,6 +176,8 @@ def run_scheduler_loop(config: EngineConfig, rank: int, init_method: str, inbox:
         if outbox is not None:
             outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
+        if own_process:
+            faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
         distributed.destroy_tp()
         # Give the device memory back (pool, weights, graph pools): a later Engine in the same
         # process sizes its pool from what is free.
