@@ -6,11 +6,13 @@
 #                                              so pass a few steps per call)
 # Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
+# pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
 # while the tree has uncommitted edits: `git archive HEAD | tar -x -C .snap`, copy .whl/ into .snap/,
 # carry .snap and `cd .snap` first.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $(compgen -G '.whl-pipeline/*.whl') \
   && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
@@ -20,7 +22,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case "$step" in
     tp)      gpus=$(nvidia-smi -L | wc -l)
-             [ "$gpus" -ge 2 ] && timeout 570 python bench/gpu_tp.py > "$OUT/tp.log" 2>&1 ;;
+             [ "$gpus" -ge 2 ] && timeout 570 python bench/gpu_tp.py ${TP_ARGS:-} > "$OUT/tp.log" 2>&1 ;;
     engine)  timeout 300 python bench/gpu_engine.py --models 0.6b,8b --skip-hf > "$OUT/engine.log" 2>&1 ;;
     tiles)   timeout 300 python bench/gpu_engine.py --models 8b --skip-checks --skip-hf --decode-tiles 64/4/3,32/4/3 \
                --tokens-per-split 64 > "$OUT/tiles.log" 2>&1 ;;
@@ -36,6 +38,7 @@ for step in "${steps[@]}"; do
                && timeout 300 python bench/gpu_profile_step.py --extend --p3-timeline --batch 256 --prompt 600 \
                   --temperature 0.6 > "$OUT/profile.log" 2>&1 ;;
     spec)    timeout 300 python bench/gpu_spec.py --k 4 --steps 128 > "$OUT/spec.log" 2>&1 ;;
+    pipeline) timeout 400 python bench/gpu_pipeline.py > "$OUT/pipeline.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
   echo "== $step: exit $?"
