@@ -260,6 +260,14 @@ def _allreduce_worker(rank: int, world: int, port: int, hidden: int, batches: li
         graph.replay()
         torch.cuda.synchronize()
         times["fast_graph_mismatches"] = sum(not torch.equal(a, b) for a, b in zip(outs, wants))
+        # Inside a graph there is no host cost per call: the device time of one all-reduce.
+        times["symm_graph_1"] = timed(graph.replay, iters=20) / len(xs)
+        nccl_graph = torch.cuda.CUDAGraph()
+        ys = [torch.randn((1, hidden), dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(72)]
+        with torch.cuda.graph(nccl_graph):
+            for y in ys:
+                dist.all_reduce(y)
+        times["nccl_graph_1"] = timed(nccl_graph.replay, iters=20) / len(ys)
         for bs in batches:
             x = torch.randn((bs, hidden), dtype=torch.bfloat16, device="cuda", generator=g)
             times[f"symm_{bs}"] = timed(lambda x=x: tp_all_reduce(x))
@@ -280,12 +288,58 @@ def allreduce_us(world: int, hidden: int, batches: list[int]) -> dict[str, objec
         return dict(result)
 
 
+def allreduce_rows(tp: int, rows: list, results: dict) -> None:
+    hidden, layers = int(SHAPES["8b"]["hidden_size"]), int(SHAPES["8b"]["num_hidden_layers"])  # type: ignore[call-overload]
+    us = allreduce_us(tp, hidden, [1, 64])
+    results["allreduce"] = us
+    for bs in (1, 64):
+        for kind in ("nccl", "symm"):
+            if f"{kind}_{bs}" not in us:
+                continue
+            t = float(us[f"{kind}_{bs}"])  # type: ignore[arg-type]
+            equal = "" if kind == "nccl" else (f"; sums != NCCL's: {us.get('fast_mismatches')}/256 back to back, "
+                                               f"{us.get('fast_graph_mismatches')}/72 in a CUDA graph")
+            rows.append((f"{'NCCL all_reduce' if kind == 'nccl' else 'tp_all_reduce (symm-mem one-shot)'} "
+                         f"[{bs}, {hidden}] bf16, {tp} GPUs, eager loop",
+                         f"{t:.1f} us; x{2 * layers} per step = {2 * layers * t / 1e3:.2f} ms/step{equal}"))
+    for kind in ("nccl", "symm"):
+        if f"{kind}_graph_1" in us:
+            t = float(us[f"{kind}_graph_1"])  # type: ignore[arg-type]
+            rows.append((f"{'NCCL all_reduce' if kind == 'nccl' else 'tp_all_reduce'} [1, {hidden}] bf16 in a CUDA "
+                         f"graph of 72 (device time each)", f"{t:.1f} us = {2 * layers * t / 1e3:.2f} ms/step"))
+    if "symm_error" in us:
+        rows.append(("symm-mem one_shot_all_reduce", str(us["symm_error"])))
+
+
+def shutdown_check(tp: int, rows: list, results: dict) -> None:
+    """Start, use and shut down a float32 TP engine (no graphs) on a small random Qwen3: the rank
+    processes must exit without the parent's 30 s kill."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = Path("/tmp/rs-qwen3-small-tp-float32")
+    if not (path / "config.json").exists():
+        config = Qwen3Config(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=64, initializer_range=0.02)
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(str(path))
+    t0 = time.perf_counter()
+    engine = Engine(str(path), tp_size=tp, dtype="float32", max_total_tokens=POOL, cuda_graph_max_bs=0)
+    started = time.perf_counter()
+    greedy(engine, mixed_prompts(32000), 8)
+    t1 = time.perf_counter()
+    engine.shutdown()
+    stop = time.perf_counter() - t1
+    results["shutdown_s"] = stop
+    rows.append((f"small float32 TP={tp} engine: start / shut down", f"{started - t0:.1f} s / {stop:.1f} s"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="only the all-reduce figures and a TP engine's start/stop")
     args = ap.parse_args()
     if torch.cuda.device_count() < args.tp:
         print(f"needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}")
@@ -297,34 +351,27 @@ def main() -> int:
     def save() -> None:
         (OUT / "gpu_tp.json").write_text(json.dumps({"rows": rows, "results": results}, indent=1))
 
-    bw = copy_bandwidth()
-    path = build_checkpoint("8b", torch.bfloat16, initializer_range=0.02)
-    ceiling = bw / weight_bytes(path)
-    rows.append(("device copy bandwidth (read+write), one GPU", f"{bw / 1e9:.0f} GB/s; 8B bs1 ceiling {ceiling:.0f} tok/s"))
-    ok = numerics("8b", path, args.tp, args.steps, not args.skip_speed, rows, results)
-    save()
-    if not args.skip_speed:
-        for tp in (1, args.tp):
-            r = results[f"8b_bf16_tp{tp}"]
-            rows.append((f"Qwen3-8B bf16 TP={tp} decode", f"bs1 {r['bs1_tok_s']:.1f} tok/s ({r['bs1_tok_s'] / ceiling:.3f} "  # type: ignore[index]
-                         f"of one GPU's ceiling); bs64 {r['bs64_tok_s']:.0f} tok/s"))  # type: ignore[index]
-        hidden, layers = SHAPES["8b"]["hidden_size"], SHAPES["8b"]["num_hidden_layers"]
-        us = allreduce_us(args.tp, int(hidden), [1, 64])  # type: ignore[arg-type]
-        results["allreduce"] = us
-        for bs in (1, 64):
-            for kind in ("nccl", "symm"):
-                if f"{kind}_{bs}" not in us:
-                    continue
-                t = float(us[f"{kind}_{bs}"])  # type: ignore[arg-type]
-                equal = "" if kind == "nccl" else (f"; sums != NCCL's: {us.get('fast_mismatches')}/256 back to back, "
-                                                   f"{us.get('fast_graph_mismatches')}/72 in a CUDA graph")
-                rows.append((f"{'NCCL all_reduce' if kind == 'nccl' else 'tp_all_reduce (symm-mem one-shot)'} "
-                             f"[{bs}, {hidden}] bf16, {args.tp} GPUs",
-                             f"{t:.1f} us; x{2 * layers} per step = {2 * layers * t / 1e3:.2f} ms/step{equal}"))
-        if "symm_error" in us:
-            rows.append(("symm-mem one_shot_all_reduce", str(us["symm_error"])))
+    ok = True
+    if not args.quick:
+        bw = copy_bandwidth()
+        path = build_checkpoint("8b", torch.bfloat16, initializer_range=0.02)
+        ceiling = bw / weight_bytes(path)
+        rows.append(("device copy bandwidth (read+write), one GPU",
+                     f"{bw / 1e9:.0f} GB/s; 8B bs1 ceiling {ceiling:.0f} tok/s"))
+        ok = numerics("8b", path, args.tp, args.steps, not args.skip_speed, rows, results)
         save()
-    if not args.skip_moe:
+        if not args.skip_speed:
+            for tp in (1, args.tp):
+                r = results[f"8b_bf16_tp{tp}"]
+                rows.append((f"Qwen3-8B bf16 TP={tp} decode", f"bs1 {r['bs1_tok_s']:.1f} tok/s ({r['bs1_tok_s'] / ceiling:.3f} "  # type: ignore[index]
+                             f"of one GPU's ceiling); bs64 {r['bs64_tok_s']:.0f} tok/s"))  # type: ignore[index]
+    if args.quick or not args.skip_speed:
+        allreduce_rows(args.tp, rows, results)
+        save()
+    if args.quick:
+        shutdown_check(args.tp, rows, results)
+        save()
+    elif not args.skip_moe:
         ok = numerics("moe", build_moe(), args.tp, args.steps // 2, False, rows, results) and ok
         save()
     print("\n| check / figure | result |\n| --- | --- |")

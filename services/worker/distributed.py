@@ -83,11 +83,19 @@ def enable_fast_all_reduce(dtype: torch.dtype, device: torch.device, max_bytes: 
     return True
 
 
-def destroy_tp() -> None:
+def destroy_tp(exiting: bool = False) -> None:
+    """Leave the group. `exiting`: this process ends next (a rank process), so an NCCL group is
+    aborted once the device is idle rather than shut down gracefully: on the H200s the graceful NCCL
+    shutdown of both ranks hung until the parent killed them 30 s later (bench/gpu_tp.py, float32
+    engines), and an exiting process has nothing left for it to wait for."""
     global _GROUP, _FAST
     _FAST = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        if exiting and dist.get_backend() == "nccl":
+            torch.cuda.synchronize()
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
     _GROUP = TPGroup()
 
 

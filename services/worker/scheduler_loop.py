@@ -178,7 +178,7 @@ def run_scheduler_loop(
     finally:
         if own_process:
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
-        distributed.destroy_tp()
+        distributed.destroy_tp(exiting=own_process)
         # Give the device memory back (pool, weights, graph pools): a later Engine in the same
         # process sizes its pool from what is free.
         del loop
