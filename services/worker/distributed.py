@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,19 @@ class TPGroup:
 _GROUP = TPGroup()
 
 
-def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    """Join the TP process group (one process per rank). init_method: e.g. 'tcp://127.0.0.1:29500'."""
+def init_tp(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float | None = None
+) -> None:
+    """Join the TP process group (one process per rank). init_method: e.g. 'tcp://127.0.0.1:29500';
+    timeout_s: how long a collective may wait for the other ranks (None: torch's default)."""
     global _GROUP
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+            )
     _GROUP = TPGroup(rank=rank, size=size)
 
 
