@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.worker.config import EngineConfig
 from services.worker.sampling.sampling_params import SamplingParams
@@ -125,6 +126,60 @@ def test_overlap_returns_a_steps_tokens_one_step_later(qwen3_path: Path) -> None
         tokens += [t for o in scheduler.step() for t in o.token_ids]
         scheduler.check_pool_invariant()
     assert req.output_ids == first[0].token_ids + tokens and len(req.output_ids) == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_steady_decode_step_sends_one_host_to_device_copy_when_greedy(
+    qwen3_path: Path, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each host-to-device copy is a pinned staging buffer and a copy launch, costly on some GPU hosts
+    (bench/RESULTS.md, P2). With overlap on, a steady greedy decode step sends only its packed batch
+    inputs; a sampled one adds the positions that key its noise. The tokens are those of the step
+    without overlap, which computes every input afresh."""
+    import services.worker.model_runner as model_runner
+    import services.worker.scheduler.schedule_batch as schedule_batch
+
+    copies: list[int] = []
+
+    def counted(t, device):  # noqa: ANN001, ANN202 - the wrapped function's own signature
+        copies.append(t.numel())
+        return t.to(device)
+
+    outputs = {}
+    for overlap in (True, False):
+        scheduler = make_scheduler(qwen3_path, disable_overlap_schedule=not overlap)
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, ignore_eos=True)
+        params.normalize()
+        reqs = [Req(f"r{i}", [3 + i, 4, 5, 6], params, seed=i) for i in range(3)]
+        for req in reqs:
+            scheduler.add_request(req)
+        for _ in range(3):
+            scheduler.step()
+        monkeypatch.setattr(model_runner, "to_device_async", counted)
+        monkeypatch.setattr(schedule_batch, "to_device_async", counted)
+        copies.clear()
+        for _ in range(4):
+            scheduler.step()
+        if overlap:
+            assert len(copies) == 4 * (1 if temperature == 0.0 else 2)
+        monkeypatch.undo()
+        while scheduler.has_work():
+            scheduler.step()
+        outputs[overlap] = [r.output_ids for r in reqs]
+    assert outputs[True] == outputs[False]
+
+
+def test_only_an_all_greedy_batch_may_sample_without_positions() -> None:
+    from services.worker.sampling.sampler import Sampler, SamplingBatchInfo
+
+    logits = torch.randn(2, 16)
+    greedy = SamplingBatchInfo.from_params([SamplingParams(temperature=0.0)] * 2, [0, 1], vocab_size=16, device="cpu")
+    assert torch.equal(Sampler()(logits, greedy, None).next_token_ids, logits.argmax(-1))
+    mixed = SamplingBatchInfo.from_params(
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)], [0, 1], vocab_size=16, device="cpu"
+    )
+    with pytest.raises(ValueError, match="positions are required"):
+        Sampler()(logits, mixed, None)
 
 
 # A non-default value for every ReqOutput field but rid and token_ids.

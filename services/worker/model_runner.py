@@ -200,15 +200,21 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
-    def _sampling_info(
-        self, reqs: list[Req], device: torch.device, pending: torch.Tensor | None
-    ) -> SamplingBatchInfo:
-        """The batch's sampling tensors. Decode steps repeat the same requests, and without penalties
-        or min_new_tokens bans left the tensors depend only on each request's fixed parameters and
-        seed: then the last step's are reused instead of rebuilt from 256 requests' lists."""
+    def _reusable_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo | None:
+        """The last step's sampling tensors if `reqs` are the same requests and nothing in them can
+        have changed (see _sampling_info), else None."""
         cached = self._sampling_cache
         if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
             return cached[1]
+        return None
+
+    def _sampling_info(
+        self, reqs: list[Req], device: torch.device, pending: torch.Tensor | None
+    ) -> SamplingBatchInfo:
+        """The batch's sampling tensors, built (and cached for the next step when they can be reused).
+        Decode steps repeat the same requests, and without penalties or min_new_tokens bans left the
+        tensors depend only on each request's fixed parameters and seed: then the next step reuses
+        them instead of rebuilding them from 256 requests' lists."""
         produced = [len(r.output_ids) + r.num_inflight for r in reqs]
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
@@ -239,18 +245,28 @@ class ModelRunner:
         """Start sampling without waiting for the device. `future` holds the tokens of the step
         still in flight (device ids and each request's row): those requests' host histories lag one
         token, which the penalties, min_new_tokens and the noise position take into account."""
-        pending = None
-        if future is not None and any(r.num_inflight for r in reqs):
-            tokens, rows = future
-            index = to_device_async(torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64), logits.device)
-            pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
-        info = self._sampling_info(reqs, logits.device, pending)
-        positions = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
+        info = self._reusable_sampling_info(reqs)
+        if info is None:
+            # The in-flight tokens matter only to penalties and min_new_tokens, which a build reads;
+            # a reused info needs neither them nor their copy to the device.
+            pending = None
+            if future is not None and any(r.num_inflight for r in reqs):
+                tokens, rows = future
+                index = to_device_async(
+                    torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64), logits.device
+                )
+                pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
+            info = self._sampling_info(reqs, logits.device, pending)
+        # Greedy rows need no noise, so an all-greedy step sends no positions either.
+        positions = None
+        if not info.all_greedy:
+            host = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
+            positions = to_device_async(host, logits.device)
         top_n = max((r.top_logprobs_num for r in reqs), default=0)
         out = self.sampler(
             logits[:, : self.model_config.vocab_size],
             info,
-            to_device_async(positions, logits.device),
+            positions,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=top_n,
         )

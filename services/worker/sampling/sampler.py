@@ -285,18 +285,21 @@ class Sampler:
         self,
         logits: torch.Tensor,
         info: SamplingBatchInfo,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
         """logits: [bs, V]; positions: [bs] int64, the position of the token being generated (the
-        sequence length so far). top_logprobs_num is the batch maximum (0 = none); rows take a prefix."""
+        sequence length so far), which keys the noise: only an all-greedy batch may pass None.
+        top_logprobs_num is the batch maximum (0 = none); rows take a prefix."""
         penalised = penalized_logits(logits, info)
         if info.all_greedy:
             scaled = penalised
             next_ids = penalised.argmax(dim=-1)
         else:
             scaled = penalised / info.temperatures
+            if positions is None:
+                raise ValueError("positions are required unless every row is greedy")
             next_ids = self._sample(scaled, info, positions.to(scaled.device, torch.int64))
             if info.any_greedy:
                 next_ids = torch.where(info.is_greedy, penalised.argmax(dim=-1), next_ids)
