@@ -169,6 +169,26 @@ def test_a_steady_decode_step_sends_one_host_to_device_copy_when_greedy(
     assert outputs[True] == outputs[False]
 
 
+def test_a_decode_batch_packs_its_graph_inputs_as_one_block(qwen3_path: Path) -> None:
+    """ForwardBatch.packed_rows (what a decode graph replay copies in one launch) holds exactly the
+    batch's positions, request rows, lengths and KV slots, in the graph's row order."""
+    scheduler = make_scheduler(qwen3_path)
+    seen = []
+    forward = scheduler.runner.forward
+    scheduler.runner.forward = lambda batch: seen.append(batch) or forward(batch)  # type: ignore[method-assign]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    for i, n in enumerate((4, 9, 6)):
+        scheduler.add_request(Req(f"r{i}", list(range(3, 3 + n)), params, seed=i))
+    while scheduler.has_work():
+        scheduler.step()
+    decodes = [b for b in seen if b.forward_mode.is_decode()]
+    assert decodes and seen[0].packed_rows is None  # the prefill has 19 tokens for 3 requests
+    for batch in decodes:
+        expected = torch.stack([batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc])
+        assert batch.packed_rows is not None and torch.equal(batch.packed_rows, expected)
+
+
 def test_only_an_all_greedy_batch_may_sample_without_positions() -> None:
     from services.worker.sampling.sampler import Sampler, SamplingBatchInfo
 

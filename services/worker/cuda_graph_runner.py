@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # Rows of the static integer buffer: per-token inputs (ids, positions, KV slots) and per-request ones
 # (request rows, lengths).
+# The rows of the static inputs. Positions .. out_cache_loc are in the order of ForwardBatch.packed_rows
+# (ScheduleBatch packs a decode step's inputs so), which replay() copies as one block.
 _INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC = range(5)
 # Eager forwards per graph before capture: compiles the Triton kernels and lets cuBLAS pick its
 # algorithms outside the graph.
@@ -250,12 +252,16 @@ class CudaGraphRunner:
             self.backend.fill_extend_metadata(self.extend_meta, prefix_lens, extend_lens)
         # Padding: token 0 at position 0 into KV slot 0; request row 0 of length 0 (one launch: a graph
         # has no more requests than tokens, and the copies below overwrite the real part).
-        self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
+        if min(bs, num_tokens) < g.num_tokens:
+            self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
         self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
-        self.inputs[_POSITIONS, :num_tokens].copy_(batch.positions)
-        self.inputs[_OUT_CACHE_LOC, :num_tokens].copy_(batch.out_cache_loc)
-        self.inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
-        self.inputs[_SEQ_LENS, :bs].copy_(batch.seq_lens)
+        if batch.packed_rows is not None and num_tokens == bs:
+            self.inputs[_POSITIONS : _OUT_CACHE_LOC + 1, :bs].copy_(batch.packed_rows)
+        else:
+            self.inputs[_POSITIONS, :num_tokens].copy_(batch.positions)
+            self.inputs[_OUT_CACHE_LOC, :num_tokens].copy_(batch.out_cache_loc)
+            self.inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
+            self.inputs[_SEQ_LENS, :bs].copy_(batch.seq_lens)
         if g.graph is not None:
             g.graph.replay()
         else:

@@ -61,6 +61,10 @@ class ForwardBatch:
     # [bs] int64 device rows of each request's last new token, when computed on the device (a CUDA
     # graph's extend step derives them from its static offsets); None: built from extend_seq_lens_cpu.
     last_token_rows: torch.Tensor | None = field(default=None, repr=False)
+    # Decode steps: positions, req_pool_indices, seq_lens and out_cache_loc as the rows of one [4, bs]
+    # block (the step's packed host-to-device copy lays them out so), which a CUDA graph replay
+    # copies into its static inputs in one launch instead of four; None: copy them one by one.
+    packed_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -189,6 +189,8 @@ class ScheduleBatch:
             input_ids_d = torch.where(idx >= 0, tokens[idx.clamp(min=0)], input_ids_d)
         if on_device:
             mem.req_to_token_pool.write_device(*rest)
+        # With one token per request, positions .. slots are 4 * bs consecutive values: one block.
+        packed_rows = packed[bs : 5 * bs].view(4, bs) if n == bs else None
         return ForwardBatch(
             forward_mode=mode,
             batch_size=bs,
@@ -203,6 +205,7 @@ class ScheduleBatch:
             req_to_token_pool=mem.req_to_token_pool,
             token_to_kv_pool=mem.token_to_kv_pool,
             attn_backend=mem.attn_backend,
+            packed_rows=packed_rows,
         )
 
 
