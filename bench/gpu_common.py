@@ -29,9 +29,28 @@ def build_checkpoint(name: str, dtype: torch.dtype, initializer_range: float = 0
     config = Qwen3Config(vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                          initializer_range=initializer_range, **SHAPES[name])
+    return save_random(path, Qwen3ForCausalLM, config, dtype)
+
+
+def build_moe_checkpoint(name: str, dtype: torch.dtype, initializer_range: float, **shape: object) -> Path:
+    """A seeded random Qwen3-MoE checkpoint at /tmp/rs-qwen3-moe-{name} (built once per machine):
+    `shape` gives the widths, layer and expert counts; every MoE layer sparse, top-k renormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(f"/tmp/rs-qwen3-moe-{name}")
+    if (path / "config.json").exists():
+        return path
+    config = Qwen3MoeConfig(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                            initializer_range=initializer_range, tie_word_embeddings=False, **shape)
+    return save_random(path, Qwen3MoeForCausalLM, config, dtype)
+
+
+def save_random(path: Path, model_class: type, config: object, dtype: torch.dtype) -> Path:
+    """Build `model_class(config)` on the GPU from torch seed 0, in `dtype`, and save it to `path`."""
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(dtype)
+        model = model_class(config).to(dtype)
     model.save_pretrained(str(path))
     del model
     torch.cuda.empty_cache()

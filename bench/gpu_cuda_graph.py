@@ -30,8 +30,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
-
+from bench import gpu_common  # noqa: E402
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 
@@ -43,22 +42,11 @@ WATCHDOG_S = 345
 def build_moe_checkpoint() -> Path:
     """A small random Qwen3-MoE (4 layers, 32 experts top-4, float32): exercises the fused MoE kernel
     inside the graphs."""
-    path = Path("/tmp/rs-qwen3-moe-small-float32")
-    if (path / "config.json").exists():
-        return path
-    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-                            num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=32,
-                            num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096,
-                            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                            initializer_range=0.1, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).float()
-    model.save_pretrained(str(path))
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return gpu_common.build_moe_checkpoint(
+        "small-float32", torch.float32, 0.1, vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=512, max_position_embeddings=4096,
+    )
 
 
 def random_ids(gen: torch.Generator, n: int) -> list[int]:

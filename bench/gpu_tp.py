@@ -37,7 +37,14 @@ import torch.multiprocessing as mp
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_common import OUT, SHAPES, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    OUT,
+    SHAPES,
+    build_checkpoint,
+    build_moe_checkpoint,
+    copy_bandwidth,
+    weight_bytes,
+)
 from services.worker.engine import Engine  # noqa: E402
 
 # The device's NCCL/PyTorch must not use NVLink multicast (KINDS.md); children inherit these.
@@ -51,24 +58,12 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def build_moe(layers: int = 4) -> Path:
     """Qwen3-30B-A3B's widths (hidden 2048, 128 experts top-8, expert width 768, 32 q / 4 kv heads) with
     `layers` layers, bf16, initializer_range 0.02."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    path = Path(f"/tmp/rs-qwen3-moe-a3b-{layers}l-bfloat16")
-    if (path / "config.json").exists():
-        return path
-    config = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
-                            rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                            initializer_range=0.02, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(str(path))
-    del model
-    torch.cuda.empty_cache()
-    return path
+    return build_moe_checkpoint(
+        f"a3b-{layers}l-bfloat16", torch.bfloat16, 0.02, vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        max_position_embeddings=40960,
+    )
 
 
 def mixed_prompts(vocab: int) -> list[list[int]]:
