@@ -129,3 +129,29 @@ def test_extend_mixes_cached_and_fresh_requests(models) -> None:
         [(cached_row, cached_prompt[8:]), (fresh_row, fresh_prompt)], return_all_logits=True
     )
     assert_rows_close(logits, torch.cat([hf_logits(hf, cached_prompt)[8:], hf_logits(hf, fresh_prompt)]))
+
+
+def test_single_request_decode_with_consecutive_or_scattered_slots_matches_hf(
+    models, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone request whose keys sit in consecutive KV slots is read through a view of the pool; one
+    whose slots are scattered (another request took the slots between) is gathered. Both give HF's
+    logits."""
+    from services.worker.attention import torch_backend
+
+    config, model, hf = models
+    seen: list[int | None] = []
+    build = torch_backend._decode_metadata
+    monkeypatch.setattr(torch_backend, "_decode_metadata", lambda batch: seen.append(build(batch).first_slot) or build(batch))
+    driver = BatchDriver(model, config)
+    a, b = driver.new_request(), driver.new_request()
+    prompt = random_prompt(12, seed=9)
+    token = int(driver.extend([(a, prompt)])[-1].argmax())
+    step = driver.decode([(a, token)])  # slots 1..13: consecutive
+    assert seen == [1]
+    assert_rows_close(step, hf_logits(hf, prompt + [token])[-1:])
+    driver.extend([(b, random_prompt(5, seed=10))])  # takes slots 14..18
+    second = int(step[0].argmax())
+    step = driver.decode([(a, second)])  # slot 19 follows 1..13: scattered
+    assert seen[-1] is None
+    assert_rows_close(step, hf_logits(hf, prompt + [token, second])[-1:])

@@ -48,6 +48,10 @@ class DecodeMetadata:
     head_rows: torch.Tensor  # [bs * kv_heads * max_len] int64
     max_len: int
     mask: torch.Tensor | None
+    # A single request whose keys sit in consecutive slots (the usual case for one request on a
+    # fresh pool: slots are handed out in order): its first slot. Attention then reads the pool
+    # through a view instead of gathering 2 x layers copies of its K/V every step.
+    first_slot: int | None = None
 
 
 def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
@@ -87,7 +91,14 @@ def _decode_metadata(batch: ForwardBatch) -> DecodeMetadata:
         mask = real[:, None, None, :]
     heads = torch.arange(kv_heads, device=slots.device)
     head_rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
-    return DecodeMetadata(head_rows, max_len, mask)
+    first_slot = None
+    if len(seq_lens) == 1:
+        first = int(slots[0, 0])
+        if int(slots[0, -1]) - first == max_len - 1 and torch.equal(
+            slots[0], torch.arange(first, first + max_len, device=slots.device)
+        ):
+            first_slot = first
+    return DecodeMetadata(head_rows, max_len, mask, first_slot)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -134,9 +145,16 @@ class TorchAttnBackend(AttentionBackend):
         # Query head h * group + j attends with KV head h (HF's repeat_interleave order): the group's
         # queries are the "query positions" of KV head h.
         qg = q.reshape(bs, kv_heads, group, head_dim)
-        keys = pool.get_key_buffer(layer.layer_id).view(-1, head_dim).index_select(0, meta.head_rows)
-        values = pool.get_value_buffer(layer.layer_id).view(-1, head_dim).index_select(0, meta.head_rows)
-        keys = keys.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
-        values = values.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if meta.first_slot is not None:
+            span = slice(meta.first_slot, meta.first_slot + meta.max_len)
+            # [max_len, kv_heads, head_dim] slots -> [1, kv_heads, max_len, head_dim], a strided view.
+            keys = k_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+            values = v_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+        else:
+            keys = k_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
+            values = v_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
+            keys = keys.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
+            values = values.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask, scale=layer.scaling)
         return out.reshape(bs, layer.num_heads * head_dim)
