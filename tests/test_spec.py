@@ -224,6 +224,35 @@ def test_greedy_speculation_through_extend_steps_matches_decode_rows(
     assert all(r.spec_accepted_tokens == r.spec_proposed_tokens > 0 for r in reqs)
 
 
+def test_draft_proposals_stay_on_the_device_until_verification(
+    qwen3_path: Path, greedy_reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft's proposals reach the verify forward as device tokens (placeholders on the host) and
+    come back with the target's argmaxes in one read-back; the tokens are plain greedy's."""
+    from services.worker.spec import Proposal
+    from services.worker.spec.draft import DraftProposer
+
+    proposals: list[Proposal] = []
+    propose = DraftProposer.propose
+
+    def recording(self: DraftProposer, reqs: list[Req], limits: list[int]) -> Proposal:
+        proposal = propose(self, reqs, limits)
+        proposals.append(proposal)
+        assert proposal.device_tokens is not None
+        assert proposal.device_tokens.numel() == sum(len(t) for t in proposal.tokens)
+        assert all(t == 0 for draft in proposal.tokens for t in draft), "placeholders until verified"
+        return proposal
+
+    monkeypatch.setattr(DraftProposer, "propose", recording)
+    options = {"speculative_algorithm": "draft", "speculative_draft_model_path": str(qwen3_path)}
+    with Engine(str(qwen3_path), speculative_num_draft_tokens=K, scheduler_process=False, **options) as engine:
+        out = engine.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "max_new_tokens": 24})
+    assert output_ids(out) == greedy_reference
+    assert proposals and all(p.device_tokens is None for p in proposals), "every proposal was resolved"
+    # Some steps proposed tokens (the draft is the target, so they were all accepted).
+    assert any(any(p.tokens) for p in proposals)
+
+
 def test_tokens_after_a_stop_token_in_an_accepted_run_are_dropped(qwen3_path: Path) -> None:
     prompt = PROMPTS[0]
     options = {"speculative_algorithm": "draft", "speculative_draft_model_path": str(qwen3_path)}

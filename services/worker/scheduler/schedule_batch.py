@@ -108,7 +108,7 @@ class ScheduleBatch:
             writes, future_index,
         )
 
-    def prepare_rows(self) -> ForwardBatch:
+    def prepare_rows(self, future_index: tuple[torch.Tensor, list[int]] | None = None) -> ForwardBatch:
         """Every request's new tokens (fill_ids past kv_committed_len) as DECODE rows, one per token.
 
         Row j of a request sits at position kv_committed_len + j and attends to the request's first
@@ -116,7 +116,8 @@ class ScheduleBatch:
         rows lie past its length, so the decode kernels compute exactly the causal attention of an
         EXTEND over those tokens, and the step can replay a decode CUDA graph (an EXTEND step runs
         eagerly). Speculative verification checks its k + 1 tokens per request this way. Logits come
-        back for every row; the caller commits each request's KV itself."""
+        back for every row; the caller commits each request's KV itself. `future_index` (device
+        tokens, one index per row or -1) takes rows' input ids from the device instead of fill_ids."""
         mem = self.mem
         counts = [len(req.fill_ids) - req.kv_committed_len for req in self.reqs]
         slots = mem.alloc_slots(sum(counts))
@@ -134,7 +135,7 @@ class ScheduleBatch:
         writes.add_flat(torch.tensor(pool_rows, dtype=torch.int64), position_t, slots)
         return self._forward_batch(
             ForwardMode.DECODE, input_ids, position_t, slots, [p + 1 for p in positions], positions,
-            [1] * len(positions), writes, pool_rows=pool_rows,
+            [1] * len(positions), writes, future_index=future_index, pool_rows=pool_rows,
         )
 
     def commit(self, batch: ForwardBatch) -> None:

@@ -29,6 +29,20 @@ class Proposal:
 
     tokens: list[list[int]]
     probs: torch.Tensor | None = None
+    # Set by a proposer whose tokens are still on the device (the draft model): every request's
+    # proposals, request-major in batch order, while `tokens` holds placeholders of the right lengths.
+    # The verify forward reads them there, and they reach the host with the target's own tokens in
+    # one read-back (resolve), instead of a sync of their own between drafting and verifying.
+    device_tokens: torch.Tensor | None = None
+
+    def resolve(self, flat: list[int]) -> None:
+        """Replace the placeholders with the proposals read back from device_tokens."""
+        at = 0
+        for i, draft in enumerate(self.tokens):
+            self.tokens[i] = flat[at : at + len(draft)]
+            at += len(draft)
+        assert at == len(flat), "one read-back value per proposed token"
+        self.device_tokens = None
 
 
 class Proposer(Protocol):

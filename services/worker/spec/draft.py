@@ -114,12 +114,14 @@ class DraftProposer:
         for j in range(len(all_tokens)):
             for p in (q for q in plan if q.count > j):
                 row_of[(p.index, j)] = len(row_of)
-        order = [row_of[(p.index, j)] for p in plan for j in range(p.count)]
-        flat = torch.cat(all_tokens).tolist()
+        order = to_device_async(
+            torch.tensor([row_of[(p.index, j)] for p in plan for j in range(p.count)], dtype=torch.int64),
+            logits.device,
+        )
         for p in plan:
-            tokens[p.index] = [flat[row_of[(p.index, j)]] for j in range(p.count)]
-        probs = torch.cat(all_probs)[torch.tensor(order, device=logits.device)] if sampled else None
-        return Proposal(tokens, probs)
+            tokens[p.index] = [0] * p.count  # placeholders: the tokens stay on the device (Proposal)
+        probs = torch.cat(all_probs)[order] if sampled else None
+        return Proposal(tokens, probs, device_tokens=torch.cat(all_tokens)[order])
 
     def _plan(self, reqs: list[Req], limits: list[int]) -> list[_Planned]:
         """Who proposes how many: each request's catch-up plus count - 1 decode tokens must fit."""

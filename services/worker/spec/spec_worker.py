@@ -27,6 +27,7 @@ from services.worker.forward_batch import ForwardMode
 from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SamplingBatchInfo, processed_logits
 from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
+from services.worker.spec import Proposal
 from services.worker.spec.verify import Verdict, verify, verify_greedy
 
 if TYPE_CHECKING:
@@ -95,8 +96,8 @@ class SpecWorker:
             return None
         seq_lens = [r.seq_len for r in reqs]
         for req, draft in zip(reqs, drafts):
-            req.fill_ids = req.all_ids + draft
-        logits = self._verify_forward(reqs, drafts)
+            req.fill_ids = req.all_ids + draft  # placeholders while proposal.device_tokens is set
+        logits = self._verify_forward(reqs, proposal)
         starts = [0]
         for draft in drafts[:-1]:
             starts.append(starts[-1] + len(draft) + 1)
@@ -112,7 +113,7 @@ class SpecWorker:
         num_accepted = [0] * len(reqs)
         tokens: list[list[int]] = [[] for _ in reqs]
         if spec:
-            verdict = self._verify(logits, starts, spec, reqs, drafts, proposal.probs, seq_lens)
+            verdict = self._verify(logits, starts, spec, reqs, proposal, seq_lens)
             for i, accepted, toks in zip(spec, verdict.num_accepted, verdict.tokens):
                 num_accepted[i], tokens[i] = accepted, toks
 
@@ -131,19 +132,41 @@ class SpecWorker:
         self.proposer.commit(reqs, num_accepted)
         return SpecStep(tokens, sampled_rows, sampled)
 
-    def _verify_forward(self, reqs: list[Req], drafts: list[list[int]]) -> torch.Tensor:
+    def _verify_forward(self, reqs: list[Req], proposal: Proposal) -> torch.Tensor:
         """The target's logits at each of [last token, proposals...] of every request, rows in batch
         order. Up to `max_verify_rows` rows go as one DECODE row per token (ScheduleBatch.prepare_rows:
-        a CUDA graph replay on the GPU); more go as one EXTEND step with every token's logits."""
+        a CUDA graph replay on the GPU), taking proposals still on the device from there; more go as
+        one EXTEND step with every token's logits, after reading the proposals back."""
+        drafts = proposal.tokens
         batch = ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem)
         rows = sum(len(d) + 1 for d in drafts)
         if self.max_verify_rows is None or rows <= self.max_verify_rows:
-            forward_batch = batch.prepare_rows()
+            future = None
+            if proposal.device_tokens is not None:
+                index: list[int] = []
+                offset = 0
+                for draft in drafts:
+                    index.append(-1)  # the request's last token: on the host
+                    index.extend(range(offset, offset + len(draft)))
+                    offset += len(draft)
+                future = (proposal.device_tokens, index)
+            forward_batch = batch.prepare_rows(future)
         else:
+            if proposal.device_tokens is not None:
+                self._resolve(reqs, proposal, proposal.device_tokens.tolist())
             forward_batch = batch.prepare_extend()
             forward_batch.return_all_logits = True
         assert forward_batch.num_tokens == rows, "the request's KV must end before its last token"
         return self.runner.forward(forward_batch)
+
+    @staticmethod
+    def _resolve(reqs: list[Req], proposal: Proposal, flat: list[int]) -> None:
+        """Put proposals read back from the device in place of their placeholders, in the proposal
+        and in each request's fill_ids."""
+        proposal.resolve(flat)
+        for req, draft in zip(reqs, proposal.tokens):
+            if draft:
+                req.fill_ids = req.fill_ids[: len(req.fill_ids) - len(draft)] + draft
 
     def _limits(self, reqs: list[Req]) -> list[int]:
         """Proposals each request may take: k, less near max_new_tokens (the target adds one token of
@@ -167,12 +190,13 @@ class SpecWorker:
         starts: list[int],
         spec: list[int],
         reqs: list[Req],
-        drafts: list[list[int]],
-        draft_probs: torch.Tensor | None,
+        proposal: Proposal,
         seq_lens: list[int],
     ) -> Verdict:
         """Verify the requests `spec` (batch indices) against their rows of the target's logits, under
-        each one's own sampling settings."""
+        each one's own sampling settings. Proposals still on the device come back here, with the
+        target's argmaxes in the greedy case (one read-back for both)."""
+        drafts = proposal.tokens
         rows: list[int] = []
         row_reqs: list[Req] = []
         firsts: list[int] = []
@@ -185,7 +209,14 @@ class SpecWorker:
         if all(r.sampling_params.is_greedy for r in row_reqs):
             # No penalties or bans while speculating, so greedy rows need only the argmax.
             picked = logits if len(rows) == logits.shape[0] else logits[to_device_async(torch.tensor(rows), device)]
-            return verify_greedy(picked[:, :vocab].argmax(dim=-1).tolist(), [drafts[i] for i in spec])
+            argmax = picked[:, :vocab].argmax(dim=-1)
+            if proposal.device_tokens is None:
+                return verify_greedy(argmax.tolist(), [drafts[i] for i in spec])
+            both = torch.cat((argmax, proposal.device_tokens)).tolist()
+            self._resolve(reqs, proposal, both[len(rows) :])
+            return verify_greedy(both[: len(rows)], [drafts[i] for i in spec])
+        if proposal.device_tokens is not None:
+            self._resolve(reqs, proposal, proposal.device_tokens.tolist())
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in row_reqs],
             [r.seed for r in row_reqs],
@@ -196,7 +227,7 @@ class SpecWorker:
         target = processed_logits(logits[torch.tensor(rows, device=device)], info)
         seeds = info.seeds[torch.tensor(firsts, device=device)]
         positions = torch.tensor([seq_lens[i] for i in spec], dtype=torch.int64).to(device)
-        return verify(target, [drafts[i] for i in spec], draft_probs, seeds, positions)
+        return verify(target, [drafts[i] for i in spec], proposal.probs, seeds, positions)
 
     def release(self, req: Req) -> None:
         self.proposer.release(req)
