@@ -50,8 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Rows of the static integer buffer: per-token inputs (ids, positions, KV slots) and per-request ones
-# (request rows, lengths).
-# The rows of the static inputs. Positions .. out_cache_loc are in the order of ForwardBatch.packed_rows
+# (request rows, lengths). Positions .. out_cache_loc are in the order of ForwardBatch.packed_rows
 # (ScheduleBatch packs a decode step's inputs so), which replay() copies as one block.
 _INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC = range(5)
 # Eager forwards per graph before capture: compiles the Triton kernels and lets cuBLAS pick its
@@ -255,7 +254,7 @@ class CudaGraphRunner:
         if min(bs, num_tokens) < g.num_tokens:
             self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
         self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
-        if batch.packed_rows is not None and num_tokens == bs:
+        if batch.packed_rows is not None:  # one token per request: [4, bs]
             self.inputs[_POSITIONS : _OUT_CACHE_LOC + 1, :bs].copy_(batch.packed_rows)
         else:
             self.inputs[_POSITIONS, :num_tokens].copy_(batch.positions)

@@ -45,7 +45,7 @@ class DecodeMetadata:
     [slots * kv_heads, head_dim]). `mask` is True for real keys and False for padding, shaped
     [bs, 1, 1, max_len]; None when every request has the same length."""
 
-    head_rows: torch.Tensor  # [bs * kv_heads * max_len] int64
+    head_rows: torch.Tensor | None  # [bs * kv_heads * max_len] int64; None with first_slot
     max_len: int
     mask: torch.Tensor | None
     # A single request whose keys sit in consecutive slots (the usual case for one request on a
@@ -89,16 +89,15 @@ def _decode_metadata(batch: ForwardBatch) -> DecodeMetadata:
         # Entries past a request's length may hold stale slots: read the padding row instead.
         slots = slots.masked_fill(~real, 0)
         mask = real[:, None, None, :]
-    heads = torch.arange(kv_heads, device=slots.device)
-    head_rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
-    first_slot = None
     if len(seq_lens) == 1:
         first = int(slots[0, 0])
         if int(slots[0, -1]) - first == max_len - 1 and torch.equal(
             slots[0], torch.arange(first, first + max_len, device=slots.device)
         ):
-            first_slot = first
-    return DecodeMetadata(head_rows, max_len, mask, first_slot)
+            return DecodeMetadata(None, max_len, mask, first)
+    heads = torch.arange(kv_heads, device=slots.device)
+    head_rows = (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+    return DecodeMetadata(head_rows, max_len, mask)
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -152,6 +151,7 @@ class TorchAttnBackend(AttentionBackend):
             keys = k_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
             values = v_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
         else:
+            assert meta.head_rows is not None
             keys = k_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
             values = v_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
             keys = keys.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)

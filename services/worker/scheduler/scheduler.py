@@ -70,7 +70,6 @@ class ReqOutput:
         for name in _FINAL_FIELDS:
             setattr(self, name, getattr(final, name))
 
-
     def only_tokens(self) -> bool:
         """True when every field but rid and token_ids has its default (a mid-stream decode step's
         output). tests/test_scheduler.py checks this against every field of the dataclass."""

@@ -202,15 +202,15 @@ class DraftProposer:
             seq_lens, new_counts = [p + n for p, n in zip(prefix_lens, new_lens)], list(new_lens)
         device = runner.device
         host_ids = input_ids.device.type == "cpu"
-        parts = [positions, pool_rows, torch.tensor(seq_lens, dtype=torch.int64), slots, table_rows, positions,
-                 slots] + ([input_ids] if host_ids else [])
+        parts = [positions, pool_rows, torch.tensor(seq_lens, dtype=torch.int64), slots, table_rows]
+        parts += [input_ids] if host_ids else []
         pieces = list(to_device_async(torch.cat(parts), device).split([p.numel() for p in parts]))
-        positions_d, pool_rows_d, seq_lens_d, slots_d = pieces[:4]
-        pool.write_device(*pieces[4:7])
+        positions_d, pool_rows_d, seq_lens_d, slots_d, table_rows_d = pieces[:5]
+        pool.write_device(table_rows_d, positions_d, slots_d)
         batch = ForwardBatch(
             forward_mode=mode,
             batch_size=len(pool_rows),
-            input_ids=pieces[7] if host_ids else input_ids,
+            input_ids=pieces[5] if host_ids else input_ids,
             positions=positions_d,
             req_pool_indices=pool_rows_d,
             seq_lens=seq_lens_d,
