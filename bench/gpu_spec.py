@@ -37,7 +37,7 @@ from services.worker.scheduler.scheduler import Scheduler  # noqa: E402
 from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 
 POOL = 65536
-EPSILONS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.0)
+EPSILONS = (1.0, 0.1, 0.06, 0.045, 0.03, 0.01, 0.0)
 
 
 def build_layer_draft(target: Path, layers: int) -> Path:

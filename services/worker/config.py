@@ -14,6 +14,7 @@ from pathlib import Path
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+GEMV_BACKENDS = ("auto", "triton", "cublas")
 
 
 def _help(text: str, default: object) -> object:
@@ -42,6 +43,11 @@ class EngineConfig:
         "capture extend (prefill, chunked prefill, mixed) CUDA graphs for steps of up to this many tokens "
         "(0: off; ignored when cuda_graph_max_bs is 0)",
         2048,
+    )
+    gemv_backend: str = _help(
+        "CUDA, bfloat16/float16: single-row linear layers (batch-1 decode) through 'triton' (kernels/gemv.py), "
+        "'cublas' (F.linear), or 'auto': time both on each weight shape at load and keep the faster",
+        "auto",
     )
     disable_custom_all_reduce: bool = _help(
         "TP on CUDA: sum every activation through NCCL, also the small ones that otherwise take the "
@@ -108,6 +114,8 @@ class EngineConfig:
                 "cuda_graph_max_extend_tokens must be >= 0 (0 turns extend CUDA graphs off), got "
                 f"{self.cuda_graph_max_extend_tokens}"
             )
+        if self.gemv_backend not in GEMV_BACKENDS:
+            raise ValueError(f"gemv_backend must be one of {GEMV_BACKENDS}, got {self.gemv_backend!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         self._check_speculative()

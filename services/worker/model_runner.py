@@ -18,7 +18,12 @@ from services.worker import distributed
 from services.worker.attention.base import AttentionBackend
 from services.worker.config import EngineConfig
 from services.worker.forward_batch import ForwardBatch
-from services.worker.layers.linear import calibrate_single_row, cpu_prepack_available, prepack_cpu_weights
+from services.worker.layers.linear import (
+    calibrate_single_row,
+    cpu_prepack_available,
+    prepack_cpu_weights,
+    select_gemv_tiles,
+)
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
@@ -132,6 +137,13 @@ class ModelRunner:
                 packed / 2**20, "packed" if best["packed"] < best["plain"] else "plain",
                 best["plain"] * 1e3, best["packed"] * 1e3,
             )
+
+        if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+            chosen = select_gemv_tiles(self.model, config.gemv_backend)
+            if chosen:
+                logger.info("single-row linears (N x K): %s", ", ".join(
+                    f"{n}x{k} " + (f"triton {t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s" if t else "cublas")
+                    for (n, k), t in chosen.items()))
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
         bytes_per_token = TokenToKVPool.bytes_per_token(

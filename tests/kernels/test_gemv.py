@@ -42,3 +42,63 @@ def test_gemv_rejects_what_it_cannot_compute(gen) -> None:
         gemv(torch.randn((1, 8), generator=gen), w.t())
     with pytest.raises(ValueError, match="bfloat16"):
         gemv(torch.randn((1, 16), generator=gen).bfloat16(), w)
+
+
+def test_a_linear_layer_with_gemv_tiles_sends_single_rows_to_the_gemv(gen, monkeypatch) -> None:
+    from services.worker.layers import linear as linear_mod
+
+    layer = linear_mod.ReplicatedLinear(24, 40, bias=True)
+    layer.weight.data.copy_(torch.randn((40, 24), generator=gen))
+    layer.bias.data.copy_(torch.randn(40, generator=gen))
+    calls = []
+
+    def counting_gemv(x, w, out=None, tiles=None):
+        calls.append(tiles)
+        return gemv(x, w, out=out, tiles=tiles)
+
+    monkeypatch.setattr(linear_mod, "_gemv", counting_gemv)
+    layer.gemv_tiles = GemvTiles(8, 16)
+    one = torch.randn((1, 24), generator=gen)
+    assert rel_error(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias)) < 1e-5
+    assert calls == [GemvTiles(8, 16)]
+    # Two rows (and a layer without tiles) stay on F.linear, bit for bit.
+    two = torch.randn((2, 24), generator=gen)
+    assert torch.equal(layer(two), torch.nn.functional.linear(two, layer.weight, layer.bias))
+    layer.gemv_tiles = None
+    assert torch.equal(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+    assert len(calls) == 1
+
+
+def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None:
+    from services.worker.layers.linear import GEMV_MIN_GAIN, choose_gemv_tiles
+
+    a, b = GemvTiles(8, 512), GemvTiles(16, 1024)
+    # Seconds per pass by (shape, tiles); None is cuBLAS.
+    table = {
+        ((64, 32), None): 10.0, ((64, 32), a): 8.0, ((64, 32), b): 9.0,           # a wins clearly
+        ((32, 64), None): 10.0, ((32, 64), a): 11.0, ((32, 64), b): 12.0,         # cuBLAS wins
+        ((16, 16), None): 10.0, ((16, 16), a): 10.0 * (1 - GEMV_MIN_GAIN / 2), ((16, 16), b): 11.0,  # too close
+    }
+    shapes = {shape: [torch.empty(shape)] for shape in [(64, 32), (32, 64), (16, 16)]}
+
+    def time_pass(weights, tiles):
+        return table[(tuple(weights[0].shape), tiles)]
+
+    assert choose_gemv_tiles(shapes, time_pass, [a, b], "auto") == {(64, 32): a, (32, 64): None, (16, 16): None}
+    # 'triton' keeps the best tile whatever cuBLAS does.
+    assert choose_gemv_tiles(shapes, time_pass, [a, b], "triton") == {(64, 32): a, (32, 64): a, (16, 16): a}
+
+
+def test_select_gemv_tiles_leaves_cpu_models_alone() -> None:
+    from services.worker.layers.linear import ColumnParallelLinear, select_gemv_tiles
+
+    model = torch.nn.Sequential(ColumnParallelLinear(8, [16]).to(torch.bfloat16))
+    assert select_gemv_tiles(model, "triton") == {}
+    assert model[0].gemv_tiles is None
+
+
+def test_an_unknown_gemv_backend_is_refused() -> None:
+    from services.worker.config import EngineConfig
+
+    with pytest.raises(ValueError, match="gemv_backend must be one of"):
+        EngineConfig(model_path="unused", gemv_backend="cutlass")

@@ -28,6 +28,7 @@ class VocabParallelEmbedding(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    gemv_tiles: object = None
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_multiple: int = DEFAULT_VOCAB_PADDING

@@ -16,6 +16,12 @@ faster path depends on the CPU (MKL's matrix-vector product streams the plain we
 speed on Intel; on AMD it ran on one core at about half of it, where oneDNN's did not), so
 `calibrate_single_row` times one pass over the model's weights each way at load time and keeps the
 faster.
+
+On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
+product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's weights at 0.99 of the
+copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). `select_gemv_tiles` times both on each
+weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
+Triton product won.
 """
 
 from __future__ import annotations
@@ -51,12 +57,113 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     min_rows: int | None = None,
+    gemv_tiles: Any = None,
 ) -> torch.Tensor:
     """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
-    (default PREPACKED_MIN_ROWS) rows."""
+    (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
+    which select_gemv_tiles sets) when x is a single row."""
+    if gemv_tiles is not None and x.dim() == 2 and x.shape[0] == 1:
+        y = _gemv(x, weight, tiles=gemv_tiles)
+        return y if bias is None else y + bias
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# kernels.gemv.gemv once select_gemv_tiles has imported it (Triton is imported only where it is used:
+# CPU-only installs may lack it).
+_gemv: Callable[..., torch.Tensor] | None = None
+# Tiles select_gemv_tiles tries on each weight shape: the best of bench/gpu_gemv.py's sweep on the H200
+# at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head).
+GEMV_CANDIDATES = ((8, 512, 4, 3), (16, 1024, 8, 1), (32, 256, 8, 1), (16, 256, 4, 3))
+# The Triton product must beat cuBLAS by this much to be kept under 'auto'.
+GEMV_MIN_GAIN = 0.02
+
+
+def gemv_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose single-row products may go through the GEMV: opted-in layers (the linear layers
+    and the LM head) with a 2-D half-precision CUDA weight."""
+    return [
+        m for m in model.modules()
+        if getattr(m, "prepackable", False) and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+        and m.weight.is_cuda and m.weight.dtype in (torch.bfloat16, torch.float16) and m.weight.stride(1) == 1
+    ]
+
+
+def choose_gemv_tiles(
+    shapes: dict[tuple[int, int], list[torch.Tensor]],
+    time_pass: Callable[[list[torch.Tensor], Any], float],
+    candidates: list[Any],
+    mode: str,
+) -> dict[tuple[int, int], Any]:
+    """For each weight shape (N, K), the candidate tile with the fastest pass over its weights, kept when
+    mode is 'triton', or under 'auto' when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN;
+    else None (cuBLAS)."""
+    chosen: dict[tuple[int, int], Any] = {}
+    for shape, weights in shapes.items():
+        best_t, best_tiles = min(((time_pass(weights, t), t) for t in candidates), key=lambda item: item[0])
+        if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * time_pass(weights, None):
+            chosen[shape] = best_tiles
+        else:
+            chosen[shape] = None
+    return chosen
+
+
+def _graph_pass_time(weights: list[torch.Tensor], tiles: Any, reps: int = 5) -> float:
+    """Seconds of one single-row product per weight in `weights`, replayed as a CUDA graph (median)."""
+    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    outs = [torch.empty(1, w.shape[0], dtype=w.dtype, device=w.device) for w in weights]
+
+    def one_pass() -> None:
+        for w, o in zip(weights, outs):
+            if tiles is None:
+                torch.mm(x, w.t(), out=o)
+            else:
+                _gemv(x, w, out=o, tiles=tiles)
+
+    stream = torch.cuda.Stream(device=x.device)
+    stream.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(stream):
+        one_pass()
+    torch.cuda.current_stream(x.device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        one_pass()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2] / len(weights)
+
+
+def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 16) -> dict[tuple[int, int], Any]:
+    """Give each GEMV-capable module of `model` its `gemv_tiles` (None: cuBLAS) per `mode` ('auto',
+    'triton', 'cublas'); returns the choice per weight shape. Timing uses up to max_weights_per_shape
+    distinct weights of a shape, so most reads come from memory rather than L2, as in a real step."""
+    global _gemv
+    modules = gemv_modules(model)
+    for m in modules:
+        m.gemv_tiles = None
+    if mode == "cublas" or not modules:
+        return {}
+    from kernels.gemv import GemvTiles, gemv
+
+    _gemv = gemv
+    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for m in modules:
+        weights = shapes.setdefault(tuple(m.weight.shape), [])
+        if len(weights) < max_weights_per_shape and all(w.data_ptr() != m.weight.data_ptr() for w in weights):
+            weights.append(m.weight)
+    with torch.inference_mode():
+        chosen = choose_gemv_tiles(shapes, _graph_pass_time, [GemvTiles(*c) for c in GEMV_CANDIDATES], mode)
+    for m in modules:
+        m.gemv_tiles = chosen[tuple(m.weight.shape)]
+    return chosen
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
@@ -151,6 +258,7 @@ class ReplicatedLinear(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    gemv_tiles: Any = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -158,7 +266,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -171,6 +279,7 @@ class ColumnParallelLinear(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    gemv_tiles: Any = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -198,7 +307,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, rows).copy_(narrow_weight(loaded_weight, 0, start, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -258,6 +367,7 @@ class RowParallelLinear(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    gemv_tiles: Any = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -274,6 +384,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+            return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, gemv_tiles=self.gemv_tiles))
         return y if self.bias is None else y + self.bias

@@ -34,5 +34,5 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         if not batch.return_all_logits and not batch.forward_mode.is_decode():
             hidden = hidden[batch.last_token_indices()]
-        logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight), dim=-1)
+        logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles), dim=-1)
         return logits[:, : self.vocab_size].float()
