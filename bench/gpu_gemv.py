@@ -19,7 +19,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,72 +107,93 @@ def main() -> None:
         worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
     ref = x_lm.float() @ lm_head.float().t()
     worst = max(worst, ((gemv(x_lm, lm_head).float() - ref).abs().max() / ref.abs().max()).item())
-    print(f"triton gemv vs float32 reference: worst max-error / max-magnitude {worst:.2e}")
+    dot_tiles = GemvTiles(32, 256, 4, 3, "dot")
+    same_bits = True
+    for name, (_n, k) in kinds.items():
+        xr = torch.randn(5, k, device="cuda", dtype=dtype)
+        together = gemv(xr, weights[name][0], tiles=dot_tiles)
+        ref = xr.float() @ weights[name][0].float().t()
+        worst = max(worst, ((together.float() - ref).abs().max() / ref.abs().max()).item())
+        same_bits &= all(torch.equal(gemv(xr[i : i + 1], weights[name][0], tiles=dot_tiles), together[i : i + 1])
+                         for i in range(5))
+    print(f"triton gemv (rows, and dot at 5 rows) vs float32 reference: worst max-error / max-magnitude {worst:.2e}; "
+          f"dot: each row alone has the bits it has among 5: {same_bits}")
 
+    rows_sweep = [GemvTiles(bn, bk, w, st) for bn, bk, w, st in
+                  [(8, 512, 4, 3), (16, 1024, 8, 1), (32, 256, 8, 1), (16, 256, 4, 3), (16, 512, 4, 1)]]
+    dot_sweep = [GemvTiles(bn, bk, 4, st, "dot")
+                 for bn, bk, st in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))]
     if args.quick:
-        sweep = [GemvTiles(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32), (512,), (4,), (1, 3))]
-    else:
-        sweep = [GemvTiles(bn, bk, w, s)
-                 for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))]
-    results: dict[str, object] = {"copy_bw": copy_bw, "read_bw": read_bw, "max_rel_err": worst, "shapes": {}}
-    best_tiles: dict[str, GemvTiles] = {}
-    print(f"{'shape':<10}{'N x K':>16}{'cuBLAS us':>11}{'GB/s':>7}{'triton us':>11}{'GB/s':>7}  best tile")
+        dot_sweep = [t for t in dot_sweep if t.num_stages == 3 and t.block_k != 128]
+    results: dict[str, object] = {"copy_bw": copy_bw, "read_bw": read_bw, "max_rel_err": worst,
+                                  "dot_rows_same_bits": same_bits, "shapes": {}}
+    best: dict[str, dict[str, GemvTiles]] = {"rows": {}, "dot": {}}
+    print(f"{'shape':<9}{'N x K':>15}{'cuBLAS':>8}{'rows':>8}{'dot':>8}{'cuBLAS@5':>9}{'dot@5':>8}  (us per call; best tiles)")
     shapes = dict(kinds, lm_head=(vocab, hidden))
+    x5 = {name: torch.randn(5, k, device="cuda", dtype=dtype) for name, (n, k) in shapes.items()}
     for name, (n, k) in shapes.items():
         ws = [lm_head] * 4 if name == "lm_head" else weights[name]
         x = x_lm if name == "lm_head" else xs[name]
         outs = [torch.empty(1, n, device="cuda", dtype=dtype) for _ in ws]
-        nbytes = n * k * 2 * len(ws)
-
-        def cublas(ws=ws, x=x, outs=outs):
-            for w, o in zip(ws, outs):
-                torch.mm(x, w.t(), out=o)
-
-        t_cublas = graph_time(cublas)
-        timings = []
-        for tiles in sweep:
-            def triton_fn(ws=ws, x=x, outs=outs, tiles=tiles):
-                for w, o in zip(ws, outs):
-                    gemv(x, w, out=o, tiles=tiles)
-            try:
-                timings.append((graph_time(triton_fn, reps=5), tiles))
-            except Exception as exc:  # a tile the compiler rejects (registers) is skipped, and said
-                print(f"  {name} {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
-        t_triton, tiles = min(timings, key=lambda item: item[0])
-        best_tiles[name] = tiles
+        outs5 = [torch.empty(5, n, device="cuda", dtype=dtype) for _ in ws]
         per = len(ws)
-        print(f"{name:<10}{f'{n} x {k}':>16}{t_cublas / per * 1e6:>11.1f}{nbytes / t_cublas / 1e9:>7.0f}"
-              f"{t_triton / per * 1e6:>11.1f}{nbytes / t_triton / 1e9:>7.0f}  {tiles}")
-        results["shapes"][name] = {"n": n, "k": k, "cublas_us": t_cublas / per * 1e6, "triton_us": t_triton / per * 1e6,
-                                   "best": tiles.__dict__,
-                                   "sweep": [(t / per * 1e6, tl.__dict__) for t, tl in timings]}
+
+        def timed(tiles, rows=1, ws=ws, x=x, outs=outs, outs5=outs5, name=name, per=per):
+            xin, o = (x, outs) if rows == 1 else (x5[name], outs5)
+
+            def fn():
+                for w, out in zip(ws, o):
+                    if tiles is None:
+                        torch.mm(xin, w.t(), out=out)
+                    else:
+                        gemv(xin, w, out=out, tiles=tiles)
+            return graph_time(fn, reps=5) / per * 1e6
+
+        row = {"n": n, "k": k, "cublas_us": timed(None), "cublas5_us": timed(None, 5)}
+        for kind, sweep in (("rows", rows_sweep), ("dot", dot_sweep)):
+            timings = []
+            for tiles in sweep:
+                try:
+                    timings.append((timed(tiles), tiles))
+                except Exception as exc:  # a tile the compiler rejects (shared memory, registers): skipped, said
+                    print(f"  {name} {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+            t, tiles = min(timings, key=lambda item: item[0])
+            best[kind][name] = tiles
+            row[f"{kind}_us"], row[f"{kind}_best"] = t, tiles.__dict__
+            row[f"{kind}_sweep"] = [(tt, tl.__dict__) for tt, tl in timings]
+        row["dot5_us"] = timed(best["dot"][name], 5)
+        results["shapes"][name] = row
+        print(f"{name:<9}{f'{n} x {k}':>15}{row['cublas_us']:>8.1f}{row['rows_us']:>8.1f}{row['dot_us']:>8.1f}"
+              f"{row['cublas5_us']:>9.1f}{row['dot5_us']:>8.1f}  rows {best['rows'][name]}, dot {best['dot'][name]}")
 
     # The whole step's linears in order, as a decode step's graph would run them.
-    outs = {name: torch.empty(1, n, device="cuda", dtype=dtype) for name, (n, k) in shapes.items()}
     step_bytes = sum(n * k * 2 for n, k in kinds.values()) * layers + vocab * hidden * 2
 
-    def step(use_triton: bool):
+    def step(kind: str | None, rows: int = 1):
+        xin = {name: (xs[name] if rows == 1 else x5[name][:, : xs[name].shape[1]]) for name in kinds}
+        xl = x_lm if rows == 1 else x5["lm_head"]
+        o = {name: torch.empty(rows, n, device="cuda", dtype=dtype) for name, (n, k) in shapes.items()}
+
         def run():
             for layer in range(layers):
                 for name in kinds:
-                    if use_triton:
-                        gemv(xs[name], weights[name][layer], out=outs[name], tiles=best_tiles[name])
+                    if kind is None:
+                        torch.mm(xin[name], weights[name][layer].t(), out=o[name])
                     else:
-                        torch.mm(xs[name], weights[name][layer].t(), out=outs[name])
-            if use_triton:
-                gemv(x_lm, lm_head, out=outs["lm_head"], tiles=best_tiles["lm_head"])
+                        gemv(xin[name], weights[name][layer], out=o[name], tiles=best[kind][name])
+            if kind is None:
+                torch.mm(xl, lm_head.t(), out=o["lm_head"])
             else:
-                torch.mm(x_lm, lm_head.t(), out=outs["lm_head"])
+                gemv(xl, lm_head, out=o["lm_head"], tiles=best[kind]["lm_head"])
         return run
 
-    t_step_cublas, t_step_triton = graph_time(step(False)), graph_time(step(True))
     ceiling = step_bytes / copy_bw
-    print(f"all linears of one step ({step_bytes / 1e9:.2f} GB): cuBLAS {t_step_cublas * 1e3:.3f} ms "
-          f"({ceiling / t_step_cublas:.3f} of bytes/copy-bw), triton {t_step_triton * 1e3:.3f} ms "
-          f"({ceiling / t_step_triton:.3f})")
-    results.update(step_bytes=step_bytes, step_cublas_ms=t_step_cublas * 1e3, step_triton_ms=t_step_triton * 1e3,
-                   step_ceiling_ms=ceiling * 1e3, F_linear_check=bool(torch.equal(
-                       F.linear(x_lm, lm_head), torch.mm(x_lm, lm_head.t()))))
+    totals = {"cublas": graph_time(step(None)), "rows": graph_time(step("rows")), "dot": graph_time(step("dot")),
+              "cublas@5": graph_time(step(None, 5)), "dot@5": graph_time(step("dot", 5))}
+    print(f"all linears of one step ({step_bytes / 1e9:.2f} GB, ceiling {ceiling * 1e3:.3f} ms at the copy bandwidth): "
+          + ", ".join(f"{k} {t * 1e3:.3f} ms ({ceiling / t:.3f})" for k, t in totals.items()))
+    results.update(step_bytes=step_bytes, step_ceiling_ms=ceiling * 1e3,
+                   step_ms={k: t * 1e3 for k, t in totals.items()})
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_gemv.json").write_text(json.dumps(results, indent=1))
 

@@ -9,6 +9,12 @@ would need a second pass or float32 atomics to combine.
 
 The weight is loaded with `evict_first`: it is read once per step and should not push the KV and
 activations out of L2.
+
+A second form (`GemvTiles(kind="dot")`) takes up to 16 rows (speculative verification, small batches):
+the rows are padded to 16 and each weight tile goes through `tl.dot` on the tensor cores, still reading
+W once. Every row's products are computed the same way whatever the other rows are (a row's output
+depends only on its own inputs and the tiles), so one row alone and the same row among k others get the
+same bits: a speculative step's verification logits equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Rows the "dot" form takes (the padded M of its tensor-core products).
+DOT_MAX_ROWS = 16
+
 
 @dataclass(frozen=True)
 class GemvTiles:
@@ -26,6 +35,11 @@ class GemvTiles:
     block_k: int = 512
     num_warps: int = 4
     num_stages: int = 2
+    kind: str = "rows"  # "rows": one row, float32 partial sums per element; "dot": up to 16 rows, tl.dot
+
+    @property
+    def max_rows(self) -> int:
+        return DOT_MAX_ROWS if self.kind == "dot" else 1
 
 
 @triton.jit
@@ -65,17 +79,64 @@ def _gemv_kernel(
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _gemv_dot_kernel(
+    X,
+    W,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            w = tl.load(W + safe_n[None, :] * stride_wn + offs_k[:, None], eviction_policy="evict_first")
+        else:
+            k_mask = offs_k < K
+            x = tl.load(X + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(W + safe_n[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None], other=0.0,
+                        eviction_policy="evict_first")
+        acc = tl.dot(x, w, acc)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=m_mask[:, None] & (offs_n < N)[None, :])
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          tiles: GemvTiles | None = None) -> torch.Tensor:
-    """x [1, K] (or [K]) times weight [N, K]^T -> [1, N] (or [N]), in x's dtype, float32 accumulation."""
+    """x [M, K] (or [K]) times weight [N, K]^T -> [M, N] (or [N]), in x's dtype, float32 accumulation.
+    M is 1, or up to 16 with `tiles.kind == "dot"`."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be 2-D with contiguous rows, got shape {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
     n, k = weight.shape
-    if x.numel() != k or (x.dim() == 2 and x.shape[0] != 1) or x.dim() > 2:
-        raise ValueError(f"x must be one row of {k} features, got shape {tuple(x.shape)}")
+    tiles = tiles or GemvTiles()
+    if tiles.kind not in ("rows", "dot"):
+        raise ValueError(f"tiles.kind must be 'rows' or 'dot', got {tiles.kind!r}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    if tiles.kind == "dot" and x.dim() == 2 and 1 <= x.shape[0] <= DOT_MAX_ROWS and x.shape[1] == k:
+        return _gemv_dot(x, weight, out, tiles)
+    if x.numel() != k or (x.dim() == 2 and x.shape[0] != 1) or x.dim() > 2:
+        raise ValueError(f"x must be {'1 to 16 rows' if tiles.kind == 'dot' else 'one row'} of {k} features, "
+                         f"got shape {tuple(x.shape)}")
+    if tiles.kind == "dot":
+        return _gemv_dot(x.reshape(1, k), weight, out, tiles).view(n)
     x_flat = x.reshape(k)
     if x_flat.stride(0) != 1:
         x_flat = x_flat.contiguous()
@@ -83,7 +144,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         out = torch.empty(n, dtype=x.dtype, device=x.device)
     elif out.numel() != n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous with {n} elements, got {tuple(out.shape)}")
-    tiles = tiles or GemvTiles()
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x_flat,
         weight,
@@ -98,3 +158,33 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         num_stages=tiles.num_stages,
     )
     return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
+
+
+def _gemv_dot(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tiles: GemvTiles) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.numel() != m * n or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with {m * n} elements, got {tuple(out.shape)}")
+    out2 = out.view(m, n)
+    _gemv_dot_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x,
+        weight,
+        out2,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out2.stride(0),
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        BLOCK_M=DOT_MAX_ROWS,
+        EVEN_K=k % tiles.block_k == 0,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out2

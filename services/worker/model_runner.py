@@ -142,7 +142,7 @@ class ModelRunner:
             chosen = select_gemv_tiles(self.model, config.gemv_backend)
             if chosen:
                 logger.info("single-row linears (N x K): %s", ", ".join(
-                    f"{n}x{k} " + (f"triton {t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s" if t else "cublas")
+                    f"{n}x{k} " + (f"triton {t.kind} {t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s" if t else "cublas")
                     for (n, k), t in chosen.items()))
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)

@@ -102,3 +102,49 @@ def test_an_unknown_gemv_backend_is_refused() -> None:
 
     with pytest.raises(ValueError, match="gemv_backend must be one of"):
         EngineConfig(model_path="unused", gemv_backend="cutlass")
+
+
+@pytest.mark.parametrize(("m", "n", "k", "tiles"), [
+    (1, 48, 64, GemvTiles(16, 32, kind="dot")),
+    (5, 37, 100, GemvTiles(16, 32, kind="dot")),   # ragged rows, columns and K
+    (16, 33, 48, GemvTiles(32, 16, kind="dot")),   # the most rows the dot form takes
+])
+def test_gemv_dot_matches_float32_product(gen, m, n, k, tiles) -> None:
+    x = torch.randn((m, k), generator=gen)
+    w = torch.randn((n, k), generator=gen)
+    out = gemv(x, w, out=poisoned((m, n)), tiles=tiles)
+    assert out.shape == (m, n)
+    assert rel_error(out, x @ w.t()) < 1e-5
+
+
+def test_gemv_dot_gives_a_row_the_same_bits_alone_and_among_others(gen) -> None:
+    # What keeps speculative verification (k+1 rows) equal to plain decoding (one row).
+    w = torch.randn((40, 96), generator=gen)
+    rows = torch.randn((6, 96), generator=gen)
+    tiles = GemvTiles(16, 32, kind="dot")
+    together = gemv(rows, w, tiles=tiles)
+    for i in range(6):
+        assert torch.equal(gemv(rows[i : i + 1], w, tiles=tiles), together[i : i + 1])
+    assert torch.equal(gemv(rows[2], w, tiles=tiles), together[2])
+
+
+def test_a_dot_tiled_layer_takes_up_to_16_rows_and_no_more(gen, monkeypatch) -> None:
+    from services.worker.layers import linear as linear_mod
+
+    layer = linear_mod.ReplicatedLinear(32, 24)
+    layer.weight.data.copy_(torch.randn((24, 32), generator=gen))
+    monkeypatch.setattr(linear_mod, "_gemv", gemv)
+    layer.gemv_tiles = GemvTiles(16, 32, kind="dot")
+    for m in (1, 7, 16):
+        x = torch.randn((m, 32), generator=gen)
+        assert rel_error(layer(x), x @ layer.weight.t()) < 1e-5
+    x = torch.randn((17, 32), generator=gen)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    assert layer(torch.randn((0, 32), generator=gen)).shape == (0, 24)
+
+
+def test_gemv_rejects_too_many_rows_for_the_dot_form(gen) -> None:
+    with pytest.raises(ValueError, match="1 to 16 rows of 8"):
+        gemv(torch.randn((17, 8), generator=gen), torch.randn((4, 8), generator=gen), tiles=GemvTiles(16, 8, kind="dot"))
+    with pytest.raises(ValueError, match="kind must be"):
+        gemv(torch.randn((1, 8), generator=gen), torch.randn((4, 8), generator=gen), tiles=GemvTiles(kind="cuda"))

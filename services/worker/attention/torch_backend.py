@@ -87,7 +87,7 @@ class DenseKV:
     def __init__(self, pool: TokenToKVPool, batch_size: int, capacity: int) -> None:
         self.pool = pool
         self.capacity = capacity
-        shape = (batch_size, capacity, pool.num_kv_heads, pool.head_dim)
+        shape = (batch_size, pool.num_kv_heads, capacity, pool.head_dim)
         self.keys = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
         self.values = [torch.empty(shape, dtype=pool.dtype, device=pool.device) for _ in range(pool.num_layers)]
         # What the blocks hold after the last step: its request rows, lengths and slots (None: nothing
@@ -199,20 +199,23 @@ class TorchAttnBackend(AttentionBackend):
         if meta.first_slot is not None or bs < 2 or len(set(rows)) != bs or bs * capacity * per_token > DENSE_KV_MAX_BYTES:
             return meta
         seq_lens = list(batch.seq_lens_cpu)
+        kv_heads = pool.num_kv_heads
         if dense is not None and dense.pool is pool and dense.holds_all_but_the_new_tokens(rows, seq_lens, meta.slots):
-            # Request b's new token (position seq_len - 1) goes to row b * capacity + seq_len - 1.
-            bs_rows = torch.arange(bs, device=meta.slots.device) * dense.capacity
-            new_rows, fill_slots = bs_rows + batch.seq_lens - 1, None
+            # Request b's new token (position seq_len - 1) goes to row (b * kv_heads + h) * capacity
+            # + seq_len - 1 of each block viewed as [bs * kv_heads * capacity, head_dim].
+            bh = torch.arange(bs * kv_heads, device=meta.slots.device).view(bs, kv_heads)
+            new_rows = (bh * dense.capacity + (batch.seq_lens - 1)[:, None]).reshape(-1)
+            fill_rows = None
         else:
             if dense is None or dense.pool is not pool or dense.batch_size != bs or dense.capacity < meta.max_len:
                 dense = None  # the old blocks go before the new ones are allocated
                 dense = DenseKV(pool, bs, capacity)
             padded = torch.zeros((bs, dense.capacity), dtype=meta.slots.dtype, device=meta.slots.device)
             padded[:, : meta.max_len] = meta.slots
-            new_rows, fill_slots = None, padded.view(-1)
+            new_rows, fill_rows = None, _head_rows(padded, kv_heads)
         dense.rows, dense.seq_lens, dense.slots = rows, seq_lens, meta.slots
         self._dense = dense
-        return replace(meta, head_rows=None, dense=dense, dense_fill_slots=fill_slots, dense_new_rows=new_rows)
+        return replace(meta, head_rows=None, dense=dense, dense_fill_slots=fill_rows, dense_new_rows=new_rows)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
@@ -252,19 +255,15 @@ class TorchAttnBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         if meta.dense is not None:
             keys, values = meta.dense.keys[layer.layer_id], meta.dense.values[layer.layer_id]
-            row = kv_heads * head_dim
             if meta.dense_fill_slots is not None:
-                torch.index_select(k_buffer.view(-1, row), 0, meta.dense_fill_slots, out=keys.view(-1, row))
-                torch.index_select(v_buffer.view(-1, row), 0, meta.dense_fill_slots, out=values.view(-1, row))
+                torch.index_select(k_buffer.view(-1, head_dim), 0, meta.dense_fill_slots, out=keys.view(-1, head_dim))
+                torch.index_select(v_buffer.view(-1, head_dim), 0, meta.dense_fill_slots, out=values.view(-1, head_dim))
             else:
                 assert meta.dense_new_rows is not None
-                keys.view(-1, row).index_copy_(0, meta.dense_new_rows, k.view(bs, row).to(keys.dtype))
-                values.view(-1, row).index_copy_(0, meta.dense_new_rows, v.view(bs, row).to(values.dtype))
-            keys, values = keys[:, : meta.max_len], values[:, : meta.max_len]
-            if BLOCK_DIAG:
-                return _block_diagonal_attention(qg, keys.to(q.dtype), values.to(q.dtype), meta.mask, layer.scaling)
-            keys = keys.transpose(1, 2).to(q.dtype)
-            values = values.transpose(1, 2).to(q.dtype)
+                keys.view(-1, head_dim).index_copy_(0, meta.dense_new_rows, k.reshape(-1, head_dim).to(keys.dtype))
+                values.view(-1, head_dim).index_copy_(0, meta.dense_new_rows, v.reshape(-1, head_dim).to(values.dtype))
+            keys = keys[:, :, : meta.max_len].to(q.dtype)
+            values = values[:, :, : meta.max_len].to(q.dtype)
         elif meta.first_slot is not None:
             span = slice(meta.first_slot, meta.first_slot + meta.max_len)
             # [max_len, kv_heads, head_dim] slots -> [1, kv_heads, max_len, head_dim], a strided view.
@@ -279,23 +278,3 @@ class TorchAttnBackend(AttentionBackend):
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask, scale=layer.scaling)
         return out.reshape(bs, layer.num_heads * head_dim)
 
-
-import os
-BLOCK_DIAG = os.environ.get("BLOCK_DIAG", "1") == "1"
-
-
-def _block_diagonal_attention(
-    qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """qg [bs, kv_heads, group, head_dim]; keys/values [bs, len, kv_heads, head_dim]."""
-    bs, kv_heads, group, head_dim = qg.shape
-    q = qg.new_zeros(bs, kv_heads, group, kv_heads, head_dim)
-    q.diagonal(dim1=1, dim2=3).copy_(qg.permute(0, 2, 3, 1))
-    width = kv_heads * head_dim
-    length = keys.shape[1]
-    out = F.scaled_dot_product_attention(
-        q.view(bs, 1, kv_heads * group, width), keys.reshape(bs, 1, length, width),
-        values.reshape(bs, 1, length, width), attn_mask=mask, scale=scale,
-    )
-    out = out.view(bs, kv_heads, group, kv_heads, head_dim).diagonal(dim1=1, dim2=3)
-    return out.permute(0, 3, 1, 2).reshape(bs, kv_heads * group * head_dim)

@@ -61,8 +61,8 @@ def linear(
 ) -> torch.Tensor:
     """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
     (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
-    which select_gemv_tiles sets) when x is a single row."""
-    if gemv_tiles is not None and x.dim() == 2 and x.shape[0] == 1:
+    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles)."""
+    if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
@@ -73,11 +73,17 @@ def linear(
 # kernels.gemv.gemv once select_gemv_tiles has imported it (Triton is imported only where it is used:
 # CPU-only installs may lack it).
 _gemv: Callable[..., torch.Tensor] | None = None
-# Tiles select_gemv_tiles tries on each weight shape: the best of bench/gpu_gemv.py's sweep on the H200
-# at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head).
-GEMV_CANDIDATES = ((8, 512, 4, 3), (16, 1024, 8, 1), (32, 256, 8, 1), (16, 256, 4, 3))
+# Tiles select_gemv_tiles tries on each weight shape: the best "rows" tiles of bench/gpu_gemv.py's sweep
+# on the H200 at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head), and "dot" tiles,
+# which also take up to 16 rows (speculative verification) with the same bits per row as one.
+GEMV_CANDIDATES = (
+    (8, 512, 4, 3, "rows"), (16, 1024, 8, 1, "rows"), (32, 256, 8, 1, "rows"), (16, 256, 4, 3, "rows"),
+    (16, 512, 4, 3, "dot"), (32, 256, 4, 3, "dot"), (64, 128, 4, 4, "dot"),
+)
 # The Triton product must beat cuBLAS by this much to be kept under 'auto'.
 GEMV_MIN_GAIN = 0.02
+# A "dot" tile is preferred over a "rows" tile that is faster by less than this: it serves up to 16 rows.
+GEMV_DOT_PREFERENCE = 0.03
 
 
 def gemv_modules(model: nn.Module) -> list[nn.Module]:
@@ -96,12 +102,15 @@ def choose_gemv_tiles(
     candidates: list[Any],
     mode: str,
 ) -> dict[tuple[int, int], Any]:
-    """For each weight shape (N, K), the candidate tile with the fastest pass over its weights, kept when
+    """For each weight shape (N, K), the candidate tile with the fastest pass over its weights ("dot" tiles
+    win ties within GEMV_DOT_PREFERENCE), kept when
     mode is 'triton', or under 'auto' when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN;
     else None (cuBLAS)."""
     chosen: dict[tuple[int, int], Any] = {}
     for shape, weights in shapes.items():
-        best_t, best_tiles = min(((time_pass(weights, t), t) for t in candidates), key=lambda item: item[0])
+        timed = [(time_pass(weights, t), t) for t in candidates]
+        best_t, best_tiles = min(timed, key=lambda item: item[0] * (
+            1.0 - GEMV_DOT_PREFERENCE if getattr(item[1], "kind", "rows") == "dot" else 1.0))
         if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * time_pass(weights, None):
             chosen[shape] = best_tiles
         else:
