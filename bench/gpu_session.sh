@@ -38,7 +38,7 @@ for step in "${steps[@]}"; do
     profile) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
                && timeout 300 python bench/gpu_profile_step.py --extend --p3-timeline --batch 256 --prompt 600 \
                   --temperature 0.6 > "$OUT/profile.log" 2>&1 ;;
-    spec)    timeout 300 python bench/gpu_spec.py --k 4 --steps 128 > "$OUT/spec.log" 2>&1 ;;
+    spec)    timeout 300 python bench/gpu_spec.py --k ${SPEC_K:-4} --steps 128 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1 ;;
     gemv)    timeout 200 python bench/gpu_gemv.py ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1 ;;
     profile8b) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 --batch 1 --prompt 128 \

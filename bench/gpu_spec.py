@@ -9,7 +9,8 @@ mechanism), at eps 1 the target is the untouched random model and the draft is a
 (the overhead floor); between them the mean accepted length sweeps down. Plain decoding (CUDA graphs,
 overlap) is timed on the same loaded target at each eps, and its greedy tokens are compared.
 
-    python bench/gpu_spec.py [--model 8b] [--draft-layers 2] [--k 4] [--steps 128]
+    python bench/gpu_spec.py [--model 8b] [--draft-layers 2] [--k 4] [--steps 128] [--eps 1,0.1,...]
+                             [--gemv-backend auto|triton|cublas]
 """
 
 from __future__ import annotations
@@ -93,19 +94,23 @@ def main() -> int:
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--gemv-backend", default="auto", choices=["auto", "triton", "cublas"])
+    ap.add_argument("--eps", default=",".join(str(e) for e in EPSILONS),
+                    help="comma-separated scales of the deep layers to sweep, from 1 down to 0")
     args = ap.parse_args()
     target = build_checkpoint(args.model, torch.bfloat16)
     draft = build_layer_draft(target, args.draft_layers)
     config = EngineConfig(
         model_path=str(target), max_total_tokens=POOL, speculative_algorithm="draft",
         speculative_draft_model_path=str(draft), speculative_num_draft_tokens=args.k,
+        gemv_backend=args.gemv_backend,
     )
     scheduler = SchedulerLoop(config, 0, "tcp://127.0.0.1:0").scheduler
     spec = scheduler.spec
     prompt = list(range(1000, 1128))
     rows = []
     current = 1.0
-    for eps in EPSILONS:
+    for eps in [float(e) for e in args.eps.split(",")]:
         scale_deep_layers(scheduler, args.draft_layers, eps / current if current else 0.0)
         current = eps
         # Plain decoding on the same target, as the engine runs it without speculation (overlap on).
@@ -123,7 +128,7 @@ def main() -> int:
             "first_difference": same,
         })
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gpu_spec.json").write_text(json.dumps(rows, indent=2))
+    (OUT / f"gpu_spec_k{args.k}_{args.gemv_backend}.json").write_text(json.dumps(rows, indent=2))
     print(f"\n== gpu_spec (Qwen3-{args.model}-shaped bf16, batch 1, draft = first {args.draft_layers} layers, "
           f"k={args.k}, {args.steps} tokens) ==")
     print(f"{'eps':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accept len':>10} {'rate':>5}  tokens")
