@@ -11,8 +11,8 @@ with its detokenizer); the peer is `Engine` in this process. Both get the same c
 Prompts are random token ids, fresh for every batch, so no prefix cache ever helps.
 
 1. Throughput: --batch requests (--prompt-len ids, greedy, ignore_eos, --new-tokens each) as concurrent
-   native `/generate` calls (httpx AsyncClient), and as one `Engine.generate` call; output tokens / wall
-   seconds, sides alternating. loss = 1 - gateway / engine, median over repeats (target <= 5%).
+   native `/generate` calls (one connection each, all written at once: bench/http_burst.py), and as one
+   `Engine.generate` call; output tokens / wall seconds, sides alternating. loss = 1 - gateway / engine, median over repeats (target <= 5%).
 2. TTFT at low load: one streamed request at a time, time to the first token; --ttft-runs pairs, sides
    alternating; added TTFT = median of the per-pair differences (target <= 2 ms).
 3. The floor: the same round trip with max_new_tokens=0, which the worker answers without the model:
@@ -54,6 +54,7 @@ if __package__ in (None, ""):
     # Run as a script: make the repository's packages importable without an install.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.http_burst import HttpBurst  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
@@ -205,19 +206,15 @@ def engine_batch(engine: Any, prompts: list[list[int]], new_tokens: int) -> tupl
 
 
 async def _gateway_batch(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        # Open the connections first: a TCP handshake is the client's cost, not the pipeline's.
-        await asyncio.gather(*(client.get("/health") for _ in prompts))
-
-        async def one(ids: list[int]) -> list[int]:
-            response = await client.post("/generate", json={"input_ids": ids, "sampling_params": sampling(new_tokens)})
-            response.raise_for_status()
-            return response.json()["output_ids"]
-
-        start = time.perf_counter()
-        outs = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - start, list(outs)
+    # Connections opened and requests encoded before the clock (bench/http_burst.py: httpx's pool
+    # costs ~10 ms of client CPU per request at this concurrency, which spread the batch over a second).
+    burst = await HttpBurst.open(url, len(prompts), warm_path="/health")
+    try:
+        bodies = [{"input_ids": ids, "sampling_params": sampling(new_tokens)} for ids in prompts]
+        seconds, answers = await burst.post_json("/generate", bodies)
+    finally:
+        await burst.close()
+    return seconds, [answer["output_ids"] for answer in answers]
 
 
 def gateway_batch(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:

@@ -4,7 +4,7 @@ Subjects (prefix `rs` by default, configurable so deployments can share one NATS
   {p}.tokenize                   gateway -> tokenizer (queue group "tokenizer"): TokenizeRequest
   {p}.worker.{wid}.requests      tokenizer -> worker: GenerateRequest
   {p}.worker.{wid}.control       gateway -> worker, request/reply: ControlRequest -> ControlReply
-  {p}.detok.{wid}                worker -> detokenizer, one per scheduler step: BatchTokenOut
+  {p}.detok.{wid}                worker -> detokenizer, at most one per scheduler step: BatchTokenOut
   {p}.gateway.{gid}.stream       detokenizer/tokenizer -> gateway, one per step per gateway:
                                  BatchStreamOut (text deltas, finals, errors)
   {p}.workers.load               worker -> gateways, every second: WorkerLoad
@@ -13,7 +13,8 @@ Subjects (prefix `rs` by default, configurable so deployments can share one NATS
   {p}.v1.abort                   NATS clients -> every gateway (no queue group): NatsAbort
 Every message carries `v` (PROTOCOL_VERSION); a receiver drops (and logs) a message of another version
 or one that does not decode. Hot-path messages are batched per scheduler step: token streaming costs
-O(steps) messages, not O(tokens).
+O(steps) messages, not O(tokens); a request that is not streamed (TokenizeRequest.stream) costs two
+items, its first token and its final.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     priority: int = 0
+    # False: the client wants the whole answer only, so the worker sends the first token and the final
+    # (with every other token), not every step.
+    stream: bool = True
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
@@ -126,14 +130,16 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     priority: int = 0
+    stream: bool = True  # as on TokenizeRequest
 
 
 # ---- worker -> detokenizer -> gateway -----------------------------------------------------------
 
 
 class TokenOut(msgspec.Struct, omit_defaults=True):
-    """What one request produced in one step. `stop`/`skip_special_tokens` ride on the request's first
-    TokenOut so the detokenizer needs no other channel."""
+    """What one request produced since its last TokenOut: one step's tokens, or several steps' (a
+    request that is not streamed, or steps that queued at the worker). `stop`/`skip_special_tokens`
+    ride on the request's first TokenOut so the detokenizer needs no other channel."""
 
     rid: str
     gateway_id: str
@@ -154,7 +160,8 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
 
 
 class BatchTokenOut(msgspec.Struct, tag="batch_token_out"):
-    """Every request a worker advanced in one scheduler step."""
+    """The requests a worker advanced in one scheduler step (or in the steps that queued while its
+    previous message went out; `step` is the last one's number)."""
 
     v: int
     worker_id: str

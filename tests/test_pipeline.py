@@ -163,6 +163,52 @@ def test_concurrent_requests_travel_as_one_token_message_per_step_and_one_stream
         assert all(rids[item.rid] == gid for m in gateway.messages for item in m.items)
 
 
+def test_a_request_not_streamed_travels_as_its_first_token_and_one_final_with_the_engines_answer(
+    pipeline: Pipeline, engine: Engine
+) -> None:
+    prompt = "List the planets of the solar system:"
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    expected = engine.generate(prompt, params, return_logprob=True)
+
+    async def main() -> tuple[dict[str, list[object]], dict[str, object]]:
+        watcher = await nats.connect(pipeline.nats.url)
+        items: dict[str, list[object]] = {"streamed": [], "whole": []}
+        dec = decoder(BatchTokenOut)
+
+        async def on_step(raw: object) -> None:
+            for item in dec.decode(raw.data).items:  # type: ignore[attr-defined]
+                if item.rid in items:
+                    items[item.rid].append(item)
+
+        await watcher.subscribe(SUBJECTS.detok(WORKER), cb=on_step)
+        await watcher.flush()
+        results = {}
+        async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
+            for rid, stream in (("streamed", True), ("whole", False)):
+                req = gateway.tokenize_request(
+                    rid, WORKER, sampling=Sampling(**params), text=prompt, return_logprob=True, stream=stream
+                )
+                results[rid] = await gateway.generate(req)
+        await watcher.flush()
+        await watcher.close()
+        return items, results
+
+    items, results = run(main())
+    streamed, whole = results["streamed"], results["whole"]
+    for result in (streamed, whole):
+        assert result.token_ids == expected["output_ids"]  # type: ignore[attr-defined]
+        assert result.text == expected["text"]  # type: ignore[attr-defined]
+        logprobs = [lp for c in result.chunks for lp in c.logprobs or []]  # type: ignore[attr-defined]
+        want = [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]]
+        assert len(logprobs) == 16 and all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, want))
+        assert result.final.completion_tokens == 16  # type: ignore[attr-defined]
+    assert len(items["streamed"]) > 2
+    first, final = items["whole"]
+    assert first.first and first.finish is None and len(first.token_ids) == 1  # type: ignore[attr-defined]
+    assert final.finish is not None and len(final.token_ids) == 15  # type: ignore[attr-defined]
+    assert len(whole.chunks) == 2  # type: ignore[attr-defined]
+
+
 def test_abort_through_control_ends_the_request_and_frees_its_kv_even_before_it_arrives(pipeline: Pipeline) -> None:
     async def main() -> tuple[object, object, object, object]:
         async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:

@@ -1,4 +1,4 @@
-"""The detokenizer service: `{p}.detok.{wid}` (BatchTokenOut, one per worker step) ->
+"""The detokenizer service: `{p}.detok.{wid}` (BatchTokenOut, at most one per worker step) ->
 `{p}.gateway.{gid}.stream` (BatchStreamOut, at most one per gateway per step).
 
 With `--worker-id W` it serves that worker; without, it subscribes `{p}.detok.*` and serves every worker

@@ -34,7 +34,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from services.tokenizer.prompt_tokenizer import PromptTokenizer, is_quick
 from services.worker.sampling.sampling_params import SamplingParams
 from shared.bus import Bus, PayloadTooLarge
 from shared.model_path import resolve_model_path
@@ -54,8 +54,6 @@ from shared.protocol import (
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
-# With --local-tokenizer, text prompts up to this many characters are encoded on the event loop.
-INLINE_TOKENIZE_CHARS = 4096
 # Any id is valid at the gateway; the worker checks ids against the real vocabulary.
 _ANY_VOCAB = 2**31 - 1
 
@@ -73,6 +71,9 @@ class GenerateSpec:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     add_generation_prompt: bool = True
+    # False when the client reads the whole answer only: the worker then sends the first token and the
+    # final, not every step (services/worker/output_batcher.py).
+    stream: bool = True
 
     def validate(self) -> None:
         """GatewayError 400, naming the field, for anything no worker could run."""
@@ -222,6 +223,7 @@ class Dispatcher:
             add_generation_prompt=spec.add_generation_prompt,
             return_logprob=spec.return_logprob or spec.top_logprobs_num > 0,
             top_logprobs_num=spec.top_logprobs_num,
+            stream=spec.stream,
         )
         try:
             if self.tokenizes_for(worker):
@@ -251,8 +253,7 @@ class Dispatcher:
         the worker. Short prompts are encoded on the event loop (a thread hand-off costs more than
         they do); long ones in a thread, so other requests keep flowing."""
         assert self.local_tokenizer is not None
-        short = msg.input_ids is not None or (msg.text is not None and len(msg.text) <= INLINE_TOKENIZE_CHARS)
-        if short:
+        if is_quick(msg):
             out = self.local_tokenizer.to_generate(msg)
         else:
             out = await asyncio.to_thread(self.local_tokenizer.to_generate, msg)

@@ -23,6 +23,21 @@ from shared.metrics import INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`histogram.observe(value)` `count` times, in O(1): a request's final that carries its whole
+    answer (128 tokens x 64 requests) took 14 ms of the event loop one observation at a time. As
+    SGLang's metrics collector does, through prometheus_client's bucket counters (what observe uses);
+    exemplars are not supported."""
+    if count <= 0:
+        return
+    histogram._raise_if_not_observable()
+    histogram._sum.inc(value * count)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if value <= bound:
+            histogram._buckets[i].inc(count)
+            break
+
+
 class GatewayMetrics:
     """Request counts by endpoint and status, TTFT, inter-token and end-to-end latency, token totals."""
 

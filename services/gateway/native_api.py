@@ -138,6 +138,8 @@ async def generate(body: GenerateBody, request: Request) -> JSONResponse | Strea
     """Generate from text or token ids, SGLang's way."""
     dispatcher = dispatcher_of(request)
     specs, single = body.specs()
+    for spec in specs:
+        spec.stream = body.stream
     streams = await dispatcher.submit_all(specs)
     want_lp = body.return_logprob or body.top_logprobs_num > 0
     if body.stream:

@@ -146,6 +146,7 @@ def _spec(request: NatsGenerateRequest) -> GenerateSpec:
         rid=request.rid,
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num,
+        stream=request.stream,
     )
 
 

@@ -131,6 +131,8 @@ async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequ
         specs = body.specs(dispatcher.context_len(body.model))
     else:
         specs = body.specs()
+    for spec in specs:
+        spec.stream = body.stream
     return await dispatcher.submit_all(specs)
 
 

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 
 from services.gateway.auth import ApiKey
 from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayError, bad_request
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, observe_many
 from shared.bus import Bus
 from shared.protocol import BatchStreamOut, Finish, StreamOut
 
@@ -166,8 +166,7 @@ class StreamHub:
                 stream.first_output_at = now
             elif stream.last_output_at is not None:
                 gap = (now - stream.last_output_at) / len(out.token_ids)
-                for _ in out.token_ids:
-                    self.metrics.inter_token.observe(gap)
+                observe_many(self.metrics.inter_token, gap, len(out.token_ids))
             stream.last_output_at = now
         elif stream.first_output_at is None and out.finish is not None:
             stream.first_output_at = now

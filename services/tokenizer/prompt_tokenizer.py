@@ -17,6 +17,15 @@ from services.worker.sampling.sampling_params import SamplingParams
 from shared.model_path import resolve_model_path
 from shared.protocol import PROTOCOL_VERSION, GenerateRequest, TokenizeRequest
 
+# Token ids, and text up to this many characters, are encoded on the caller's event loop: handing them
+# to a thread costs more than they do. Longer text and chat templates go to a thread.
+INLINE_TOKENIZE_CHARS = 4096
+
+
+def is_quick(req: TokenizeRequest) -> bool:
+    """Whether `to_generate(req)` is cheap enough to run on an event loop."""
+    return req.input_ids is not None or (req.text is not None and len(req.text) <= INLINE_TOKENIZE_CHARS)
+
 
 class PromptTokenizer:
     """One model's tokenizer and the limits prompts are checked against."""
@@ -85,4 +94,5 @@ class PromptTokenizer:
             return_logprob=req.return_logprob,
             top_logprobs_num=req.top_logprobs_num,
             priority=req.priority,
+            stream=req.stream,
         )

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from services.tokenizer.prompt_tokenizer import PromptTokenizer, is_quick
 from shared.bus import Bus, PayloadTooLarge
 from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
 from shared.protocol import TokenizeRequest
@@ -75,8 +75,12 @@ class TokenizerService(Service):
         try:
             if not is_subject_token(req.worker_id):
                 raise ValueError(f"`worker_id` {req.worker_id!r} is not a valid worker id")
-            # Encoding a long prompt takes milliseconds; off the event loop, NATS keeps flowing.
-            out = await asyncio.to_thread(self.prompts.to_generate, req)
+            # Encoding a long prompt takes milliseconds: off the event loop, so NATS keeps flowing. Ids and
+            # short text cost less than the hand-off to a thread.
+            if is_quick(req):
+                out = self.prompts.to_generate(req)
+            else:
+                out = await asyncio.to_thread(self.prompts.to_generate, req)
             await self.bus.publish(self.bus.subjects.worker_requests(req.worker_id), out)
         except (ValueError, PayloadTooLarge) as exc:
             # PayloadTooLarge is a ValueError too: a prompt too big for NATS is the client's error.

@@ -3,13 +3,14 @@ to NATS; with tp_size > 1 the ranks are its child processes.
 
     {p}.worker.{wid}.requests  in   GenerateRequest -> a Req (validated, seeded) on the scheduler
     {p}.worker.{wid}.control   in   ControlRequest abort | flush_cache | get_info -> ControlReply
-    {p}.detok.{wid}            out  one BatchTokenOut per scheduler step (every request it advanced)
+    {p}.detok.{wid}            out  a BatchTokenOut per scheduler step (every request it advanced that
+                                    has something to send), steps that queued meanwhile as one
     {p}.gateway.{gid}.stream   out  error finals for requests refused here; with --with-detokenizer,
                                     every stream message (the detokenizer runs in this process)
     {p}.workers.load           out  WorkerLoad every load_interval seconds
 
-A request's first TokenOut carries its stop strings and skip_special_tokens, so a detokenizer needs no
-other channel. An abort for a request not (yet) here is remembered for a minute: a request whose abort
+Which tokens go out in which message (every step for a streamed request; the first token and the final
+for one whose client wants the whole answer) is services/worker/output_batcher.py's. An abort for a request not (yet) here is remembered for a minute: a request whose abort
 overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker stops its WorkerLoad (gateways stop routing to it), refuses new
 requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
 an 'abort' final) and drains NATS.
@@ -29,12 +30,12 @@ import contextlib
 import logging
 import queue
 import time
-from dataclasses import dataclass
 
 from nats.aio.msg import Msg
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from services.detokenizer.service import StreamPublisher
+from services.worker.output_batcher import Flight, OutputBatcher
 from services.worker.scheduler.req import FinishReason
 from services.worker.scheduler.scheduler import ReqOutput
 from services.worker.scheduler_client import SchedulerClient
@@ -46,10 +47,7 @@ from shared.protocol import (
     BatchTokenOut,
     ControlReply,
     ControlRequest,
-    Finish,
     GenerateRequest,
-    TokenOut,
-    TopLogprob,
     WorkerInfo,
     WorkerLoad,
 )
@@ -65,16 +63,6 @@ EARLY_ABORT_TTL_S = 60.0
 EARLY_ABORT_MAX = 10_000
 
 
-@dataclass
-class _Flight:
-    """What the worker remembers of a request between its arrival and its final output."""
-
-    gateway_id: str
-    stop: list[str]
-    skip_special_tokens: bool
-    first: bool = True
-
-
 def accept_length_buckets(num_draft_tokens: int) -> list[float]:
     """Histogram buckets for a request's mean accepted length, which lies in 1 .. k+1: at most 16,
     evenly spaced (half-token steps up to k = 8)."""
@@ -83,24 +71,28 @@ def accept_length_buckets(num_draft_tokens: int) -> list[float]:
 
 
 class WorkerMetrics:
-    """The worker's Prometheus metrics (`num_draft_tokens`: k, for the accepted-length buckets)."""
+    """The worker's Prometheus metrics (`num_draft_tokens`: k, for the accepted-length buckets), in
+    prometheus_client's global registry unless `registry` is given."""
 
-    def __init__(self, num_draft_tokens: int) -> None:
-        self.running = Gauge("rs_worker_running_requests", "requests decoding or prefilling")
-        self.waiting = Gauge("rs_worker_waiting_requests", "requests waiting for admission")
-        self.kv_usage = Gauge("rs_worker_kv_usage", "fraction of KV slots held by running requests")
-        self.cache_hit_rate = Gauge("rs_worker_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens")
-        self.generated = Counter("rs_worker_generated_tokens", "tokens generated")
-        self.prompt_tokens = Counter("rs_worker_prompt_tokens", "prompt tokens of accepted requests")
-        self.steps = Counter("rs_worker_steps", "scheduler steps that produced output")
-        self.requests = Counter("rs_worker_requests", "requests ended, by finish type", ["status"])
+    def __init__(self, num_draft_tokens: int, registry: CollectorRegistry = REGISTRY) -> None:
+        r = registry
+        self.running = Gauge("rs_worker_running_requests", "requests decoding or prefilling", registry=r)
+        self.waiting = Gauge("rs_worker_waiting_requests", "requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("rs_worker_kv_usage", "fraction of KV slots held by running requests", registry=r)
+        self.cache_hit_rate = Gauge(
+            "rs_worker_cache_hit_rate", "prompt tokens served from the prefix cache / prompt tokens", registry=r
+        )
+        self.generated = Counter("rs_worker_generated_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("rs_worker_prompt_tokens", "prompt tokens of accepted requests", registry=r)
+        self.steps = Counter("rs_worker_steps", "scheduler steps that produced output", registry=r)
+        self.requests = Counter("rs_worker_requests", "requests ended, by finish type", ["status"], registry=r)
         # Speculative decoding, counted when a request finishes.
-        self.spec_verify_steps = Counter("rs_worker_spec_verify_steps", "speculative decode steps")
-        self.spec_proposed = Counter("rs_worker_spec_proposed_tokens", "draft tokens proposed")
-        self.spec_accepted = Counter("rs_worker_spec_accepted_tokens", "draft tokens the target accepted")
+        self.spec_verify_steps = Counter("rs_worker_spec_verify_steps", "speculative decode steps", registry=r)
+        self.spec_proposed = Counter("rs_worker_spec_proposed_tokens", "draft tokens proposed", registry=r)
+        self.spec_accepted = Counter("rs_worker_spec_accepted_tokens", "draft tokens the target accepted", registry=r)
         self.spec_accept_length = Histogram(
             "rs_worker_spec_accept_length", "a finished request's mean tokens per speculative decode step",
-            buckets=accept_length_buckets(num_draft_tokens),
+            buckets=accept_length_buckets(num_draft_tokens), registry=r,
         )
 
     def observe_final(self, out: ReqOutput) -> None:
@@ -126,10 +118,10 @@ class WorkerService(Service):
         self.client: SchedulerClient | None = None
         self.stream: StreamPublisher | None = None
         self.metrics = WorkerMetrics(config.engine.speculative_num_draft_tokens)
-        self._flights: dict[str, _Flight] = {}
+        self.batcher = OutputBatcher(self.worker_id, self.metrics)
+        self._flights = self.batcher.flights
         self._early_aborts: dict[str, float] = {}  # rid -> when its abort came, oldest first
         self._draining = False
-        self._step = 0
         self._steps: asyncio.Queue[list[ReqOutput] | None] = asyncio.Queue()
         self._step_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
@@ -204,50 +196,37 @@ class WorkerService(Service):
 
     async def _scheduler_failed(self, message: str) -> None:
         logger.error("worker %s: the scheduler failed: %s", self.worker_id, message)
-        flights, self._flights = self._flights, {}
+        flights = dict(self._flights)
+        self._flights.clear()
         for rid, flight in flights.items():
             await self._refuse(flight.gateway_id, rid, f"worker {self.worker_id} failed: {message.splitlines()[0]}")
         self.stop(1)
 
     async def _publish_steps(self) -> None:
-        while (outputs := await self._steps.get()) is not None:
-            batch = self._token_batch(outputs)
+        """Publish the steps in order until the None that drain() queues; the steps that queued while
+        a message went out are one round, one message (output_batcher.py)."""
+        while True:
+            steps, stopping = await self._next_round()
+            batch = self.batcher.batch(steps)
             if batch.items:
                 try:
                     await self._send(batch)
                 except Exception:  # noqa: BLE001 - a lost step must not stop the next ones
                     logger.exception("worker %s: could not publish step %d", self.worker_id, batch.step)
+            if stopping:
+                return
+            await asyncio.sleep(0)  # arrivals and controls go before the next round
 
-    def _token_batch(self, outputs: list[ReqOutput]) -> BatchTokenOut:
-        self._step += 1
-        self.metrics.steps.inc()
-        items: list[TokenOut] = []
-        for out in outputs:
-            flight = self._flights.get(out.rid)
-            if flight is None:
-                continue
-            item = TokenOut(rid=out.rid, gateway_id=flight.gateway_id, token_ids=list(out.token_ids))
-            if out.logprobs:
-                item.logprobs = list(out.logprobs)
-            if out.top_logprobs:
-                item.top_logprobs = [[TopLogprob(tid, lp) for tid, lp in step] for step in out.top_logprobs]
-            if flight.first:
-                item.first, flight.first = True, False
-                item.stop = flight.stop or None
-                item.skip_special_tokens = flight.skip_special_tokens
-            if out.finished_reason is not None:
-                reason = out.finished_reason
-                item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message)
-                item.prompt_tokens = out.prompt_tokens
-                item.completion_tokens = out.completion_tokens
-                item.cached_tokens = out.cached_tokens
-                item.spec_accept_length, item.spec_accept_rate = out.spec_accept_length, out.spec_accept_rate
-                del self._flights[out.rid]
-                self.metrics.requests.labels(status=reason.type).inc()
-                self.metrics.observe_final(out)
-            self.metrics.generated.inc(len(out.token_ids))
-            items.append(item)
-        return BatchTokenOut(v=PROTOCOL_VERSION, worker_id=self.worker_id, step=self._step, items=items)
+    async def _next_round(self) -> tuple[list[list[ReqOutput]], bool]:
+        """The next step (waiting for one) and every step queued behind it; True once None came."""
+        steps: list[list[ReqOutput]] = []
+        item = await self._steps.get()
+        while item is not None:
+            steps.append(item)
+            if self._steps.empty():
+                return steps, False
+            item = self._steps.get_nowait()
+        return steps, True
 
     async def _send(self, batch: BatchTokenOut) -> None:
         assert self.bus is not None
@@ -339,7 +318,7 @@ class WorkerService(Service):
             await self._refuse(msg.gateway_id, msg.rid, str(exc))
             return
         params = req.sampling_params
-        self._flights[req.rid] = _Flight(msg.gateway_id, params.stop_strings(), params.skip_special_tokens)
+        self._flights[req.rid] = Flight(msg.gateway_id, params.stop_strings(), params.skip_special_tokens, msg.stream)
         self.metrics.prompt_tokens.inc(len(msg.input_ids))
         if self._early_aborts.pop(req.rid, None) is not None:
             self._finish_unscheduled(req.rid, FinishReason("abort", message="aborted by request"), len(msg.input_ids))
