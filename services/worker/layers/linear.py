@@ -103,9 +103,8 @@ def choose_gemv_tiles(
     mode: str,
 ) -> dict[tuple[int, int], Any]:
     """For each weight shape (N, K), the candidate tile with the fastest pass over its weights ("dot" tiles
-    win ties within GEMV_DOT_PREFERENCE), kept when
-    mode is 'triton', or under 'auto' when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN;
-    else None (cuBLAS)."""
+    win when within GEMV_DOT_PREFERENCE of the fastest). It is kept when mode is 'triton', or under 'auto'
+    when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN; else the shape gets None (cuBLAS)."""
     chosen: dict[tuple[int, int], Any] = {}
     for shape, weights in shapes.items():
         timed = [(time_pass(weights, t), t) for t in candidates]
