@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 
 from bench.gpu_common import OUT, SHAPES, copy_bandwidth  # noqa: E402
 from kernels.gemv import GemvTiles, gemv  # noqa: E402
+from services.worker.layers.linear import cuda_graph_seconds  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -49,28 +50,7 @@ def read_bandwidth() -> float:
 
 def graph_time(fn, reps: int = 10) -> float:
     """Seconds per call of fn replayed as a CUDA graph (median of reps)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del graph
-    return sorted(times)[len(times) // 2]
+    return cuda_graph_seconds(fn, reps)
 
 
 def main() -> None:

@@ -117,8 +117,31 @@ def choose_gemv_tiles(
     return chosen
 
 
-def _graph_pass_time(weights: list[torch.Tensor], tiles: Any, reps: int = 5) -> float:
-    """Seconds of one single-row product per weight in `weights`, replayed as a CUDA graph (median)."""
+def cuda_graph_seconds(fn: Callable[[], None], reps: int = 5) -> float:
+    """Seconds of one replay of `fn` captured as a CUDA graph (median of reps, after a warm-up on a side
+    stream as capture requires): what a step's graph pays for fn, without host launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_pass_time(weights: list[torch.Tensor], tiles: Any) -> float:
+    """Seconds of one single-row product per weight in `weights` (cuBLAS when tiles is None)."""
     x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
     outs = [torch.empty(1, w.shape[0], dtype=w.dtype, device=w.device) for w in weights]
 
@@ -129,24 +152,8 @@ def _graph_pass_time(weights: list[torch.Tensor], tiles: Any, reps: int = 5) -> 
             else:
                 _gemv(x, w, out=o, tiles=tiles)
 
-    stream = torch.cuda.Stream(device=x.device)
-    stream.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(stream):
-        one_pass()
-    torch.cuda.current_stream(x.device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one_pass()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2] / len(weights)
+    with torch.cuda.device(x.device):
+        return cuda_graph_seconds(one_pass) / len(weights)
 
 
 def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 16) -> dict[tuple[int, int], Any]:
