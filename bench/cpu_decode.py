@@ -75,12 +75,12 @@ def make_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
 
 
 class HFSide:
-    """transformers' model and generate, float32, in this process's main thread."""
+    """transformers' model and generate, in the run's dtype, in this process's main thread."""
 
     def __init__(self, path: str, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         embedding = self.model.get_input_embeddings().weight
         tied = self.model.get_output_embeddings().weight is embedding
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
