@@ -91,9 +91,9 @@ ROWS: list[Row] = []  # the default configuration of every kernel: the closing t
 VARIANT_ROWS: list[Row] = []  # other launch shapes tried on Qwen3-8B, printed before it
 
 DECODE_VARIANTS = {  # name -> (stage-1 tiles, min tokens per split); the first is the default
-    "default": (DecodeTiles(), MIN_TOKENS_PER_SPLIT),
-    "split128": (DecodeTiles(), 128),
-    "split512": (DecodeTiles(), 512),
+    "default": (None, MIN_TOKENS_PER_SPLIT),
+    "split128": (None, 128),
+    "split512": (None, 512),
     "n32": (DecodeTiles(block_n=32), MIN_TOKENS_PER_SPLIT),
     "n128w8": (DecodeTiles(block_n=128, num_warps=8), MIN_TOKENS_PER_SPLIT),
     "stages3": (DecodeTiles(num_stages=3), MIN_TOKENS_PER_SPLIT),
@@ -167,7 +167,7 @@ def paged_pool(seq_lens: list[int], kv_heads: int, head_dim: int, extra_rows: in
 
 
 def bench_decode(
-    model: str, seq_lens: list[int], case: str, copy_gbps: float, variants: dict[str, tuple[DecodeTiles, int]]
+    model: str, seq_lens: list[int], case: str, copy_gbps: float, variants: dict[str, tuple[DecodeTiles | None, int]]
 ) -> None:
     """Check and time each variant (tiles, min tokens per split); the first is the default config."""
     heads, kv_heads, head_dim = MODELS[model]

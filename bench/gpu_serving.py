@@ -50,11 +50,25 @@ def p3(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> di
     prompts = [rand_ids(rng, i) for i in ins]
     params = [{"temperature": 0.6, "ignore_eos": True, "max_new_tokens": o, "seed": k} for k, o in enumerate(outs)]
     mc = ModelConfig.from_path(path)
+    arrivals: list[tuple[float, int]] = []
     with Engine(str(path), **engine_kw) as e:
         e.generate(input_ids=prompts[:2], sampling_params={"max_new_tokens": 4})
+        on_outputs = e._on_outputs
+
+        def timed_outputs(outputs, on_outputs=on_outputs) -> None:
+            # The caller's view of the step timeline: when each step's outputs arrive, and how many.
+            arrivals.append((time.perf_counter(), len(outputs)))
+            on_outputs(outputs)
+
+        e._on_outputs = timed_outputs
+        e._client._on_outputs = timed_outputs
+        info_before = e.get_server_info()
         t0 = time.perf_counter()
         e.generate(input_ids=prompts, sampling_params=params)
         dt = time.perf_counter() - t0
+        info_after = e.get_server_info()
+    steps_before, steps_after = info_before["stats"], info_after["stats"]
+    loop = {k: round(v - info_before["loop_seconds"][k], 3) for k, v in info_after["loop_seconds"].items()}
     # Ceiling: every decode step reads all weights and the KV of every running request once.
     w, kvb = weight_bytes(path), kv_bytes_per_token(mc)
     floor = 2 * (w / 2) * sum(ins) / flops  # prefill: 2 FLOPs per parameter per token (bf16: bytes/2 params)
@@ -63,7 +77,24 @@ def p3(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> di
         floor += (w + kvb * sum(i + t for i, _ in running)) / bw
     tok_s = sum(outs) / dt
     return {"requests": n, "output_tokens": sum(outs), "seconds": dt, "tok_s": tok_s,
-            "ceiling_tok_s": sum(outs) / floor, "ratio": floor / dt}
+            "ceiling_tok_s": sum(outs) / floor, "ratio": floor / dt,
+            "steps": {k: steps_after[k] - steps_before.get(k, 0) for k in steps_after if k.startswith("num_")},
+            "loop_seconds": loop, "timeline": step_timeline(t0, arrivals)}
+
+
+def step_timeline(t0: float, arrivals: list[tuple[float, int]]) -> dict:
+    """Gaps between consecutive steps' outputs reaching the caller, by how many requests the step advanced."""
+    if not arrivals:
+        return {}
+    buckets: dict[str, list[float]] = {}
+    for (t_prev, _), (t, n) in zip(arrivals, arrivals[1:]):
+        buckets.setdefault(f"{min(256, (n + 63) // 64 * 64):>3}", []).append(t - t_prev)
+    out = {"first_output_s": arrivals[0][0] - t0, "arrivals": len(arrivals)}
+    for key in sorted(buckets):
+        g = sorted(buckets[key])
+        out[f"outputs<= {key.strip()}"] = {"n": len(g), "total_s": round(sum(g), 3),
+                                          "median_ms": round(g[len(g) // 2] * 1e3, 3)}
+    return out
 
 
 def p5(path: Path, bw: float, flops: float, scale: float, engine_kw: dict) -> dict:
@@ -156,6 +187,7 @@ def main() -> int:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--scheduler-thread", action="store_true",
                     help="run the Engine's scheduler in a thread of this process (default on CUDA: its own process)")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: from free memory)")
     args = ap.parse_args()
     path = Path(args.model)
     engine_kw: dict = {}
@@ -163,6 +195,8 @@ def main() -> int:
         engine_kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     if args.scheduler_thread:
         engine_kw["scheduler_process"] = False
+    if args.max_total_tokens:
+        engine_kw["max_total_tokens"] = args.max_total_tokens
     bw, flops = copy_bandwidth(), matmul_rate()
     results: dict = {"copy_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "engine": engine_kw}
     runs = {

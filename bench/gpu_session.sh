@@ -7,6 +7,7 @@
 # Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b (kernel table of an 8B batch-1 step),
+# sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
 # while the tree has uncommitted edits: `git archive HEAD | tar -x -C .snap`, copy .whl/ into .snap/,
@@ -44,6 +45,15 @@ for step in "${steps[@]}"; do
     profile8b) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 --batch 1 --prompt 128 \
                   > "$OUT/profile8b.log" 2>&1 ;;
+    sweep)   timeout 400 python bench/gpu_decode_sweep.py > "$OUT/sweep.log" 2>&1 ;;
+    p3diag)  python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
+               && { timeout 150 python bench/gpu_serving.py --figures p3 --json gpu_serving_p3.json;
+                    timeout 150 python bench/gpu_serving.py --figures p3 --max-total-tokens 400000 --json gpu_serving_p3_400k.json;
+                    timeout 150 python bench/gpu_profile_step.py --p3-timeline --batch 0 --temperature 0.6; } > "$OUT/p3diag.log" 2>&1 ;;
+    p3spy)   python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)"
+             python bench/gpu_serving.py --figures p3 --json gpu_serving_p3spy.json > "$OUT/p3spy.log" 2>&1 & pid=$!
+             sleep 1; timeout 150 /tmp/site/bin/py-spy record --pid $pid --subprocesses --nonblocking --idle --rate 100 \
+               --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
     pipeline) timeout 400 python bench/gpu_pipeline.py > "$OUT/pipeline.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac

@@ -43,6 +43,26 @@ class DecodeTiles:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    # Grid order: True launches (kv_head, request, split), so the programs resident at once read the
+    # neighbouring heads of the same tokens' K/V rows; False, (request, kv_head, split).
+    head_major: bool = True
+    # Load each K tile as [keys, head_dim] (each key's row contiguous in the pool) and transpose it in
+    # registers; False addresses it as [head_dim, keys].
+    k_rows: bool = True
+
+
+# Measured on the H200 (bench/gpu_decode_sweep.py, bench/RESULTS.md, sixth session), P3's batch of 256 with
+# 100..2048-token contexts read the pool at 0.71 of copy bandwidth with (request, kv_head) order and K
+# addressed by columns, 0.85 with both switches above and 0.95 adding 128-key tiles; batch 64 at 1-4k
+# tokens 0.75 -> 0.86. Batch 1 is unchanged by the switches and slower with 128-key tiles.
+WIDE_BATCH_TILES = DecodeTiles(block_n=128)
+NARROW_BATCH_TILES = DecodeTiles()
+WIDE_BATCH = 32
+
+
+def tiles_for(batch_size: int) -> DecodeTiles:
+    """The launch shape decode_attention uses when given none: 128-key tiles from WIDE_BATCH requests."""
+    return WIDE_BATCH_TILES if batch_size >= WIDE_BATCH else NARROW_BATCH_TILES
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -167,9 +187,17 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     # Clamped to the grid, so every split that is counted below is also launched.
     num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
@@ -197,11 +225,20 @@ def _decode_kernel(
             pos = n0 + tl.arange(0, BLOCK_N)
             n_mask = pos < end
             slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
-            k = tl.load(
-                K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None],
-                other=0.0,
-            ).to(q.dtype)
+            if K_ROWS:
+                k = tl.trans(
+                    tl.load(
+                        K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                        mask=n_mask[:, None] & d_mask[None, :],
+                        other=0.0,
+                    ).to(q.dtype)
+                )
+            else:
+                k = tl.load(
+                    K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :] & d_mask[:, None],
+                    other=0.0,
+                ).to(q.dtype)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
             s = tl.where(n_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -238,7 +275,7 @@ def _decode_kernel(
             # scheduling order is safe, and the counter is zero again when the launch ends. The interpreter
             # runs programs one at a time, highest split last, so tests cannot exercise these orderings.
             tl.debug_barrier()
-            counter = Split_counters + b * tl.num_programs(1) + kv_head
+            counter = Split_counters + b * num_kv_heads + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.debug_barrier()
@@ -338,11 +375,14 @@ def decode_attention(
             f"split_counters must be contiguous int32 with >= {batch_size * num_kv_heads} elements, got "
             f"{split_counters.dtype} {tuple(split_counters.shape)}"
         )
-    tiles = tiles or DecodeTiles()
+    tiles = tiles or tiles_for(batch_size)
     q3 = q.view(batch_size, num_heads, head_dim)
     o3 = out.view(batch_size, num_heads, head_dim)
     group = num_heads // num_kv_heads
-    _decode_kernel[(batch_size, num_kv_heads, max_kv_splits)](
+    grid = (
+        (num_kv_heads, batch_size, max_kv_splits) if tiles.head_major else (batch_size, num_kv_heads, max_kv_splits)
+    )
+    _decode_kernel[grid](
         q3,
         k_buffer,
         v_buffer,
@@ -376,6 +416,8 @@ def decode_attention(
         BLOCK_N=tiles.block_n,
         MAX_SPLITS=max_kv_splits,
         DOT_PRECISION=dot_precision(q.dtype),
+        HEAD_MAJOR=tiles.head_major,
+        K_ROWS=tiles.k_rows,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -47,6 +47,7 @@ class RequestState:
             else None
         )
         self.output_ids: list[int] = []
+        self._undecoded: list[int] = []  # visible ids not yet given to detok (a non-streamed request)
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.return_logprob = req.return_logprob
@@ -80,12 +81,23 @@ class RequestState:
         self.top_logprobs.extend(out.top_logprobs)
         if out.finished_reason is not None:
             self.finished, self.final = out.finished_reason, out
+        incremental = self._stream or self._loop is not None
         if self.detok is not None:
             visible = out.token_ids
             if self.finished is not None and self.finished.type == "stop" and isinstance(self.finished.matched, int) and visible:
                 visible = visible[:-1]  # a matched stop token is not part of the text
-            self.detok.add(visible)
-        if self._stream or self._loop is not None:
+            if incremental:
+                self.detok.add(visible)
+            else:
+                # Nobody reads this request's text before it ends, so it is decoded once, at the end:
+                # detokenizing every token of every request as it came (~35 us each) held P3's 256
+                # requests to the caller's pace, half the scheduler's (bench/RESULTS.md, sixth session).
+                self._undecoded.extend(visible)
+                if self.finished is not None:
+                    self.detok.add(self._undecoded)
+                    self._undecoded = []
+                    self.detok.delta(final=True)  # an incomplete last character is kept as the tokenizer decodes it
+        if incremental:
             chunk = self._chunk(out)
             if chunk is not None:
                 self._emit(chunk)

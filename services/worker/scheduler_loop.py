@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import queue
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,7 @@ class SchedulerLoop:
         )
         self.runner = ModelRunner(config, model_config, device)
         tokenizer = load_tokenizer(config.model_path)
+        self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
         self.scheduler = Scheduler(
             config,
             self.runner,
@@ -118,6 +120,7 @@ class SchedulerLoop:
             "kv_in_use": s.tree_cache.protected_size() + s.kv_slots_in_use_by_requests(),
             "stats": vars(s.stats).copy(),
             "device": str(self.runner.device),
+            "loop_seconds": dict(self.loop_seconds),
             "scheduler_pid": os.getpid(),
         }
 
@@ -151,14 +154,25 @@ class SchedulerLoop:
 
     def run(self, inbox: Any, outbox: Any, pack: bool = False) -> None:
         """Serve commands and steps until Shutdown. `pack`: the outbox crosses processes, so each
-        step's outputs go as PackedOutputs (columns) rather than a list of objects to pickle."""
+        step's outputs go as PackedOutputs (columns) rather than a list of objects to pickle.
+        `loop_seconds` (in info()) splits the loop's wall time into waiting for and applying commands,
+        scheduler steps, and handing outputs over."""
+        clock = time.perf_counter
+        spent = self.loop_seconds
         while True:
+            t0 = clock()
             for cmd in self._take_commands(inbox):
                 if not self._apply(cmd, outbox):
                     return
+            t1 = clock()
             outputs = self.scheduler.step()
+            t2 = clock()
             if outputs and outbox is not None:
                 outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
+            t3 = clock()
+            spent["commands"] += t1 - t0
+            spent["step"] += t2 - t1
+            spent["hand_off"] += t3 - t2
 
 
 def run_scheduler_loop(

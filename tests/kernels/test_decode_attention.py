@@ -63,6 +63,7 @@ def _run(
     tokens_per_split: int = TOKENS_PER_SPLIT,
     scratch: Scratch | None = None,
     splits: torch.Tensor | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     bs, num_kv_heads, head_dim = q.shape[0], kv.k_buffer.shape[1], kv.k_buffer.shape[2]
     if splits is None:
@@ -71,7 +72,7 @@ def _run(
     out = poisoned((bs, num_heads * head_dim), q.dtype)
     decode_attention(
         q, kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
-        splits, max_splits, sm_scale, scratch.part_out, scratch.part_lse, DecodeTiles(block_n=16),
+        splits, max_splits, sm_scale, scratch.part_out, scratch.part_lse, tiles or DecodeTiles(block_n=16),
         scratch.counters,
     )  # fmt: skip
     return out
@@ -100,6 +101,20 @@ def test_decode_matches_reference(
     scale = head_dim**-0.5
     out = _run(kv, q, num_heads, max_splits, scale)
     assert rel_error(out, _ref(kv, q, scale)) < 1e-3
+
+
+@pytest.mark.parametrize("max_splits", [1, 8])
+@pytest.mark.parametrize(("head_major", "k_rows"), [(False, False), (True, False), (False, True)])
+def test_decode_grid_order_and_k_layout_match_reference(gen, paged_kv, max_splits, head_major, k_rows) -> None:
+    """The launch-shape switches (grid order, K tile addressed by rows) compute the same attention; with
+    several splits the in-kernel merge must find each (request, kv_head) counter under either order."""
+    kv = paged_kv(gen, [300, 1, 77, 530], num_kv_heads=2, head_dim=32)
+    q = torch.randn((4, 8 * 32), generator=gen)
+    scratch = Scratch(4, 8, 2, max_splits, 32)
+    tiles = DecodeTiles(block_n=16, head_major=head_major, k_rows=k_rows)
+    out = _run(kv, q, 8, max_splits, 32**-0.5, scratch=scratch, tiles=tiles)
+    assert rel_error(out, _ref(kv, q, 32**-0.5)) < 1e-3
+    assert scratch.counters.eq(0).all()
 
 
 @pytest.mark.parametrize("max_splits", [1, 8, MAX_KV_SPLITS])
