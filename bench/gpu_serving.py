@@ -9,14 +9,15 @@ P4  shared prefix: 64 groups x 16 prompts (2048-token shared system prompt + 128
     256 output tokens: cache hit rate vs the ideal, throughput with the radix cache on vs off.
 P5  overlap scheduling on vs off on the P3 workload (scaled by --p5-scale): throughput ratio.
 P6  chunked prefill: 32 decoding streams while a 32k-token prompt arrives; p99 / median inter-token
-    latency of the streams with chunking (+ mixed chunks) and without.
+    latency of the streams with chunking (+ mixed chunks) and without, timed at the scheduler (the
+    scheduler runs in this process for it, as in gpu_profile_step.py).
 --scale shrinks request counts (a quick look); figures for RESULTS.md use 1.0.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import gc
 import json
 import os
 import random
@@ -27,9 +28,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from bench.gpu_common import OUT, copy_bandwidth, matmul_rate, weight_bytes  # noqa: E402
+from services.worker.config import EngineConfig  # noqa: E402
 from services.worker.engine import Engine  # noqa: E402
 from services.worker.model_config import ModelConfig  # noqa: E402
+from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
+from services.worker.scheduler.req import Req  # noqa: E402
+from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 10, 150000
 
@@ -127,39 +134,46 @@ def p4(path: Path, scale: float, engine_kw: dict) -> dict:
     return res
 
 
-async def _itl_run(engine: Engine, long_prompt: list[int], streams: int, rng: random.Random) -> list[float]:
-    """Inter-token gaps of `streams` greedy streams, recorded while a long prompt is being served: it
-    is sent once every stream has 32 tokens, and gaps count from then until it has finished."""
+def _itl_run(loop: SchedulerLoop, long_prompt: list[int], streams: int, rng: random.Random) -> list[float]:
+    """Inter-token gaps of `streams` greedy streams while a long prompt is served, timed where the
+    scheduler hands each step's tokens out (step() returning), so the caller's own pace cannot bunch
+    them. The prompt is added once every stream has 32 tokens; gaps count from then until 0.2 s after
+    its prefill has finished."""
+    s = loop.scheduler
+    for k in range(streams):
+        sp = SamplingParams(max_new_tokens=100_000, temperature=0, ignore_eos=True)
+        sp.normalize()
+        s.add_request(Req(f"itl-{k}", rand_ids(rng, 64), sp, seed=k))
+    counts: dict[str, int] = {}
+    last: dict[str, float] = {}  # each stream's latest token, so the gap the prompt's arrival opens counts
+    while len(counts) < streams or min(counts.values()) < 32:
+        outputs = s.step()
+        now = time.perf_counter()
+        for out in outputs:
+            counts[out.rid] = counts.get(out.rid, 0) + len(out.token_ids)
+            last[out.rid] = now
+    sp = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+    sp.normalize()
+    s.add_request(Req("long", long_prompt, sp, seed=0))
     gaps: list[float] = []
-    counts = [0] * streams
-    window = {"open": False, "done": False}
-    started = asyncio.Event()
-
-    async def stream(k: int) -> None:
-        it = await engine.async_generate(
-            input_ids=rand_ids(rng, 64), sampling_params={"temperature": 0, "ignore_eos": True,
-                                                          "max_new_tokens": 4000}, stream=True, rid=f"itl-{k}")
-        last = None
-        async for _ in it:
-            now = time.perf_counter()
-            counts[k] += 1
-            if last is not None and window["open"]:
-                gaps.append(now - last)
-            last = now
-            if min(counts) >= 32:
-                started.set()
-            if window["done"]:
-                engine.abort(f"itl-{k}")
-                break
-
-    async def long_one() -> None:
-        await started.wait()
-        window["open"] = True
-        await engine.async_generate(input_ids=long_prompt, sampling_params={"max_new_tokens": 1})
-        await asyncio.sleep(0.2)  # a few steps after the prompt's prefill
-        window["done"] = True
-
-    await asyncio.gather(*(stream(k) for k in range(streams)), long_one())
+    done_at = None
+    t_open = time.perf_counter()
+    while done_at is None or time.perf_counter() - done_at < 0.2:
+        outputs = s.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.rid == "long":
+                if out.finished_reason is not None:
+                    done_at = now
+                continue
+            if out.rid in last:
+                gaps.append(now - last[out.rid])
+            last[out.rid] = now
+    for k in range(streams):
+        s.abort_request(f"itl-{k}")
+    while s.has_work():
+        s.step()
+    print(f"  long prompt served {done_at - t_open:.3f} s after it was added; {len(gaps)} gaps", flush=True)
     return gaps
 
 
@@ -170,10 +184,17 @@ def p6(path: Path, scale: float, engine_kw: dict) -> dict:
     for label, kw in (("chunked_mixed", {"chunked_prefill_size": 2048, "enable_mixed_chunk": True}),
                       ("chunked", {"chunked_prefill_size": 2048}),
                       ("unchunked", {"chunked_prefill_size": None, "max_prefill_tokens": 65536})):
-        with Engine(str(path), **kw, **engine_kw) as e:
-            gaps = sorted(asyncio.run(_itl_run(e, long_prompt, 32, rng)))
+        config = EngineConfig(model_path=str(path), max_total_tokens=200_000, **kw,
+                              **{k: v for k, v in engine_kw.items() if k != "scheduler_process"})
+        loop = SchedulerLoop(config, 0, "tcp://127.0.0.1:0")
+        gaps = sorted(_itl_run(loop, long_prompt, 32, rng))
+        del loop
+        gc.collect()
+        torch.cuda.empty_cache()
         med, p99 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.99)]
-        res[label] = {"median_ms": med * 1e3, "p99_ms": p99 * 1e3, "p99_over_median": p99 / med, "max_ms": gaps[-1] * 1e3}
+        res[label] = {"median_ms": med * 1e3, "p99_ms": p99 * 1e3, "p99_over_median": p99 / med,
+                      "max_ms": gaps[-1] * 1e3, "gaps": len(gaps)}
+        print(f"  {label}: {json.dumps(res[label])}", flush=True)
     return res
 
 

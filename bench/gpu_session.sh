@@ -4,7 +4,7 @@
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
 #   bash bench/gpu_session.sh [STEP ...]     (default: tp engine kernels serving spec; one call is <= 600 s,
 #                                              so pass a few steps per call)
-# Steps: tp, engine, graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
+# Steps: tp, engine, hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b (kernel table of an 8B batch-1 step),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
@@ -35,7 +35,9 @@ for step in "${steps[@]}"; do
     p3-thread) timeout 300 python bench/gpu_serving.py --figures p3 --scheduler-thread --json gpu_serving_thread.json \
                > "$OUT/p3-thread.log" 2>&1 ;;
     kernels) timeout 300 python bench/gpu_kernels.py > "$OUT/kernels.log" 2>&1 ;;
-    serving) timeout 500 python bench/gpu_serving.py --figures p3,p6 > "$OUT/serving.log" 2>&1 ;;
+    serving) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
+               && timeout 500 python bench/gpu_serving.py --figures ${FIGURES:-p3,p6} > "$OUT/serving.log" 2>&1 ;;
+    hfc)     timeout 500 python bench/gpu_engine.py --models ${HFC_MODELS:-0.6b,8b} --skip-checks --hf-compile > "$OUT/hfc.log" 2>&1 ;;
     profile) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
                && timeout 300 python bench/gpu_profile_step.py --extend --p3-timeline --batch 256 --prompt 600 \
                   --temperature 0.6 > "$OUT/profile.log" 2>&1 ;;

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import random
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from services.worker.config import EngineConfig
 from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import FinishReason, Req
+from services.worker.scheduler.schedule_policy import attention_cost, tokens_within_cost
 from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from services.worker.scheduler_loop import SchedulerLoop
 from tests.engine_helpers import random_prompts
@@ -235,3 +237,60 @@ def test_packed_outputs_cross_a_process_boundary_unchanged() -> None:
     packed = pickle.loads(pickle.dumps(PackedOutputs.pack(outputs)))
     assert packed.unpack() == outputs
     assert sorted(packed.full) == list(range(3, 3 + len(_EXTRA_VALUES)))
+
+
+@pytest.mark.parametrize("keys_per_token", [3.0, 50.0, 1280.0])
+def test_chunk_cost_is_the_sum_over_its_tokens_and_the_longest_chunk_within_a_budget_is_found(
+    keys_per_token: float,
+) -> None:
+    for prefix in (0, 1, 17, 500, 30_000):
+        for n in (1, 2, 7, 64, 300):
+            # Token i of the chunk attends to the prefix and to chunk tokens 0..i.
+            naive = sum(1 + (prefix + i + 1) / keys_per_token for i in range(n))
+            assert attention_cost(prefix, n, keys_per_token) == math.ceil(naive - 1e-9)
+        for budget in (0, 1, 5, 64, 2048):
+            fits = tokens_within_cost(prefix, budget, keys_per_token)
+            brute = max((n for n in range(0, 2049) if attention_cost(prefix, n, keys_per_token) <= budget), default=0)
+            assert fits == brute
+
+
+def test_a_mixed_step_shrinks_the_chunk_as_its_prefix_grows(qwen3_path: Path) -> None:
+    """With decodes riding along, each chunk of a long prompt is sized by its cost with the prefix it
+    attends to: chunks get shorter, each stays within the budget, and the prompt's first token is the
+    one an unchunked prefill gives."""
+    budget, decodes = 40, 2
+    scheduler = make_scheduler(
+        qwen3_path, max_total_tokens=2048, chunked_prefill_size=budget, enable_mixed_chunk=True,
+        disable_overlap_schedule=True,
+    )  # fmt: skip
+    k = scheduler._keys_per_token
+    assert 2 < k < 200  # the tiny model's attention is dear next to its linear layers
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    for i in range(decodes):
+        scheduler.add_request(Req(f"d{i}", random_prompts(1, 4, 4, seed=i)[0], params, seed=i))
+    for _ in range(3):
+        scheduler.step()
+    prompt = random_prompts(1, 200, 200, seed=7)[0]
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    one.normalize()
+    long_req = Req("long", prompt, one, seed=0)
+    scheduler.add_request(long_req)
+    chunks, first = [], None
+    while first is None:
+        before = long_req.kv_committed_len
+        outputs = scheduler.step()
+        if long_req.kv_committed_len > before:
+            chunks.append((before, long_req.kv_committed_len - before))
+        first = next((o.token_ids[0] for o in outputs if o.rid == "long"), None)
+    assert sum(n for _, n in chunks) == len(prompt)
+    sizes = [n for _, n in chunks]
+    assert sizes[0] > sizes[-2] >= 1 and len(sizes) > len(prompt) // (budget - decodes)
+    for prefix, n in chunks[:-1]:
+        assert attention_cost(prefix, n, k) <= budget - decodes < attention_cost(prefix, n + 1, k)
+    alone = make_scheduler(qwen3_path, max_total_tokens=2048, chunked_prefill_size=None)
+    alone.add_request(Req("long", prompt, one, seed=0))
+    expect = None
+    while expect is None:
+        expect = next((o.token_ids[0] for o in alone.step() if o.rid == "long"), None)
+    assert first == expect

@@ -5,6 +5,7 @@ into a prefill step under the token budgets, chunking the one that does not fit.
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -79,6 +80,49 @@ class SchedulePolicy:
         waiting[:] = order
 
 
+# How much slower the extend-attention kernel is than a dense matmul per FLOP: on the H200 the Triton
+# extend kernel ran at 200-300 TFLOP/s against a 770 TFLOP/s bf16 matmul (bench/RESULTS.md).
+ATTENTION_SLOWDOWN = 3.0
+
+
+def attention_keys_per_token(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    active_experts: int = 1,
+) -> float:
+    """K such that a prefill token attending to K keys costs as much as its linear layers: the linear
+    FLOPs per token (2 per weight: q/k/v/o and the active experts' gated MLP) over the attention FLOPs per
+    key (QK^T and PV: 4 * heads * head_dim per layer), the latter slowed by ATTENTION_SLOWDOWN."""
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    weights = hidden_size * (2 * q + 2 * kv) + 3 * hidden_size * intermediate_size * active_experts
+    attention = 4 * num_heads * head_dim * ATTENTION_SLOWDOWN
+    return 2 * weights / attention
+
+
+def attention_cost(prefix: int, tokens: int, keys_per_token: float) -> int:
+    """A chunk's cost in plain prefill tokens: each of its `tokens` pays 1 for the linear layers and
+    keys/K for attention, where it sees the `prefix` plus on average (tokens + 1)/2 of the chunk."""
+    return math.ceil(tokens * (1 + (prefix + (tokens + 1) / 2) / keys_per_token))
+
+
+def tokens_within_cost(prefix: int, budget: int, keys_per_token: float) -> int:
+    """The longest chunk whose attention_cost after `prefix` is at most `budget` (0 if none)."""
+    if budget <= 0:
+        return 0
+    # tokens^2 / (2K) + tokens * (1 + (prefix + 0.5) / K) - budget <= 0
+    a, b = 1 / (2 * keys_per_token), 1 + (prefix + 0.5) / keys_per_token
+    n = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+    while n > 0 and attention_cost(prefix, n, keys_per_token) > budget:
+        n -= 1
+    while attention_cost(prefix, n + 1, keys_per_token) <= budget:
+        n += 1
+    return n
+
+
 class AddResult(enum.Enum):
     CONTINUE = "continue"  # admitted; try the next one
     NO_TOKEN = "no_token"  # the KV pool cannot hold it now
@@ -103,8 +147,12 @@ class PrefillAdder:
         chunked_prefill_size: int | None,
         max_new_reqs: int,
         mixed_decode_tokens: int = 0,
+        attention_keys_per_token: float | None = None,
     ) -> None:
         self.tree_cache = tree_cache
+        # Mixed steps: a chunk's tokens cost more the longer the prefix they attend to; with this set,
+        # the chunk budget counts attention_cost() (see there) instead of plain tokens.
+        self.keys_per_token = attention_keys_per_token
         self.nothing_running = not running
         self.new_token_ratio = new_token_ratio
         reserved = sum(self._reservation(r) for r in running)
@@ -122,19 +170,28 @@ class PrefillAdder:
     def _reservation(self, req: Req) -> int:
         return int(min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
 
+    def _chunk_cost(self, req: Req) -> int:
+        if self.keys_per_token is None:
+            return req.extend_input_len
+        return attention_cost(len(req.prefix_indices), req.extend_input_len, self.keys_per_token)
+
     def _take(self, req: Req) -> None:
         self.can_run_list.append(req)
         self.room -= req.extend_input_len
         self.rem_total_tokens -= req.extend_input_len + self._reservation(req)
         self.rem_input_tokens -= req.extend_input_len
         if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= req.extend_input_len
+            self.rem_chunk_tokens -= self._chunk_cost(req)
 
     def _truncate(self, req: Req) -> bool:
         """Cut req to what is left of the chunk; True when it was cut."""
-        if self.rem_chunk_tokens is None or req.extend_input_len <= self.rem_chunk_tokens:
+        if self.rem_chunk_tokens is None or self._chunk_cost(req) <= self.rem_chunk_tokens:
             return False
-        req.extend_input_len = self.rem_chunk_tokens
+        if self.keys_per_token is None:
+            req.extend_input_len = self.rem_chunk_tokens
+        else:
+            fits = tokens_within_cost(len(req.prefix_indices), self.rem_chunk_tokens, self.keys_per_token)
+            req.extend_input_len = max(1, min(req.extend_input_len - 1, fits))
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         return True
 

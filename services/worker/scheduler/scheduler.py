@@ -21,10 +21,12 @@ from services.worker.scheduler.schedule_policy import (
     AddResult,
     PrefillAdder,
     SchedulePolicy,
+    attention_keys_per_token,
     match_prefix,
 )
 
 if TYPE_CHECKING:
+    from services.worker.model_config import ModelConfig
     from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
     from services.worker.spec.spec_worker import SpecStep, SpecWorker
 
@@ -133,12 +135,28 @@ class SchedulerStats:
     generated_tokens: int = 0
 
 
+def _keys_per_token(mc: ModelConfig) -> float:
+    """schedule_policy.attention_keys_per_token for this model: a mixed step sizes its prefill chunk by
+    what the chunk costs with its prefix, so the decodes riding in it wait about as long late in a
+    long prompt as early (P6 in bench/RESULTS.md)."""
+    hf = mc.hf_config
+    if mc.num_experts:
+        inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+        active = getattr(hf, "num_experts_per_tok", 1)
+    else:
+        inter, active = hf.intermediate_size, 1
+    return attention_keys_per_token(
+        mc.num_layers, mc.hidden_size, mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, inter, active
+    )
+
+
 class Scheduler:
     """Continuous batching over one model runner (one TP rank)."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]):
         self.config = config
         self.runner = runner
+        self._keys_per_token = _keys_per_token(runner.model_config)
         self.decode_tail = decode_tail
         self.tree_cache = RadixCache(
             runner.req_to_token_pool,
@@ -371,6 +389,7 @@ class Scheduler:
             self.config.chunked_prefill_size,
             max_new_reqs=self.max_running - len(self.running),
             mixed_decode_tokens=len(self.running) if mixed else 0,
+            attention_keys_per_token=self._keys_per_token if mixed else None,
         )
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
