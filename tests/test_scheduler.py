@@ -254,15 +254,19 @@ def test_chunk_cost_is_the_sum_over_its_tokens_and_the_longest_chunk_within_a_bu
             assert fits == brute
 
 
-def test_a_mixed_step_shrinks_the_chunk_as_its_prefix_grows(qwen3_path: Path) -> None:
+@pytest.mark.parametrize("floor", [1, 24])
+def test_a_mixed_step_shrinks_the_chunk_as_its_prefix_grows(qwen3_path: Path, floor: int) -> None:
     """With decodes riding along, each chunk of a long prompt is sized by its cost with the prefix it
-    attends to: chunks get shorter, each stays within the budget, and the prompt's first token is the
-    one an unchunked prefill gives."""
+    attends to: chunks get shorter, each stays within the budget (or at the backend's floor, below
+    which a GPU kernel gets no faster), and the prompt's first token is the one an unchunked prefill
+    gives."""
     budget, decodes = 40, 2
     scheduler = make_scheduler(
         qwen3_path, max_total_tokens=2048, chunked_prefill_size=budget, enable_mixed_chunk=True,
         disable_overlap_schedule=True,
     )  # fmt: skip
+    assert scheduler._min_mixed_chunk == 1  # the torch backend has no floor
+    scheduler._min_mixed_chunk = floor
     k = scheduler._keys_per_token
     assert 2 < k < 200  # the tiny model's attention is dear next to its linear layers
     params = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
@@ -287,7 +291,9 @@ def test_a_mixed_step_shrinks_the_chunk_as_its_prefix_grows(qwen3_path: Path) ->
     sizes = [n for _, n in chunks]
     assert sizes[0] > sizes[-2] >= 1 and len(sizes) > len(prompt) // (budget - decodes)
     for prefix, n in chunks[:-1]:
-        assert attention_cost(prefix, n, k) <= budget - decodes < attention_cost(prefix, n + 1, k)
+        assert n == max(floor, tokens_within_cost(prefix, budget - decodes, k))
+    if floor == 1:
+        assert all(attention_cost(p, n, k) <= budget - decodes < attention_cost(p, n + 1, k) for p, n in chunks[:-1])
     alone = make_scheduler(qwen3_path, max_total_tokens=2048, chunked_prefill_size=None)
     alone.add_request(Req("long", prompt, one, seed=0))
     expect = None

@@ -148,11 +148,13 @@ class PrefillAdder:
         max_new_reqs: int,
         mixed_decode_tokens: int = 0,
         attention_keys_per_token: float | None = None,
+        min_chunk_tokens: int = 1,
     ) -> None:
         self.tree_cache = tree_cache
         # Mixed steps: a chunk's tokens cost more the longer the prefix they attend to; with this set,
         # the chunk budget counts attention_cost() (see there) instead of plain tokens.
         self.keys_per_token = attention_keys_per_token
+        self.min_chunk_tokens = max(1, min_chunk_tokens)  # never cut a cost-sized chunk below this
         self.nothing_running = not running
         self.new_token_ratio = new_token_ratio
         reserved = sum(self._reservation(r) for r in running)
@@ -191,7 +193,10 @@ class PrefillAdder:
             req.extend_input_len = self.rem_chunk_tokens
         else:
             fits = tokens_within_cost(len(req.prefix_indices), self.rem_chunk_tokens, self.keys_per_token)
-            req.extend_input_len = max(1, min(req.extend_input_len - 1, fits))
+            fits = max(fits, min(self.min_chunk_tokens, self.rem_input_tokens, self.room))
+            if fits >= req.extend_input_len:
+                return False
+            req.extend_input_len = max(1, fits)
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         return True
 

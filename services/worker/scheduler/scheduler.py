@@ -157,6 +157,9 @@ class Scheduler:
         self.config = config
         self.runner = runner
         self._keys_per_token = _keys_per_token(runner.model_config)
+        self._min_mixed_chunk = runner.attn_backend.full_wave_extend_tokens(
+            runner.model_config.num_attention_heads // runner.tp_size, runner.device
+        )
         self.decode_tail = decode_tail
         self.tree_cache = RadixCache(
             runner.req_to_token_pool,
@@ -390,6 +393,7 @@ class Scheduler:
             max_new_reqs=self.max_running - len(self.running),
             mixed_decode_tokens=len(self.running) if mixed else 0,
             attention_keys_per_token=self._keys_per_token if mixed else None,
+            min_chunk_tokens=self._min_mixed_chunk,
         )
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
