@@ -38,7 +38,12 @@ from kernels.decode_attention import (  # noqa: E402
     kv_splits_per_request,
     max_kv_splits_for,
 )
-from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table  # noqa: E402
+from kernels.extend_attention import (  # noqa: E402
+    ExtendTiles,
+    alloc_extend_partials,
+    extend_attention,
+    extend_block_table,
+)
 from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
@@ -46,6 +51,7 @@ from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rotary import rotary_neox_  # noqa: E402
 from kernels.sampling import gumbel_argmax  # noqa: E402
 from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
+from services.worker.attention.triton_backend import extend_split_slots  # noqa: E402
 from services.worker.sampling.sampler import gumbel_noise, hashed_uniform  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -65,6 +71,8 @@ EXTEND_CASES = {
     "4x1024 new, prefix 0": ([0] * 4, [1024] * 4),
     f"4x{min(_ext)}-{max(_ext)} new, prefix 0": ([0] * 4, _ext),
     f"4x{min(_ext)}-{max(_ext)} new, prefix 2048": ([2048] * 4, _ext),
+    # A mixed step late in a 32k prompt: one short chunk after a long prefix (split over programs).
+    "1x128 new, prefix 30720": ([30720], [128]),
 }
 ELEMENTWISE_TOKENS = 16384
 MOE_SHAPE = (128, 8, 2048, 768)  # Qwen3-30B-A3B: experts, top-k, hidden, moe intermediate
@@ -249,12 +257,20 @@ def bench_extend(
         qd, kd, vd = (x.view(shape).transpose(1, 2) for x in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         peer = bench_ms(lambda: sdpa(qd, kd, vd, is_causal=True, enable_gqa=True)) * 1e3
-    for i, (name, tiles) in enumerate(variants.items()):
-        blocks = extend_block_table(prefix_lens, extend_lens, tiles.block_m).to(DEV)
+    sms = device_facts()[1]
+    slots = extend_split_slots(heads)
+    runs = [(name, tiles, True) for name, tiles in variants.items()] + [("unsplit", next(iter(variants.values())), False)]
+    for i, (name, tiles, split) in enumerate(runs):
+        # As the engine builds it: prefixes split over programs while the SMs are not busy.
+        blocks = extend_block_table(
+            prefix_lens, extend_lens, tiles.block_m, num_heads=heads, num_sms=sms if split else 0,
+            max_split_slots=slots,
+        ).to(DEV)  # fmt: skip
+        partials = alloc_extend_partials(slots, heads, tiles.block_m, head_dim, DEV)
 
-        def run(tiles=tiles, blocks=blocks) -> object:
+        def run(tiles=tiles, blocks=blocks, partials=partials) -> object:
             return extend_attention(
-                q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, blocks, scale, tiles
+                q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, blocks, scale, tiles, partials
             )
 
         try:

@@ -25,7 +25,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tp)      gpus=$(nvidia-smi -L | wc -l)
              [ "$gpus" -ge 2 ] && timeout 570 python bench/gpu_tp.py ${TP_ARGS:-} > "$OUT/tp.log" 2>&1 ;;
-    engine)  timeout 300 python bench/gpu_engine.py --models 0.6b,8b --skip-hf > "$OUT/engine.log" 2>&1 ;;
+    engine)  timeout 300 python bench/gpu_engine.py --models ${ENGINE_MODELS:-0.6b,8b} --skip-hf > "$OUT/engine.log" 2>&1 ;;
     tiles)   timeout 300 python bench/gpu_engine.py --models 8b --skip-checks --skip-hf --decode-tiles 64/4/3,32/4/3 \
                --tokens-per-split 64 > "$OUT/tiles.log" 2>&1 ;;
     ab)      timeout 300 python bench/gpu_engine.py --models 0.6b --skip-checks --skip-hf --also-thread \

@@ -17,6 +17,14 @@ softmax in two phases:
    only up to the block's last row, so the upper triangle costs nothing.
 
 The query heads of one KV head are adjacent in the grid, so their K/V tiles are reused from L2.
+
+Split prefixes. A program walks its block's whole prefix, so a short chunk after a long prefix (a
+mixed step late in a long prompt: one or two blocks x the heads) keeps a few SMs busy for as long as
+the prefix takes. The table can therefore give a block several entries, each walking one contiguous
+part of the prefix (the last one also the new tokens). Such entries write their normalized partial
+output and log-sum-exp to a scratch slot and count themselves in on the group's counter; the last to
+arrive merges the group into `out` and zeroes the counter (as decode_attention does). The host decides
+the splits (extend_block_table), so a CUDA graph replays any split the table it was given describes.
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ import triton.language as tl
 from kernels.decode_attention import dot_precision
 
 _LOG2E = 1.4426950408889634
+# Rows of a block table: request index, first new-token row, split index, splits of the block, and the
+# entry's scratch slot (-1 when the block is not split).
+TABLE_ROWS = 5
+# extend_block_table splits a block's prefix only into parts of at least this many keys.
+MIN_KEYS_PER_SPLIT = 512
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,9 @@ def _extend_kernel(
     Prefix_lens,
     Qo_indptr,
     Block_table,
+    Part_out,
+    Part_lse,
+    Split_counters,
     sm_scale_log2,
     stride_qt,
     stride_qh,
@@ -83,6 +99,11 @@ def _extend_kernel(
     stride_vbh,
     stride_r2t,
     stride_bt,
+    stride_pos,
+    stride_poh,
+    stride_pom,
+    stride_pls,
+    stride_plh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -95,6 +116,8 @@ def _extend_kernel(
     b = tl.load(Block_table + entry)
     if b >= 0:
         block_start = tl.load(Block_table + stride_bt + entry)
+        split = tl.load(Block_table + 2 * stride_bt + entry)
+        num_splits = tl.load(Block_table + 3 * stride_bt + entry)
         kv_head = head // GROUP
         q_start = tl.load(Qo_indptr + b)
         extend_len = tl.load(Qo_indptr + b + 1) - q_start
@@ -116,10 +139,14 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+        # This entry's part of the prefix: whole tiles per split, the last part shorter.
+        part_len = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+        p_lo = split * part_len
+        p_hi = tl.minimum(prefix_len, p_lo + part_len)
         token_row = Req_to_token + req_row * stride_r2t
-        for n0 in range(0, prefix_len, BLOCK_N):
+        for n0 in range(p_lo, p_hi, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
-            n_mask = pos < prefix_len
+            n_mask = pos < p_hi
             slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(
                 K_buf + slots[None, :] * stride_kbt + kv_head * stride_kbh + offs_d[:, None],
@@ -135,52 +162,95 @@ def _extend_kernel(
             ).to(q.dtype)
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
-        # New tokens before this block are visible to every row: no mask at all (BLOCK_M is a multiple
-        # of BLOCK_N and the table's first rows are multiples of BLOCK_M, so these tiles end exactly at
-        # the block's first row).
-        for n0 in range(0, block_start, BLOCK_N):
-            kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-            k = tl.load(
-                K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
-                mask=d_mask[:, None],
-                other=0.0,
-            )
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-            v = tl.load(
-                V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
-                mask=d_mask[None, :],
-                other=0.0,
-            )
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+        # The new tokens: the last split's part.
+        if split == num_splits - 1:
+            # New tokens before this block are visible to every row: no mask at all (BLOCK_M is a multiple
+            # of BLOCK_N and the table's first rows are multiples of BLOCK_M, so these tiles end exactly at
+            # the block's first row).
+            for n0 in range(0, block_start, BLOCK_N):
+                kv_rows = (q_start + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+                k = tl.load(
+                    K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+                    mask=d_mask[:, None],
+                    other=0.0,
+                )
+                s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+                v = tl.load(
+                    V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                    mask=d_mask[None, :],
+                    other=0.0,
+                )
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
-        # The diagonal tiles, causally masked; keys past the block's last row are masked for every
-        # row, so the loop stops there.
-        causal_end = tl.minimum(extend_len, block_start + BLOCK_M)
-        for n0 in range(block_start, causal_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < extend_len
-            kv_rows = (q_start + offs_n).to(tl.int64)
-            k = tl.load(
-                K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None],
-                other=0.0,
-            )
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-            s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
-            v = tl.load(
-                V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
+            # The diagonal tiles, causally masked; keys past the block's last row are masked for every
+            # row, so the loop stops there.
+            causal_end = tl.minimum(extend_len, block_start + BLOCK_M)
+            for n0 in range(block_start, causal_end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < extend_len
+                kv_rows = (q_start + offs_n).to(tl.int64)
+                k = tl.load(
+                    K_new + kv_rows[None, :] * stride_knt + kv_head * stride_knh + offs_d[:, None],
+                    mask=n_mask[None, :] & d_mask[:, None],
+                    other=0.0,
+                )
+                s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+                s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
+                v = tl.load(
+                    V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                )
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
-        # Every row saw at least its own key, so l_i > 0.
-        out = acc / l_i[:, None]
-        tl.store(
-            Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-            out.to(Out.dtype.element_ty),
-            mask=m_mask[:, None] & d_mask[None, :],
-        )
+        if num_splits == 1:
+            # Every row saw at least its own key, so l_i > 0.
+            out = acc / l_i[:, None]
+            tl.store(
+                Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                out.to(Out.dtype.element_ty),
+                mask=m_mask[:, None] & d_mask[None, :],
+            )
+        else:
+            # An empty part (no keys: only possible for a table built by hand) has lse -inf and weighs 0.
+            has_keys = l_i > 0
+            part = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            slot = tl.load(Block_table + 4 * stride_bt + entry)
+            offs_r = tl.arange(0, BLOCK_M)
+            part_rows = Part_out + head * stride_poh + offs_r[:, None] * stride_pom + offs_d[None, :]
+            tl.store(part_rows + slot * stride_pos, part, mask=d_mask[None, :])
+            lse_rows = Part_lse + head * stride_plh + offs_r
+            tl.store(lse_rows + slot * stride_pls, lse)
+            # Count in on the group's counter (release), the last arrival merges (acquire), as in
+            # decode_attention: no program waits for another, and the counter is zero again after.
+            tl.debug_barrier()
+            first_slot = slot - split
+            counter = Split_counters + first_slot * tl.num_programs(0) + head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for j in range(num_splits):
+                    m = tl.maximum(m, tl.load(lse_rows + (first_slot + j) * stride_pls, cache_modifier=".cg"))
+                m = tl.where(m > float("-inf"), m, 0.0)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for j in range(num_splits):
+                    w = tl.exp2(tl.load(lse_rows + (first_slot + j) * stride_pls, cache_modifier=".cg") - m)
+                    got = tl.load(
+                        part_rows + (first_slot + j) * stride_pos, mask=d_mask[None, :], other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    merged += got * w[:, None]
+                    total += w
+                out = merged / tl.where(total > 0, total, 1.0)[:, None]
+                tl.store(
+                    Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                    out.to(Out.dtype.element_ty),
+                    mask=m_mask[:, None] & d_mask[None, :],
+                )
+                tl.store(counter, 0)
 
 
 def _heads_view(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
@@ -191,31 +261,89 @@ def _heads_view(x: torch.Tensor, head_dim: int, name: str) -> torch.Tensor:
 
 
 def extend_block_table(
-    prefix_lens: Sequence[int], extend_lens: Sequence[int], block_m: int, num_blocks: int | None = None
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    block_m: int,
+    num_blocks: int | None = None,
+    *,
+    num_heads: int = 1,
+    num_sms: int = 0,
+    max_split_slots: int = 0,
+    min_keys_per_split: int | None = None,
 ) -> torch.Tensor:
-    """The launch's block table, on the host: int32 [2, num_blocks], column j = (request index, first
-    new-token row within the request) of one block_m-row query block.
+    """The launch's block table, on the host: int32 [TABLE_ROWS, num_blocks]; column j = (request index,
+    first new-token row within the request, split index, splits of that block, scratch slot or -1) of
+    one entry.
 
-    Blocks are ordered by the keys they visit (the prefix plus the new tokens up to the block's last
-    row), most first, ties in batch order. num_blocks (default: exactly the blocks there are) pads the
-    table with (-1, 0) entries, which the kernel skips; it must be at least the number of blocks.
+    Every block_m-row query block gets one entry. While the launch would have fewer than two programs
+    per SM (entries x num_heads < 2 num_sms) and scratch slots remain (max_split_slots; a split block
+    takes one per part), the block whose prefix part is longest is split once more, as long as each part
+    keeps min_keys_per_split keys (default MIN_KEYS_PER_SPLIT). Entries are ordered by the keys they visit, most first, ties in batch
+    order. num_blocks (default: exactly the entries there are) pads the table with (-1, 0, 0, 1, -1)
+    entries, which the kernel skips; it must hold every block, and splitting stops where it is full.
     """
-    blocks: list[tuple[int, int]] = []
-    work: list[int] = []
+    if min_keys_per_split is None:
+        min_keys_per_split = MIN_KEYS_PER_SPLIT
+    blocks: list[tuple[int, int, int, int]] = []  # (request, first row, prefix, new tokens visited)
     for i, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
         for start in range(0, n, block_m):
-            blocks.append((i, start))
-            work.append(prefix + min(n, start + block_m))
-    num_blocks = len(blocks) if num_blocks is None else num_blocks
-    if num_blocks < len(blocks):
-        raise ValueError(f"num_blocks {num_blocks} is below the {len(blocks)} query blocks of the batch")
-    table = torch.zeros((2, num_blocks), dtype=torch.int32)
+            blocks.append((i, start, prefix, min(n, start + block_m)))
+    capacity = len(blocks) if num_blocks is None else num_blocks
+    if capacity < len(blocks):
+        raise ValueError(f"num_blocks {capacity} is below the {len(blocks)} query blocks of the batch")
+    splits = [1] * len(blocks)
+    slots = 0
+    entries = len(blocks)
+    if num_blocks is None and num_sms > 0:
+        capacity = len(blocks) + max(0, max_split_slots - 1)
+    while num_sms > 0 and entries * num_heads < 2 * num_sms and entries < capacity:
+        # The block whose parts are longest, if splitting it again keeps its parts long enough and a
+        # scratch slot is left (a block's first split takes two: its first part and the new one).
+        best, best_keys = -1, 0
+        for j, (_, _, prefix, _) in enumerate(blocks):
+            need = 2 if splits[j] == 1 else 1
+            if prefix // (splits[j] + 1) >= min_keys_per_split and slots + need <= max_split_slots:
+                if prefix / splits[j] > best_keys:
+                    best, best_keys = j, prefix / splits[j]
+        if best < 0:
+            break
+        slots += 2 if splits[best] == 1 else 1
+        splits[best] += 1
+        entries += 1
+    columns: list[tuple[int, int, int, int, int]] = []
+    work: list[float] = []
+    next_slot = 0
+    for j, (i, start, prefix, visited) in enumerate(blocks):
+        n = splits[j]
+        for part in range(n):
+            slot = next_slot + part if n > 1 else -1
+            columns.append((i, start, part, n, slot))
+            work.append(prefix / n + (visited if part == n - 1 else 0))
+        if n > 1:
+            next_slot += n
+    num_blocks = len(columns) if num_blocks is None else num_blocks
+    table = torch.zeros((TABLE_ROWS, num_blocks), dtype=torch.int32)
     table[0] = -1
-    if blocks:
+    table[3] = 1
+    table[4] = -1
+    if columns:
         # sorted() is stable with reverse=True: equal work keeps batch order.
-        order = sorted(range(len(blocks)), key=work.__getitem__, reverse=True)
-        table[:, : len(blocks)] = torch.tensor([blocks[j] for j in order], dtype=torch.int32).T
+        order = sorted(range(len(columns)), key=work.__getitem__, reverse=True)
+        table[:, : len(columns)] = torch.tensor([columns[j] for j in order], dtype=torch.int32).T
     return table
+
+
+def alloc_extend_partials(
+    max_split_slots: int, num_heads: int, block_m: int, head_dim: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scratch for split entries: partial outputs [slots, heads, block_m, head_dim] and their lse
+    [slots, heads, block_m] (float32), and the merge's arrival counters [slots * heads] (int32, zero;
+    extend_attention leaves them zero, so allocate once and reuse on one stream)."""
+    slots = max(1, max_split_slots)
+    part_out = torch.empty((slots, num_heads, block_m, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((slots, num_heads, block_m), dtype=torch.float32, device=device)
+    counters = torch.zeros(slots * num_heads, dtype=torch.int32, device=device)
+    return part_out, part_lse, counters
 
 
 def extend_attention(
@@ -232,9 +360,13 @@ def extend_attention(
     block_table: torch.Tensor,
     sm_scale: float,
     tiles: ExtendTiles | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d]; out [tokens, heads * d] (written at
     the rows of the requests' new tokens; rows past qo_indptr[-1] are left as they are).
+    partials: alloc_extend_partials' scratch, with at least as many slots and as many heads as the
+    table uses and tiles.block_m rows; required when the table splits a block (it is not checked on the
+    device: a split table without it writes through a dummy pointer).
 
     k_buffer/v_buffer: one layer's pool [slots, kv_heads, d]; prefix_lens [bs] and qo_indptr [bs + 1]
     (int32, device) give each request's cached length and its rows; block_table [2, num_blocks] (int32,
@@ -258,10 +390,21 @@ def extend_attention(
     batch_size = prefix_lens.shape[0]
     if qo_indptr.shape[0] != batch_size + 1:
         raise ValueError(f"qo_indptr must have {batch_size + 1} entries, got {qo_indptr.shape[0]}")
-    if block_table.dim() != 2 or block_table.shape[0] != 2 or block_table.stride(1) != 1:
+    if block_table.dim() != 2 or block_table.shape[0] != TABLE_ROWS or block_table.stride(1) != 1:
         raise ValueError(
-            f"block_table must be [2, num_blocks] with contiguous rows, got {tuple(block_table.shape)}"
+            f"block_table must be [{TABLE_ROWS}, num_blocks] with contiguous rows, got {tuple(block_table.shape)}"
         )
+    if partials is None:
+        # Never touched by a table without splits; any float32 / int32 tensors will do as pointers.
+        dummy_f = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse, counters = dummy_f, dummy_f[0], torch.empty(1, dtype=torch.int32, device=q.device)
+    else:
+        part_out, part_lse, counters = partials
+        if part_out.shape[1] < q3.shape[1] or part_out.shape[2] != tiles.block_m or part_out.shape[3] != head_dim:
+            raise ValueError(
+                f"partials {tuple(part_out.shape)} do not fit {q3.shape[1]} heads, block_m {tiles.block_m}, "
+                f"head_dim {head_dim}"
+            )
     num_blocks = block_table.shape[1]
     if num_blocks == 0:
         return out
@@ -279,6 +422,9 @@ def extend_attention(
         prefix_lens,
         qo_indptr,
         block_table,
+        part_out,
+        part_lse,
+        counters,
         sm_scale * _LOG2E,
         q3.stride(0),
         q3.stride(1),
@@ -294,6 +440,11 @@ def extend_attention(
         v_buffer.stride(1),
         req_to_token.stride(0),
         block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,

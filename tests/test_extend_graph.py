@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import extend_attention
 from kernels.extend_attention import ExtendTiles
 from services.worker.attention import triton_backend
 from services.worker.config import EngineConfig
@@ -188,3 +189,22 @@ def test_extend_batches_over_the_bounds_run_eagerly(session: _Session) -> None:
     crowded.req_pool_indices = crowded.req_pool_indices.repeat(bs)[:bs]
     crowded.input_ids = crowded.input_ids.repeat(bs)[:bs]
     assert not session.graphs.can_run(crowded)
+
+
+def test_split_prefixes_in_graph_and_eager_steps_match_unsplit(session: _Session, monkeypatch) -> None:  # noqa: ANN001
+    """A short step after a long prefix splits that prefix over several table entries (the backend's
+    SM count on CPU is 8, the tiny model has 4 heads): the graph's padded table and the eager one both
+    carry the splits, and both give the logits of the same step with no split."""
+    monkeypatch.setattr(extend_attention, "MIN_KEYS_PER_SPLIT", 16)
+    a, b = session.new_request(), session.new_request()
+    session.eager(session.batch({a: 60}))
+    session.eager(session.batch({a: 60, b: 20}))
+    batch = session.batch({a: 2, b: 1})
+    backend = session.runner.attn_backend
+    rows = triton_backend.extend_metadata_rows([120, 20], [2, 1], None, backend._splitting)
+    assert rows[triton_backend._BLOCK_TABLE][3].max() > 1, "the step does not split"
+    session.check_graph_matches_eager(batch, (64, MAX_REQUESTS))
+    split_logits = session.eager(batch).clone()
+    monkeypatch.setattr(backend, "_splitting", None)
+    unsplit = session.eager(batch)
+    assert (split_logits - unsplit).abs().max() <= TOLERANCE

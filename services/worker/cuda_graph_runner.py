@@ -41,7 +41,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.attention.triton_backend import TritonAttnBackend, TritonExtendMetadata
+from services.worker.attention.triton_backend import (
+    EXTEND_METADATA_ROWS,
+    TritonAttnBackend,
+    TritonExtendMetadata,
+)
 from services.worker.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -131,7 +135,7 @@ class CudaGraphRunner:
         meta_width = max(
             (max(g.batch_size + 1, bound(g.num_tokens, g.batch_size)) for g in self.extend_graphs), default=1
         )
-        self.extend_meta = torch.zeros((4, meta_width), dtype=torch.int32, device=self.device)
+        self.extend_meta = torch.zeros((EXTEND_METADATA_ROWS, meta_width), dtype=torch.int32, device=self.device)
         # An empty batch: every table entry (-1) is skipped, which is all the warm-up and capture need.
         backend.fill_extend_metadata(self.extend_meta, [], [])
         logits_rows = max(g.batch_size for g in self.decode_graphs + self.extend_graphs)
@@ -248,7 +252,8 @@ class CudaGraphRunner:
             assert found is not None, "replay() takes only batches can_run accepts"
             g = found
             prefix_lens, extend_lens = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
-            self.backend.fill_extend_metadata(self.extend_meta, prefix_lens, extend_lens)
+            bound = self.backend.extend_blocks_bound(g.num_tokens, g.batch_size)
+            self.backend.fill_extend_metadata(self.extend_meta, prefix_lens, extend_lens, bound)
         # Padding: token 0 at position 0 into KV slot 0; request row 0 of length 0 (one launch: a graph
         # has no more requests than tokens, and the copies below overwrite the real part).
         if min(bs, num_tokens) < g.num_tokens:

@@ -12,7 +12,13 @@ from kernels.decode_attention import (
     decode_attention,
     kv_splits_per_request,
 )
-from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table
+from kernels.extend_attention import (
+    TABLE_ROWS,
+    ExtendTiles,
+    alloc_extend_partials,
+    extend_attention,
+    extend_block_table,
+)
 from kernels.reference import extend_attention_ref
 from tests.kernels.conftest import poisoned, rel_error
 
@@ -27,14 +33,16 @@ SMALL = ExtendTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
 def _run(
-    kv, q, k, v, prefix_lens: list[int], extend_lens: list[int], scale: float, tiles=SMALL, num_blocks=None
-):
+    kv, q, k, v, prefix_lens: list[int], extend_lens: list[int], scale: float, tiles=SMALL, num_blocks=None,
+    table=None, partials=None,
+):  # fmt: skip
     out = poisoned(q.shape)
     indptr = torch.tensor([0, *extend_lens]).cumsum(0).to(torch.int32)
-    table = extend_block_table(prefix_lens, extend_lens, tiles.block_m, num_blocks)
+    if table is None:
+        table = extend_block_table(prefix_lens, extend_lens, tiles.block_m, num_blocks)
     extend_attention(
         q, k, v, out, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices,
-        torch.tensor(prefix_lens, dtype=torch.int32), indptr, table, scale, tiles,
+        torch.tensor(prefix_lens, dtype=torch.int32), indptr, table, scale, tiles, partials,
     )  # fmt: skip
     return out
 
@@ -137,7 +145,13 @@ def test_block_table_lists_every_block_heaviest_first_and_pads() -> None:
     # request 0's second block, kept in batch order); request 2 has no new tokens, so no block.
     table = extend_block_table([20, 5, 9], [17, 32, 0], block_m=16, num_blocks=7)
     assert table.dtype == torch.int32
-    assert table.tolist() == [[0, 1, 0, 1, -1, -1, -1], [16, 16, 0, 0, 0, 0, 0]]
+    assert table.tolist() == [
+        [0, 1, 0, 1, -1, -1, -1],
+        [16, 16, 0, 0, 0, 0, 0],
+        [0] * 7,  # split index
+        [1] * 7,  # splits of the block: none is split without num_sms
+        [-1] * 7,  # scratch slot
+    ]
     with pytest.raises(ValueError, match="num_blocks"):
         extend_block_table([0], [40], block_m=16, num_blocks=2)
 
@@ -174,3 +188,73 @@ def test_extend_with_a_padded_block_table_matches_reference(
     assert rel_error(out[:real], ref) < 1e-3
     # The padded rows were left alone (still the poison).
     assert out[real:].isnan().all()
+
+
+def _ref(kv, q, k, v, prefix_lens, extend_lens, scale):
+    return extend_attention_ref(
+        q, k, v, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices, prefix_lens, extend_lens, scale
+    )
+
+
+def test_split_table_splits_long_prefixes_until_the_sms_are_busy() -> None:
+    # Blocks: request 0 one block (prefix 400), request 1 two blocks (prefix 100), request 2 one (no prefix).
+    table = extend_block_table(
+        [400, 100, 0], [10, 20, 5], block_m=16, num_heads=2, num_sms=8, max_split_slots=8, min_keys_per_split=64
+    )
+    assert table.shape[0] == TABLE_ROWS
+    entries = table.T.tolist()
+    # 4 blocks x 2 heads < 2 x 8 SMs: split until 8 entries; only request 0's prefix is long enough for
+    # parts of >= 64 keys, so it takes every split: 400 keys in 5 parts of >= 64.
+    assert len(entries) == 8
+    parts = sorted((e for e in entries if e[0] == 0), key=lambda e: e[2])
+    assert [e[2] for e in parts] == [0, 1, 2, 3, 4] and {e[3] for e in parts} == {5}
+    assert sorted(e[4] for e in parts) == [0, 1, 2, 3, 4]  # one scratch slot per part, a group's in a row
+    assert all(e[3] == 1 and e[4] == -1 for e in entries if e[0] != 0)
+    # Heaviest first: request 1's blocks (100 keys + 20 and + 16 new ones), then request 0's last part
+    # (80 keys + its 10 new tokens), then its other parts (80 keys each).
+    assert [e[:3] for e in entries[:3]] == [[1, 16, 0], [1, 0, 0], [0, 0, 4]]
+
+
+def test_split_table_respects_slots_and_capacity() -> None:
+    kw = dict(num_heads=1, num_sms=64, min_keys_per_split=16)
+    few_slots = extend_block_table([1000], [4], block_m=16, max_split_slots=3, **kw)
+    assert few_slots[3].tolist() == [3, 3, 3]  # 3 slots: 3 parts
+    full = extend_block_table([1000], [4], block_m=16, num_blocks=4, max_split_slots=64, **kw)
+    assert full.shape[1] == 4 and full[3].tolist() == [4, 4, 4, 4]  # a graph's table: no entry past it
+    no_slots = extend_block_table([1000], [4], block_m=16, max_split_slots=0, **kw)
+    assert no_slots[3].tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("prefix_lens", "extend_lens", "heads", "kv_heads"),
+    [
+        ([300], [5], 4, 2),  # a mixed step's short chunk after a long prefix
+        ([250, 0, 97], [40, 3, 17], 8, 2),  # several blocks, one of them split; GQA 4
+        ([200, 130], [1, 1], 4, 4),  # decode-like rows; both requests split
+    ],
+)
+def test_split_prefixes_match_reference_and_leave_counters_zero(
+    gen, paged_kv, prefix_lens, extend_lens, heads, kv_heads
+) -> None:
+    kv = paged_kv(gen, [p + e for p, e in zip(prefix_lens, extend_lens)], kv_heads, 16)
+    q, k, v = _qkv_views(gen, sum(extend_lens), heads, kv_heads, 16)
+    table = extend_block_table(
+        prefix_lens, extend_lens, SMALL.block_m, num_heads=heads, num_sms=64, max_split_slots=12,
+        min_keys_per_split=32,
+    )  # fmt: skip
+    assert (table[3] > 1).any()  # the case really splits
+    partials = alloc_extend_partials(12, heads, SMALL.block_m, 16, "cpu")
+    partials[0].fill_(float("nan"))
+    out = _run(kv, q, k, v, prefix_lens, extend_lens, 0.25, table=table, partials=partials)
+    assert rel_error(out, _ref(kv, q, k, v, prefix_lens, extend_lens, 0.25)) < 1e-3
+    assert partials[2].eq(0).all()
+    # The same table again (a CUDA graph's replay): the counters were left ready.
+    again = _run(kv, q, k, v, prefix_lens, extend_lens, 0.25, table=table, partials=partials)
+    assert torch.equal(out, again)
+
+
+def test_partials_of_the_wrong_shape_are_refused(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [40], 2, 16)
+    q, k, v = _qkv_views(gen, 4, 4, 2, 16)
+    with pytest.raises(ValueError, match="partials"):
+        _run(kv, q, k, v, [36], [4], 0.25, partials=alloc_extend_partials(4, 4, 32, 16, "cpu"))

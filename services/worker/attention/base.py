@@ -28,8 +28,8 @@ class AttentionBackend(ABC):
     """Computes attention for one layer over the paged (token-level) KV pool."""
 
     def full_wave_extend_tokens(self, num_heads: int, device: torch.device) -> int:
-        """New tokens of one request below which its extend attention no longer gets faster: the
-        scheduler does not cut a mixed step's chunk shorter than this (1: no such floor)."""
+        """New tokens of one request below which its extend attention gets no faster: the scheduler
+        does not cut a mixed step's chunk shorter than this (1: no such floor)."""
         return 1
 
     @abstractmethod

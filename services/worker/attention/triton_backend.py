@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
-from kernels.extend_attention import ExtendTiles, extend_attention, extend_block_table
+from kernels.extend_attention import (
+    TABLE_ROWS,
+    ExtendTiles,
+    alloc_extend_partials,
+    extend_attention,
+    extend_block_table,
+)
 from kernels.kv_store import store_kv
 from kernels.qk_norm_rope import qk_norm_rope_
 from services.worker.attention.base import AttentionBackend
@@ -43,8 +49,25 @@ if TYPE_CHECKING:
 _DEFAULT_NUM_SMS = 8
 # Extend attention's launch shape: its block_m is also the block table's, so both are read from here.
 EXTEND_TILES = ExtendTiles()
-# Rows of the extend metadata buffer (int32 [4, width]).
-_QO_INDPTR, _PREFIX_LENS, _BLOCK_TABLE = 0, 1, slice(2, 4)
+# Rows of the extend metadata buffer (int32 [EXTEND_METADATA_ROWS, width]).
+EXTEND_METADATA_ROWS = 2 + TABLE_ROWS
+_QO_INDPTR, _PREFIX_LENS, _BLOCK_TABLE = 0, 1, slice(2, 2 + TABLE_ROWS)
+# Extend entries that split blocks' prefixes may add to a batch's table (kernels.extend_attention):
+# scratch slots, capped so the scratch stays near 64 MB (slots x heads x block_m x head_dim x 4 bytes).
+MAX_EXTEND_SPLIT_SLOTS = 64
+
+
+def extend_split_slots(num_heads: int) -> int:
+    return max(2, min(MAX_EXTEND_SPLIT_SLOTS, 1024 // max(1, num_heads)))
+
+
+@dataclass(frozen=True)
+class ExtendSplitting:
+    """What extend_block_table needs to split long prefixes: heads per rank, SMs, scratch slots."""
+
+    num_heads: int
+    num_sms: int
+    max_split_slots: int
 
 
 @dataclass(frozen=True)
@@ -58,8 +81,8 @@ class TritonDecodeMetadata:
 @dataclass(frozen=True)
 class TritonExtendMetadata:
     """qo_indptr: [bs + 1] int32 row offsets of each request's new tokens; prefix_lens: [bs] int32;
-    block_table: [2, num_blocks] int32 (request, first new-token row) of each query block, padded with
-    (-1, 0) (its length sizes the grid). All three are views of one int32 buffer [4, width]."""
+    block_table: [TABLE_ROWS, num_blocks] int32 (kernels.extend_attention.extend_block_table), padded
+    (its length sizes the grid). All three are views of one int32 buffer [EXTEND_METADATA_ROWS, width]."""
 
     qo_indptr: torch.Tensor
     prefix_lens: torch.Tensor
@@ -76,18 +99,34 @@ class TritonExtendMetadata:
         )
 
 
-def extend_metadata_rows(prefix_lens: list[int], extend_lens: list[int], width: int) -> torch.Tensor:
-    """An extend batch's metadata on the host, int32 [4, width]: qo_indptr, prefix_lens and the two rows
-    of the block table for EXTEND_TILES. Past the batch, qo_indptr repeats the token total and prefix
-    lengths are 0 (requests with no tokens: a graph's padded requests), and the table holds (-1, 0)."""
-    rows = torch.zeros((4, width), dtype=torch.int32)
+def extend_metadata_rows(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    width: int | None,
+    splitting: ExtendSplitting | None = None,
+    num_blocks: int | None = None,
+) -> torch.Tensor:
+    """An extend batch's metadata on the host, int32 [EXTEND_METADATA_ROWS, width]: qo_indptr,
+    prefix_lens and the block table for EXTEND_TILES (with its prefixes split as `splitting` allows).
+    Past the batch, qo_indptr repeats the token total and prefix lengths are 0 (requests with no tokens:
+    a graph's padded requests), and the table holds padding entries. The table has num_blocks entries
+    (default: as many as it needs; a graph's bound for a replay) and width None is as wide as needed."""
+    split = splitting or ExtendSplitting(1, 0, 0)
+    table = extend_block_table(
+        prefix_lens, extend_lens, EXTEND_TILES.block_m, num_blocks,
+        num_heads=split.num_heads, num_sms=split.num_sms, max_split_slots=split.max_split_slots,
+    )  # fmt: skip
+    if width is None:
+        width = max(len(extend_lens) + 1, table.shape[1])
+    rows = torch.zeros((EXTEND_METADATA_ROWS, width), dtype=torch.int32)
     indptr = [0]
     for n in extend_lens:
         indptr.append(indptr[-1] + n)
     rows[_QO_INDPTR] = indptr[-1]
     rows[_QO_INDPTR, : len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
     rows[_PREFIX_LENS, : len(prefix_lens)] = torch.tensor(prefix_lens, dtype=torch.int32)
-    rows[_BLOCK_TABLE] = extend_block_table(prefix_lens, extend_lens, EXTEND_TILES.block_m, width)
+    rows[_BLOCK_TABLE] = extend_block_table([], [], EXTEND_TILES.block_m, width)  # padding entries
+    rows[_BLOCK_TABLE, : table.shape[1]] = table
     return rows
 
 
@@ -117,6 +156,9 @@ class TritonAttnBackend(AttentionBackend):
         self._splits_buffer: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
+        # Set by reserve(): extend entries may then split long prefixes, into these buffers.
+        self._splitting: ExtendSplitting | None = None
+        self._extend_partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def reserve(
         self,
@@ -136,6 +178,10 @@ class TritonAttnBackend(AttentionBackend):
         self._splits(max_batch_size, device)
         self._scratch_for(worst * num_heads * (head_dim + 1), device)
         self._counters_for(max_batch_size * num_kv_heads, device)
+        if self._extend_partials is None or self._extend_partials[0].device != device:
+            slots = extend_split_slots(num_heads)
+            self._extend_partials = alloc_extend_partials(slots, num_heads, EXTEND_TILES.block_m, head_dim, device)
+            self._splitting = ExtendSplitting(num_heads, sms, slots)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.seq_lens.device
@@ -146,27 +192,27 @@ class TritonAttnBackend(AttentionBackend):
             kv_splits_per_request(batch.seq_lens, max_splits, out=splits)
             batch.attn_metadata = TritonDecodeMetadata(splits, max_splits)
             return
-        # An eager step's table is exactly as long as its blocks (one device copy for all of it).
+        # An eager step's table is exactly as long as its entries (one device copy for all of it).
         bs = batch.batch_size
-        block_m = EXTEND_TILES.block_m
-        num_blocks = sum(-(-n // block_m) for n in batch.extend_seq_lens_cpu)
-        rows = extend_metadata_rows(
-            batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, max(bs + 1, num_blocks)
-        )
+        rows = extend_metadata_rows(batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, None, self._splitting)
+        num_blocks = int((rows[_BLOCK_TABLE][0] >= 0).sum())
         batch.attn_metadata = TritonExtendMetadata.view(to_device_async(rows, device), bs, num_blocks)
 
     @staticmethod
     def extend_blocks_bound(num_tokens: int, batch_size: int) -> int:
         """Query blocks of any extend batch of at most num_tokens tokens and batch_size requests: each
-        request's last block may be partial, so sum(cdiv(n_i, block_m)) < num_tokens / block_m + bs."""
-        return -(-num_tokens // EXTEND_TILES.block_m) + batch_size
+        request's last block may be partial, so sum(cdiv(n_i, block_m)) < num_tokens / block_m + bs; split
+        prefixes add at most MAX_EXTEND_SPLIT_SLOTS entries."""
+        return -(-num_tokens // EXTEND_TILES.block_m) + batch_size + MAX_EXTEND_SPLIT_SLOTS
 
-    @staticmethod
-    def fill_extend_metadata(buffer: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> None:
-        """Write a batch's extend metadata into a static int32 [4, width] buffer in place (one copy that
-        does not wait for the device), so every TritonExtendMetadata.view of it that has room for the
-        batch describes it: a CUDA graph captured over such a view replays the batch."""
-        rows = extend_metadata_rows(prefix_lens, extend_lens, buffer.shape[1])
+    def fill_extend_metadata(
+        self, buffer: torch.Tensor, prefix_lens: list[int], extend_lens: list[int], num_blocks: int | None = None
+    ) -> None:
+        """Write a batch's extend metadata into a static int32 [EXTEND_METADATA_ROWS, width] buffer in
+        place (one copy that does not wait for the device), its table within num_blocks entries (the
+        bound of the graph that replays it), so the TritonExtendMetadata.view a CUDA graph was captured
+        over describes the batch."""
+        rows = extend_metadata_rows(prefix_lens, extend_lens, buffer.shape[1], self._splitting, num_blocks)
         if buffer.is_cuda:
             rows = rows.pin_memory()
         buffer.copy_(rows, non_blocking=True)
@@ -256,6 +302,7 @@ class TritonAttnBackend(AttentionBackend):
             meta.block_table,
             layer.scaling,
             EXTEND_TILES,
+            self._extend_partials,
         )
 
     def _decode(
@@ -290,11 +337,11 @@ class TritonAttnBackend(AttentionBackend):
         store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
 
     def full_wave_extend_tokens(self, num_heads: int, device: torch.device) -> int:
-        """The extend kernel runs one program per (query head, EXTEND_TILES.block_m-row block) and
-        walks the whole prefix in each, so a chunk of fewer rows than fill one wave of the SMs takes
-        as long as one that fills it (a 64-token chunk after a 30k prefix ran 24 ms per step on the
-        H200, 0.6B-shaped). Below a wave, only the prefix length decides the time."""
-        return EXTEND_TILES.block_m * -(-self._sm_count(device) // max(1, num_heads))
+        """One query block (EXTEND_TILES.block_m rows): the extend kernel computes whole blocks, so a
+        shorter chunk costs as much attention as a full block. (Before the kernel split long prefixes
+        over several programs, a chunk below a wave of the SMs cost as much as a full wave: a 64-token
+        chunk after a 30k prefix ran 24 ms per step on the H200, 0.6B-shaped.)"""
+        return EXTEND_TILES.block_m
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
