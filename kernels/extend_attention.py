@@ -296,16 +296,21 @@ def extend_block_table(
     entries = len(blocks)
     if num_blocks is None and num_sms > 0:
         capacity = len(blocks) + max(0, max_split_slots - 1)
-    while num_sms > 0 and entries * num_heads < 2 * num_sms and entries < capacity:
-        # The block whose parts are longest, if splitting it again keeps its parts long enough and a
-        # scratch slot is left (a block's first split takes two: its first part and the new one).
-        best, best_keys = -1, 0
-        for j, (_, _, prefix, _) in enumerate(blocks):
+    # Entries whose programs (one per head) run at once: about two programs per SM. The launch takes at
+    # least its heaviest entry's time and its total work over these lanes, so the heaviest block is
+    # split while one of its parts outweighs a lane's share (a mixed step: 32 one-row decode blocks
+    # beside one chunk after a 30k prefix is as slow as that chunk's 16 programs unless it is split).
+    lanes = max(1, 2 * num_sms // max(1, num_heads))
+    total = sum(prefix + visited for _, _, prefix, visited in blocks)
+    while num_sms > 0 and entries < capacity:
+        best, best_work = -1, 0.0
+        for j, (_, _, prefix, visited) in enumerate(blocks):
             need = 2 if splits[j] == 1 else 1
             if prefix // (splits[j] + 1) >= min_keys_per_split and slots + need <= max_split_slots:
-                if prefix / splits[j] > best_keys:
-                    best, best_keys = j, prefix / splits[j]
-        if best < 0:
+                work = prefix / splits[j] + visited
+                if work > best_work:
+                    best, best_work = j, work
+        if best < 0 or best_work <= total / lanes:
             break
         slots += 2 if splits[best] == 1 else 1
         splits[best] += 1

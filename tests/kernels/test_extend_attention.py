@@ -196,25 +196,37 @@ def _ref(kv, q, k, v, prefix_lens, extend_lens, scale):
     )
 
 
-def test_split_table_splits_long_prefixes_until_the_sms_are_busy() -> None:
-    # Blocks: request 0 one block (prefix 400), request 1 two blocks (prefix 100), request 2 one (no prefix).
+def test_split_table_splits_the_heaviest_block_until_it_is_no_heavier_than_a_lanes_share() -> None:
+    # Blocks (keys visited): request 0 one (400 prefix + 10), request 1 two (100 + 16, 100 + 20),
+    # request 2 one (5). 2 heads on 8 SMs: 8 lanes, a share of 651 / 8 = 81.4 keys.
     table = extend_block_table(
         [400, 100, 0], [10, 20, 5], block_m=16, num_heads=2, num_sms=8, max_split_slots=8, min_keys_per_split=64
     )
     assert table.shape[0] == TABLE_ROWS
     entries = table.T.tolist()
-    # 4 blocks x 2 heads < 2 x 8 SMs: split until 8 entries; only request 0's prefix is long enough for
-    # parts of >= 64 keys, so it takes every split: 400 keys in 5 parts of >= 64.
-    assert len(entries) == 8
+    # Request 0 splits while a part outweighs the share: 400/5 + 10 = 90 > 81.4, so 6 parts of 66-67
+    # keys (>= 64); request 1's prefix cannot make parts of 64 keys, so its blocks stay whole.
+    assert len(entries) == 9
     parts = sorted((e for e in entries if e[0] == 0), key=lambda e: e[2])
-    assert [e[2] for e in parts] == [0, 1, 2, 3, 4] and {e[3] for e in parts} == {5}
-    assert sorted(e[4] for e in parts) == [0, 1, 2, 3, 4]  # one scratch slot per part, a group's in a row
+    assert [e[2] for e in parts] == [0, 1, 2, 3, 4, 5] and {e[3] for e in parts} == {6}
+    assert sorted(e[4] for e in parts) == [0, 1, 2, 3, 4, 5]  # one scratch slot per part, a group's in a row
     assert all(e[3] == 1 and e[4] == -1 for e in entries if e[0] != 0)
-    # Heaviest first: request 1's blocks (100 keys + 20 and + 16 new ones), then request 0's last part
-    # (80 keys + its 10 new tokens), then its other parts (80 keys each).
-    assert [e[:3] for e in entries[:3]] == [[1, 16, 0], [1, 0, 0], [0, 0, 4]]
+    # Heaviest first: request 1's blocks (120, 116 keys), then request 0's last part (66.7 + 10).
+    assert [e[:3] for e in entries[:3]] == [[1, 16, 0], [1, 0, 0], [0, 0, 5]]
 
 
+def test_a_long_chunk_beside_many_light_blocks_is_split() -> None:
+    """A mixed step: 32 one-token decodes (short contexts) and one chunk after a long prefix. There are
+    more entries than lanes, yet the chunk's block alone would take longer than all the rest."""
+    prefixes, news = [100] * 32 + [3000], [1] * 32 + [128]
+    table = extend_block_table(prefixes, news, block_m=128, num_heads=16, num_sms=132, max_split_slots=64,
+                               min_keys_per_split=128)  # fmt: skip
+    chunk = [e for e in table.T.tolist() if e[0] == 32]
+    share = (32 * 101 + 3000 + 128) / (2 * 132 // 16)
+    n = len(chunk)
+    assert n > 1 and chunk[0][3] == n
+    assert 3000 / n + 128 <= share or 3000 // (n + 1) < 128  # no heavier than a share, or parts at the floor
+    assert 3000 / (n - 1) + 128 > share  # and not split further than that
 def test_split_table_respects_slots_and_capacity() -> None:
     kw = dict(num_heads=1, num_sms=64, min_keys_per_split=16)
     few_slots = extend_block_table([1000], [4], block_m=16, max_split_slots=3, **kw)
