@@ -162,6 +162,50 @@ def plot_serving_s3() -> None:
     fig.savefig(PLOTS / "p3_p6_serving_s3.png", dpi=110)
 
 
+def plot_sixth_session() -> None:
+    """Sixth session: decode attention launch shapes at P3's batch, P3 through the Engine call by call,
+    P4/P5 re-checked, P6 per mixed-step policy, and P1/P2 beside transformers' compiled generate."""
+    fig, axes = plt.subplots(1, 5, figsize=(27, 4.2))
+    sweep = [r for r in load("gpu_decode_sweep_s6")["rows"] if r["case"] == "p3 bs256"]
+    by = {r["variant"]: r["ratio"] for r in sweep}
+    names = [("default", "before"), ("head_major", "+ head grid"), ("k_rows", "+ K rows"), ("hm+kr", "both"),
+             ("hm+kr n128w4s2", "both +\n128 keys")]
+    bars(axes[0], [label for _, label in names], [by[key] for key, _ in names], ["tab:gray"] + ["tab:blue"] * 4)
+    axes[0].set_title("decode attention, batch 256 (P3's contexts)")
+    axes[0].set_ylabel("KV bytes / s over copy bandwidth")
+    p3 = [load(f"gpu_serving_s6_call{i}{suffix}")["p3"] for i, suffix in ((1, "_p3"), (2, "_p3"), (3, ""))]
+    bars(axes[1], ["session start", "+ decode tiles", "+ text once", "ceiling"],
+         [p3[0]["tok_s"], p3[1]["tok_s"], p3[2]["tok_s"], p3[2]["ceiling_tok_s"]],
+         ["tab:gray", "tab:blue", "tab:blue", "tab:gray"])
+    axes[1].axhline(0.6 * p3[2]["ceiling_tok_s"], color="tab:green", linestyle="--", label="target 0.6")
+    axes[1].set_title(f"P3 through the Engine (ratio {p3[2]['ratio']:.3f})")
+    axes[1].set_ylabel("output tokens/s")
+    axes[1].legend(fontsize=8)
+    c4 = load("gpu_serving_s6_call4")
+    bars(axes[2], ["P4 cache on", "P4 cache off", "P5 overlap on", "P5 overlap off"],
+         [c4["p4"]["cache_on"]["tok_s"], c4["p4"]["cache_off"]["tok_s"], c4["p5"]["overlap_on_tok_s"],
+          c4["p5"]["overlap_off_tok_s"]], ["tab:blue", "tab:orange", "tab:blue", "tab:orange"])
+    axes[2].set_title(f"P4 {c4['p4']['speedup']:.2f}x (hit {c4['p4']['hit_rate_vs_ideal']:.0%} of ideal), "
+                      f"P5 {c4['p5']['speedup']:.2f}x")
+    axes[2].set_ylabel("output tokens/s")
+    gap_bars(axes[3], {f"call {i}\nmixed": load(f"gpu_serving_s6_call{i}")["p6"]["chunked_mixed"] for i in (3, 4, 5)}
+             | {"chunked": load("gpu_serving_s6_call5")["p6"]["chunked"],
+                "unchunked": load("gpu_serving_s6_call5")["p6"]["unchunked"]},
+             "P6 gaps (calls 3-5: mixed-step policies)")
+    hf = load("gpu_engine_s6_hfc")["results"]
+    labels, values, colors = [], [], []
+    for name in ("8b", "0.6b"):
+        labels += [f"{name}\nours", f"{name}\nHF eager", f"{name}\nHF compile"]
+        values += [hf[name]["tok_s"], hf[name]["hf_eager_tok_s"], hf[name]["hf_compile_tok_s"]]
+        colors += ["tab:blue", "tab:orange", "tab:red"]
+    bars(axes[4], labels, values, colors)
+    axes[4].set_yscale("log")
+    axes[4].set_title(f"P1/P2 batch-1 decode (8B ratio {hf['8b']['ratio']:.3f})")
+    axes[4].set_ylabel("tokens/s (log)")
+    fig.tight_layout()
+    fig.savefig(PLOTS / "s6_gpu.png", dpi=110)
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     plot_decode()
@@ -171,6 +215,7 @@ def main() -> None:
     plot_pipeline()
     plot_spec()
     plot_serving_s3()
+    plot_sixth_session()
     print(f"plots in {PLOTS}")
 
 

@@ -66,7 +66,11 @@ class EngineConfig:
     schedule_policy: str = _help("waiting-queue order: " + ", ".join(SCHEDULE_POLICIES), "fcfs")
     chunked_prefill_size: int | None = _help("most new prompt tokens per step (None: no chunking)", 2048)
     max_prefill_tokens: int = _help("most prompt tokens admitted in one prefill step", 16384)
-    enable_mixed_chunk: bool = _help("run decodes in the same step as a prefill chunk", False)
+    enable_mixed_chunk: bool = _help(
+        "run decodes in the same step as a prefill chunk; that chunk is sized so its cost, attention over "
+        "its prefix included, stays within chunked_prefill_size prefill tokens",
+        False,
+    )
     disable_radix_cache: bool = _help("turn the prefix cache off (every prompt prefilled in full)", False)
     radix_eviction_policy: str = _help("cache eviction: " + ", ".join(EVICTION_POLICIES), "lru")
     schedule_conservativeness: float = _help("scales the decode-token reservation at admission", 1.0)
