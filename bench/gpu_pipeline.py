@@ -138,6 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"pipeline_overhead.py's (default {PROFILES['gpu'][name]}; --tiny: {PROFILES['tiny'][name]})")
     p.add_argument("--gateway-tokenizes", action="store_true", help="`up --gateway-tokenizes`")
+    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
     p.add_argument("--out", type=Path, default=OUT / "gpu_pipeline.json", help="JSON results path")
     args = p.parse_args(argv)
     for name, default in PROFILES["tiny" if args.tiny else "gpu"].items():
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.gateway_tokenizes:
         forwarded.append("--gateway-tokenizes")
+    forwarded += ["--gateways", str(args.gateways)]
     pipeline_overhead.main(forwarded)
 
 

@@ -56,7 +56,7 @@ for step in "${steps[@]}"; do
              python bench/gpu_serving.py --figures p3 --json gpu_serving_p3spy.json > "$OUT/p3spy.log" 2>&1 & pid=$!
              sleep 1; timeout 150 /tmp/site/bin/py-spy record --pid $pid --subprocesses --nonblocking --idle --rate 100 \
                --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
-    pipeline) timeout 400 python bench/gpu_pipeline.py > "$OUT/pipeline.log" 2>&1 ;;
+    pipeline) timeout 400 python bench/gpu_pipeline.py ${PIPELINE_ARGS:-} > "$OUT/pipeline.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
   echo "== $step: exit $?"

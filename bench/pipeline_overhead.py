@@ -138,7 +138,9 @@ def up_flags(model_path: Path, options: dict[str, Any]) -> list[str]:
 class Stack:
     """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
 
-    def __init__(self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: bool = False) -> None:
+    def __init__(
+        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: bool = False, gateways: int = 1
+    ) -> None:
         self.port, grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -149,7 +151,7 @@ class Stack:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
                  str(grpc_port), "--run-dir", str(run_dir), *engine_flags,
-                 *(["--gateway-tokenizes"] if gateway_tokenizes else [])],
+                 *(["--gateway-tokenizes"] if gateway_tokenizes else []), "--gateways", str(gateways)],
                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
@@ -374,6 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     p.add_argument("--gateway-tokenizes", action="store_true",
                    help="`up --gateway-tokenizes`: the gateway tokenizes, no tokenizer-service hop")
+    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the embedded model)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both sides")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 for both sides (default: the engine's)")
@@ -431,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
           f"engine options {options}", flush=True)
     started = time.perf_counter()
     run_dir = Path(tempfile.mkdtemp(prefix="rs-pipeline-bench-"))
-    stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes)
+    stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes, args.gateways)
     try:
         # The Engine loads while the pipeline starts: neither is timed.
         engine = Engine(str(model_path), **options)

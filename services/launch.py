@@ -72,6 +72,8 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     up.add_argument("--workers", type=int, default=1, help="worker processes (each loads the model)")
+    up.add_argument("--gateways", type=int, default=1,
+                    help="gateway processes sharing --port (SO_REUSEPORT) and --grpc-port: more HTTP intake")
     up.add_argument("--gateway-tokenizes", action="store_true",
                     help="the gateway tokenizes (--local-tokenizer): one NATS hop less per request")
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
@@ -129,6 +131,9 @@ def run_up(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("radixserve: error: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.gateways < 1 or (args.gateways > 1 and args.port == 0):
+        print("radixserve: error: --gateways must be >= 1, and more than one needs a fixed --port", file=sys.stderr)
+        return 2
     run_dir = args.run_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -168,20 +173,27 @@ def run_up(args: argparse.Namespace) -> int:
         gateway_args = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
         if args.gateway_tokenizes:
             gateway_args += ["--local-tokenizer", str(model_path)]
-        gateway = _spawn("gateway", "gateway", gateway_args, env, run_dir)
+        if args.gateways > 1:
+            gateway_args += ["--reuse-port"]
+        gateways = [
+            _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env, run_dir)
+            for i in range(args.gateways)
+        ]
+        gateway = gateways[0]
         tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env, run_dir)
         workers = [
             _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",
                                             "--metrics-port", "0"], env, run_dir)
             for i in range(args.workers)
         ]
-        children += [gateway, tokenizer, *workers]
+        children += [*gateways, tokenizer, *workers]
         for child in children:
             child.wait_ready(deadline)
         base = f"http://{args.host}:{args.port}"
         models = _wait_for_model(base, deadline, gateway)
         model = models["data"][0]["id"]
-        print(f"\nradixserve is up: {base}  (model {model}, {args.workers} worker(s), logs in {run_dir})")
+        print(f"\nradixserve is up: {base}  (model {model}, {args.gateways} gateway(s), {args.workers} worker(s), "
+              f"logs in {run_dir})")
         print(f"  OpenAI API: {base}/v1   docs: {base}/docs   gRPC: {args.host}:{args.grpc_port}   NATS: {nats_url}")
         print(f"  playground: {base}/playground")
         print("  try:")

@@ -1,5 +1,6 @@
 """`radixserve up` (what `make run` calls): starts NATS and every service, serves the default model at
-the printed URL, and on SIGTERM stops everything it started."""
+the printed URL, and on SIGTERM stops everything it started. Here with two gateway processes sharing
+the HTTP port (`--gateways 2`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +58,7 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-             "--run-dir", str(tmp_path / "run")],
+             "--gateways", "2", "--run-dir", str(tmp_path / "run")],
             cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     try:
@@ -76,8 +78,11 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
             max_tokens=24,
         )
         assert "Paris" in reply.choices[0].message.content
+        # New connections are spread over both gateways by the kernel (SO_REUSEPORT).
+        answered_by = {httpx.get(f"{url}/health", timeout=10).headers["x-radixserve-gateway"] for _ in range(24)}
+        assert len(answered_by) == 2, answered_by
         started = children_of(proc.pid)
-        assert len(started) >= 4  # nats-server, gateway, tokenizer, worker
+        assert len(started) >= 5  # nats-server, two gateways, tokenizer, worker
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)

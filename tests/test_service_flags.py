@@ -88,3 +88,18 @@ def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch: pytest.Monkey
     monkeypatch.setenv("RS_EVENT_LOOP", "tokio")
     with pytest.raises(ValueError, match="RS_EVENT_LOOP must be auto, asyncio or uvloop, got 'tokio'"):
         event_loop_factory()
+
+
+def test_a_shared_gateway_port_must_be_fixed(qwen3_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.gateway.config import GatewayConfig
+    from services.launch import add_up_commands, run_up
+
+    with pytest.raises(ValueError, match="reuse_port needs a fixed port"):
+        flags.build(GatewayConfig, parse(GatewayConfig, ["--reuse-port", "--port", "0"]), {})
+    assert flags.build(GatewayConfig, parse(GatewayConfig, ["--reuse-port", "--port", "8123"]), {}).reuse_port
+    parser = argparse.ArgumentParser()
+    add_up_commands(parser.add_subparsers())
+    model = ["--model-path", str(qwen3_path)]
+    for argv in (["up", "--gateways", "0", *model], ["up", "--gateways", "2", "--port", "0", *model]):
+        assert run_up(parser.parse_args(argv)) == 2
+        assert "--gateways must be >= 1, and more than one needs a fixed --port" in capsys.readouterr().err

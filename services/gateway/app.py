@@ -25,6 +25,7 @@ from services.gateway import native_api, openai_api
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
+from services.gateway.http_streaming import GATEWAY_HEADER
 from services.gateway.playground_routes import router as playground_router
 
 # Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
@@ -109,11 +110,13 @@ def _too_large(limit: int, size: int) -> JSONResponse:
 
 
 class CountRequests:
-    """Count each request by route and final status in the gateway's metrics."""
+    """Count each request by route and final status in the gateway's metrics, and name the gateway
+    in a response header (several gateway processes may share one port)."""
 
     def __init__(self, app: ASGIApp, dispatcher: Dispatcher) -> None:
         self.app = app
         self.dispatcher = dispatcher
+        self.header = (GATEWAY_HEADER.encode(), dispatcher.gateway_id.encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,6 +128,7 @@ class CountRequests:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
 
         try:

@@ -29,6 +29,11 @@ class GatewayConfig(ServiceConfig):
     gateway_id: str = _help("this gateway's id: its stream subject is {prefix}.gateway.{id}.stream (default: random)", "")
     host: str = _help("HTTP and gRPC bind address", "127.0.0.1")
     port: int = _help("HTTP port (0: any free port)", 8000)
+    reuse_port: bool = _help(
+        "bind the HTTP port with SO_REUSEPORT, so several gateway processes share one port and the kernel "
+        "spreads new connections over them (Linux; needs a fixed --port)",
+        False,
+    )
     grpc_port: int = _help("gRPC port (0: any free port)", 50051)
     enable_grpc: bool = _help("serve the gRPC API", True)
     enable_nats_frontdoor: bool = _help("serve {prefix}.v1.generate and {prefix}.v1.abort on NATS", True)
@@ -72,6 +77,8 @@ class GatewayConfig(ServiceConfig):
         for name in ("port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.reuse_port and self.port == 0:
+            raise ValueError("reuse_port needs a fixed port: with port 0 each gateway would get its own")
         for name in ("worker_ttl", "worker_dead_after", "first_output_timeout", "control_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -31,6 +31,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 WORKER_HEADER = "x-radixserve-worker"
+GATEWAY_HEADER = "x-radixserve-gateway"  # on every HTTP response: which gateway process answered
 
 
 def routing_headers(streams: list[RequestStream]) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Iterator
 
 import grpc
@@ -28,6 +29,23 @@ from shared.service import Service, connect_bus, drain_bus
 logger = logging.getLogger(__name__)
 
 HTTP_START_TIMEOUT_S = 30.0
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT: every gateway process that binds the same
+    way shares the port, and the kernel hands each new connection to one of them."""
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise OSError("reuse_port: this platform has no SO_REUSEPORT")
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _HttpServer(uvicorn.Server):
@@ -103,7 +121,8 @@ class GatewayService(Service):
                 timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1),
             )
         )
-        self._http_task = asyncio.create_task(self.http.serve(), name="gateway-http")
+        sockets = [reuse_port_socket(cfg.host, cfg.port)] if cfg.reuse_port else None
+        self._http_task = asyncio.create_task(self.http.serve(sockets=sockets), name="gateway-http")
         deadline = asyncio.get_running_loop().time() + HTTP_START_TIMEOUT_S
         while not self.http.started:
             if self._http_task.done():
