@@ -26,7 +26,6 @@ from shared.protocol import StreamOut
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
-DISCONNECT_POLL_S = 0.5
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -117,8 +116,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T], on_disconnec
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
+        # The body has been read, so the server's next message is the disconnect (uvicorn also sends
+        # one once the response is complete, by which time `work` is done): no polling.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     watcher = asyncio.create_task(watch())
     try:
