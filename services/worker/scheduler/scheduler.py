@@ -156,10 +156,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]):
         self.config = config
         self.runner = runner
-        self._keys_per_token = _keys_per_token(runner.model_config)
-        self._min_mixed_chunk = runner.attn_backend.full_wave_extend_tokens(
-            runner.model_config.num_attention_heads // runner.tp_size, runner.device
-        )
+        # Mixed steps size their chunk by its cost (see _keys_per_token); unused otherwise.
+        self._keys_per_token, self._min_mixed_chunk = 0.0, 1
+        if config.enable_mixed_chunk:
+            self._keys_per_token = _keys_per_token(runner.model_config)
+            self._min_mixed_chunk = runner.attn_backend.full_wave_extend_tokens(
+                runner.model_config.num_attention_heads // runner.tp_size, runner.device
+            )
         self.decode_tail = decode_tail
         self.tree_cache = RadixCache(
             runner.req_to_token_pool,
