@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged (token-level) KV pool."""
 
-    def full_wave_extend_tokens(self, num_heads: int, device: torch.device) -> int:
+    def min_extend_chunk_tokens(self) -> int:
         """New tokens of one request below which its extend attention gets no faster: the scheduler
         does not cut a mixed step's chunk shorter than this (1: no such floor)."""
         return 1

@@ -336,7 +336,7 @@ class TritonAttnBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
 
-    def full_wave_extend_tokens(self, num_heads: int, device: torch.device) -> int:
+    def min_extend_chunk_tokens(self) -> int:
         """One query block (EXTEND_TILES.block_m rows): the extend kernel computes whole blocks, so a
         shorter chunk costs as much attention as a full block. (Before the kernel split long prefixes
         over several programs, a chunk below a wave of the SMs cost as much as a full wave: a 64-token

@@ -160,9 +160,7 @@ class Scheduler:
         self._keys_per_token, self._min_mixed_chunk = 0.0, 1
         if config.enable_mixed_chunk:
             self._keys_per_token = _keys_per_token(runner.model_config)
-            self._min_mixed_chunk = runner.attn_backend.full_wave_extend_tokens(
-                runner.model_config.num_attention_heads // runner.tp_size, runner.device
-            )
+            self._min_mixed_chunk = runner.attn_backend.min_extend_chunk_tokens()
         self.decode_tail = decode_tail
         self.tree_cache = RadixCache(
             runner.req_to_token_pool,
