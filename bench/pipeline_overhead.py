@@ -23,7 +23,7 @@ meanwhile (/proc/stat less this benchmark's process tree). On the CPU a throughp
 that stayed under CLEAN_FOREIGN_CORES on both sides; a disturbed one stays in the JSON and is replaced
 (at most twice) while THROUGHPUT_BUDGET_S lasts. On a GPU the compute is not on the cores, so every
 repeat counts (the figures are still recorded). A table closes the output; a JSON copy goes to
-bench/results/pipeline_cpu.json.
+bench/out/pipeline_cpu.json (--out), never over a recorded file in bench/results/.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from shared.model_path import resolve_model_path  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_cpu.json"
+RESULTS = Path(__file__).resolve().parent / "out" / "pipeline_cpu.json"
 # Nothing answers here, so `up` starts its own nats-server instead of joining someone else's.
 UNREACHABLE_NATS = "nats://127.0.0.1:1"
 STACK_READY_TIMEOUT_S = 240.0
