@@ -42,6 +42,8 @@ _LOG2E = 1.4426950408889634
 # Rows of a block table: request index, first new-token row, split index, splits of the block, and the
 # entry's scratch slot (-1 when the block is not split).
 TABLE_ROWS = 5
+# A table entry the kernel skips (no request), as padding.
+PAD_ENTRY = (-1, 0, 0, 1, -1)
 # extend_block_table splits a block's prefix only into parts of at least this many keys.
 MIN_KEYS_PER_SPLIT = 512
 
@@ -275,12 +277,15 @@ def extend_block_table(
     first new-token row within the request, split index, splits of that block, scratch slot or -1) of
     one entry.
 
-    Every block_m-row query block gets one entry. While the launch would have fewer than two programs
-    per SM (entries x num_heads < 2 num_sms) and scratch slots remain (max_split_slots; a split block
-    takes one per part), the block whose prefix part is longest is split once more, as long as each part
-    keeps min_keys_per_split keys (default MIN_KEYS_PER_SPLIT). Entries are ordered by the keys they visit, most first, ties in batch
-    order. num_blocks (default: exactly the entries there are) pads the table with (-1, 0, 0, 1, -1)
-    entries, which the kernel skips; it must hold every block, and splitting stops where it is full.
+    Every block_m-row query block gets one entry. With num_sms > 0, a launch takes at least its heaviest
+    entry's time and its total work (keys visited) over its lanes, the 2 num_sms / num_heads entries
+    whose programs run at once. So while the heaviest entry outweighs a lane's share and scratch slots
+    remain (max_split_slots; a split block takes one per part), that block's prefix is split once more,
+    as long as each part keeps min_keys_per_split keys (default MIN_KEYS_PER_SPLIT). A mixed step's 32
+    one-row decode blocks beside one chunk after a 30k prefix are as slow as that chunk's programs
+    unless it is split. Entries are ordered by the keys they visit, most first, ties in batch order.
+    num_blocks (default: exactly the entries there are) pads the table with PAD_ENTRY, which the kernel
+    skips; it must hold every block, and splitting stops where it is full.
     """
     if min_keys_per_split is None:
         min_keys_per_split = MIN_KEYS_PER_SPLIT
@@ -288,29 +293,25 @@ def extend_block_table(
     for i, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
         for start in range(0, n, block_m):
             blocks.append((i, start, prefix, min(n, start + block_m)))
-    capacity = len(blocks) if num_blocks is None else num_blocks
-    if capacity < len(blocks):
-        raise ValueError(f"num_blocks {capacity} is below the {len(blocks)} query blocks of the batch")
+    if num_blocks is not None and num_blocks < len(blocks):
+        raise ValueError(f"num_blocks {num_blocks} is below the {len(blocks)} query blocks of the batch")
     splits = [1] * len(blocks)
-    slots = 0
-    entries = len(blocks)
-    if num_blocks is None and num_sms > 0:
-        capacity = len(blocks) + max(0, max_split_slots - 1)
-    # Entries whose programs (one per head) run at once: about two programs per SM. The launch takes at
-    # least its heaviest entry's time and its total work over these lanes, so the heaviest block is
-    # split while one of its parts outweighs a lane's share (a mixed step: 32 one-row decode blocks
-    # beside one chunk after a 30k prefix is as slow as that chunk's 16 programs unless it is split).
+    # Only blocks whose prefix makes two parts can split: usually a handful, so the loop stays cheap
+    # beside a batch of many short blocks (it runs on the host before every extend step).
+    candidates = [j for j, b in enumerate(blocks) if b[2] >= 2 * min_keys_per_split] if num_sms > 0 else []
+    room = len(blocks) + max_split_slots if num_blocks is None else num_blocks  # entries the table may hold
     lanes = max(1, 2 * num_sms // max(1, num_heads))
-    total = sum(prefix + visited for _, _, prefix, visited in blocks)
-    while num_sms > 0 and entries < capacity:
-        best, best_work = -1, 0.0
-        for j, (_, _, prefix, visited) in enumerate(blocks):
-            need = 2 if splits[j] == 1 else 1
-            if prefix // (splits[j] + 1) >= min_keys_per_split and slots + need <= max_split_slots:
-                work = prefix / splits[j] + visited
-                if work > best_work:
-                    best, best_work = j, work
-        if best < 0 or best_work <= total / lanes:
+    share = sum(prefix + visited for _, _, prefix, visited in blocks) / lanes
+    entries, slots = len(blocks), 0
+    while candidates and entries < room:
+        best, best_work = -1, share
+        for j in candidates:
+            prefix, visited = blocks[j][2], blocks[j][3]
+            can_split = slots + (2 if splits[j] == 1 else 1) <= max_split_slots
+            can_split &= prefix // (splits[j] + 1) >= min_keys_per_split
+            if can_split and prefix / splits[j] + visited > best_work:
+                best, best_work = j, prefix / splits[j] + visited
+        if best < 0:
             break
         slots += 2 if splits[best] == 1 else 1
         splits[best] += 1
@@ -327,10 +328,7 @@ def extend_block_table(
         if n > 1:
             next_slot += n
     num_blocks = len(columns) if num_blocks is None else num_blocks
-    table = torch.zeros((TABLE_ROWS, num_blocks), dtype=torch.int32)
-    table[0] = -1
-    table[3] = 1
-    table[4] = -1
+    table = torch.tensor(PAD_ENTRY, dtype=torch.int32)[:, None].repeat(1, num_blocks)
     if columns:
         # sorted() is stable with reverse=True: equal work keeps batch order.
         order = sorted(range(len(columns)), key=work.__getitem__, reverse=True)

@@ -28,6 +28,7 @@ import torch
 
 from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
 from kernels.extend_attention import (
+    PAD_ENTRY,
     TABLE_ROWS,
     ExtendTiles,
     alloc_extend_partials,
@@ -125,7 +126,7 @@ def extend_metadata_rows(
     rows[_QO_INDPTR] = indptr[-1]
     rows[_QO_INDPTR, : len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
     rows[_PREFIX_LENS, : len(prefix_lens)] = torch.tensor(prefix_lens, dtype=torch.int32)
-    rows[_BLOCK_TABLE] = extend_block_table([], [], EXTEND_TILES.block_m, width)  # padding entries
+    rows[_BLOCK_TABLE] = torch.tensor(PAD_ENTRY, dtype=torch.int32)[:, None]
     rows[_BLOCK_TABLE, : table.shape[1]] = table
     return rows
 
