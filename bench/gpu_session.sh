@@ -6,7 +6,7 @@
 #                                              so pass a few steps per call)
 # Steps: tp, engine, hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
-# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b (kernel table of an 8B batch-1 step),
+# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
@@ -47,6 +47,8 @@ for step in "${steps[@]}"; do
     profile8b) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 --batch 1 --prompt 128 \
                   > "$OUT/profile8b.log" 2>&1 ;;
+    profile06) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
+               && timeout 200 python bench/gpu_profile_step.py --batch 1 --prompt 128 > "$OUT/profile06.log" 2>&1 ;;
     sweep)   timeout 400 python bench/gpu_decode_sweep.py > "$OUT/sweep.log" 2>&1 ;;
     p3diag)  python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
                && { timeout 150 python bench/gpu_serving.py --figures p3 --json gpu_serving_p3.json;

@@ -7,6 +7,10 @@ the end (one cross-lane reduction per program instead of one per tile). There is
 the shapes of a decode step (N >= 1024) the row blocks alone give several programs per SM, and a split
 would need a second pass or float32 atomics to combine.
 
+Two prologues fold the elementwise kernel before a projection into it (batch-1 decode is bound by
+launches as much as by bytes: a 0.6B step is ~250 kernels): `rmsnorm_gemv` normalizes the row (adding
+the residual first) as it is read, `silu_mul_gemv` forms silu(gate) * up from the gate_up output.
+
 The weight is loaded with `evict_first`: it is read once per step and should not push the KV and
 activations out of L2.
 
@@ -50,33 +54,69 @@ def _gemv_kernel(
     N,
     K,
     stride_wn,
+    Residual,
+    Norm_w,
+    Res_out,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_FULL: tl.constexpr,
 ):
+    """PROLOGUE 0: x is X. 1: x = rmsnorm(X (+ Residual)) with weight Norm_w (program 0 also writes
+    X + Residual to Res_out). 2: X holds [gate | up] of 2K features and x = silu(gate) * up."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    dtype = Y.dtype.element_ty
+    if PROLOGUE == 1:
+        # Every program needs the whole row's statistics before its first tile: K is a hidden size
+        # (a few thousand), so one extra read of it from L2 per program.
+        full = tl.arange(0, BLOCK_FULL)
+        full_mask = full < K
+        h = tl.load(X + full, mask=full_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h = (h + tl.load(Residual + full, mask=full_mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(Res_out + full, h, mask=full_mask & (pid == 0))
+            h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
+        col_mask = cols < K
         if EVEN_K:
-            x = tl.load(X + cols)
             w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
         else:
-            col_mask = cols < K
-            x = tl.load(X + cols, mask=col_mask, other=0.0)
             w = tl.load(
                 W + safe_rows[:, None] * stride_wn + cols[None, :],
                 mask=col_mask[None, :],
                 other=0.0,
                 eviction_policy="evict_first",
             )
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if PROLOGUE == 0:
+            if EVEN_K:
+                x = tl.load(X + cols).to(tl.float32)
+            else:
+                x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        elif PROLOGUE == 1:
+            # The rounding of kernels/rmsnorm.py: the sum, then x * rstd, then the product with the
+            # norm's weight each rounded to the activation dtype.
+            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                x = (x + tl.load(Residual + cols, mask=col_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            nw = tl.load(Norm_w + cols, mask=col_mask, other=0.0).to(tl.float32)
+            x = ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+        else:
+            gate = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+            up = tl.load(X + K + cols, mask=col_mask, other=0.0).to(tl.float32)
+            x = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
+    tl.store(Y + rows, y.to(dtype), mask=row_mask)
 
 
 @triton.jit
@@ -140,24 +180,99 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     x_flat = x.reshape(k)
     if x_flat.stride(0) != 1:
         x_flat = x_flat.contiguous()
+    out = _row_out(out, n, x)
+    _launch_rows(x_flat, weight, out, tiles)
+    return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
+
+
+def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
     if out is None:
-        out = torch.empty(n, dtype=x.dtype, device=x.device)
-    elif out.numel() != n or not out.is_contiguous():
+        return torch.empty(n, dtype=like.dtype, device=like.device)
+    if out.numel() != n or not out.is_contiguous():
         raise ValueError(f"out must be contiguous with {n} elements, got {tuple(out.shape)}")
+    return out
+
+
+def _launch_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    tiles: GemvTiles,
+    prologue: int = 0,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    n, k = weight.shape
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x_flat,
+        x,
         weight,
         out,
         n,
         k,
         weight.stride(0),
+        x if residual is None else residual,
+        x if norm_weight is None else norm_weight,
+        x if residual_out is None else residual_out,
+        eps,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         EVEN_K=k % tiles.block_k == 0,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
+
+
+def _check_row_operands(x: torch.Tensor, features: int, weight: torch.Tensor, tiles: GemvTiles, name: str) -> None:
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be 2-D with contiguous rows, got shape {tuple(weight.shape)} "
+                         f"strides {weight.stride()}")
+    if tiles.kind != "rows":
+        raise ValueError(f"{name} takes 'rows' tiles, got kind {tiles.kind!r}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != features or x.stride(1) != 1:
+        raise ValueError(f"x must be one contiguous row of {features} features, got shape {tuple(x.shape)}")
+
+
+def rmsnorm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    tiles: GemvTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T, x + residual) for one row x [1, K] in one launch: the decoder layer's
+    fused add-RMSNorm and the projection after it (kernels/rmsnorm.py's rounding). Without a residual the
+    norm is of x alone and x itself is returned as the residual."""
+    tiles = tiles or GemvTiles()
+    n, k = weight.shape
+    _check_row_operands(x, k, weight, tiles, "rmsnorm_gemv")
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous of shape ({k},), got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    _launch_rows(x, weight, out, tiles, prologue=1, residual=residual, norm_weight=norm_weight,
+                 residual_out=residual_out if residual is not None else None, eps=eps)
+    return out, residual_out
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
+    """(silu(gate) * up) W^T for one row gate_up [1, 2K] (gate columns then up columns), in one launch:
+    the gated MLP's activation computed on the fly as the down projection reads its input."""
+    tiles = tiles or GemvTiles()
+    n, k = weight.shape
+    _check_row_operands(gate_up, 2 * k, weight, tiles, "silu_mul_gemv")
+    out = torch.empty((1, n), dtype=gate_up.dtype, device=gate_up.device)
+    _launch_rows(gate_up, weight, out, tiles, prologue=2)
+    return out
 
 
 def _gemv_dot(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, tiles: GemvTiles) -> torch.Tensor:

@@ -148,3 +148,120 @@ def test_gemv_rejects_too_many_rows_for_the_dot_form(gen) -> None:
         gemv(torch.randn((17, 8), generator=gen), torch.randn((4, 8), generator=gen), tiles=GemvTiles(16, 8, kind="dot"))
     with pytest.raises(ValueError, match="kind must be"):
         gemv(torch.randn((1, 8), generator=gen), torch.randn((4, 8), generator=gen), tiles=GemvTiles(kind="cuda"))
+
+
+@pytest.mark.parametrize(("n", "k", "tiles"), [
+    (48, 64, GemvTiles(16, 32)),      # even K
+    (37, 100, GemvTiles(16, 32)),     # ragged rows and K (the norm's statistics see only K features)
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with_residual) -> None:
+    # The reference is the unfused path the prologue replaces: kernels/rmsnorm.py (itself checked
+    # against kernels/reference.py), then a float32 product.
+    from kernels.gemv import rmsnorm_gemv
+    from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+    x = torch.randn((1, k), generator=gen).to(dtype)
+    residual = torch.randn((1, k), generator=gen).to(dtype) if with_residual else None
+    norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(dtype)
+    y, res_out = rmsnorm_gemv(x, residual, norm_w, 1e-6, w, tiles=tiles)
+    if with_residual:
+        normed, want_res = fused_add_rmsnorm(x, residual, norm_w, 1e-6)
+        # The sum every later layer adds to is rounded exactly as the fused norm rounds it.
+        assert torch.equal(res_out, want_res)
+        assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    else:
+        normed = rmsnorm(x, norm_w, 1e-6)
+        assert res_out is x
+    want = normed.float() @ w.float().t()
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert rel_error(y.float(), want) < (1e-5 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_gemv_is_the_activation_then_the_product(gen, dtype) -> None:
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import silu_mul_gemv
+
+    k, n = 72, 40  # ragged against the 32-wide tile
+    gate_up = torch.randn((1, 2 * k), generator=gen).to(dtype)
+    w = (torch.randn((n, k), generator=gen) / k**0.5).to(dtype)
+    y = silu_mul_gemv(gate_up, w, tiles=GemvTiles(16, 32))
+    want = silu_and_mul(gate_up).float() @ w.float().t()
+    assert y.shape == (1, n) and y.dtype == dtype
+    assert rel_error(y.float(), want) < (1e-5 if dtype == torch.float32 else 1e-3)
+
+
+def test_the_gemv_prologues_refuse_what_they_cannot_fuse(gen) -> None:
+    from kernels.gemv import rmsnorm_gemv, silu_mul_gemv
+
+    w = torch.randn((8, 16), generator=gen)
+    norm_w = torch.ones(16)
+    with pytest.raises(ValueError, match="one contiguous row of 16"):
+        rmsnorm_gemv(torch.randn((2, 16), generator=gen), None, norm_w, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        rmsnorm_gemv(torch.randn((1, 16), generator=gen), None, torch.ones(15), 1e-6, w)
+    with pytest.raises(ValueError, match="residual shape"):
+        rmsnorm_gemv(torch.randn((1, 16), generator=gen), torch.randn((1, 8), generator=gen), norm_w, 1e-6, w)
+    with pytest.raises(ValueError, match="'rows' tiles"):
+        rmsnorm_gemv(torch.randn((1, 16), generator=gen), None, norm_w, 1e-6, w, tiles=GemvTiles(kind="dot"))
+    with pytest.raises(ValueError, match="one contiguous row of 32"):
+        silu_mul_gemv(torch.randn((1, 16), generator=gen), w)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_path", "qwen3_moe_path"])
+def test_batch_one_decode_with_fused_prologues_matches_the_unfused_model(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str
+) -> None:
+    # Every projection gets "rows" tiles, as select_gemv_tiles gives them on a GPU: each decoder layer's
+    # two norms then run inside qkv_proj and gate_up_proj, and SiLU-and-mul inside down_proj (dense MLPs
+    # only; the MoE block keeps its own norm). Logits and the residual stream must match the model
+    # with no tiles (torch norms, activation and products).
+    from services.worker.layers import linear as linear_mod
+    from services.worker.model_config import ModelConfig
+    from services.worker.model_loader import load_model
+    from services.worker.models.llama import LlamaMLP
+    from tests.forward_helpers import BatchDriver
+
+    config = ModelConfig.from_path(request.getfixturevalue(checkpoint), dtype="float32")
+    model = load_model(config, "cpu")
+    linear_mod.load_gemv_kernels()
+    calls = {"norm": 0, "silu": 0}
+    norm_gemv, silu_gemv = linear_mod._rmsnorm_gemv, linear_mod._silu_mul_gemv
+
+    def count(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(linear_mod, "_rmsnorm_gemv", count("norm", norm_gemv))
+    monkeypatch.setattr(linear_mod, "_silu_mul_gemv", count("silu", silu_gemv))
+    projections = [m for m in model.modules() if getattr(m, "prepackable", False) and m.weight.dim() == 2]
+
+    def set_tiles(tiles):
+        for m in projections:
+            m.gemv_tiles = tiles
+
+    drivers = {"fused": BatchDriver(model, config, max_requests=1, max_tokens=64),
+               "plain": BatchDriver(model, config, max_requests=1, max_tokens=64)}
+    tiles = {"fused": GemvTiles(16, 32), "plain": None}
+    rows = {name: d.new_request() for name, d in drivers.items()}
+    for name, d in drivers.items():
+        set_tiles(tiles[name])
+        d.extend([(rows[name], [5, 9, 14, 3, 7])])
+    calls.update(norm=0, silu=0)
+    for token in (11, 4, 29):
+        logits = {}
+        for name, d in drivers.items():
+            set_tiles(tiles[name])
+            logits[name] = d.decode([(rows[name], token)])
+        assert rel_error(logits["fused"], logits["plain"]) < 1e-5
+    dense = sum(isinstance(layer.mlp, LlamaMLP) for layer in model.model.layers)
+    assert calls == {"norm": 3 * (config.num_layers + dense), "silu": 3 * dense}
+    for buffers in ("k_buffer", "v_buffer"):
+        for layer_id in range(config.num_layers):
+            assert rel_error(getattr(drivers["fused"].kv_pool, buffers)[layer_id],
+                             getattr(drivers["plain"].kv_pool, buffers)[layer_id]) < 1e-5

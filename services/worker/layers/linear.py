@@ -70,9 +70,52 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-# kernels.gemv.gemv once select_gemv_tiles has imported it (Triton is imported only where it is used:
-# CPU-only installs may lack it).
+# kernels.gemv's products once load_gemv_kernels has imported them (Triton is imported only where it is
+# used: CPU-only installs may lack it).
 _gemv: Callable[..., torch.Tensor] | None = None
+_rmsnorm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_silu_mul_gemv: Callable[..., torch.Tensor] | None = None
+
+
+def load_gemv_kernels() -> None:
+    """Import kernels/gemv.py's products for the layers that select_gemv_tiles gives tiles."""
+    global _gemv, _rmsnorm_gemv, _silu_mul_gemv
+    from kernels.gemv import gemv, rmsnorm_gemv, silu_mul_gemv
+
+    _gemv, _rmsnorm_gemv, _silu_mul_gemv = gemv, rmsnorm_gemv, silu_mul_gemv
+
+
+def fuses_prologue(x: torch.Tensor, gemv_tiles: Any) -> bool:
+    """Whether a layer with `gemv_tiles` takes x through a GEMV with a fused prologue (the one-row
+    "rows" form: one contiguous row)."""
+    return (
+        gemv_tiles is not None and getattr(gemv_tiles, "kind", None) == "rows" and x.dim() == 2
+        and x.shape[0] == 1 and x.stride(-1) == 1
+    )
+
+
+class NormLike(Protocol):
+    """What norm_then_linear needs of an RMSNorm module."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any: ...
+
+
+def norm_then_linear(
+    norm: NormLike, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(x + residual)), x + residual), the pre-norm decoder's step into a projection; without
+    a residual the norm is of x and x is the residual. A single row whose layer has "rows" GEMV tiles
+    takes one launch (kernels.gemv.rmsnorm_gemv) instead of a norm kernel and a product."""
+    if fuses_prologue(x, layer.gemv_tiles):
+        y, residual = _rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, tiles=layer.gemv_tiles)
+        return (y if layer.bias is None else y + layer.bias), residual
+    if residual is None:
+        return layer(norm(x)), x
+    hidden, residual = norm(x, residual)
+    return layer(hidden), residual
 # Tiles select_gemv_tiles tries on each weight shape: the best "rows" tiles of bench/gpu_gemv.py's sweep
 # on the H200 at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head), and "dot" tiles,
 # which also take up to 16 rows (speculative verification) with the same bits per row as one.
@@ -160,15 +203,14 @@ def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 
     """Give each GEMV-capable module of `model` its `gemv_tiles` (None: cuBLAS) per `mode` ('auto',
     'triton', 'cublas'); returns the choice per weight shape. Timing uses up to max_weights_per_shape
     distinct weights of a shape, so most reads come from memory rather than L2, as in a real step."""
-    global _gemv
     modules = gemv_modules(model)
     for m in modules:
         m.gemv_tiles = None
     if mode == "cublas" or not modules:
         return {}
-    from kernels.gemv import GemvTiles, gemv
+    from kernels.gemv import GemvTiles
 
-    _gemv = gemv
+    load_gemv_kernels()
     shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
     for m in modules:
         weights = shapes.setdefault(tuple(m.weight.shape), [])
@@ -401,4 +443,14 @@ class RowParallelLinear(nn.Module):
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
         y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, gemv_tiles=self.gemv_tiles))
+        return y if self.bias is None else y + self.bias
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """self(act(gate_up)) where act is SiLU-and-mul over [gate | up]: a single row with "rows" GEMV
+        tiles forms the activation inside the product (kernels.gemv.silu_mul_gemv), one launch less."""
+        if not fuses_prologue(gate_up, self.gemv_tiles):
+            return self(act(gate_up))
+        y = _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
+        if self.tp_size > 1:
+            y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -25,6 +25,7 @@ from services.worker.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
+    norm_then_linear,
 )
 from services.worker.layers.logits_processor import LogitsProcessor
 from services.worker.layers.rotary import RotaryEmbedding, get_rope
@@ -46,7 +47,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act_fn)
+
+    def forward_normed(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), with the norm fused into gate_up where it can be."""
+        gate_up, residual = norm_then_linear(norm, self.gate_up_proj, x, residual)
+        return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn), residual
 
 
 class LlamaAttention(nn.Module):
@@ -75,7 +83,12 @@ class LlamaAttention(nn.Module):
         self.k_norm: RMSNorm | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(positions, self.qkv_proj(hidden), batch)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention from the fused projection's output onwards (the decoder layer may fuse its norm
+        into qkv_proj)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # The backend applies the norms and RoPE (the triton one together with its KV store).
         out = self.attn.forward_with_rope(positions, q, k, v, batch, self.rotary_emb, self.q_norm, self.k_norm)
         return self.o_proj(out)
@@ -107,12 +120,11 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
+        # Each norm goes with the projection after it (one launch for both at batch-1 decode).
+        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.attend(positions, qkv, batch)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
