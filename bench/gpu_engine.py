@@ -123,6 +123,15 @@ def decode_variant(path: Path, steps: int, target: Any, defaults: tuple, **kw: o
             target.__defaults__ = saved
 
 
+class PrintedRows(list):
+    """The result table, each row also printed as it lands: a call cut off by its time limit still
+    shows what it measured."""
+
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        print(f"  {row[0]:55s} {row[1]}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="0.6b,8b")
@@ -137,7 +146,7 @@ def main() -> int:
     ap.add_argument("--tokens-per-split", default="",
                     help="comma list: rerun decode with the split-K kernel's min tokens per split set to each")
     args = ap.parse_args()
-    rows: list[tuple[str, str]] = []
+    rows = PrintedRows()
     results: dict[str, object] = {}
     ok = True
     if not args.skip_checks:

@@ -4,7 +4,7 @@
 # the wheels the device lacks in .whl/ (see /work/.library/device/README.md):
 #   bash bench/gpu_session.sh [STEP ...]     (default: tp engine kernels serving spec; one call is <= 600 s,
 #                                              so pass a few steps per call)
-# Steps: tp, engine, hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
+# Steps: tp, engine (ENGINE_ARGS=--skip-checks: figures only), hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
@@ -25,7 +25,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     tp)      gpus=$(nvidia-smi -L | wc -l)
              [ "$gpus" -ge 2 ] && timeout 570 python bench/gpu_tp.py ${TP_ARGS:-} > "$OUT/tp.log" 2>&1 ;;
-    engine)  timeout 300 python bench/gpu_engine.py --models ${ENGINE_MODELS:-0.6b,8b} --skip-hf > "$OUT/engine.log" 2>&1 ;;
+    engine)  timeout 450 python bench/gpu_engine.py --models ${ENGINE_MODELS:-0.6b,8b} --skip-hf ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 ;;
     tiles)   timeout 300 python bench/gpu_engine.py --models 8b --skip-checks --skip-hf --decode-tiles 64/4/3,32/4/3 \
                --tokens-per-split 64 > "$OUT/tiles.log" 2>&1 ;;
     ab)      timeout 300 python bench/gpu_engine.py --models 0.6b --skip-checks --skip-hf --also-thread \

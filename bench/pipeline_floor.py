@@ -31,6 +31,7 @@ import nats
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.http_burst import SseProbe  # noqa: E402
 from bench.pipeline_overhead import free_port  # noqa: E402
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling  # noqa: E402
 
@@ -81,8 +82,18 @@ def http_figures(url: str, runs: int) -> dict[str, list[float]]:
         with client.stream("POST", "/generate", json=body) as response:
             next(line for line in response.iter_lines() if line.startswith("data: {"))
 
+    probe = SseProbe(url)
+    body = {"input_ids": IDS, "sampling_params": {"max_new_tokens": 0}, "stream": True}
+    raw: list[float] = []
+
+    def raw_floor() -> None:
+        raw.append(probe.first_event("/generate", body, lambda event: True))
+
+    timed(raw_floor, runs)
+    probe.close()
     return {"HTTP GET /health": timed(lambda: client.get("/health"), runs),
-            "HTTP /generate floor (first SSE event)": timed(floor, runs)}
+            "HTTP /generate floor (first SSE event)": timed(floor, runs),
+            "the same, raw socket client": raw[WARMUP:]}
 
 
 async def nats_figures(nats_url: str, runs: int) -> dict[str, list[float]]:

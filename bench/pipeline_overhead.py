@@ -48,13 +48,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 if __package__ in (None, ""):
     # Run as a script: make the repository's packages importable without an install.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.http_burst import HttpBurst  # noqa: E402
+from bench.http_burst import HttpBurst, SseProbe  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
@@ -299,22 +297,15 @@ def engine_first_chunk(engine: Any, ids: list[int], new_tokens: int) -> float:
     return first
 
 
-def gateway_first_chunk(client: httpx.Client, ids: list[int], new_tokens: int) -> float:
+def gateway_first_chunk(probe: SseProbe, ids: list[int], new_tokens: int) -> float:
     """Seconds from sending a streamed /generate to its first SSE event with a token (new_tokens=0:
-    its first event)."""
+    its first event), read off the socket by bench/http_burst.py's SseProbe (no client library on the
+    clock: the Engine side has none either)."""
     body = {"input_ids": ids, "sampling_params": sampling(new_tokens), "stream": True}
-    first: float | None = None
-    start = time.perf_counter()
-    with client.stream("POST", "/generate", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if first is None and line.startswith("data: {") and (json.loads(line[6:])["output_ids"] or not new_tokens):
-                first = time.perf_counter() - start
-    assert first is not None, "the gateway streamed no event"
-    return first
+    return probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
 
 
-def paired_first_chunk(engine: Any, client: httpx.Client, prompts: list[list[int]], new_tokens: int,
+def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[list[int]], new_tokens: int,
                        warmup: int) -> dict[str, Any]:
     """Each prompt on both sides (each has its own cache, so neither hits it), in alternating order;
     the added time is the median of the per-prompt differences."""
@@ -345,8 +336,8 @@ def paired_first_chunk(engine: Any, client: httpx.Client, prompts: list[list[int
 def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Random,
                vocab: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """TTFT, then the floor (max_new_tokens=0: the worker answers without the model)."""
-    with httpx.Client(base_url=url, timeout=120) as client:
-        client.get("/health")  # the keep-alive connection every request then reuses
+    client = SseProbe(url)  # the keep-alive connection every request then reuses
+    try:
         runs = {"TTFT": (args.ttft_runs, TTFT_NEW_TOKENS), "floor (max_new_tokens=0)": (args.floor_runs, 0)}
         results = []
         for name, (count, new_tokens) in runs.items():
@@ -357,6 +348,8 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
                   f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores",
                   flush=True)
             results.append(r)
+    finally:
+        client.close()
     return results[0], results[1]
 
 
