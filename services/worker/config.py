@@ -15,6 +15,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 GEMV_BACKENDS = ("auto", "triton", "cublas")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 
 
 def _help(text: str, default: object) -> object:
@@ -35,7 +36,9 @@ class EngineConfig:
     device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
     context_length: int | None = _help("override the model's max positions", None)
-    attention_backend: str | None = _help("torch or triton; default: torch on CPU, triton on CUDA", None)
+    attention_backend: str | None = _help(
+        "torch, triton or flashinfer (CUDA, optional package); default: torch on CPU, triton on CUDA", None
+    )
     cuda_graph_max_bs: int = _help(
         "capture decode CUDA graphs for batch sizes up to this (0: no CUDA graphs at all); CUDA only", 256
     )
@@ -122,8 +125,10 @@ class EngineConfig:
             )
         if self.gemv_backend not in GEMV_BACKENDS:
             raise ValueError(f"gemv_backend must be one of {GEMV_BACKENDS}, got {self.gemv_backend!r}")
-        if self.attention_backend not in (None, "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
         self._check_speculative()
 
     def _check_speculative(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from services.worker import distributed
 from services.worker.attention.base import AttentionBackend
-from services.worker.config import EngineConfig
+from services.worker.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.forward_batch import ForwardBatch
 from services.worker.layers.linear import (
     calibrate_single_row,
@@ -98,7 +98,11 @@ def make_attn_backend(name: str) -> AttentionBackend:
         from services.worker.attention.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend()
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+    if name == "flashinfer":
+        from services.worker.attention.flashinfer_backend import FlashInferAttnBackend
+
+        return FlashInferAttnBackend()
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
 def _available_ram_bytes() -> int:
@@ -123,6 +127,16 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.tp_size = distributed.get_tp_size()
+        backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        if backend == "flashinfer":
+            # Before the weights load: a CPU or float32 run cannot use it, and the package may be missing.
+            from services.worker.attention.flashinfer_backend import (
+                check_flashinfer_target,
+                import_flashinfer,
+            )
+
+            check_flashinfer_target(device, model_config.dtype)
+            import_flashinfer()
         self.model = load_model(model_config, device)
         self.model.eval()
         if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
@@ -161,7 +175,6 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(config.max_running_requests, size))
         self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
-        backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.attn_backend = make_attn_backend(backend)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
