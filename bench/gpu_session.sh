@@ -8,13 +8,15 @@
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
-# pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/).
+# pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
+# flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
+# it imports, ~38 MB, without nvidia-cutlass-dsl and nvidia-cudnn-frontend, which the paged wrappers do not need).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
 # while the tree has uncommitted edits: `git archive HEAD | tar -x -C .snap`, copy .whl/ into .snap/,
 # carry .snap and `cd .snap` first.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  $(compgen -G '.whl-pipeline/*.whl') \
+  $(compgen -G '.whl-pipeline/*.whl') $(compgen -G '.whl-flashinfer/*.whl') \
   && export PYTHONPATH=/tmp/site || exit 1
 export PYTHONUNBUFFERED=1 OUT="${OUT:-bench/out}"
 mkdir -p "$OUT"
@@ -58,6 +60,7 @@ for step in "${steps[@]}"; do
              python bench/gpu_serving.py --figures p3 --json gpu_serving_p3spy.json > "$OUT/p3spy.log" 2>&1 & pid=$!
              sleep 1; timeout 150 /tmp/site/bin/py-spy record --pid $pid --subprocesses --nonblocking --idle --rate 100 \
                --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
+    flashinfer) MAX_JOBS=16 timeout 560 python bench/gpu_flashinfer.py ${FLASHINFER_ARGS:-} > "$OUT/flashinfer.log" 2>&1 ;;
     pipeline) timeout 400 python bench/gpu_pipeline.py ${PIPELINE_ARGS:-} > "$OUT/pipeline.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
