@@ -206,6 +206,51 @@ def plot_sixth_session() -> None:
     fig.savefig(PLOTS / "s6_gpu.png", dpi=110)
 
 
+def plot_seventh_session() -> None:
+    """Seventh session: P2 with the GEMV prologues, P6 with split extend prefixes, FlashInfer vs the
+    triton backend per layer, and the GPU pipeline with four gateways."""
+    fig, axes = plt.subplots(1, 4, figsize=(24, 4.2))
+    before, after = load("gpu_engine_s6_hfc")["results"], load("gpu_engine_s7")["results"]
+    bars(axes[0], ["0.6B\nsixth session", "0.6B\n+ fused prologues", "8B\nsixth session", "8B\n+ fused prologues"],
+         [before["0.6b"]["tok_s"], after["0.6b"]["tok_s"], before["8b"]["tok_s"], after["8b"]["tok_s"]],
+         ["tab:gray", "tab:blue", "tab:gray", "tab:blue"])
+    axes[0].axhline(1000, color="tab:green", linestyle="--", label="P2 target 1,000 tok/s")
+    axes[0].set_title("P1/P2 batch-1 decode")
+    axes[0].set_ylabel("tokens/s")
+    axes[0].legend(fontsize=8)
+    gap_bars(axes[1], {"sixth\nmixed": load("gpu_serving_s6_call5")["p6"]["chunked_mixed"]}
+             | {f"seventh\n{k.replace('_', ' ')}": v for k, v in load("gpu_serving_s7_p6")["p6"].items()},
+             "P6 gaps: mixed steps before / after split prefixes")
+    fi = {k: v for k, v in load("gpu_flashinfer_s7").items() if isinstance(v, dict) and "flashinfer_ms" in v}
+    labels = [k.replace("qwen3-", "").replace("decode ", "dec\n").replace("extend ", "ext\n")
+              .replace(" new, prefix ", "\n+").replace(" ctx", " ") for k in fi]
+    x = range(len(fi))
+    axes[2].bar([i - 0.2 for i in x], [v["triton_ms"] * 1e3 for v in fi.values()], width=0.4, label="triton")
+    axes[2].bar([i + 0.2 for i in x], [v["flashinfer_ms"] * 1e3 for v in fi.values()], width=0.4, label="flashinfer")
+    axes[2].set_xticks(list(x), labels, fontsize=7)
+    axes[2].set_ylabel("us per layer call (eager, incl. K/V store)")
+    axes[2].set_title("attention backends, bf16 (same pool and queries)")
+    axes[2].legend(fontsize=8)
+    runs = {"fifth session\n1 gateway": load("gpu_pipeline_s5_after"), "4 gateways": load("gpu_pipeline_s7_gateways4")}
+    runs |= {label: load(name) for label, name in PIPELINE_S7_EXTRA if (RESULTS / f"{name}.json").exists()}
+    labels = list(runs)
+    axes[3].bar([i - 0.2 for i in range(len(runs))], [100 * r["throughput"]["loss_median"] for r in runs.values()],
+                width=0.4, label="throughput loss, %")
+    axes[3].bar([i + 0.2 for i in range(len(runs))], [r["ttft"]["added_median_ms"] for r in runs.values()],
+                width=0.4, label="added TTFT, ms")
+    axes[3].axhline(5, color="tab:blue", linestyle=":", label="loss target 5 %")
+    axes[3].axhline(2, color="tab:orange", linestyle=":", label="TTFT target 2 ms")
+    axes[3].set_xticks(range(len(runs)), labels, fontsize=7)
+    axes[3].set_title("GPU pipeline vs in-process Engine")
+    axes[3].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "s7_gpu.png", dpi=110)
+
+
+# Later GPU pipeline runs of the seventh session (label, JSON name), drawn when recorded.
+PIPELINE_S7_EXTRA = (("4 gateways,\ngateway tokenizes", "gpu_pipeline_s7_gateway_tokenizes"),)
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     plot_decode()
@@ -216,6 +261,7 @@ def main() -> None:
     plot_spec()
     plot_serving_s3()
     plot_sixth_session()
+    plot_seventh_session()
     print(f"plots in {PLOTS}")
 
 
