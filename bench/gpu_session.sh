@@ -6,7 +6,7 @@
 #                                              so pass a few steps per call)
 # Steps: tp, engine (ENGINE_ARGS=--skip-checks: figures only), hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
-# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
+# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), prologue (norm/SiLU folded into the GEMV or not), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
@@ -45,6 +45,7 @@ for step in "${steps[@]}"; do
                   --temperature 0.6 > "$OUT/profile.log" 2>&1 ;;
     spec)    timeout 300 python bench/gpu_spec.py --k ${SPEC_K:-4} --steps 128 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1 ;;
     gemv)    timeout 200 python bench/gpu_gemv.py ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1 ;;
+    prologue) timeout 200 python bench/gpu_gemv_prologue.py > "$OUT/prologue.log" 2>&1 ;;
     gemvcheck) timeout 200 python bench/gpu_gemv_check.py > "$OUT/gemvcheck.log" 2>&1 ;;
     profile8b) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 --batch 1 --prompt 128 \

@@ -156,7 +156,8 @@ def test_gemv_rejects_too_many_rows_for_the_dot_form(gen) -> None:
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with_residual) -> None:
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with_residual, one_pass) -> None:
     # The reference is the unfused path the prologue replaces: kernels/rmsnorm.py (itself checked
     # against kernels/reference.py), then a float32 product.
     from kernels.gemv import rmsnorm_gemv
@@ -166,7 +167,7 @@ def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with
     residual = torch.randn((1, k), generator=gen).to(dtype) if with_residual else None
     norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(dtype)
     w = (torch.randn((n, k), generator=gen) / k**0.5).to(dtype)
-    y, res_out = rmsnorm_gemv(x, residual, norm_w, 1e-6, w, tiles=tiles)
+    y, res_out = rmsnorm_gemv(x, residual, norm_w, 1e-6, w, tiles=tiles, one_pass=one_pass)
     if with_residual:
         normed, want_res = fused_add_rmsnorm(x, residual, norm_w, 1e-6)
         # The sum every later layer adds to is rounded exactly as the fused norm rounds it.
