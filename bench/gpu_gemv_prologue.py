@@ -1,13 +1,13 @@
 """The GEMV prologues on the GPU: a decode step's norms, activations and projections at batch 1, with the
 elementwise kernels separate or folded into the products (kernels/gemv.py), in a CUDA graph.
+(The seventh session's run also timed a one-pass norm variant, since removed: bench/RESULTS.md.)
 
     python bench/gpu_gemv_prologue.py [--models 0.6b,8b]
 
 Per layer, as the decoder runs them: add-RMSNorm -> qkv, o, add-RMSNorm -> gate_up, SiLU-and-mul -> down,
-each layer with its own random weights (so reads come from memory). Three forms:
+each layer with its own random weights (so reads come from memory). Two forms:
   separate    kernels/rmsnorm.py's fused_add_rmsnorm and kernels/activation.py's silu_and_mul, then gemv;
-  two-pass    rmsnorm_gemv(one_pass=False) (the row's statistics first, HF's rounding) and silu_mul_gemv;
-  one-pass    rmsnorm_gemv(one_pass=True) (1/rms scales the dot products) and silu_mul_gemv.
+  fused       rmsnorm_gemv and silu_mul_gemv.
 Each form's outputs are checked against float32 on the first layer. Tiles: per shape the fastest of
 layers.linear.GEMV_CANDIDATES' "rows" tiles for the plain product. JSON to $OUT/gpu_gemv_prologue.json.
 """
@@ -71,10 +71,9 @@ def model_case(name: str) -> dict:
                     gemv(x, w["gate_up"][i], tiles=tiles["gate_up"])
                     gemv(silu_and_mul(gu), w["down"][i], tiles=tiles["down"])
                 else:
-                    one = form == "one-pass"
-                    _, res = rmsnorm_gemv(h, r, norms[2 * i], EPS, w["qkv"][i], tiles["qkv"], one_pass=one)
+                    _, res = rmsnorm_gemv(h, r, norms[2 * i], EPS, w["qkv"][i], tiles["qkv"])
                     gemv(attn, w["o"][i], tiles=tiles["o"])
-                    rmsnorm_gemv(h, res, norms[2 * i + 1], EPS, w["gate_up"][i], tiles["gate_up"], one_pass=one)
+                    rmsnorm_gemv(h, res, norms[2 * i + 1], EPS, w["gate_up"][i], tiles["gate_up"])
                     silu_mul_gemv(gu, w["down"][i], tiles["down"])
         return run
 
@@ -84,15 +83,13 @@ def model_case(name: str) -> dict:
     ref_qkv = ref_x @ w["qkv"][0].float().t()
     gate, up = gu.float().chunk(2, -1)
     ref_down = (torch.nn.functional.silu(gate) * up) @ w["down"][0].float().t()
-    errors = {}
-    for one in (False, True):
-        y, _ = rmsnorm_gemv(h, r, norms[0], EPS, w["qkv"][0], tiles["qkv"], one_pass=one)
-        errors["one-pass" if one else "two-pass"] = float((y.float() - ref_qkv).norm() / ref_qkv.norm())
+    y, _ = rmsnorm_gemv(h, r, norms[0], EPS, w["qkv"][0], tiles["qkv"])
+    errors = {"fused": float((y.float() - ref_qkv).norm() / ref_qkv.norm())}
     x, _ = fused_add_rmsnorm(h, r, norms[0], EPS)
     errors["separate"] = float((gemv(x, w["qkv"][0], tiles=tiles["qkv"]).float() - ref_qkv).norm() / ref_qkv.norm())
     y = silu_mul_gemv(gu, w["down"][0], tiles["down"])
     errors["silu_mul_gemv"] = float((y.float() - ref_down).norm() / ref_down.norm())
-    times = {form: cuda_graph_seconds(step(form), 7) * 1e3 for form in ("separate", "two-pass", "one-pass")}
+    times = {form: cuda_graph_seconds(step(form), 7) * 1e3 for form in ("separate", "fused")}
     weight_bytes = sum(t.numel() * 2 for ts in w.values() for t in ts)
     return {"tiles": {k: t.__dict__ for k, t in tiles.items()}, "rel_err_vs_fp32": errors, "step_ms": times,
             "weight_bytes": weight_bytes}

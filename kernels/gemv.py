@@ -31,8 +31,6 @@ import triton.language as tl
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
-# rmsnorm_gemv's default form (bench/gpu_gemv.py --prologues times both on the device).
-NORM_ONE_PASS = False
 
 
 @dataclass(frozen=True)
@@ -69,9 +67,10 @@ def _gemv_kernel(
 ):
     """PROLOGUE 0: x is X. 1: x = rmsnorm(X (+ Residual)) with weight Norm_w (program 0 also writes
     X + Residual to Res_out), rounded as kernels/rmsnorm.py rounds it, which needs the row's statistics
-    before the first tile. 3: the same norm in one pass: the sum of squares is gathered with the tiles
-    and 1/rms scales the finished dot products (the normalized row is never rounded to the activation
-    dtype). 2: X holds [gate | up] of 2K features and x = silu(gate) * up."""
+    before the first tile. 2: X holds [gate | up] of 2K features and x = silu(gate) * up.
+
+    (A one-pass norm, gathering the sum of squares with the tiles and scaling the finished dot products
+    by 1/rms, was slower on the H200: the extra loads per tile cost more than the wait it saves.)"""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -90,7 +89,6 @@ def _gemv_kernel(
             h = h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_mask = cols < K
@@ -116,22 +114,12 @@ def _gemv_kernel(
                 x = (x + tl.load(Residual + cols, mask=col_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             nw = tl.load(Norm_w + cols, mask=col_mask, other=0.0).to(tl.float32)
             x = ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-        elif PROLOGUE == 3:
-            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                h = (x + tl.load(Residual + cols, mask=col_mask, other=0.0).to(tl.float32)).to(dtype)
-                tl.store(Res_out + cols, h, mask=col_mask & (pid == 0))
-                x = h.to(tl.float32)
-            squares += x * x
-            x = x * tl.load(Norm_w + cols, mask=col_mask, other=0.0).to(tl.float32)
         else:
             gate = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
             up = tl.load(X + K + cols, mask=col_mask, other=0.0).to(tl.float32)
             x = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if PROLOGUE == 3:
-        y = y * tl.rsqrt(tl.sum(squares, 0) / K + eps)
     tl.store(Y + rows, y.to(dtype), mask=row_mask)
 
 
@@ -262,13 +250,10 @@ def rmsnorm_gemv(
     eps: float,
     weight: torch.Tensor,
     tiles: GemvTiles | None = None,
-    one_pass: bool = NORM_ONE_PASS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) W^T, x + residual) for one row x [1, K] in one launch: the decoder layer's
-    fused add-RMSNorm and the projection after it. Without a residual the norm is of x alone and x itself
-    is returned as the residual. The residual is rounded as kernels/rmsnorm.py rounds it; the normalized
-    row is too with one_pass=False (two passes over x), while one_pass=True scales the float32 dot
-    products by 1/rms instead (one pass, no rounding of the normalized row)."""
+    fused add-RMSNorm and the projection after it (kernels/rmsnorm.py's rounding). Without a residual the
+    norm is of x alone and x itself is returned as the residual."""
     tiles = tiles or GemvTiles()
     n, k = weight.shape
     _check_row_operands(x, k, weight, tiles, "rmsnorm_gemv")
@@ -278,7 +263,7 @@ def rmsnorm_gemv(
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
-    _launch_rows(x, weight, out, tiles, prologue=3 if one_pass else 1, residual=residual, norm_weight=norm_weight,
+    _launch_rows(x, weight, out, tiles, prologue=1, residual=residual, norm_weight=norm_weight,
                  residual_out=residual_out if residual is not None else None, eps=eps)
     return out, residual_out
 

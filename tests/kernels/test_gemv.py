@@ -89,6 +89,40 @@ def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None
     assert choose_gemv_tiles(shapes, time_pass, [a, b], "triton") == {(64, 32): a, (32, 64): a, (16, 16): a}
 
 
+def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> None:
+    from services.worker.layers.linear import choose_gemv_tiles
+
+    rows, dot = GemvTiles(8, 512), GemvTiles(16, 512, kind="dot")
+    table = {
+        ((64, 32), None): 10.0, ((64, 32), rows): 10.5, ((64, 32), dot): 11.0,   # rows alone loses to cuBLAS
+        ((32, 64), None): 10.0, ((32, 64), rows): 8.0, ((32, 64), dot): 8.1,     # dot within its preference
+    }
+    shapes = {shape: [torch.empty(shape)] for shape in [(64, 32), (32, 64)]}
+
+    def time_pass(weights, tiles):
+        return table[(tuple(weights[0].shape), tiles)]
+
+    assert choose_gemv_tiles(shapes, time_pass, [rows, dot], "auto") == {(64, 32): None, (32, 64): dot}
+    # A 2-unit norm before each product: cuBLAS and dot tiles pay it, a rows tile does not.
+    absorbed = {(64, 32): 2.0, (32, 64): 2.0}
+    assert choose_gemv_tiles(shapes, time_pass, [rows, dot], "auto", absorbed) == {(64, 32): rows, (32, 64): rows}
+
+
+def test_decoder_projections_name_the_prologue_they_can_absorb(qwen3_moe_path) -> None:
+    from services.worker.model_config import ModelConfig
+    from services.worker.model_loader import load_model
+    from services.worker.models.llama import LlamaMLP
+
+    model = load_model(ModelConfig.from_path(qwen3_moe_path, dtype="float32"), "cpu")
+    for layer in model.model.layers:
+        assert layer.self_attn.qkv_proj.prologue == "rmsnorm"
+        assert layer.self_attn.o_proj.prologue is None
+        if isinstance(layer.mlp, LlamaMLP):
+            assert (layer.mlp.gate_up_proj.prologue, layer.mlp.down_proj.prologue) == ("rmsnorm", "silu_and_mul")
+        else:  # the MoE router reads the normed row itself, nothing fused
+            assert layer.mlp.gate.prologue is None
+
+
 def test_select_gemv_tiles_leaves_cpu_models_alone() -> None:
     from services.worker.layers.linear import ColumnParallelLinear, select_gemv_tiles
 
@@ -156,8 +190,7 @@ def test_gemv_rejects_too_many_rows_for_the_dot_form(gen) -> None:
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("one_pass", [False, True])
-def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with_residual, one_pass) -> None:
+def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with_residual) -> None:
     # The reference is the unfused path the prologue replaces: kernels/rmsnorm.py (itself checked
     # against kernels/reference.py), then a float32 product.
     from kernels.gemv import rmsnorm_gemv
@@ -167,7 +200,7 @@ def test_rmsnorm_gemv_is_the_norm_then_the_product(gen, n, k, tiles, dtype, with
     residual = torch.randn((1, k), generator=gen).to(dtype) if with_residual else None
     norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(dtype)
     w = (torch.randn((n, k), generator=gen) / k**0.5).to(dtype)
-    y, res_out = rmsnorm_gemv(x, residual, norm_w, 1e-6, w, tiles=tiles, one_pass=one_pass)
+    y, res_out = rmsnorm_gemv(x, residual, norm_w, 1e-6, w, tiles=tiles)
     if with_residual:
         normed, want_res = fused_add_rmsnorm(x, residual, norm_w, 1e-6)
         # The sum every later layer adds to is rounded exactly as the fused norm rounds it.

@@ -144,16 +144,21 @@ def choose_gemv_tiles(
     time_pass: Callable[[list[torch.Tensor], Any], float],
     candidates: list[Any],
     mode: str,
+    absorbed: dict[tuple[int, int], float] | None = None,
 ) -> dict[tuple[int, int], Any]:
-    """For each weight shape (N, K), the candidate tile with the fastest pass over its weights ("dot" tiles
-    win when within GEMV_DOT_PREFERENCE of the fastest). It is kept when mode is 'triton', or under 'auto'
-    when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN; else the shape gets None (cuBLAS)."""
+    """For each weight shape (N, K), the candidate tile with the cheapest pass over its weights ("dot" tiles
+    win when within GEMV_DOT_PREFERENCE of the cheapest). It is kept when mode is 'triton', or under 'auto'
+    when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN; else the shape gets None (cuBLAS).
+    `absorbed` gives, per shape, the seconds of the elementwise launch before it (a norm, SiLU-and-mul)
+    that a "rows" tile folds into its product (kernels.gemv's prologues) and cuBLAS or a "dot" tile pay."""
     chosen: dict[tuple[int, int], Any] = {}
     for shape, weights in shapes.items():
-        timed = [(time_pass(weights, t), t) for t in candidates]
+        extra = (absorbed or {}).get(shape, 0.0)
+        timed = [(time_pass(weights, t) + (0.0 if getattr(t, "kind", "rows") == "rows" else extra), t)
+                 for t in candidates]
         best_t, best_tiles = min(timed, key=lambda item: item[0] * (
             1.0 - GEMV_DOT_PREFERENCE if getattr(item[1], "kind", "rows") == "dot" else 1.0))
-        if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * time_pass(weights, None):
+        if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * (time_pass(weights, None) + extra):
             chosen[shape] = best_tiles
         else:
             chosen[shape] = None
@@ -199,10 +204,28 @@ def _graph_pass_time(weights: list[torch.Tensor], tiles: Any) -> float:
         return cuda_graph_seconds(one_pass) / len(weights)
 
 
+def _prologue_seconds(prologue: str, k: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds of the separate launch a module's `prologue` costs when its product cannot absorb it
+    (one CUDA-graph replay of the kernel on a single row of K inputs)."""
+    from kernels.activation import silu_and_mul
+    from kernels.rmsnorm import fused_add_rmsnorm
+
+    if prologue == "rmsnorm":
+        x, r = (torch.randn(1, k, dtype=dtype, device=device) for _ in range(2))
+        w = torch.ones(k, dtype=dtype, device=device)
+        return cuda_graph_seconds(lambda: fused_add_rmsnorm(x, r, w, 1e-6))
+    if prologue == "silu_and_mul":
+        x = torch.randn(1, 2 * k, dtype=dtype, device=device)
+        return cuda_graph_seconds(lambda: silu_and_mul(x))
+    raise ValueError(f"unknown prologue {prologue!r}")
+
+
 def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 16) -> dict[tuple[int, int], Any]:
     """Give each GEMV-capable module of `model` its `gemv_tiles` (None: cuBLAS) per `mode` ('auto',
     'triton', 'cublas'); returns the choice per weight shape. Timing uses up to max_weights_per_shape
-    distinct weights of a shape, so most reads come from memory rather than L2, as in a real step."""
+    distinct weights of a shape, so most reads come from memory rather than L2, as in a real step. A shape
+    whose modules take a prologue (`prologue`: "rmsnorm" or "silu_and_mul", set by the model) credits
+    "rows" tiles with the launch they absorb."""
     modules = gemv_modules(model)
     for m in modules:
         m.gemv_tiles = None
@@ -217,7 +240,18 @@ def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 
         if len(weights) < max_weights_per_shape and all(w.data_ptr() != m.weight.data_ptr() for w in weights):
             weights.append(m.weight)
     with torch.inference_mode():
-        chosen = choose_gemv_tiles(shapes, _graph_pass_time, [GemvTiles(*c) for c in GEMV_CANDIDATES], mode)
+        absorbed: dict[tuple[int, int], float] = {}
+        launch: dict[tuple[str, int], float] = {}
+        for m in modules:
+            if getattr(m, "prologue", None) is not None:
+                shape = tuple(m.weight.shape)
+                key = (m.prologue, shape[1])
+                if key not in launch:
+                    launch[key] = _prologue_seconds(m.prologue, shape[1], m.weight.dtype, m.weight.device)
+                absorbed[shape] = max(absorbed.get(shape, 0.0), launch[key])
+        chosen = choose_gemv_tiles(
+            shapes, _graph_pass_time, [GemvTiles(*c) for c in GEMV_CANDIDATES], mode, absorbed
+        )
     for m in modules:
         m.gemv_tiles = chosen[tuple(m.weight.shape)]
     return chosen
@@ -316,6 +350,9 @@ class ReplicatedLinear(nn.Module):
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
+    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
+    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
+    prologue: str | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -337,6 +374,9 @@ class ColumnParallelLinear(nn.Module):
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
+    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
+    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
+    prologue: str | None = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -425,6 +465,9 @@ class RowParallelLinear(nn.Module):
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
+    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
+    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
+    prologue: str | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()

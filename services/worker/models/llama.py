@@ -45,6 +45,8 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
         self.act_fn = get_act_and_mul(hidden_act)
+        # At batch 1 the decoder layer's norm runs inside gate_up and the activation inside down.
+        self.gate_up_proj.prologue, self.down_proj.prologue = "rmsnorm", "silu_and_mul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act_fn)
@@ -106,6 +108,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn.qkv_proj.prologue = "rmsnorm"  # see norm_then_linear
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         hf = config.hf_config
