@@ -207,6 +207,9 @@ class Dispatcher:
     async def submit(self, spec: GenerateSpec) -> RequestStream:
         """Validate, route and publish one request; its outputs arrive on the returned stream."""
         spec.validate()
+        return await self._submit_valid(spec)
+
+    async def _submit_valid(self, spec: GenerateSpec) -> RequestStream:
         worker = await self._choose(spec.model, routing_key(spec.text, spec.messages, spec.input_ids))
         rid = spec.rid or uuid.uuid4().hex
         stream = self.hub.open(rid, worker.load.worker_id)
@@ -266,7 +269,7 @@ class Dispatcher:
         streams: list[RequestStream] = []
         try:
             for spec in specs:
-                streams.append(await self.submit(spec))
+                streams.append(await self._submit_valid(spec))
         except BaseException:
             for stream in streams:
                 self.release(stream)

@@ -3,20 +3,26 @@ response only once its first output (or error) is known, and abort when the clie
 
 A streaming route awaits the first output before it returns, so an error that comes at once (the
 prompt is too long, no tokenizer) is still a 4xx/5xx status; later errors become an SSE error event
-followed by `data: [DONE]`. When the client disconnects, Starlette cancels the response's iterator;
+followed by `data: [DONE]`. When the client disconnects, SseResponse cancels the response's iterator;
 its `finally` releases every stream, which aborts the requests on their workers.
+
+The first event is on the client's time-to-first-token path, so nothing stands between the stream's
+queue and the socket: one stream (n = 1) is read directly, not through merge's pump task and second
+queue, and SseResponse writes from the handler's task (Starlette's StreamingResponse first sets up an
+anyio task group and starts the writer as a new task).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import CLIENT_CLOSED, GatewayError
@@ -25,7 +31,7 @@ from shared.protocol import StreamOut
 
 T = TypeVar("T")
 
-DONE = "data: [DONE]\n\n"
+DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -38,8 +44,18 @@ def routing_headers(streams: list[RequestStream]) -> dict[str, str]:
     return {WORKER_HEADER: ",".join(s.worker_id for s in streams)}
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+_json = msgspec.json.Encoder()
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event: compact UTF-8 JSON (a non-finite float, which JSON cannot hold, is null)."""
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+async def single(stream: RequestStream) -> AsyncIterator[tuple[int, StreamOut]]:
+    """What merge yields for one stream, without its tasks: (0, output) until the final."""
+    async for out in stream.outputs():
+        yield 0, out
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOut]]:
@@ -75,11 +91,11 @@ async def start_stream(
     request: Request,
     dispatcher: Dispatcher,
     streams: list[RequestStream],
-    render: Callable[[AsyncIterator[tuple[int, StreamOut]]], AsyncIterator[str]],
+    render: Callable[[AsyncIterator[tuple[int, StreamOut]]], AsyncIterator[bytes]],
 ) -> StreamingResponse:
     """An SSE response of `render(merged outputs)`, begun after the first output arrived. `render`
     yields SSE frames; a GatewayError it lets through becomes an error event. `[DONE]` ends it."""
-    outputs = merge(streams)
+    outputs = single(streams[0]) if len(streams) == 1 else merge(streams)
     try:
         first = await anext(outputs)
     except BaseException:
@@ -93,7 +109,7 @@ async def start_stream(
         async for item in outputs:
             yield item
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[bytes]:
         try:
             async for frame in render(replay()):
                 yield frame
@@ -107,7 +123,52 @@ async def start_stream(
         yield DONE
 
     headers = {**SSE_HEADERS, **routing_headers(streams)}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+    return SseResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+class SseResponse(StreamingResponse):
+    """A StreamingResponse that sends from the task it is called in, and watches for the client's
+    disconnect with one plain task, started once the first frame is out. A disconnect cancels the
+    sending (as Starlette's task group does); the iterator's `finally` then releases its streams."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sender = asyncio.current_task()
+        assert sender is not None
+        sending, gone = True, False
+
+        async def watch() -> None:
+            nonlocal gone
+            # The body has been read, so the next message is the disconnect; uvicorn also sends one once
+            # the response is complete, which must not cancel anything.
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if sending:
+                gone = True
+                sender.cancel()
+
+        watcher: asyncio.Task[None] | None = None
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                data = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                if watcher is None:
+                    watcher = asyncio.create_task(watch())
+            sending = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            # Our own cancellation, not the server's: the response ends here, as Starlette's does.
+            if hasattr(sender, "uncancel"):  # Python >= 3.11
+                sender.uncancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            sending = False
+            if watcher is not None:
+                watcher.cancel()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]) -> T:

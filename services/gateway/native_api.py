@@ -84,7 +84,8 @@ class GenerateBody(StrictModel):
         if self.text is not None:
             return list(self.text), False
         ids = self.input_ids or []
-        if ids and all(isinstance(t, int) for t in ids):
+        # Validated as list[int] | list[list[int]]: the first item tells which.
+        if ids and isinstance(ids[0], int):
             return [list(ids)], True  # type: ignore[arg-type]
         return list(ids), False  # type: ignore[arg-type]
 

@@ -180,10 +180,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
 
 async def _chat_chunks(
     body: ChatCompletionRequest, header: dict[str, Any], outs: AsyncIterator[tuple[int, StreamOut]]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
-    def chunk(index: int, delta: dict[str, Any], **fields: Any) -> str:
+    def chunk(index: int, delta: dict[str, Any], **fields: Any) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
         return sse({**header, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
@@ -241,10 +241,10 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 async def _completion_chunks(
     body: CompletionRequest, header: dict[str, Any], echoes: list[str], outs: AsyncIterator[tuple[int, StreamOut]]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
-    def chunk(index: int, text: str, **fields: Any) -> str:
+    def chunk(index: int, text: str, **fields: Any) -> bytes:
         choice = {"index": index, "text": text, "logprobs": None, "finish_reason": None, **fields}
         return sse({**header, "object": "text_completion", "choices": [choice], **extra})
 

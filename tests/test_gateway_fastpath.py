@@ -1,0 +1,188 @@
+"""JsonFastPath (services/gateway/app.py): POST /generate with a body FastAPI would accept is served
+without FastAPI's routing, and answers exactly as FastAPI's route does; anything else reaches FastAPI
+with its body untouched.
+
+The middleware alone with stub apps, then a real gateway (a scripted pipeline on a real nats-server):
+the same body sent as `application/json` (the fast path) and as `application/json; charset=utf-8`
+(which the fast path leaves to FastAPI) gets the same status, headers and JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from services.gateway.app import JsonFastPath
+from services.gateway.native_api import GenerateBody
+from shared.natsd import NatsServer, start_nats_server
+from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+
+FAST = {"content-type": "application/json"}
+VIA_FASTAPI = {"content-type": "application/json; charset=utf-8"}
+
+
+# ---- the middleware alone ---------------------------------------------------------------------------
+
+
+class Recorder:
+    """The inner (FastAPI) app and the route function, each noting what reached it."""
+
+    def __init__(self) -> None:
+        self.inner_bodies: list[bytes] = []
+        self.endpoint_bodies: list[GenerateBody] = []
+
+    async def inner(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.inner_bodies.append((await receive())["body"])
+        await Response("inner")(scope, receive, send)
+
+    async def endpoint(self, body: GenerateBody, request: Request) -> Response:
+        self.endpoint_bodies.append(body)
+        return JSONResponse({"served": "fast"})
+
+
+def call(app: JsonFastPath, method: str, path: str, body: bytes, content_type: bytes) -> list[Message]:
+    scope = {"type": "http", "method": method, "path": path, "headers": [(b"content-type", content_type)], "state": {}}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_a_valid_body_is_served_by_the_route_function() -> None:
+    recorder = Recorder()
+    app = JsonFastPath(recorder.inner, routes={"/generate": (GenerateBody, recorder.endpoint)})
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}, "stream": True}
+    sent = call(app, "POST", "/generate", json.dumps(body).encode(), b"application/json")
+    assert recorder.inner_bodies == []
+    (validated,) = recorder.endpoint_bodies
+    assert (validated.input_ids, validated.sampling_params.max_new_tokens, validated.stream) == ([1, 2, 3], 0, True)
+    assert json.loads(sent[-1]["body"]) == {"served": "fast"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "content_type"),
+    [
+        ("POST", "/generate", b'{"text": "hi", "sampling_params": {"top_k": 1.5}}', b"application/json"),
+        ("POST", "/generate", b'{"text": "hi", "sampling_params": {"regex": "a+"}}', b"application/json"),
+        ("POST", "/generate", b'{"text": "hi",', b"application/json"),
+        ("POST", "/generate", b'["hi"]', b"application/json"),
+        ("POST", "/generate", b"\xff\xfe", b"application/json"),
+        ("POST", "/generate", b'{"text": "hi"}', b"application/json; charset=utf-8"),
+        ("POST", "/generate", b'{"text": "hi"}', b"text/plain"),
+        ("PUT", "/generate", b'{"text": "hi"}', b"application/json"),
+        ("POST", "/v1/completions", b'{"prompt": "hi"}', b"application/json"),
+    ],
+)
+def test_anything_else_reaches_fastapi_with_its_body(method: str, path: str, body: bytes, content_type: bytes) -> None:
+    recorder = Recorder()
+    app = JsonFastPath(recorder.inner, routes={"/generate": (GenerateBody, recorder.endpoint)})
+    sent = call(app, method, path, body, content_type)
+    assert recorder.endpoint_bodies == []
+    assert recorder.inner_bodies == [body]
+    assert sent[-1]["body"] == b"inner"
+
+
+# ---- a real gateway: the fast path against FastAPI's route -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with start_nats_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
+    fake = FakePipeline(nats.url, workers=("w1",))
+    yield fake
+    fake.close()
+
+
+@pytest.fixture(scope="module")
+def http(nats: NatsServer, pipeline: FakePipeline) -> Iterator[httpx.Client]:
+    gw = GatewayThread(nats.url)
+    wait_for_workers(gw.url, 1)
+    with httpx.Client(base_url=gw.url, timeout=15) as client:
+        yield client
+    gw.close()
+
+
+def answer(http: httpx.Client, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
+    """Status, the headers a client relies on, and the JSON (a list of events for SSE) with the
+    values that differ between any two requests (request ids, latencies) blanked."""
+    response = http.post("/generate", content=body, headers=headers)
+    kept = {k: response.headers.get(k, "") for k in ("content-type", "x-radixserve-worker", "cache-control")}
+    kept["x-radixserve-gateway"] = str(bool(response.headers.get("x-radixserve-gateway")))
+    if kept["content-type"].startswith("text/event-stream"):
+        events = [e[len("data: ") :] for e in response.text.split("\n\n") if e.startswith("data: ")]
+        payload: Any = [e if e == "[DONE]" else json.loads(e) for e in events]
+    else:
+        payload = response.json()
+    return response.status_code, kept, blank(payload)
+
+
+def blank(value: Any) -> Any:
+    if isinstance(value, list):
+        return [blank(v) for v in value]
+    if isinstance(value, dict):
+        return {k: "-" if k in ("id", "e2e_latency") else blank(v) for k, v in value.items()}
+    return value
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "one two", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+        {"text": "one two three", "stream": True},
+        {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 2, "stream": True},
+        {"text": ["a", "b c"], "sampling_params": {"n": 2}},
+        {"text": ["d e", "f"], "stream": True},
+        {"text": "stop here now", "sampling_params": {"stop": "here"}},
+        {"input_ids": [9], "sampling_params": {"max_new_tokens": 0}, "stream": True},
+        {"text": "ERROR refused", "stream": True},
+        {"text": "hi", "input_ids": [1]},
+        {"text": ""},
+        {"text": "hi", "model": "gpt-9"},
+        {"text": "hi", "rid": ["a", "b"]},
+        {"text": "hi", "sampling_params": {"top_k": 1.5}},
+        {"text": "hi", "sampling_params": {"temperature": -1}},
+        {"text": "hi", "sampling_params": {"regex": "a+"}},
+        {"input_ids": [[1], 2]},
+    ],
+)
+def test_the_fast_path_answers_as_fastapi_does(http: httpx.Client, body: dict[str, Any]) -> None:
+    wire = json.dumps(body).encode()
+    answer(http, wire, FAST)  # both below then see the prompt as cached alike
+    assert answer(http, wire, FAST) == answer(http, wire, VIA_FASTAPI)
+
+
+def test_malformed_json_gets_fastapis_400(http: httpx.Client) -> None:
+    fast, slow = (answer(http, b'{"text": "hi",', headers) for headers in (FAST, VIA_FASTAPI))
+    assert fast == slow
+    assert (fast[0], fast[2]["error"]["param"]) == (400, "body")
+
+
+def test_the_fast_path_is_counted_under_its_route(http: httpx.Client) -> None:
+    def served() -> float:
+        found = re.search(r'rs_gateway_requests_total\{endpoint="/generate",status="200"\} (\S+)', http.get("/metrics").text)
+        return float(found.group(1)) if found else 0.0
+
+    before = served()
+    assert http.post("/generate", json={"text": "count me", "stream": True}).status_code == 200
+    assert served() == before + 1
