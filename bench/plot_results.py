@@ -210,10 +210,12 @@ def plot_seventh_session() -> None:
     """Seventh session: P2 with the GEMV prologues, P6 with split extend prefixes, FlashInfer vs the
     triton backend per layer, and the GPU pipeline with four gateways."""
     fig, axes = plt.subplots(1, 4, figsize=(24, 4.2))
-    before, after = load("gpu_engine_s6_hfc")["results"], load("gpu_engine_s7")["results"]
-    bars(axes[0], ["0.6B\nsixth session", "0.6B\n+ fused prologues", "8B\nsixth session", "8B\n+ fused prologues"],
-         [before["0.6b"]["tok_s"], after["0.6b"]["tok_s"], before["8b"]["tok_s"], after["8b"]["tok_s"]],
-         ["tab:gray", "tab:blue", "tab:gray", "tab:blue"])
+    runs = [load(name)["results"] for name in ("gpu_engine_s6_hfc", "gpu_engine_s7", "gpu_engine_s7_call6")]
+    labels, values = [], []
+    for model in ("0.6b", "8b"):
+        labels += [f"{model}\nsixth session", f"{model} fused\nprologues", f"{model} + tile\ncredit"]
+        values += [r[model]["tok_s"] for r in runs]
+    bars(axes[0], labels, values, ["tab:gray", "tab:blue", "tab:blue"] * 2)
     axes[0].axhline(1000, color="tab:green", linestyle="--", label="P2 target 1,000 tok/s")
     axes[0].set_title("P1/P2 batch-1 decode")
     axes[0].set_ylabel("tokens/s")
@@ -248,7 +250,9 @@ def plot_seventh_session() -> None:
 
 
 # Later GPU pipeline runs of the seventh session (label, JSON name), drawn when recorded.
-PIPELINE_S7_EXTRA = (("4 gateways,\ngateway tokenizes", "gpu_pipeline_s7_gateway_tokenizes"),)
+PIPELINE_S7_EXTRA = (("+ fast path,\nraw client", "gpu_pipeline_s7_gateways4_after"),
+                     ("the same,\nagain", "gpu_pipeline_s7_gateways4_rerun"),
+                     ("+ gateway\ntokenizes", "gpu_pipeline_s7_gateway_tokenizes"))
 
 
 def main() -> None:
