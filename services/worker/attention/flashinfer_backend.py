@@ -120,47 +120,28 @@ class FlashInferAttnBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
     ) -> torch.Tensor:
-        meta = self._metadata(batch, decode=True)
-        cache = self._store_and_cache(k, v, layer, batch)
-        wrapper = self._wrapper(decode=True, layer=layer, device=q.device)
-        if not meta.planned:
-            wrapper.plan(
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
-                1,
-                q_data_type=q.dtype,
-                kv_data_type=cache[0].dtype,
-                sm_scale=layer.scaling,
-            )
-            meta.planned = True
-        out = wrapper.run(q.view(-1, layer.num_heads, layer.head_dim), cache)
-        return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
+        return self._attend(q, k, v, layer, batch, decode=True)
 
     def forward_extend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
     ) -> torch.Tensor:
-        meta = self._metadata(batch, decode=False)
+        return self._attend(q, k, v, layer, batch, decode=False)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch,
+        decode: bool,
+    ) -> torch.Tensor:
+        meta = self._metadata(batch, decode)
         cache = self._store_and_cache(k, v, layer, batch)
-        wrapper = self._wrapper(decode=False, layer=layer, device=q.device)
+        wrapper = self._wrapper(decode, layer, q.device)
         if not meta.planned:
-            wrapper.plan(
-                meta.qo_indptr,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
-                layer.num_heads,
-                layer.num_kv_heads,
-                layer.head_dim,
-                1,
-                causal=True,
-                sm_scale=layer.scaling,
-                q_data_type=q.dtype,
-                kv_data_type=cache[0].dtype,
-            )
+            shape = (layer.num_heads, layer.num_kv_heads, layer.head_dim, 1)  # the last: page size
+            options = {"sm_scale": layer.scaling, "q_data_type": q.dtype, "kv_data_type": cache[0].dtype}
+            pages = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+            if decode:
+                wrapper.plan(*pages, *shape, **options)
+            else:
+                wrapper.plan(meta.qo_indptr, *pages, *shape, causal=True, **options)
             meta.planned = True
         out = wrapper.run(q.view(-1, layer.num_heads, layer.head_dim), cache)
         return out.reshape(q.shape[0], layer.num_heads * layer.head_dim)
@@ -183,6 +164,8 @@ class FlashInferAttnBackend(AttentionBackend):
         return k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)
 
     def _wrapper(self, decode: bool, layer: RadixAttention, device: torch.device) -> Any:
+        """The step's wrapper (made at first use, sharing one workspace: decode and prefill never run
+        in the same step)."""
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.zeros(self._workspace_bytes, dtype=torch.uint8, device=device)
             self._decode_wrapper = self._prefill_wrapper = None
