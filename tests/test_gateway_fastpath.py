@@ -24,6 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 from services.gateway.app import JsonFastPath
 from services.gateway.native_api import GenerateBody
 from shared.natsd import NatsServer, start_nats_server
+from tests.gateway_helpers import FAKE_MODEL as MODEL
 from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
 
 FAST = {"content-type": "application/json"}
@@ -123,10 +124,12 @@ def http(nats: NatsServer, pipeline: FakePipeline) -> Iterator[httpx.Client]:
     gw.close()
 
 
-def answer(http: httpx.Client, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], Any]:
+def answer(
+    http: httpx.Client, body: bytes, headers: dict[str, str], path: str = "/generate"
+) -> tuple[int, dict[str, str], Any]:
     """Status, the headers a client relies on, and the JSON (a list of events for SSE) with the
-    values that differ between any two requests (request ids, latencies) blanked."""
-    response = http.post("/generate", content=body, headers=headers)
+    values that differ between any two requests (request ids, latencies, creation times) blanked."""
+    response = http.post(path, content=body, headers=headers)
     kept = {k: response.headers.get(k, "") for k in ("content-type", "x-radixserve-worker", "cache-control")}
     kept["x-radixserve-gateway"] = str(bool(response.headers.get("x-radixserve-gateway")))
     if kept["content-type"].startswith("text/event-stream"):
@@ -141,7 +144,7 @@ def blank(value: Any) -> Any:
     if isinstance(value, list):
         return [blank(v) for v in value]
     if isinstance(value, dict):
-        return {k: "-" if k in ("id", "e2e_latency") else blank(v) for k, v in value.items()}
+        return {k: "-" if k in ("id", "e2e_latency", "created") else blank(v) for k, v in value.items()}
     return value
 
 
@@ -170,6 +173,31 @@ def test_the_fast_path_answers_as_fastapi_does(http: httpx.Client, body: dict[st
     wire = json.dumps(body).encode()
     answer(http, wire, FAST)  # both below then see the prompt as cached alike
     assert answer(http, wire, FAST) == answer(http, wire, VIA_FASTAPI)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "one two", "max_tokens": 6, "temperature": 0}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a b", "c"], "n": 2, "logprobs": 2, "stream": True,
+                             "stream_options": {"include_usage": True}}),
+        ("/v1/completions", {"model": MODEL, "prompt": "stop here now", "stop": ["here"]}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "one two"}]}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}],
+                                  "stream": True, "logprobs": True, "top_logprobs": 1}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+    ],
+)
+def test_the_openai_routes_fast_path_answers_as_fastapi_does(
+    http: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    wire = json.dumps(body).encode()
+    answer(http, wire, FAST, path)
+    assert answer(http, wire, FAST, path) == answer(http, wire, VIA_FASTAPI, path)
 
 
 def test_malformed_json_gets_fastapis_400(http: httpx.Client) -> None:

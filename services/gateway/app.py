@@ -9,9 +9,9 @@ mapping every route shares.
 Every answered request is counted in /metrics by route and final status (an SSE stream that ends in an
 error event counts with that error's status).
 
-POST /generate with a JSON body that validates is served by JsonFastPath, which calls the route's own
-function without FastAPI's per-request routing and dependency machinery; every other request, and any
-body that would be an error, goes through FastAPI as before.
+POST /generate, /v1/completions and /v1/chat/completions with a JSON body that validates are served by
+JsonFastPath, which calls the route's own function without FastAPI's per-request routing and dependency
+machinery; every other request, and any body that would be an error, goes through FastAPI as before.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from services.gateway.auth import ApiKeyAuth
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
 from services.gateway.http_streaming import GATEWAY_HEADER
+from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.playground_routes import router as playground_router
 
 # Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
@@ -210,7 +211,11 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     app.include_router(playground_router)
-    app.add_middleware(JsonFastPath, routes={"/generate": (native_api.GenerateBody, native_api.generate)})
+    app.add_middleware(JsonFastPath, routes={
+        "/generate": (native_api.GenerateBody, native_api.generate),
+        "/v1/completions": (CompletionRequest, openai_api.completions),
+        "/v1/chat/completions": (ChatCompletionRequest, openai_api.chat_completions),
+    })
     app.add_middleware(BodyLimit, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
     if dispatcher.keys.enabled:
         app.add_middleware(ApiKeyAuth, store=dispatcher.keys)  # inside CountRequests: 401/429 are counted
