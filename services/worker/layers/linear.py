@@ -116,6 +116,8 @@ def norm_then_linear(
         return layer(norm(x)), x
     hidden, residual = norm(x, residual)
     return layer(hidden), residual
+
+
 # Tiles select_gemv_tiles tries on each weight shape: the best "rows" tiles of bench/gpu_gemv.py's sweep
 # on the H200 at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head), and "dot" tiles,
 # which also take up to 16 rows (speculative verification) with the same bits per row as one.
