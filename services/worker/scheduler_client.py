@@ -23,11 +23,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from services.worker.config import EngineConfig
 from services.worker.model_config import ModelConfig
-from services.worker.model_runner import default_device
 from services.worker.request_state import validate_input_ids
 from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
@@ -81,13 +78,6 @@ class SchedulerClient:
         self.model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length
         )
-        if config.attention_backend == "flashinfer":
-            # A ValueError here, before the scheduler starts (inside it, it would surface as a failed start).
-            from services.worker.attention.flashinfer_backend import check_flashinfer_target
-
-            device = torch.device(config.device) if config.device else default_device()
-            dtype = ModelConfig.from_path(config.model_path, dtype=config.dtype, device=device).dtype
-            check_flashinfer_target(device, dtype)
         self.tokenizer = load_tokenizer(config.model_path)
         self._on_outputs = on_outputs
         self._on_failure = on_failure
@@ -127,6 +117,8 @@ class SchedulerClient:
         first = self._wait_ready()
         if isinstance(first, LoopFailed):
             self._stop_processes()
+            if first.invalid_config is not None:
+                raise ValueError(first.invalid_config)
             raise RuntimeError(f"the scheduler failed to start: {first.message}")
         assert isinstance(first, Ready)
         self.server_info: dict[str, Any] = first.info

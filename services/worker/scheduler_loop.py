@@ -67,6 +67,9 @@ class Ready:
 @dataclass
 class LoopFailed:
     message: str
+    # The loop raised ValueError (bad configuration: a backend the device cannot run, a model that does
+    # not fit): the caller re-raises it as one, without the traceback.
+    invalid_config: str | None = None
 
 
 def load_tokenizer(path: str) -> Any | None:
@@ -190,7 +193,8 @@ def run_scheduler_loop(
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
         logger.exception("scheduler loop of rank %d failed", rank)
         if outbox is not None:
-            outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            invalid = str(exc) if isinstance(exc, ValueError) else None
+            outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", invalid))
     finally:
         if own_process:
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
