@@ -26,6 +26,18 @@ import h11
 READ_CHUNK = 1 << 16
 
 
+def encode_request(conn: h11.Connection, host: str, port: int, method: str, path: str, body: bytes | None) -> bytes:
+    """One HTTP/1.1 request on `conn`'s keep-alive connection, as bytes (a JSON body when given)."""
+    headers = [("Host", f"{host}:{port}")]
+    if body is not None:
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    parts = [conn.send(h11.Request(method=method, target=path, headers=headers))]
+    if body is not None:
+        parts.append(conn.send(h11.Data(data=body)))
+    parts.append(conn.send(h11.EndOfMessage()))
+    return b"".join(part or b"" for part in parts)
+
+
 class HttpStatusError(RuntimeError):
     """A request of the burst was answered with a status other than 200."""
 
@@ -48,7 +60,7 @@ class HttpBurst:
         burst = cls(host, port, list(conns))
         if warm_path is not None:
             for conn, (_, writer) in zip(burst._h11, burst._conns):
-                writer.write(burst._encode(conn, "GET", warm_path, None))
+                writer.write(encode_request(conn, burst.host, burst.port, "GET", warm_path, None))
             await asyncio.gather(*(burst._answer(conn, reader) for conn, (reader, _) in zip(burst._h11, burst._conns)))
         return burst
 
@@ -56,16 +68,6 @@ class HttpBurst:
         for _, writer in self._conns:
             writer.close()
         await asyncio.gather(*(writer.wait_closed() for _, writer in self._conns), return_exceptions=True)
-
-    def _encode(self, conn: h11.Connection, method: str, path: str, body: bytes | None) -> bytes:
-        headers = [("Host", f"{self.host}:{self.port}")]
-        if body is not None:
-            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-        parts = [conn.send(h11.Request(method=method, target=path, headers=headers))]
-        if body is not None:
-            parts.append(conn.send(h11.Data(data=body)))
-        parts.append(conn.send(h11.EndOfMessage()))
-        return b"".join(part or b"" for part in parts)
 
     async def _answer(self, conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
         status, chunks = 0, []
@@ -91,7 +93,7 @@ class HttpBurst:
         answer, and the answers in order."""
         if len(bodies) > len(self._conns):
             raise ValueError(f"{len(bodies)} bodies for {len(self._conns)} connections")
-        wires = [self._encode(conn, "POST", path, json.dumps(body).encode()) for conn, body in zip(self._h11, bodies)]
+        wires = [encode_request(conn, self.host, self.port, "POST", path, json.dumps(body).encode()) for conn, body in zip(self._h11, bodies)]
         start = time.perf_counter()
         for (_, writer), wire in zip(self._conns, wires):
             writer.write(wire)
@@ -125,14 +127,7 @@ class SseProbe:
     def first_event(self, path: str, body: Any, matches: Any) -> float:
         """Seconds from writing the request to the first `data: {...}` event whose JSON `matches`; the
         rest of the response is read (not timed) so the connection can serve the next request."""
-        payload = json.dumps(body).encode()
-        headers = [("Host", f"{self.host}:{self.port}"), ("Content-Type", "application/json"),
-                   ("Content-Length", str(len(payload)))]
-        wire = b"".join(part or b"" for part in (
-            self._conn.send(h11.Request(method="POST", target=path, headers=headers)),
-            self._conn.send(h11.Data(data=payload)),
-            self._conn.send(h11.EndOfMessage()),
-        ))
+        wire = encode_request(self._conn, self.host, self.port, "POST", path, json.dumps(body).encode())
         first: float | None = None
         pending = b""
         start = time.perf_counter()
