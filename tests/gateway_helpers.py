@@ -36,6 +36,7 @@ from shared.protocol import (
     ControlReply,
     ControlRequest,
     Finish,
+    GenerateRequest,
     NatsGenerateChunk,
     NatsGenerateRequest,
     StreamOut,
@@ -136,6 +137,7 @@ class FakePipeline:
             )
         for wid in self.alive:
             await self.bus.subscribe(self.bus.subjects.worker_control(wid), (ControlRequest,), self._control_handler(wid))
+            await self.bus.subscribe(self.bus.subjects.worker_requests(wid), (GenerateRequest,), self._generate_handler(wid))
         self._loads = asyncio.create_task(self._publish_loads())
         await self._publish_loads_once()
 
@@ -204,6 +206,20 @@ class FakePipeline:
                 )
                 reply = ControlReply(v=PROTOCOL_VERSION, ok=True, info=info)
             await self.bus.respond(raw, reply)
+
+        return handle
+
+    def _generate_handler(self, wid: str) -> Any:
+        """A request that came to worker `wid` already tokenized (the gateway sends prompts of token ids
+        straight to the worker): scripted as if the tokenizer had forwarded it."""
+
+        async def handle(msg: GenerateRequest, raw: Msg) -> None:
+            if self.alive[wid]:
+                await self._on_tokenize(TokenizeRequest(
+                    v=msg.v, rid=msg.rid, gateway_id=msg.gateway_id, worker_id=wid, sampling=msg.sampling,
+                    input_ids=msg.input_ids, return_logprob=msg.return_logprob,
+                    top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
+                ), raw)
 
         return handle
 

@@ -204,20 +204,38 @@ def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_se
     expected = engine.generate(engine.apply_chat_template(messages), {"temperature": 0, "max_new_tokens": 8})
     assert reply.choices[0].message.content == expected["text"]
     assert reply.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
-    # A prompt no worker could run: 400 naming the field from either gateway, but only g1's went
-    # through the tokenizer service (which logs every refusal with the request id).
-    vocab = engine.model_config.vocab_size
+    # A text prompt longer than the context: 400 naming the field from either gateway, but only g0's
+    # went through the tokenizer service (which logs every refusal with the request id).
     tokenizer = stack.tokenizer
+    too_long = "word " * 9000  # 9,000 tokens; the context is 8,192
     for gateway, rid in ((stack.gateways[1], "local-bad"), (stack.gateways[0], "remote-bad")):
-        response = httpx.post(
-            f"{gateway.url}/generate", json={"input_ids": [5, vocab + 7], "rid": rid}, timeout=30
-        )
+        response = httpx.post(f"{gateway.url}/generate", json={"text": too_long, "rid": rid}, timeout=30)
         assert response.status_code == 400, response.text
-        assert "input_ids" in response.json()["error"]["message"]
-    deadline = time.monotonic() + 10
-    while "remote-bad" not in tokenizer.log() and time.monotonic() < deadline:
+        assert "`input_ids` too long" in response.json()["error"]["message"]
+    _wait_for_line(tokenizer, "remote-bad")
+    assert "local-bad" not in tokenizer.log()
+    # Token ids have nothing to tokenize: g0 sends them straight to a worker, which refuses ids outside
+    # the vocabulary with the same 400 (and logs it); g1 checks them against its own copy of the model's
+    # vocabulary. The tokenizer service sees neither.
+    vocab = engine.model_config.vocab_size
+    for gateway, rid in ((stack.gateways[1], "local-ids-bad"), (stack.gateways[0], "remote-ids-bad")):
+        response = httpx.post(f"{gateway.url}/generate", json={"input_ids": [5, vocab + 7], "rid": rid}, timeout=30)
+        assert response.status_code == 400, response.text
+        assert "`input_ids` holds a token id outside" in response.json()["error"]["message"]
+    workers = list(stack.workers.values())
+    _wait_for_line(workers, "remote-ids-bad")
+    assert not any("local-ids-bad" in w.log() for w in workers)
+    assert "ids-bad" not in tokenizer.log()
+
+
+def _wait_for_line(processes: ServiceProcess | list[ServiceProcess], text: str, timeout: float = 10.0) -> None:
+    """Until one of the processes has logged `text`."""
+    processes = processes if isinstance(processes, list) else [processes]
+    deadline = time.monotonic() + timeout
+    while not any(text in p.log() for p in processes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert "remote-bad" in tokenizer.log() and "local-bad" not in tokenizer.log()
+    assert any(text in p.log() for p in processes), f"{text!r} is in no log of {[str(p.log_path) for p in processes]}"
+
 
 
 def _worker_info(url: str, worker_id: str) -> dict[str, Any]:
@@ -253,8 +271,9 @@ def test_client_disconnect_aborts_and_frees_the_kv(stack: Stack) -> None:
 
 
 def test_two_gateways_and_two_workers_serve_concurrent_requests(stack: Stack, engine: Engine) -> None:
-    # Distinct prompts, so cache-aware routing has no shared prefix to follow and spreads by load.
-    prompts = ["List three fruits:", "Name two rivers:", "The sky is", "Write a haiku about snow:"]
+    # Prompts no earlier test sent (and sharing no prefix), so cache-aware routing has no worker's cache to
+    # follow and spreads by load.
+    prompts = ["List three fruits:", "Name two rivers:", "Describe a sunny sky:", "Write a haiku about snow:"]
     sampling = {"temperature": 0, "max_new_tokens": 12}
     expected = [out["text"] for out in engine.generate(prompts, sampling)]
 

@@ -2,7 +2,10 @@
 
 validate -> choose a worker (router) -> register the stream (streams) -> publish a TokenizeRequest to
 `{p}.tokenize` (or, with --local-tokenizer for the worker's model, tokenize here and publish the
-GenerateRequest straight to the worker) -> the front door reads the stream. A client that goes away releases its request, which
+GenerateRequest straight to the worker) -> the front door reads the stream. A prompt given as token ids
+has nothing to tokenize: its GenerateRequest goes straight to the worker, which checks the ids against
+its model (the tokenizer service would have made the same checks) and refuses bad ones with the same
+error final. A client that goes away releases its request, which
 aborts it on its worker (freeing its KV). A watchdog forgets silent workers and ends their requests.
 """
 
@@ -34,7 +37,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
-from services.tokenizer.prompt_tokenizer import PromptTokenizer, is_quick
+from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request, is_quick
 from services.worker.sampling.sampling_params import SamplingParams
 from shared.bus import Bus, PayloadTooLarge
 from shared.model_path import resolve_model_path
@@ -231,6 +234,10 @@ class Dispatcher:
         try:
             if self.tokenizes_for(worker):
                 await self._publish_tokenized(msg)
+            elif msg.input_ids is not None:
+                # One NATS hop and one process fewer on the way to the first token.
+                out = generate_request(msg, msg.input_ids)
+                await self.bus.publish(self.bus.subjects.worker_requests(msg.worker_id), out)
             else:
                 await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
         except PayloadTooLarge as exc:

@@ -85,14 +85,19 @@ class PromptTokenizer:
         SamplingParams.from_dict(req.sampling.to_dict()).verify(self.vocab_size)
         if req.top_logprobs_num < 0:
             raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {req.top_logprobs_num}")
-        return GenerateRequest(
-            v=PROTOCOL_VERSION,
-            rid=req.rid,
-            gateway_id=req.gateway_id,
-            input_ids=ids,
-            sampling=req.sampling,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            priority=req.priority,
-            stream=req.stream,
-        )
+        return generate_request(req, ids)
+
+
+def generate_request(req: TokenizeRequest, ids: list[int]) -> GenerateRequest:
+    """`req` as its worker gets it, with prompt `ids`."""
+    return GenerateRequest(
+        v=PROTOCOL_VERSION,
+        rid=req.rid,
+        gateway_id=req.gateway_id,
+        input_ids=ids,
+        sampling=req.sampling,
+        return_logprob=req.return_logprob,
+        top_logprobs_num=req.top_logprobs_num,
+        priority=req.priority,
+        stream=req.stream,
+    )
