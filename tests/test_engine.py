@@ -336,3 +336,44 @@ def test_a_script_without_a_main_guard_gets_a_clear_error_not_a_hang(qwen3_path:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0 and "started" not in done.stdout
     assert 'if __name__ == "__main__":' in done.stderr and "exited during start-up" in done.stderr
+
+
+def test_inline_outputs_come_from_the_scheduler_thread_with_the_same_tokens(qwen3_path: Path) -> None:
+    """outputs_inline (the worker service's choice): a scheduler thread hands each step's outputs to
+    the callback itself, no dispatcher wake-up between; the tokens are the queued path's, and control
+    replies still arrive."""
+    from services.worker.config import EngineConfig
+    from services.worker.scheduler_client import SchedulerClient
+
+    prompts = random_prompts(3, 5, 30, seed=11)
+
+    def run(inline: bool) -> tuple[dict[str, list[int]], set[str], dict]:
+        tokens: dict[str, list[int]] = {}
+        threads: set[str] = set()
+        done = threading.Event()
+
+        def on_outputs(outputs: list) -> None:
+            threads.add(threading.current_thread().name)
+            for out in outputs:
+                tokens.setdefault(out.rid, []).extend(out.token_ids)
+                if out.finished_reason is not None and len(tokens) == len(prompts):
+                    if all(len(t) == 8 for t in tokens.values()):
+                        done.set()
+
+        config = EngineConfig.from_kwargs(str(qwen3_path), scheduler_process=False)
+        client = SchedulerClient(config, on_outputs, lambda message: None, outputs_inline=inline)
+        try:
+            for i, ids in enumerate(prompts):
+                (req,) = client.build_reqs(ids, {**GREEDY, "max_new_tokens": 8}, rid=f"r{i}")
+                client.add(req)
+            assert done.wait(60)
+            info = client.control("get_info")
+        finally:
+            client.shutdown()
+        return tokens, threads, info
+
+    inline_tokens, inline_threads, info = run(True)
+    queued_tokens, queued_threads, _ = run(False)
+    assert inline_threads == {"radixserve-scheduler"} and queued_threads == {"radixserve-outputs"}
+    assert inline_tokens == queued_tokens == {f"r{i}": ids for i, ids in enumerate(generate_ids(qwen3_path, prompts, n=8))}
+    assert info["stats"]["generated_tokens"] == 3 * 8

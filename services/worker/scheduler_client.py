@@ -61,11 +61,30 @@ def _run_rank_process(config: EngineConfig, rank: int, init_method: str, inbox: 
     run_scheduler_loop(config, rank, init_method, inbox, outbox, own_process=True)
 
 
+class _InlineOutbox(queue.Queue):  # type: ignore[type-arg]
+    """A scheduler thread's outbox that hands each step's outputs to `on_outputs` from the scheduler
+    thread itself, without waking the dispatcher thread on the way; everything else (Ready, control
+    replies, LoopFailed) queues for the dispatcher as usual."""
+
+    def __init__(self, on_outputs: Callable[[list[ReqOutput]], None]) -> None:
+        super().__init__()
+        self._on_outputs = on_outputs
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, list):
+            self._on_outputs(item)
+        else:
+            super().put(item, block, timeout)
+
+
 class SchedulerClient:
     """Starts one worker's scheduler and talks to it through its inbox and outbox.
 
     `on_outputs(outputs)` receives each scheduler step's list of ReqOutput (one per request advanced)
     and `on_failure(message)` is called once if the scheduler dies; both run on the dispatcher thread.
+    With `outputs_inline` (for an `on_outputs` that is cheap and thread-safe, such as handing the step
+    to an event loop) a scheduler that runs as a thread calls it from its own thread after each step:
+    one thread wake-up fewer between a step and its outputs going out.
     """
 
     def __init__(
@@ -73,8 +92,10 @@ class SchedulerClient:
         config: EngineConfig,
         on_outputs: Callable[[list[ReqOutput]], None],
         on_failure: Callable[[str], None],
+        outputs_inline: bool = False,
     ) -> None:
         self.config = config
+        self._outputs_inline = outputs_inline
         self.model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length
         )
@@ -96,7 +117,7 @@ class SchedulerClient:
         init_method = self.config.dist_init_addr or f"tcp://127.0.0.1:{_free_port()}"
         if not self.config.scheduler_in_process():
             self._inbox: Any = queue.Queue()
-            self._outbox: Any = queue.Queue()
+            self._outbox: Any = _InlineOutbox(self._on_outputs) if self._outputs_inline else queue.Queue()
             self._thread = threading.Thread(
                 target=run_scheduler_loop,
                 args=(self.config, 0, init_method, self._inbox, self._outbox),

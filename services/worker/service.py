@@ -135,7 +135,7 @@ class WorkerService(Service):
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
         logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
         self.client = await asyncio.to_thread(
-            SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread
+            SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread, outputs_inline=True
         )
         if cfg.with_detokenizer:
             if self.client.tokenizer is None:
@@ -186,7 +186,8 @@ class WorkerService(Service):
     # ---- scheduler -> NATS ----------------------------------------------------------------------
 
     def _outputs_from_thread(self, outputs: list[ReqOutput]) -> None:
-        """Called on the client's dispatcher thread: hand the step to the event loop, in order."""
+        """Called on the scheduler's (or the client's dispatcher) thread: hand the step to the event
+        loop, in order."""
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
             self._loop.call_soon_threadsafe(self._steps.put_nowait, outputs)
 
