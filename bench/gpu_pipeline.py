@@ -51,13 +51,14 @@ SMOLLM2_VOCAB = 49152
 TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
 BUILT_MARKER = ".built"
-WORKLOAD_FLAGS = ("batch", "prompt_len", "new_tokens", "repeats", "ttft_runs", "ttft_warmup", "floor_runs", "threads")
+WORKLOAD_FLAGS = ("batch", "prompt_len", "new_tokens", "repeats", "ttft_runs", "ttft_warmup", "floor_runs", "text_runs",
+                  "threads")
 # Per-run defaults: the GPU figures, and a CPU smoke run of the whole flow that ends in about a minute.
 PROFILES: dict[str, dict[str, object]] = {
     "gpu": dict(device="cuda", dtype="bfloat16", attention_backend="triton", batch=64, prompt_len=128,
-                new_tokens=128, repeats=5, ttft_runs=30, ttft_warmup=3, floor_runs=50, threads=2),
+                new_tokens=128, repeats=5, ttft_runs=30, ttft_warmup=3, floor_runs=50, text_runs=30, threads=2),
     "tiny": dict(device="cpu", dtype="float32", attention_backend="torch", batch=4, prompt_len=16,
-                 new_tokens=8, repeats=1, ttft_runs=4, ttft_warmup=1, floor_runs=4, threads=1),
+                 new_tokens=8, repeats=1, ttft_runs=4, ttft_warmup=1, floor_runs=4, text_runs=4, threads=1),
 }
 
 

@@ -16,7 +16,11 @@ Prompts are random token ids, fresh for every batch, so no prefix cache ever hel
 2. TTFT at low load: one streamed request at a time, time to the first token; --ttft-runs pairs, sides
    alternating; added TTFT = median of the per-pair differences (target <= 2 ms).
 3. The floor: the same round trip with max_new_tokens=0, which the worker answers without the model:
-   the transport alone (HTTP, three NATS messages, four processes), free of the prefill's noise.
+   the transport alone (HTTP, NATS messages, the processes), free of the prefill's noise.
+4. TTFT with text prompts (--text-runs pairs): the same, the prompts as text (random ids decoded), which
+   the Engine tokenizes in-process and the pipeline in its tokenizer service (or, with
+   --gateway-tokenizes, in the gateway). A prompt of ids goes from the gateway straight to the worker
+   (nothing to tokenize), so the id figures above have one NATS hop fewer than the text one.
 
 The 2-core machine is shared, so each figure records the cores other people's processes kept busy
 meanwhile (/proc/stat less this benchmark's process tree). On the CPU a throughput repeat counts only if
@@ -286,26 +290,31 @@ def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: r
 # ---- TTFT -------------------------------------------------------------------------------------------
 
 
-def engine_first_chunk(engine: Any, ids: list[int], new_tokens: int) -> float:
+Prompt = list[int] | str
+
+
+def engine_first_chunk(engine: Any, prompt: Prompt, new_tokens: int) -> float:
     """Seconds from the streamed call to its first chunk with a token (new_tokens=0: its only chunk)."""
+    given = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
     start = time.perf_counter()
     first: float | None = None
-    for chunk in engine.generate(input_ids=ids, sampling_params=sampling(new_tokens), stream=True):
+    for chunk in engine.generate(**given, sampling_params=sampling(new_tokens), stream=True):
         if first is None and (chunk["output_ids"] or not new_tokens):
             first = time.perf_counter() - start
     assert first is not None, "the engine streamed no chunk"
     return first
 
 
-def gateway_first_chunk(probe: SseProbe, ids: list[int], new_tokens: int) -> float:
+def gateway_first_chunk(probe: SseProbe, prompt: Prompt, new_tokens: int) -> float:
     """Seconds from sending a streamed /generate to its first SSE event with a token (new_tokens=0:
     its first event), read off the socket by bench/http_burst.py's SseProbe (no client library on the
     clock: the Engine side has none either)."""
-    body = {"input_ids": ids, "sampling_params": sampling(new_tokens), "stream": True}
+    body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling(new_tokens),
+            "stream": True}
     return probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
 
 
-def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[list[int]], new_tokens: int,
+def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[Prompt], new_tokens: int,
                        warmup: int) -> dict[str, Any]:
     """Each prompt on both sides (each has its own cache, so neither hits it), in alternating order;
     the added time is the median of the per-prompt differences."""
@@ -333,15 +342,26 @@ def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[list[int]], 
     }
 
 
+def text_prompts(tokenizer: Any, rng: random.Random, count: int, length: int, vocab: int) -> list[str]:
+    """Random ids decoded to text (about `length` tokens once encoded again)."""
+    return [tokenizer.decode(ids) for ids in make_prompts(rng, count, length, vocab)]
+
+
 def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Random,
-               vocab: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """TTFT, then the floor (max_new_tokens=0: the worker answers without the model)."""
+               vocab: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """TTFT, the floor (max_new_tokens=0: the worker answers without the model), and TTFT with text
+    prompts (None without a tokenizer or with --text-runs 0)."""
     client = SseProbe(url)  # the keep-alive connection every request then reuses
+    tokenizer = engine.tokenizer
     try:
-        runs = {"TTFT": (args.ttft_runs, TTFT_NEW_TOKENS), "floor (max_new_tokens=0)": (args.floor_runs, 0)}
+        runs = {"TTFT": (args.ttft_runs, TTFT_NEW_TOKENS, False), "floor (max_new_tokens=0)": (args.floor_runs, 0, False)}
+        if args.text_runs and tokenizer is not None:
+            runs["TTFT, text prompts"] = (args.text_runs, TTFT_NEW_TOKENS, True)
         results = []
-        for name, (count, new_tokens) in runs.items():
-            prompts = make_prompts(rng, count + args.ttft_warmup, args.prompt_len, vocab)
+        for name, (count, new_tokens, text) in runs.items():
+            total = count + args.ttft_warmup
+            prompts: list[Prompt] = (text_prompts(tokenizer, rng, total, args.prompt_len, vocab) if text
+                                     else make_prompts(rng, total, args.prompt_len, vocab))
             r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup)
             print(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
                   f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
@@ -350,7 +370,7 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
             results.append(r)
     finally:
         client.close()
-    return results[0], results[1]
+    return results[0], results[1], results[2] if len(results) > 2 else None
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -366,6 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-runs", type=int, default=60, help="timed TTFT pairs")
     p.add_argument("--ttft-warmup", type=int, default=3, help="TTFT pairs before timing")
     p.add_argument("--floor-runs", type=int, default=50, help="timed pairs with max_new_tokens=0")
+    p.add_argument("--text-runs", type=int, default=60, help="timed TTFT pairs with text prompts (0: none)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     p.add_argument("--gateway-tokenizes", action="store_true",
                    help="`up --gateway-tokenizes`: the gateway tokenizes, no tokenizer-service hop")
@@ -378,14 +399,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
     args = p.parse_args(argv)
     least = {"threads": 1, "batch": 1, "prompt_len": 1, "new_tokens": 1, "repeats": 1, "ttft_runs": 2, "ttft_warmup": 0,
-             "floor_runs": 2}
+             "floor_runs": 2, "text_runs": 0}
     for name, low in least.items():
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     return args
 
 
-def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], args: argparse.Namespace) -> None:
+def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], tx: dict[str, Any] | None,
+                args: argparse.Namespace) -> None:
     def row(figure: str, gateway: str, engine: str = "", ratio: str = "", spread: str = "", target: str = "",
             met: bool | None = None) -> None:
         status = "" if met is None else ("met" if met else "missed")
@@ -406,6 +428,12 @@ def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], args:
         f"{fl['engine_median_ms']:.2f}")
     row("added floor ms (median of pairs)", f"{fl['added_median_ms']:.2f}",
         spread=f"IQR {fl['added_p25_ms']:.2f} .. {fl['added_p75_ms']:.2f}")
+    if tx is not None:
+        row(f"text TTFT ms (median of {args.text_runs})", f"{tx['gateway_median_ms']:.1f}",
+            f"{tx['engine_median_ms']:.1f}", f"{tx['gateway_median_ms'] / tx['engine_median_ms']:.3f}")
+        row("added text TTFT ms (median)", f"{tx['added_median_ms']:.2f}",
+            spread=f"IQR {tx['added_p25_ms']:.2f} .. {tx['added_p75_ms']:.2f}", target="<= 2",
+            met=tx["added_median_ms"] <= ADDED_TTFT_TARGET_MS)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
                   "new tokens, greedy, ignore_eos", flush=True)
             throughput = bench_throughput(engine, stack, args, rng, vocab)
             print(f"TTFT: one streamed request at a time, {args.prompt_len} prompt tokens", flush=True)
-            ttft, floor = bench_ttft(engine, stack.url, args, rng, vocab)
+            ttft, floor, ttft_text = bench_ttft(engine, stack.url, args, rng, vocab)
         finally:
             engine.shutdown()
     finally:
@@ -452,15 +480,16 @@ def main(argv: list[str] | None = None) -> None:
                 "max_total_tokens": max_total_tokens}
     targets = {"loss_max": LOSS_TARGET, "loss_met": throughput["loss_median"] <= LOSS_TARGET,
                "added_ttft_max_ms": ADDED_TTFT_TARGET_MS,
-               "added_ttft_met": ttft["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
+               "added_ttft_met": ttft["added_median_ms"] <= ADDED_TTFT_TARGET_MS,
+               "added_text_ttft_met": None if ttft_text is None else ttft_text["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
     result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
               "model": model_path.name, "engine_options": options, "workload": workload, "gateway_env": LIVENESS_ENV,
-              "throughput": throughput, "ttft": ttft, "floor": floor, "targets": targets, "wall_s": elapsed}
+              "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text, "targets": targets, "wall_s": elapsed}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ndone in {elapsed:.0f} s; JSON in {args.out}"
           f"{'; WARNING: every throughput repeat was disturbed' if throughput['all_disturbed'] else ''}")
-    print_table(throughput, ttft, floor, args)
+    print_table(throughput, ttft, floor, ttft_text, args)
 
 
 if __name__ == "__main__":
