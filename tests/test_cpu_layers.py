@@ -123,3 +123,19 @@ def test_rmsnorm_float32_is_bit_identical_to_hf(with_residual: bool) -> None:
         assert torch.equal(y, hf(x + residual))
     else:
         assert torch.equal(ours(x), hf(x))
+
+
+@needs_onednn
+def test_the_engine_reports_its_single_row_product(llama_path) -> None:
+    """get_info names the product single rows use, with the two timings that chose it (a load beside a
+    busy process can choose the slower one; this is how to see it)."""
+    import services.worker.layers.linear as linear_module
+    from services.worker.engine import Engine
+
+    with Engine(str(llama_path), dtype="float32") as engine:
+        chosen = engine.get_server_info()["cpu_single_row"]
+        min_rows = linear_module.PREPACKED_MIN_ROWS
+    assert chosen["product"] == ("packed" if chosen["packed_ms"] < chosen["plain_ms"] else "plain")
+    assert min_rows == (1 if chosen["product"] == "packed" else 2)
+    with Engine(str(llama_path), dtype="float32", cpu_weight_prepack=False) as engine:
+        assert engine.get_server_info()["cpu_single_row"] is None

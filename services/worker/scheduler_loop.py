@@ -123,6 +123,7 @@ class SchedulerLoop:
             "kv_in_use": s.tree_cache.protected_size() + s.kv_slots_in_use_by_requests(),
             "stats": vars(s.stats).copy(),
             "device": str(self.runner.device),
+            "cpu_single_row": self.runner.single_row,
             "loop_seconds": dict(self.loop_seconds),
             "scheduler_pid": os.getpid(),
         }
