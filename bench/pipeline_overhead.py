@@ -172,6 +172,11 @@ class Stack:
         port = re.search(r"metrics at http://[^:]+:(\d+)/metrics", (self.run_dir / "worker-0.log").read_text())
         self.worker_metrics = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
 
+    def single_row(self) -> str | None:
+        """The single-row product the worker's load chose on the CPU (its log line), else None."""
+        found = re.search(r"single rows use the (\w+) product", (self.run_dir / "worker-0.log").read_text())
+        return found.group(1) if found else None
+
     def worker_steps(self) -> float:
         """The worker's scheduler steps so far (those that produced output); NaN if it logged no metrics port."""
         if self.worker_metrics is None:
@@ -455,14 +460,21 @@ def main(argv: list[str] | None = None) -> None:
           f"engine options {options}", flush=True)
     started = time.perf_counter()
     run_dir = Path(tempfile.mkdtemp(prefix="rs-pipeline-bench-"))
-    stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes, args.gateways)
+    # One after the other: on the CPU a model's load times its single-row products both ways and keeps
+    # the faster (layers/linear.py calibrate_single_row); a load beside another would time a disturbed
+    # pass and could keep the slower product for the rest of the run (seen here: a 40 ms instead of a
+    # 20 ms decode step, and 8 ms more per prefill through the LM head's single row).
+    engine = Engine(str(model_path), **options)
     try:
-        # The Engine loads while the pipeline starts: neither is timed.
-        engine = Engine(str(model_path), **options)
+        stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes, args.gateways)
         try:
             stack.wait_ready()
             print(f"pipeline up at {stack.url} (logs in {run_dir}), engine loaded: "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
+            single_row = {"engine": engine.get_server_info().get("cpu_single_row"), "worker": stack.single_row()}
+            if single_row["engine"] is not None:
+                print(f"single-row product (CPU): engine {single_row['engine']['product']}, worker "
+                      f"{single_row['worker']}", flush=True)
             vocab = engine.model_config.vocab_size
             rng = random.Random(args.seed)
             print(f"throughput: {args.batch} requests x {args.prompt_len} prompt tokens -> {args.new_tokens} "
@@ -471,9 +483,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"TTFT: one streamed request at a time, {args.prompt_len} prompt tokens", flush=True)
             ttft, floor, ttft_text = bench_ttft(engine, stack.url, args, rng, vocab)
         finally:
-            engine.shutdown()
+            stack.stop()
     finally:
-        stack.stop()
+        engine.shutdown()
     elapsed = time.perf_counter() - started
 
     workload = {**{k: v for k, v in vars(args).items() if k != "out"}, "ttft_new_tokens": TTFT_NEW_TOKENS,
@@ -484,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
                "added_text_ttft_met": None if ttft_text is None else ttft_text["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
     result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
               "model": model_path.name, "engine_options": options, "workload": workload, "gateway_env": LIVENESS_ENV,
-              "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text, "targets": targets, "wall_s": elapsed}
+              "single_row": single_row, "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text,
+              "targets": targets, "wall_s": elapsed}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ndone in {elapsed:.0f} s; JSON in {args.out}"
