@@ -152,14 +152,14 @@ class ModelRunner:
                     "product": "packed" if best["packed"] < best["plain"] else "plain",
                     "plain_ms": best["plain"] * 1e3,
                     "packed_ms": best["packed"] * 1e3,
+                    "clean_pairs": int(best["clean_pairs"]),
                 }
-                # Timed beside another busy process (a second model loading), the two-thread packed pass
-                # can look slower than it is: the choice is logged, and in get_info as cpu_single_row.
                 logger.info(
                     "prepacked %.1f MiB of linear weights for batched CPU products; single rows use the %s "
-                    "product (one pass over the weights: plain %.1f ms, packed %.1f ms)",
+                    "product (one pass over the weights: plain %.1f ms, packed %.1f ms; %d undisturbed pair(s)%s)",
                     packed / 2**20, self.single_row["product"], self.single_row["plain_ms"],
-                    self.single_row["packed_ms"],
+                    self.single_row["packed_ms"], self.single_row["clean_pairs"],
+                    "" if self.single_row["clean_pairs"] else ": every pass ran beside other work, so this choice may be the slower",
                 )
 
         if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
