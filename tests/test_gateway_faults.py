@@ -140,16 +140,21 @@ def test_no_worker_is_503_within_5_s(nats: NatsServer) -> None:
 
 
 def test_no_tokenizer_is_503_at_once(nats: NatsServer) -> None:
+    """A text prompt with no tokenizer service: 503 at once. A prompt of token ids needs none: it goes
+    from the gateway straight to its worker and is answered."""
     fake = FakePipeline(nats.url, workers=("lonely",), prefix="notok", with_tokenizer=False)
     gw = GatewayThread(nats.url, subject_prefix="notok")
     try:
         wait_for_workers(gw.url, 1)
         response = httpx.post(f"{gw.url}/generate", json={"text": "hi"}, timeout=5)
+        ids = httpx.post(f"{gw.url}/generate", json={"input_ids": [7, 8, 9]}, timeout=5)
     finally:
         gw.close()
         fake.close()
     assert response.status_code == 503
     assert "no tokenizer" in response.json()["error"]["message"]
+    assert ids.status_code == 200, ids.text
+    assert ids.json()["text"] == "t7 t8 t9 " and ids.json()["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_a_request_without_any_output_ends_with_504(http: httpx.Client) -> None:
