@@ -255,6 +255,40 @@ PIPELINE_S7_EXTRA = (("+ fast path,\nraw client", "gpu_pipeline_s7_gateways4_aft
                      ("+ gateway\ntokenizes", "gpu_pipeline_s7_gateway_tokenizes"))
 
 
+# The eighth session's GPU pipeline runs (label, JSON name): "old" is the seventh session's tree.
+PIPELINE_S8 = (("call 1\n4 gw", "gpu_pipeline_s8_call1_gateways4"), ("call 1\n1 gw", "gpu_pipeline_s8_call1_gateways1"),
+               ("call 2\nnew", "gpu_pipeline_s8_call2_ab_new_1"), ("call 2\nold", "gpu_pipeline_s8_call2_ab_old_1"),
+               ("call 2\nnew", "gpu_pipeline_s8_call2_ab_new_2"), ("call 2\nold", "gpu_pipeline_s8_call2_ab_old_2"),
+               ("call 3\nnew", "gpu_pipeline_s8_call3_default_a"), ("call 3\nnew", "gpu_pipeline_s8_call3_default_b"),
+               ("call 3\ngw tokenizes", "gpu_pipeline_s8_call3_gateway_tokenizes"))
+
+
+def plot_eighth_session() -> None:
+    """Added TTFT (prompts of ids; text where timed) and added floor per GPU pipeline run, and the three
+    CPU pipeline runs."""
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    runs = [(label, load(name)) for label, name in PIPELINE_S8]
+    x = range(len(runs))
+    for offset, key, label in ((-0.27, "ttft", "added TTFT, ids"), (0.0, "ttft_text", "added TTFT, text"),
+                               (0.27, "floor", "added floor")):
+        values = [(r.get(key) or {}).get("added_median_ms", 0.0) for _, r in runs]
+        axes[0].bar([i + offset for i in x], values, width=0.27, label=label)
+    axes[0].axhline(2, color="tab:red", linestyle=":", label="TTFT target 2 ms")
+    axes[0].set_xticks(list(x), [label for label, _ in runs], fontsize=7)
+    axes[0].set_ylabel("ms over the in-process Engine (median of pairs)")
+    axes[0].set_title("GPU pipeline, tokenizer service unless said (new: ids straight to the worker)")
+    axes[0].legend(fontsize=7)
+    cpu = [load(f"pipeline_cpu_s8_run{i}") for i in (1, 2, 3)]
+    for offset, key, label in ((-0.27, "ttft", "TTFT, ids"), (0.0, "ttft_text", "TTFT, text"), (0.27, "floor", "floor")):
+        axes[1].bar([i + offset for i in range(3)], [r[key]["added_median_ms"] for r in cpu], width=0.27, label=label)
+    axes[1].axhline(2, color="tab:red", linestyle=":")
+    axes[1].set_xticks(range(3), ["run 1", "run 2", "run 3"], fontsize=8)
+    axes[1].set_title("CPU pipeline (2 vCPUs), added ms")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "s8_pipeline.png", dpi=110)
+
+
 def main() -> None:
     PLOTS.mkdir(exist_ok=True)
     plot_decode()
@@ -266,6 +300,7 @@ def main() -> None:
     plot_serving_s3()
     plot_sixth_session()
     plot_seventh_session()
+    plot_eighth_session()
     print(f"plots in {PLOTS}")
 
 
