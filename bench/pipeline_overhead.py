@@ -172,6 +172,11 @@ class Stack:
         port = re.search(r"metrics at http://[^:]+:(\d+)/metrics", (self.run_dir / "worker-0.log").read_text())
         self.worker_metrics = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
 
+    def event_loop(self) -> str | None:
+        """The event loop the worker service runs on (uvloop or asyncio: its log line), else None."""
+        found = re.search(r"runs on the (\w+) event loop", (self.run_dir / "worker-0.log").read_text())
+        return found.group(1) if found else None
+
     def single_row(self) -> str | None:
         """The single-row product the worker's load chose on the CPU (its log line), else None."""
         found = re.search(r"single rows use the (\w+) product", (self.run_dir / "worker-0.log").read_text())
@@ -472,6 +477,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"pipeline up at {stack.url} (logs in {run_dir}), engine loaded: "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
             single_row = {"engine": engine.get_server_info().get("cpu_single_row"), "worker": stack.single_row()}
+            event_loop = stack.event_loop()
+            print(f"the services run on the {event_loop} event loop", flush=True)
             if single_row["engine"] is not None:
                 print(f"single-row product (CPU): engine {single_row['engine']['product']}, worker "
                       f"{single_row['worker']}", flush=True)
@@ -496,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
                "added_text_ttft_met": None if ttft_text is None else ttft_text["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
     result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
               "model": model_path.name, "engine_options": options, "workload": workload, "gateway_env": LIVENESS_ENV,
-              "single_row": single_row, "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text,
+              "single_row": single_row, "event_loop": event_loop, "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text,
               "targets": targets, "wall_s": elapsed}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

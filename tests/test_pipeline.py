@@ -315,6 +315,12 @@ def test_worker_load_arrives_about_every_second(pipeline: Pipeline) -> None:
     assert all(0.0 <= w.kv_usage <= 1.0 and 0.0 <= w.cache_hit_rate <= 1.0 for w in loads)
 
 
+def test_every_service_says_which_event_loop_serves_it(pipeline: Pipeline) -> None:
+    # uvloop is installed with the project (and is what RS_EVENT_LOOP=auto picks).
+    for service in pipeline.services:
+        assert "runs on the uvloop event loop" in service.log(), service.log_path
+
+
 def test_every_service_serves_its_prometheus_metrics(pipeline: Pipeline) -> None:
     async def main() -> None:
         async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
