@@ -260,7 +260,8 @@ PIPELINE_S8 = (("call 1\n4 gw", "gpu_pipeline_s8_call1_gateways4"), ("call 1\n1 
                ("call 2\nnew", "gpu_pipeline_s8_call2_ab_new_1"), ("call 2\nold", "gpu_pipeline_s8_call2_ab_old_1"),
                ("call 2\nnew", "gpu_pipeline_s8_call2_ab_new_2"), ("call 2\nold", "gpu_pipeline_s8_call2_ab_old_2"),
                ("call 3\nnew", "gpu_pipeline_s8_call3_default_a"), ("call 3\nnew", "gpu_pipeline_s8_call3_default_b"),
-               ("call 3\ngw tokenizes", "gpu_pipeline_s8_call3_gateway_tokenizes"))
+               ("call 3\ngw tokenizes", "gpu_pipeline_s8_call3_gateway_tokenizes"),
+               ("call 5\nuvloop", "gpu_pipeline_s8_call5_uvloop_a"), ("call 5\nuvloop", "gpu_pipeline_s8_call5_uvloop_b"))
 
 
 def plot_eighth_session() -> None:
