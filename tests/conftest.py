@@ -1,4 +1,6 @@
-"""Session-wide fixtures: tiny seeded HF checkpoints (written once per test session)."""
+"""Shared fixtures: tiny seeded HF checkpoints (written once per test session), and a nats-server per
+test module for the gateway tests (a module may override it, as test_gateway_faults.py does for a
+small max_payload)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import os
 # a function is decorated, so it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from shared.model_fetch import fetch_default_model
+from shared.natsd import NatsServer, start_nats_server
 from tests.checkpoints import (
     QWEN3_GENERATION,
     tiny_llama_config,
@@ -68,3 +72,10 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def default_model_path() -> Path:
     """The real default model in the user's RS_HOME, fetched on first use."""
     return fetch_default_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    """A nats-server of the test module's own, on a free port."""
+    with start_nats_server() as server:
+        yield server

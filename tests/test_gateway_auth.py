@@ -23,16 +23,10 @@ from services.cli import main as cli_main
 from services.gateway.config import GatewayConfig
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
 from services.gateway.service import GatewayService
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

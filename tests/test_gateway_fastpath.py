@@ -23,7 +23,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.app import JsonFastPath
 from services.gateway.native_api import GenerateBody
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL as MODEL
 from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
 
@@ -100,12 +100,6 @@ def test_anything_else_reaches_fastapi_with_its_body(method: str, path: str, bod
 
 
 # ---- a real gateway: the fast path against FastAPI's route -----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

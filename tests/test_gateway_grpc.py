@@ -11,14 +11,8 @@ import grpc
 import pytest
 
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
