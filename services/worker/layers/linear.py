@@ -379,15 +379,20 @@ def new_parameter(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Par
     return param
 
 
-class ReplicatedLinear(nn.Module):
-    """A linear layer every rank holds whole (MoE router, small heads)."""
+class Projection(nn.Module):
+    """What every linear layer below carries besides its weight: the CPU prepacked copy
+    (prepack_cpu_weights), the batch-1 GEMV tiles (select_gemv_tiles, None: cuBLAS), and `prologue`,
+    the elementwise step the model runs right before this product at batch 1 ("rmsnorm",
+    "silu_and_mul"), which "rows" GEMV tiles fold in (set by the model, read by select_gemv_tiles)."""
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
-    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
-    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
     prologue: str | None = None
+
+
+class ReplicatedLinear(Projection):
+    """A linear layer every rank holds whole (MoE router, small heads)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -398,20 +403,13 @@ class ReplicatedLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(Projection):
     """y = x W^T with W's rows (output features) split across ranks; each rank returns its slice of y.
 
     `output_sizes` lists the logical matrices fused into this one (e.g. [gate, up]); each is split
     across ranks separately, so rank r holds [gate_r; up_r] and a shard id selects which one a
     checkpoint tensor fills.
     """
-
-    prepackable = True
-    packed_weight: torch.Tensor | None = None
-    gemv_tiles: Any = None
-    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
-    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
-    prologue: str | None = None
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -493,16 +491,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         return offset, rows, kv_head * self.head_dim, self.total_num_kv_heads * self.head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Projection):
     """y = x W^T with W's columns (input features) split across ranks; the input arrives already split
     (from a column-parallel layer), partial sums are all-reduced, and the bias is added once."""
-
-    prepackable = True
-    packed_weight: torch.Tensor | None = None
-    gemv_tiles: Any = None
-    # The elementwise step the model runs right before this product at batch 1 ("rmsnorm",
-    # "silu_and_mul"), which "rows" GEMV tiles fold in; set by the model, read by select_gemv_tiles.
-    prologue: str | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
