@@ -169,18 +169,21 @@ class Stack:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"`radixserve up` not ready in {STACK_READY_TIMEOUT_S:.0f} s:\n{self.log()[-3000:]}")
             time.sleep(0.2)
-        port = re.search(r"metrics at http://[^:]+:(\d+)/metrics", (self.run_dir / "worker-0.log").read_text())
-        self.worker_metrics = f"http://127.0.0.1:{port.group(1)}/metrics" if port else None
+        port = self.worker_logged(r"metrics at http://[^:]+:(\d+)/metrics")
+        self.worker_metrics = f"http://127.0.0.1:{port}/metrics" if port else None
+
+    def worker_logged(self, pattern: str) -> str | None:
+        """The first group of `pattern` in the worker's log, else None."""
+        found = re.search(pattern, (self.run_dir / "worker-0.log").read_text())
+        return found.group(1) if found else None
 
     def event_loop(self) -> str | None:
-        """The event loop the worker service runs on (uvloop or asyncio: its log line), else None."""
-        found = re.search(r"runs on the (\w+) event loop", (self.run_dir / "worker-0.log").read_text())
-        return found.group(1) if found else None
+        """The event loop the worker service runs on (uvloop or asyncio), else None."""
+        return self.worker_logged(r"runs on the (\w+) event loop")
 
     def single_row(self) -> str | None:
-        """The single-row product the worker's load chose on the CPU (its log line), else None."""
-        found = re.search(r"single rows use the (\w+) product", (self.run_dir / "worker-0.log").read_text())
-        return found.group(1) if found else None
+        """The single-row product the worker's load chose on the CPU, else None."""
+        return self.worker_logged(r"single rows use the (\w+) product")
 
     def worker_steps(self) -> float:
         """The worker's scheduler steps so far (those that produced output); NaN if it logged no metrics port."""
