@@ -39,6 +39,7 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 
 from bench import pipeline_overhead  # noqa: E402
 from bench.gpu_common import OUT, SHAPES  # noqa: E402
+from services.launch import GATEWAY_TOKENIZES  # noqa: E402
 from shared.model_path import default_model_dir, is_complete  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in WORKLOAD_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"pipeline_overhead.py's (default {PROFILES['gpu'][name]}; --tiny: {PROFILES['tiny'][name]})")
-    p.add_argument("--gateway-tokenizes", action="store_true", help="`up --gateway-tokenizes`")
+    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
+                   help="`up --gateway-tokenizes` (default short)")
     p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
     p.add_argument("--out", type=Path, default=OUT / "gpu_pipeline.json", help="JSON results path")
     args = p.parse_args(argv)
@@ -159,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                  "--attention-backend", args.attention_backend, "--out", str(args.out)]
     for name in WORKLOAD_FLAGS:
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.gateway_tokenizes:
-        forwarded.append("--gateway-tokenizes")
+    forwarded += ["--gateway-tokenizes", args.gateway_tokenizes]
     forwarded += ["--gateways", str(args.gateways)]
     pipeline_overhead.main(forwarded)
 

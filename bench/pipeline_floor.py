@@ -2,7 +2,7 @@
 the model (max_new_tokens=0), through HTTP and through the NATS front door, beside an HTTP request
 that does nothing (/health) and a bare NATS round trip.
 
-    .venv/bin/python bench/pipeline_floor.py [--gateway-tokenizes] [--runs 60]
+    .venv/bin/python bench/pipeline_floor.py [--gateway-tokenizes short|all|none] [--runs 60]
 
 Starts `radixserve up` (its own nats-server, gateway, tokenizer, one worker with the detokenizer
 in-process, the embedded default model on the CPU, one compute thread) and stops it at the end. Each
@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 
 from bench.http_burst import SseProbe  # noqa: E402
 from bench.pipeline_overhead import free_port  # noqa: E402
+from services.launch import GATEWAY_TOKENIZES  # noqa: E402
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -126,11 +127,12 @@ async def nats_figures(nats_url: str, runs: int) -> dict[str, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gateway-tokenizes", action="store_true", help="`up --gateway-tokenizes`")
+    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
+                   help="`up --gateway-tokenizes` (default short)")
     p.add_argument("--runs", type=int, default=60)
     args = p.parse_args()
     up_args = ["--port", str(free_port()), "--max-total-tokens", "8192"]
-    proc, url, nats_url = start_up(up_args + (["--gateway-tokenizes"] if args.gateway_tokenizes else []))
+    proc, url, nats_url = start_up(up_args + ["--gateway-tokenizes", args.gateway_tokenizes])
     try:
         figures = http_figures(url, args.runs)
         figures |= asyncio.run(nats_figures(nats_url, args.runs))

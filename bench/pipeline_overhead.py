@@ -18,9 +18,10 @@ Prompts are random token ids, fresh for every batch, so no prefix cache ever hel
 3. The floor: the same round trip with max_new_tokens=0, which the worker answers without the model:
    the transport alone (HTTP, NATS messages, the processes), free of the prefill's noise.
 4. TTFT with text prompts (--text-runs pairs): the same, the prompts as text (random ids decoded), which
-   the Engine tokenizes in-process and the pipeline in its tokenizer service (or, with
-   --gateway-tokenizes, in the gateway). A prompt of ids goes from the gateway straight to the worker
-   (nothing to tokenize), so the id figures above have one NATS hop fewer than the text one.
+   the Engine tokenizes in-process and the pipeline where `up --gateway-tokenizes` says: by default
+   (short) the gateway tokenizes prompts up to 1,024 characters itself and sends longer ones to the
+   tokenizer service; `--gateway-tokenizes none` sends every text prompt through the service (one NATS
+   hop and one process more). A prompt of ids goes from the gateway straight to the worker either way.
 
 The 2-core machine is shared, so each figure records the cores other people's processes kept busy
 meanwhile (/proc/stat less this benchmark's process tree). On the CPU a throughput repeat counts only if
@@ -57,6 +58,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.http_burst import HttpBurst, SseProbe  # noqa: E402
+from services.launch import GATEWAY_TOKENIZES  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
@@ -141,7 +143,7 @@ class Stack:
     """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
 
     def __init__(
-        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: bool = False, gateways: int = 1
+        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: str = "short", gateways: int = 1
     ) -> None:
         self.port, grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -153,7 +155,7 @@ class Stack:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
                  str(grpc_port), "--run-dir", str(run_dir), *engine_flags,
-                 *(["--gateway-tokenizes"] if gateway_tokenizes else []), "--gateways", str(gateways)],
+                 "--gateway-tokenizes", gateway_tokenizes, "--gateways", str(gateways)],
                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
@@ -401,8 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floor-runs", type=int, default=50, help="timed pairs with max_new_tokens=0")
     p.add_argument("--text-runs", type=int, default=60, help="timed TTFT pairs with text prompts (0: none)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
-    p.add_argument("--gateway-tokenizes", action="store_true",
-                   help="`up --gateway-tokenizes`: the gateway tokenizes, no tokenizer-service hop")
+    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
+                   help="`up --gateway-tokenizes`: which text prompts the gateway tokenizes itself (default short)")
     p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the embedded model)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both sides")

@@ -32,6 +32,12 @@ from shared.service import DEFAULT_NATS_URL, die_with_parent, ready_line
 logger = logging.getLogger("radixserve.up")
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0
+# `up --gateway-tokenizes short`: a prompt up to this size costs a gateway ~0.25 ms to tokenize, less
+# than the tokenizer service's hop adds to its first token (~0.5 ms on this CPU, ~0.8 ms on the GPU host,
+# bench/pipeline_hops.py); longer prompts would hold the gateway's event loop for longer, so they go to
+# the tokenizer service, which scales apart from the gateways.
+SHORT_PROMPT_CHARS = 1024
+GATEWAY_TOKENIZES = ("short", "all", "none")
 
 
 @dataclass
@@ -74,8 +80,10 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--workers", type=int, default=1, help="worker processes (each loads the model)")
     up.add_argument("--gateways", type=int, default=1,
                     help="gateway processes sharing --port (SO_REUSEPORT) and --grpc-port: more HTTP intake")
-    up.add_argument("--gateway-tokenizes", action="store_true",
-                    help="the gateway tokenizes (--local-tokenizer): one NATS hop less per request")
+    up.add_argument("--gateway-tokenizes", nargs="?", choices=GATEWAY_TOKENIZES, default="short", const="all",
+                    help="which text and chat prompts the gateways tokenize themselves (--local-tokenizer), one "
+                         f"NATS hop less each: short (<= {SHORT_PROMPT_CHARS} characters; longer ones go to the "
+                         "tokenizer service; the default), all (the flag alone), or none (all through the service)")
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
                     help="use this NATS when it answers, else start one (env RS_NATS_URL)")
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
@@ -171,8 +179,10 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         gateway_args = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
-        if args.gateway_tokenizes:
+        if args.gateway_tokenizes != "none":
             gateway_args += ["--local-tokenizer", str(model_path)]
+        if args.gateway_tokenizes == "short":
+            gateway_args += ["--local-tokenizer-max-chars", str(SHORT_PROMPT_CHARS)]
         if args.gateways > 1:
             gateway_args += ["--reuse-port"]
         gateways = [

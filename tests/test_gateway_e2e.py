@@ -1,7 +1,7 @@
 """The whole pipeline as real processes on a real nats-server, through the gateway's every door:
-two gateways, one tokenizer, two workers (each detokenizing in-process) serving the embedded default
-model. The official `openai` client, httpx on the native API, generated gRPC stubs and nats-py; greedy
-answers equal the offline Engine's. The last test kills a worker, so it stays last.
+three gateways (one tokenizing every prompt itself, one the short ones), one tokenizer, two workers
+(each detokenizing in-process) serving the embedded default `openai` client, httpx on the native API, generated gRPC stubs and nats-py; greedy answers equal the
+offline Engine's. The last test kills a worker, so it stays last.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tests.services_helpers import ServiceProcess
 QUESTION = "What is the capital of France?"
 GREEDY_TOKENS = 24
 WORKERS = ("w1", "w2")
+LOCAL_MAX_CHARS = 600
 
 
 @dataclass
@@ -72,14 +73,16 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
             )
             for wid in WORKERS
         }
-        # g2 tokenizes the default model's requests itself (--local-tokenizer); g1 uses the tokenizer.
-        local = {"g1": [], "g2": ["--local-tokenizer", str(default_model_path)]}
+        # g2 tokenizes the default model's requests itself (--local-tokenizer); g1 uses the tokenizer
+        # service; g3 tokenizes prompts up to LOCAL_MAX_CHARS itself and sends longer ones to the service.
+        local = {"g1": [], "g2": ["--local-tokenizer", str(default_model_path)],
+                 "g3": ["--local-tokenizer", str(default_model_path), "--local-tokenizer-max-chars", str(LOCAL_MAX_CHARS)]}
         gateway_processes = [
             ServiceProcess.start(
                 "gateway", [*common, "--gateway-id", gid, "--port", "0", "--grpc-port", "0", *local[gid]],
                 log_dir, label=gid,
             )
-            for gid in ("g1", "g2")
+            for gid in ("g1", "g2", "g3")
         ]
     processes += [*workers.values(), *gateway_processes]
     try:
@@ -226,6 +229,50 @@ def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_se
     _wait_for_line(workers, "remote-ids-bad")
     assert not any("local-ids-bad" in w.log() for w in workers)
     assert "ids-bad" not in tokenizer.log()
+
+
+def _tokenizer_ok_count(tokenizer: ServiceProcess) -> float:
+    """rs_tokenizer_requests_total{status="ok"}: requests the tokenizer service forwarded to a worker."""
+    url = re.search(r"metrics at http://[\d.]+:(\d+)/metrics", tokenizer.log())
+    assert url, "the tokenizer logged no metrics port"
+    text = httpx.get(f"http://127.0.0.1:{url.group(1)}/metrics", timeout=10).text
+    match = re.search(r'^rs_tokenizer_requests_total\{status="ok"\} (\S+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_gateway_tokenizes_short_prompts_and_leaves_long_ones_to_the_tokenizer_service(
+    stack: Stack, engine: Engine
+) -> None:
+    g3 = stack.gateways[2]
+    assert f"up to {LOCAL_MAX_CHARS} characters" in g3.process.log()
+    client = openai.OpenAI(base_url=f"{g3.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    forwarded = _tokenizer_ok_count(stack.tokenizer)
+    # A short chat: tokenized in g3, never seen by the tokenizer service, the Engine's greedy answer.
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(model=stack.model, messages=messages, temperature=0, max_tokens=8)
+    expected = engine.generate(engine.apply_chat_template(messages), {"temperature": 0, "max_new_tokens": 8})
+    assert reply.choices[0].message.content == expected["text"]
+    assert _tokenizer_ok_count(stack.tokenizer) == forwarded
+    # Past the limit (text, then a chat whose messages together pass it): through the tokenizer service,
+    # with the same answer as the Engine's.
+    long_text = "The sky over the quiet harbour was a pale and even blue. " * 12
+    assert LOCAL_MAX_CHARS < len(long_text) < 2 * LOCAL_MAX_CHARS
+    reply = client.completions.create(model=stack.model, prompt=long_text, temperature=0, max_tokens=6)
+    expected = engine.generate(long_text, {"temperature": 0, "max_new_tokens": 6})
+    assert reply.choices[0].text == expected["text"]
+    assert reply.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert _tokenizer_ok_count(stack.tokenizer) == forwarded + 1
+    messages = [{"role": "user", "content": long_text[:400]}, {"role": "assistant", "content": "Go on."},
+                {"role": "user", "content": long_text[:300]}]
+    reply = client.chat.completions.create(model=stack.model, messages=messages, temperature=0, max_tokens=4)
+    expected = engine.generate(engine.apply_chat_template(messages), {"temperature": 0, "max_new_tokens": 4})
+    assert reply.choices[0].message.content == expected["text"]
+    assert _tokenizer_ok_count(stack.tokenizer) == forwarded + 2
+    # A long prompt the model cannot take is refused by the tokenizer service (which logs it), still a 400.
+    response = httpx.post(f"{g3.url}/generate", json={"text": "word " * 9000, "rid": "g3-too-long"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "`input_ids` too long" in response.json()["error"]["message"]
+    _wait_for_line(stack.tokenizer, "g3-too-long")
 
 
 def _wait_for_line(processes: ServiceProcess | list[ServiceProcess], text: str, timeout: float = 10.0) -> None:

@@ -78,6 +78,9 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
             max_tokens=24,
         )
         assert "Paris" in reply.choices[0].message.content
+        # By default (--gateway-tokenizes short) the gateways tokenize short prompts themselves.
+        for name in ("gateway", "gateway-1"):
+            assert "itself up to 1024 characters" in (tmp_path / "run" / f"{name}.log").read_text()
         # New connections are spread over both gateways by the kernel (SO_REUSEPORT).
         answered_by = {httpx.get(f"{url}/health", timeout=10).headers["x-radixserve-gateway"] for _ in range(24)}
         assert len(answered_by) == 2, answered_by

@@ -409,3 +409,20 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_every_service
     assert pipeline.detokenizer.terminate() == 0
     for service in pipeline.services:
         assert f"{service.service} stopped" in service.log()
+
+
+def test_prompt_size_decides_what_is_tokenized_on_an_event_loop() -> None:
+    from services.tokenizer.prompt_tokenizer import INLINE_TOKENIZE_CHARS, is_quick, prompt_chars
+    from shared.protocol import ChatMessage, Sampling, TokenizeRequest
+
+    def request(**prompt: object) -> TokenizeRequest:
+        return TokenizeRequest(v=PROTOCOL_VERSION, rid="r", gateway_id="g", worker_id="w", sampling=Sampling(), **prompt)
+
+    chat = [ChatMessage("system", "Be brief."), ChatMessage("user", "x" * 90)]
+    assert prompt_chars(request(text="abc")) == 3
+    assert prompt_chars(request(messages=chat)) == len("system") + 9 + len("user") + 90
+    assert prompt_chars(request(input_ids=[1] * 50_000)) == 0
+    assert is_quick(request(input_ids=[1] * 50_000), max_chars=0)  # ids are never costly
+    assert is_quick(request(text="x" * INLINE_TOKENIZE_CHARS))
+    assert not is_quick(request(text="x" * (INLINE_TOKENIZE_CHARS + 1)))
+    assert is_quick(request(messages=chat), max_chars=109) and not is_quick(request(messages=chat), max_chars=108)

@@ -103,3 +103,23 @@ def test_a_shared_gateway_port_must_be_fixed(qwen3_path: Path, capsys: pytest.Ca
     for argv in (["up", "--gateways", "0", *model], ["up", "--gateways", "2", "--port", "0", *model]):
         assert run_up(parser.parse_args(argv)) == 2
         assert "--gateways must be >= 1, and more than one needs a fixed --port" in capsys.readouterr().err
+
+
+def test_local_tokenizer_max_chars_and_up_gateway_tokenizes(qwen3_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.gateway.config import GatewayConfig
+    from services.launch import add_up_commands
+
+    built = flags.build(GatewayConfig, parse(GatewayConfig, ["--local-tokenizer-max-chars", "512"]), {})
+    assert built.local_tokenizer_max_chars == 512
+    assert flags.build(GatewayConfig, parse(GatewayConfig, []), {"RS_LOCAL_TOKENIZER_MAX_CHARS": "none"}).local_tokenizer_max_chars is None
+    with pytest.raises(ValueError, match="local_tokenizer_max_chars must be >= 0, got -1"):
+        flags.build(GatewayConfig, parse(GatewayConfig, ["--local-tokenizer-max-chars", "-1"]), {})
+    parser = argparse.ArgumentParser()
+    add_up_commands(parser.add_subparsers())
+    model = ["--model-path", str(qwen3_path)]
+    assert parser.parse_args(["up", *model]).gateway_tokenizes == "short"
+    assert parser.parse_args(["up", "--gateway-tokenizes", *model]).gateway_tokenizes == "all"
+    assert parser.parse_args(["up", "--gateway-tokenizes", "none", *model]).gateway_tokenizes == "none"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--gateway-tokenizes", "some", *model])
+    assert "invalid choice: 'some'" in capsys.readouterr().err

@@ -51,6 +51,11 @@ class GatewayConfig(ServiceConfig):
         "itself, sending them straight to the worker (one NATS hop less); empty: the tokenizer service does it",
         "",
     )
+    local_tokenizer_max_chars: int | None = _help(
+        "with --local-tokenizer: prompts of more characters (text, or chat roles and contents) go to the "
+        "tokenizer service instead; none: every prompt for that model is tokenized here, long ones in a thread",
+        None,
+    )
     routing_policy: str = _help(
         "cache_aware (send a prompt where its prefix was sent before while loads are balanced) or least_loaded",
         "cache_aware",
@@ -77,6 +82,8 @@ class GatewayConfig(ServiceConfig):
         for name in ("port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.local_tokenizer_max_chars is not None and self.local_tokenizer_max_chars < 0:
+            raise ValueError(f"local_tokenizer_max_chars must be >= 0, got {self.local_tokenizer_max_chars}")
         if self.reuse_port and self.port == 0:
             raise ValueError("reuse_port needs a fixed port: with port 0 each gateway would get its own")
         for name in ("worker_ttl", "worker_dead_after", "first_output_timeout", "control_timeout"):

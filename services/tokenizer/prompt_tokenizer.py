@@ -17,14 +17,25 @@ from services.worker.sampling.sampling_params import SamplingParams
 from shared.model_path import resolve_model_path
 from shared.protocol import PROTOCOL_VERSION, GenerateRequest, TokenizeRequest
 
-# Token ids, and text up to this many characters, are encoded on the caller's event loop: handing them
-# to a thread costs more than they do. Longer text and chat templates go to a thread.
+# Token ids, and prompts up to this many characters, are encoded on the tokenizer service's event loop:
+# handing them to a thread costs more than they do (a short chat's template and encoding ~0.12 ms, the
+# hand-off ~0.16 ms more, measured here). Longer prompts go to a thread.
 INLINE_TOKENIZE_CHARS = 4096
 
 
-def is_quick(req: TokenizeRequest) -> bool:
-    """Whether `to_generate(req)` is cheap enough to run on an event loop."""
-    return req.input_ids is not None or (req.text is not None and len(req.text) <= INLINE_TOKENIZE_CHARS)
+def prompt_chars(req: TokenizeRequest) -> int:
+    """The characters there are to tokenize: the text's, or all chat messages' roles and contents (0 for ids)."""
+    if req.text is not None:
+        return len(req.text)
+    if req.messages is not None:
+        return sum(len(m.role) + len(m.content) for m in req.messages)
+    return 0
+
+
+def is_quick(req: TokenizeRequest, max_chars: int = INLINE_TOKENIZE_CHARS) -> bool:
+    """Whether `to_generate(req)` is cheap enough to run on an event loop: ids, or at most `max_chars`
+    characters of text or chat."""
+    return req.input_ids is not None or prompt_chars(req) <= max_chars
 
 
 class PromptTokenizer:
