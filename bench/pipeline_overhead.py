@@ -59,6 +59,7 @@ if __package__ in (None, ""):
 
 from bench.http_burst import HttpBurst, SseProbe  # noqa: E402
 from services.launch import GATEWAY_TOKENIZES  # noqa: E402
+from shared import trace  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
@@ -308,39 +309,58 @@ def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: r
 Prompt = list[int] | str
 
 
-def engine_first_chunk(engine: Any, prompt: Prompt, new_tokens: int) -> float:
-    """Seconds from the streamed call to its first chunk with a token (new_tokens=0: its only chunk)."""
+def engine_first_chunk(engine: Any, prompt: Prompt, new_tokens: int, rid: str | None = None) -> float:
+    """Seconds from the streamed call to its first chunk with a token (new_tokens=0: its only chunk).
+    With RS_TRACE_DIR set, `rid` names the request in the trace (client.sent, client.first)."""
     given = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+    if rid is not None:
+        given["rid"] = rid
+        trace.mark(rid, "client.sent")
     start = time.perf_counter()
     first: float | None = None
     for chunk in engine.generate(**given, sampling_params=sampling(new_tokens), stream=True):
         if first is None and (chunk["output_ids"] or not new_tokens):
             first = time.perf_counter() - start
+            if rid is not None:
+                trace.mark(rid, "client.first")
     assert first is not None, "the engine streamed no chunk"
     return first
 
 
-def gateway_first_chunk(probe: SseProbe, prompt: Prompt, new_tokens: int) -> float:
+def gateway_first_chunk(probe: SseProbe, prompt: Prompt, new_tokens: int, rid: str | None = None) -> float:
     """Seconds from sending a streamed /generate to its first SSE event with a token (new_tokens=0:
     its first event), read off the socket by bench/http_burst.py's SseProbe (no client library on the
     clock: the Engine side has none either)."""
     body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling(new_tokens),
             "stream": True}
-    return probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
+    if rid is None:
+        return probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
+    body["rid"] = rid
+
+    def first(event: dict[str, Any]) -> bool:
+        if event["output_ids"] or not new_tokens:
+            trace.mark(rid, "client.first")
+            return True
+        return False
+
+    trace.mark(rid, "client.sent")
+    return probe.first_event("/generate", body, first)
 
 
 def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[Prompt], new_tokens: int,
-                       warmup: int) -> dict[str, Any]:
+                       warmup: int, name: str = "ttft") -> dict[str, Any]:
     """Each prompt on both sides (each has its own cache, so neither hits it), in alternating order;
     the added time is the median of the per-prompt differences."""
     engine_ms: list[float] = []
     gateway_ms: list[float] = []
     foreign = ForeignCpu()
     for i, ids in enumerate(prompts):
+        # Traced pairs are named <name>-engine-<i> / <name>-gateway-<i> (bench/pipeline_trace.py).
+        e_rid, g_rid = (f"{name}-engine-{i}", f"{name}-gateway-{i}") if trace.TRACE_DIR else (None, None)
         if i % 2 == 0:
-            e, g = engine_first_chunk(engine, ids, new_tokens), gateway_first_chunk(client, ids, new_tokens)
+            e, g = engine_first_chunk(engine, ids, new_tokens, e_rid), gateway_first_chunk(client, ids, new_tokens, g_rid)
         else:
-            g, e = gateway_first_chunk(client, ids, new_tokens), engine_first_chunk(engine, ids, new_tokens)
+            g, e = gateway_first_chunk(client, ids, new_tokens, g_rid), engine_first_chunk(engine, ids, new_tokens, e_rid)
         if i >= warmup:
             engine_ms.append(e * 1e3)
             gateway_ms.append(g * 1e3)
@@ -370,6 +390,7 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
     tokenizer = engine.tokenizer
     try:
         runs = {"TTFT": (args.ttft_runs, TTFT_NEW_TOKENS, False), "floor (max_new_tokens=0)": (args.floor_runs, 0, False)}
+        trace_names = {"TTFT": "ttft", "floor (max_new_tokens=0)": "floor", "TTFT, text prompts": "text"}
         if args.text_runs and tokenizer is not None:
             runs["TTFT, text prompts"] = (args.text_runs, TTFT_NEW_TOKENS, True)
         results = []
@@ -377,7 +398,7 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
             total = count + args.ttft_warmup
             prompts: list[Prompt] = (text_prompts(tokenizer, rng, total, args.prompt_len, vocab) if text
                                      else make_prompts(rng, total, args.prompt_len, vocab))
-            r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup)
+            r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup, trace_names[name])
             print(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
                   f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
                   f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores",

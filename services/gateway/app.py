@@ -35,6 +35,7 @@ from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError
 from services.gateway.http_streaming import GATEWAY_HEADER
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.playground_routes import router as playground_router
+from shared import trace
 
 # Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
@@ -145,6 +146,8 @@ class JsonFastPath:
         except Exception:  # noqa: BLE001 - whatever fails here, FastAPI answers as it always has
             await self.app(scope, _replay([message], receive), send)
             return
+        if trace.TRACE_DIR is not None and isinstance(getattr(body, "rid", None), str):
+            trace.mark(body.rid, "gateway.http")
         scope.setdefault("state", {})["endpoint"] = scope["path"]
         try:
             response = await route[1](body, Request(scope, receive))

@@ -39,6 +39,7 @@ from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
 from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request, is_quick
 from services.worker.sampling.sampling_params import SamplingParams
+from shared import trace
 from shared.bus import Bus, PayloadTooLarge
 from shared.model_path import resolve_model_path
 from shared.protocol import (
@@ -218,6 +219,7 @@ class Dispatcher:
     async def _submit_valid(self, spec: GenerateSpec) -> RequestStream:
         worker = await self._choose(spec.model, routing_key(spec.text, spec.messages, spec.input_ids))
         rid = spec.rid or uuid.uuid4().hex
+        trace.mark(rid, "gateway.submit")
         stream = self.hub.open(rid, worker.load.worker_id)
         stream.api_key = current_key.get()
         msg = TokenizeRequest(
@@ -252,6 +254,7 @@ class Dispatcher:
         except Exception:
             self.hub.close(stream)
             raise
+        trace.mark(rid, "gateway.published")
         return stream
 
     def tokenizes_for(self, worker: WorkerEntry) -> bool:

@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from services.gateway.auth import ApiKey
 from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.metrics import GatewayMetrics, observe_many
+from shared import trace
 from shared.bus import Bus
 from shared.protocol import BatchStreamOut, Finish, StreamOut
 
@@ -151,6 +152,7 @@ class StreamHub:
     async def _on_batch(self, batch: BatchStreamOut, raw: Msg) -> None:
         now = time.monotonic()
         for out in batch.items:
+            trace.mark(out.rid, "gateway.stream")
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue  # aborted or failed here already; late outputs are expected

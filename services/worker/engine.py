@@ -20,6 +20,7 @@ from services.worker.request_state import RequestState
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import ReqOutput
 from services.worker.scheduler_client import SchedulerClient
+from shared import trace
 from shared.model_path import resolve_model_path
 
 
@@ -56,6 +57,7 @@ class Engine:
 
     def _on_outputs(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
+            trace.mark(out.rid, "engine.outputs")
             with self._lock:
                 state = self._states.get(out.rid)
                 if state is not None and out.finished_reason is not None:
@@ -140,6 +142,7 @@ class Engine:
                 state.finish_empty()
             else:
                 self._client.add(req)
+                trace.mark(req.rid, "engine.queued")
 
     def generate(
         self,

@@ -25,6 +25,7 @@ from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, default_device
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import PackedOutputs, Scheduler
+from shared import trace
 
 logger = logging.getLogger(__name__)
 CLEANUP_TRACE_S = 10.0
@@ -131,6 +132,7 @@ class SchedulerLoop:
     def _apply(self, cmd: object, outbox: Any) -> bool:
         """Apply one command; False on shutdown."""
         if isinstance(cmd, AddReq):
+            trace.mark(cmd.req.rid, "scheduler.added")
             self.scheduler.add_request(cmd.req)
         elif isinstance(cmd, AbortReq):
             self.scheduler.abort_request(cmd.rid)
@@ -172,6 +174,9 @@ class SchedulerLoop:
             outputs = self.scheduler.step()
             t2 = clock()
             if outputs and outbox is not None:
+                if trace.TRACE_DIR is not None:
+                    for out in outputs:
+                        trace.mark(out.rid, "scheduler.outputs")
                 outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
             t3 = clock()
             spent["commands"] += t1 - t0

@@ -40,6 +40,7 @@ from services.worker.scheduler.req import FinishReason
 from services.worker.scheduler.scheduler import ReqOutput
 from services.worker.scheduler_client import SchedulerClient
 from services.worker.service_config import WorkerServiceConfig
+from shared import trace
 from shared.bus import Bus, PayloadTooLarge
 from shared.metrics import MetricsServer, start_metrics_server
 from shared.protocol import (
@@ -188,6 +189,9 @@ class WorkerService(Service):
     def _outputs_from_thread(self, outputs: list[ReqOutput]) -> None:
         """Called on the scheduler's (or the client's dispatcher) thread: hand the step to the event
         loop, in order."""
+        if trace.TRACE_DIR is not None:
+            for out in outputs:
+                trace.mark(out.rid, "worker.outputs")
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
             self._loop.call_soon_threadsafe(self._steps.put_nowait, outputs)
 
@@ -214,6 +218,9 @@ class WorkerService(Service):
                     await self._send(batch)
                 except Exception:  # noqa: BLE001 - a lost step must not stop the next ones
                     logger.exception("worker %s: could not publish step %d", self.worker_id, batch.step)
+                if trace.TRACE_DIR is not None:
+                    for item in batch.items:
+                        trace.mark(item.rid, "worker.published")
             if stopping:
                 return
             await asyncio.sleep(0)  # arrivals and controls go before the next round
@@ -300,6 +307,7 @@ class WorkerService(Service):
 
     async def _on_generate(self, msg: GenerateRequest, raw: Msg) -> None:
         assert self.client is not None
+        trace.mark(msg.rid, "worker.received")
         if not is_subject_token(msg.gateway_id):
             logger.warning("worker %s dropped request %s: gateway_id %r is not a subject token", self.worker_id, msg.rid, msg.gateway_id)
             return
@@ -327,6 +335,7 @@ class WorkerService(Service):
             self._finish_unscheduled(req.rid, FinishReason("length", 0), len(msg.input_ids))
         else:
             self.client.add(req)
+            trace.mark(req.rid, "worker.queued")
 
     def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int) -> None:
         """A request that ends before the scheduler sees it: its final goes out as a step of its own."""

@@ -1,0 +1,26 @@
+"""Request-path timestamps for latency work. With RS_TRACE_DIR set, every process that marks a stage
+appends `rid stage nanoseconds` lines to DIR/<pid>.trace; the clock is CLOCK_MONOTONIC, which every
+process on one host shares, so one request's stages line up across the gateway, NATS hops, the worker
+and its scheduler process. Unset (the default), `mark` returns at once. `bench/pipeline_trace.py`
+reads the files."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TextIO
+
+TRACE_DIR = os.environ.get("RS_TRACE_DIR") or None
+_files: dict[int, TextIO] = {}
+
+
+def mark(rid: str, stage: str) -> None:
+    """Record that request `rid` reached `stage` now (nothing unless RS_TRACE_DIR is set)."""
+    if TRACE_DIR is None:
+        return
+    now = time.monotonic_ns()
+    pid = os.getpid()  # a forked or spawned child writes its own file
+    out = _files.get(pid)
+    if out is None:
+        out = _files[pid] = open(os.path.join(TRACE_DIR, f"{pid}.trace"), "a", buffering=1)  # noqa: SIM115
+    out.write(f"{rid} {stage} {now}\n")
