@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import pickle
 import queue
 import random
 import signal
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.worker.config import EngineConfig
+from services.worker.ipc import PipeChannel
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import validate_input_ids
 from services.worker.sampling.sampling_params import SamplingParams
@@ -127,7 +129,9 @@ class SchedulerClient:
             self._thread.start()
         else:
             ctx = mp.get_context("spawn")
-            self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
+            # Pipes written on the caller's thread, not multiprocessing queues: no feeder thread to
+            # wake on the way to or from the scheduler (ipc.py).
+            self._inbox, self._outbox = PipeChannel(ctx), PipeChannel(ctx)
             for rank in range(self.config.tp_size):
                 io = (self._inbox, self._outbox) if rank == 0 else (None, None)
                 proc = ctx.Process(
@@ -198,8 +202,9 @@ class SchedulerClient:
         while True:
             try:
                 item = self._outbox.get()
-            except (EOFError, OSError, TypeError, ValueError):
-                # A closed queue (TypeError/ValueError: its handle already released) is a stop too.
+            except (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError):
+                # A closed channel (TypeError/ValueError: its handle already released), or the torn
+                # frame of a scheduler killed mid-write, is a stop too.
                 if not self._closed:
                     self._fail("the scheduler stopped")
                 return

@@ -149,5 +149,18 @@ class Req:
         self.extend_input_len = 0
         self.num_retractions += 1
 
+    def __getstate__(self) -> dict[str, object]:
+        """A request crosses to a scheduler process before it has any KV: its empty prefix tensor stays
+        behind (pickling a tensor costs more than the rest of the request)."""
+        state = self.__dict__.copy()
+        if state.get("prefix_indices") is _EMPTY:
+            del state["prefix_indices"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        if "prefix_indices" not in state:
+            self.prefix_indices = _EMPTY
+
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
