@@ -23,6 +23,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     BatchTokenOut,
     ChatMessage,
+    ControlReply,
     GenerateRequest,
     Sampling,
     Subjects,
@@ -385,6 +386,44 @@ def test_a_worker_with_its_own_detokenizer_answers_alike_and_when_killed_sends_n
     assert not final_seen
     assert after.finish.type == "length" and len(after.token_ids) == 8  # type: ignore[attr-defined]
     assert all(s.proc.poll() is None for s in pipeline.services)
+
+
+def test_a_worker_with_a_scheduler_process_reads_its_outputs_on_the_event_loop(pipeline: Pipeline) -> None:
+    """--scheduler-process (the CUDA default): the scheduler's outbox is read by the worker's event loop,
+    not a dispatcher thread. Streamed tokens, the final, control replies (get_info, flush_cache) and the
+    drain on SIGTERM all come through it, and the answer is w1's (a scheduler thread)."""
+    common = ["--nats-url", pipeline.nats.url, "--metrics-port", "none", "--model-path", str(pipeline.model_path)]
+    args = [*common, "--worker-id", "w3", "--max-total-tokens", "4096", "--with-detokenizer", "--scheduler-process",
+            "--drain-timeout", "30"]
+    worker = ServiceProcess.start("worker", args, pipeline.log_dir, "w3")
+    sampling = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    try:
+        worker.wait_ready()
+        assert "the scheduler's outputs reach the event loop from its process's pipe" in worker.log()
+
+        async def main() -> tuple[object, object, ControlReply, ControlReply, object]:
+            async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
+                on_w3 = await gateway.generate(gateway.tokenize_request("on-w3", "w3", sampling=sampling, messages=QUESTION))
+                on_w1 = await gateway.generate(gateway.tokenize_request("on-w1-3", WORKER, sampling=sampling, messages=QUESTION))
+                info = await gateway.control("w3", "get_info")
+                flushed = await gateway.control("w3", "flush_cache")
+                # SIGTERM with a request running: it finishes through the loop's reader, then w3 exits 0.
+                long = Sampling(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+                await gateway.send(gateway.tokenize_request("draining", "w3", sampling=long, text="Once upon a time"))
+                first = await gateway.next_chunk("draining")
+                worker.proc.send_signal(signal.SIGTERM)
+                drained = await gateway.collect("draining", first=first)
+                return on_w3, on_w1, info, flushed, drained
+
+        on_w3, on_w1, info, flushed, drained = run(main())
+        assert worker.proc.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+    assert (on_w3.text, on_w3.token_ids) == (on_w1.text, on_w1.token_ids)  # type: ignore[attr-defined]
+    assert len(on_w3.token_ids) == 12  # type: ignore[attr-defined]
+    assert info.ok and info.info is not None and info.info.max_total_tokens == 4096
+    assert flushed.ok
+    assert drained.finish.type == "length" and len(drained.token_ids) == 40  # type: ignore[attr-defined]
 
 
 def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_every_service_exits_0(pipeline: Pipeline) -> None:

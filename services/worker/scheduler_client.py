@@ -11,6 +11,7 @@ outputs to a callback on its dispatcher thread:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing as mp
 import pickle
@@ -45,6 +46,9 @@ from services.worker.scheduler_loop import (
 from shared.service import die_with_parent
 
 START_TIMEOUT_S = 600.0
+# Reading a closed channel (TypeError/ValueError: its handle already released), or the torn frame of a
+# scheduler killed mid-write, is a stop too.
+_CLOSED = (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError)
 CONTROL_TIMEOUT_S = 60.0
 
 
@@ -86,7 +90,10 @@ class SchedulerClient:
     and `on_failure(message)` is called once if the scheduler dies; both run on the dispatcher thread.
     With `outputs_inline` (for an `on_outputs` that is cheap and thread-safe, such as handing the step
     to an event loop) a scheduler that runs as a thread calls it from its own thread after each step:
-    one thread wake-up fewer between a step and its outputs going out.
+    one thread wake-up fewer between a step and its outputs going out. With `outputs_loop`, a scheduler
+    in its own process(es) has its outbox read by that asyncio loop (a reader on the pipe) instead of
+    a dispatcher thread, so `on_outputs` and `on_failure` run on the loop's thread: the step's outputs
+    wake the loop once, not a dispatcher that then wakes the loop.
     """
 
     def __init__(
@@ -95,9 +102,11 @@ class SchedulerClient:
         on_outputs: Callable[[list[ReqOutput]], None],
         on_failure: Callable[[str], None],
         outputs_inline: bool = False,
+        outputs_loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.config = config
         self._outputs_inline = outputs_inline
+        self._outputs_loop = outputs_loop if config.scheduler_in_process() else None
         self.model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length
         )
@@ -147,6 +156,9 @@ class SchedulerClient:
             raise RuntimeError(f"the scheduler failed to start: {first.message}")
         assert isinstance(first, Ready)
         self.server_info: dict[str, Any] = first.info
+        if self._outputs_loop is not None:
+            self._outputs_loop.call_soon_threadsafe(self._outputs_loop.add_reader, self._outbox.fileno(), self._read_on_loop)
+            return
         self._dispatcher = threading.Thread(target=self._dispatch, name="radixserve-outputs", daemon=True)
         self._dispatcher.start()
 
@@ -199,31 +211,51 @@ class SchedulerClient:
     # ---- outputs --------------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        """The dispatcher thread: every item of the outbox, until a stop."""
         while True:
             try:
                 item = self._outbox.get()
-            except (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError):
-                # A closed channel (TypeError/ValueError: its handle already released), or the torn
-                # frame of a scheduler killed mid-write, is a stop too.
+            except _CLOSED:
                 if not self._closed:
                     self._fail("the scheduler stopped")
                 return
-            if isinstance(item, Shutdown):
+            if not self._handle(item):
                 return
-            if isinstance(item, ControlReply):
-                with self._replies_lock:
-                    box = self._replies.pop(item.token, None)
-                if box is not None:
-                    box.put(item.value)
-            elif isinstance(item, LoopFailed):
-                self._fail(item.message)
+
+    def _read_on_loop(self) -> None:
+        """The outbox's reader on `outputs_loop`: every item already there, then back to the loop."""
+        assert self._outputs_loop is not None
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
                 return
-            elif isinstance(item, PackedOutputs):
-                self._on_outputs(item.unpack())
-            else:
-                self._on_outputs(item)
-            if self._closed:
+            except _CLOSED:
+                self._outputs_loop.remove_reader(self._outbox.fileno())
+                if not self._closed:
+                    self._fail("the scheduler stopped")
                 return
+            if not self._handle(item):
+                self._outputs_loop.remove_reader(self._outbox.fileno())
+                return
+
+    def _handle(self, item: object) -> bool:
+        """One outbox item; False once nothing more is to be read."""
+        if isinstance(item, Shutdown):
+            return False
+        if isinstance(item, ControlReply):
+            with self._replies_lock:
+                box = self._replies.pop(item.token, None)
+            if box is not None:
+                box.put(item.value)
+        elif isinstance(item, LoopFailed):
+            self._fail(item.message)
+            return False
+        elif isinstance(item, PackedOutputs):
+            self._on_outputs(item.unpack())
+        else:
+            self._on_outputs(item)  # type: ignore[arg-type]
+        return not self._closed
 
     def _fail(self, message: str) -> None:
         with self._replies_lock:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import threading
 import time
 
 from nats.aio.msg import Msg
@@ -126,6 +127,7 @@ class WorkerService(Service):
         self._steps: asyncio.Queue[list[ReqOutput] | None] = asyncio.Queue()
         self._step_task: asyncio.Task[None] | None = None
         self._load_task: asyncio.Task[None] | None = None
+        self._loop_thread = -1  # the event loop thread's id, once started
         self._metrics_server: MetricsServer | None = None
 
     # ---- life cycle -----------------------------------------------------------------------------
@@ -135,8 +137,12 @@ class WorkerService(Service):
         self._loop = asyncio.get_running_loop()
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
         logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
+        self._loop_thread = threading.get_ident()
+        # A scheduler thread hands its outputs over itself (outputs_inline); a scheduler process's
+        # outbox is read on this loop (outputs_loop). Either way no dispatcher thread wakes in between.
         self.client = await asyncio.to_thread(
-            SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread, outputs_inline=True
+            SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread, outputs_inline=True,
+            outputs_loop=self._loop,
         )
         if cfg.with_detokenizer:
             if self.client.tokenizer is None:
@@ -149,9 +155,10 @@ class WorkerService(Service):
         self._load_task = asyncio.create_task(self._publish_load())
         self._metrics_server = start_metrics_server(cfg.metrics_port, cfg.metrics_host)
         logger.info(
-            "worker %s serves %s on %s (outputs to %s)", self.worker_id, cfg.model_name,
-            subjects.worker_requests(self.worker_id),
+            "worker %s serves %s on %s (outputs to %s; the scheduler's outputs reach the event loop from %s)",
+            self.worker_id, cfg.model_name, subjects.worker_requests(self.worker_id),
             "gateways directly" if self.stream else subjects.detok(self.worker_id),
+            "its process's pipe" if cfg.engine.scheduler_in_process() else "its thread",
         )
 
     async def drain(self) -> None:
@@ -187,11 +194,14 @@ class WorkerService(Service):
     # ---- scheduler -> NATS ----------------------------------------------------------------------
 
     def _outputs_from_thread(self, outputs: list[ReqOutput]) -> None:
-        """Called on the scheduler's (or the client's dispatcher) thread: hand the step to the event
-        loop, in order."""
+        """Called on the scheduler's thread, or on this loop's (a scheduler process's outbox is read
+        here): hand the step to the step publisher, in order."""
         if trace.TRACE_DIR is not None:
             for out in outputs:
                 trace.mark(out.rid, "worker.outputs")
+        if threading.get_ident() == self._loop_thread:
+            self._steps.put_nowait(outputs)
+            return
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
             self._loop.call_soon_threadsafe(self._steps.put_nowait, outputs)
 
