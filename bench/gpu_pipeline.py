@@ -139,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in WORKLOAD_FLAGS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"pipeline_overhead.py's (default {PROFILES['gpu'][name]}; --tiny: {PROFILES['tiny'][name]})")
+    p.add_argument("--pair-gap-ms", type=float, default=0.0, help="pipeline_overhead.py's (default 0)")
     p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
                    help="`up --gateway-tokenizes` (default short)")
     p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                  "--attention-backend", args.attention_backend, "--out", str(args.out)]
     for name in WORKLOAD_FLAGS:
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    forwarded += ["--gateway-tokenizes", args.gateway_tokenizes]
+    forwarded += ["--gateway-tokenizes", args.gateway_tokenizes, "--pair-gap-ms", str(args.pair_gap_ms)]
     forwarded += ["--gateways", str(args.gateways)]
     pipeline_overhead.main(forwarded)
 

@@ -348,19 +348,29 @@ def gateway_first_chunk(probe: SseProbe, prompt: Prompt, new_tokens: int, rid: s
 
 
 def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[Prompt], new_tokens: int,
-                       warmup: int, name: str = "ttft") -> dict[str, Any]:
+                       warmup: int, name: str = "ttft", gap_s: float = 0.0) -> dict[str, Any]:
     """Each prompt on both sides (each has its own cache, so neither hits it), in alternating order;
-    the added time is the median of the per-prompt differences."""
+    the added time is the median of the per-prompt differences. `gap_s` of idle time goes before each
+    request, so each finds the machine at rest rather than in the tail of the other side's last one."""
     engine_ms: list[float] = []
     gateway_ms: list[float] = []
     foreign = ForeignCpu()
     for i, ids in enumerate(prompts):
         # Traced pairs are named <name>-engine-<i> / <name>-gateway-<i> (bench/pipeline_trace.py).
         e_rid, g_rid = (f"{name}-engine-{i}", f"{name}-gateway-{i}") if trace.TRACE_DIR else (None, None)
+
+        def on_engine(ids: Prompt = ids, rid: str | None = e_rid) -> float:
+            time.sleep(gap_s)
+            return engine_first_chunk(engine, ids, new_tokens, rid)
+
+        def on_gateway(ids: Prompt = ids, rid: str | None = g_rid) -> float:
+            time.sleep(gap_s)
+            return gateway_first_chunk(client, ids, new_tokens, rid)
+
         if i % 2 == 0:
-            e, g = engine_first_chunk(engine, ids, new_tokens, e_rid), gateway_first_chunk(client, ids, new_tokens, g_rid)
+            e, g = on_engine(), on_gateway()
         else:
-            g, e = gateway_first_chunk(client, ids, new_tokens, g_rid), engine_first_chunk(engine, ids, new_tokens, e_rid)
+            g, e = on_gateway(), on_engine()
         if i >= warmup:
             engine_ms.append(e * 1e3)
             gateway_ms.append(g * 1e3)
@@ -398,7 +408,8 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
             total = count + args.ttft_warmup
             prompts: list[Prompt] = (text_prompts(tokenizer, rng, total, args.prompt_len, vocab) if text
                                      else make_prompts(rng, total, args.prompt_len, vocab))
-            r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup, trace_names[name])
+            r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup, trace_names[name],
+                                   args.pair_gap_ms / 1e3)
             print(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
                   f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
                   f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores",
@@ -422,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-runs", type=int, default=60, help="timed TTFT pairs")
     p.add_argument("--ttft-warmup", type=int, default=3, help="TTFT pairs before timing")
     p.add_argument("--floor-runs", type=int, default=50, help="timed pairs with max_new_tokens=0")
+    p.add_argument("--pair-gap-ms", type=float, default=0.0,
+                   help="idle milliseconds before each TTFT/floor request (0: back to back, as recorded before)")
     p.add_argument("--text-runs", type=int, default=60, help="timed TTFT pairs with text prompts (0: none)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
@@ -435,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
     args = p.parse_args(argv)
     least = {"threads": 1, "batch": 1, "prompt_len": 1, "new_tokens": 1, "repeats": 1, "ttft_runs": 2, "ttft_warmup": 0,
-             "floor_runs": 2, "text_runs": 0}
+             "floor_runs": 2, "text_runs": 0, "pair_gap_ms": 0}
     for name, low in least.items():
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
