@@ -8,7 +8,7 @@
 It starts its own nats-server and, for the tokenizer hop, a real `radixserve tokenizer` on the tiny
 checkpoint of bench/gpu_pipeline.py (the embedded model's tokenizer). Prints the host's CPU idle states
 too: a wake-up from a deep one is what a hop costs on a mostly idle many-core host.
-JSON to $OUT/pipeline_hops.json (default bench/results/pipeline_hops.json).
+JSON to $OUT/pipeline_hops.json (default bench/out/; recorded copies live in bench/results/).
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.gpu_pipeline import build_checkpoint, put_nats_server_on_path
 
     put_nats_server_on_path()
-    out_dir = Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "results")
+    out_dir = Path(os.environ.get("OUT") or REPO_ROOT / "bench" / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     info = host_info()
     print(json.dumps(info), flush=True)
