@@ -377,3 +377,48 @@ def test_inline_outputs_come_from_the_scheduler_thread_with_the_same_tokens(qwen
     assert inline_threads == {"radixserve-scheduler"} and queued_threads == {"radixserve-outputs"}
     assert inline_tokens == queued_tokens == {f"r{i}": ids for i, ids in enumerate(generate_ids(qwen3_path, prompts, n=8))}
     assert info["stats"]["generated_tokens"] == 3 * 8
+
+
+def test_a_scheduler_process_s_outputs_can_be_read_on_an_event_loop(qwen3_path: Path) -> None:
+    """outputs_loop (the worker service's choice with a scheduler process): the outbox is read by a
+    reader on the asyncio loop, no dispatcher thread; outputs arrive on the loop's thread with the
+    dispatcher's tokens, control replies too, and shutdown ends the reading."""
+    import asyncio
+
+    from services.worker.config import EngineConfig
+    from services.worker.scheduler_client import SchedulerClient
+
+    prompts = random_prompts(3, 5, 30, seed=12)
+
+    async def main() -> tuple[dict[str, list[int]], set[int], dict, set[str]]:
+        loop = asyncio.get_running_loop()
+        tokens: dict[str, list[int]] = {}
+        threads: set[int] = set()
+        done = asyncio.Event()
+
+        def on_outputs(outputs: list) -> None:
+            threads.add(threading.get_ident())
+            for out in outputs:
+                tokens.setdefault(out.rid, []).extend(out.token_ids)
+            if len(tokens) == len(prompts) and all(len(t) == 8 for t in tokens.values()):
+                done.set()
+
+        before = set(threading.enumerate())
+        config = EngineConfig.from_kwargs(str(qwen3_path), scheduler_process=True)
+        client = await asyncio.to_thread(SchedulerClient, config, on_outputs, lambda message: None, outputs_loop=loop)
+        started = {t.name for t in set(threading.enumerate()) - before}
+        try:
+            for i, ids in enumerate(prompts):
+                (req,) = client.build_reqs(ids, {**GREEDY, "max_new_tokens": 8}, rid=f"l{i}")
+                client.add(req)
+            await asyncio.wait_for(done.wait(), 60)
+            info = await asyncio.to_thread(client.control, "get_info")
+        finally:
+            await asyncio.to_thread(client.shutdown)
+        return tokens, threads, info, started
+
+    tokens, threads, info, started = asyncio.run(main())
+    assert "radixserve-outputs" not in started
+    assert threads == {threading.get_ident()}  # asyncio.run's loop runs on this thread
+    assert tokens == {f"l{i}": ids for i, ids in enumerate(generate_ids(qwen3_path, prompts, n=8))}
+    assert info["stats"]["generated_tokens"] == 3 * 8

@@ -46,6 +46,7 @@ from services.worker.scheduler_loop import (
 from shared.service import die_with_parent
 
 START_TIMEOUT_S = 600.0
+LOOP_READ_BATCH = 16
 # Reading a closed channel (TypeError/ValueError: its handle already released), or the torn frame of a
 # scheduler killed mid-write, is a stop too.
 _CLOSED = (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError)
@@ -223,9 +224,11 @@ class SchedulerClient:
                 return
 
     def _read_on_loop(self) -> None:
-        """The outbox's reader on `outputs_loop`: every item already there, then back to the loop."""
+        """The outbox's reader on `outputs_loop`: the items already there (at most LOOP_READ_BATCH, so a
+        busy scheduler cannot keep the loop from publishing; the reader is called again while the pipe
+        holds more), then back to the loop."""
         assert self._outputs_loop is not None
-        while True:
+        for _ in range(LOOP_READ_BATCH):
             try:
                 item = self._outbox.get_nowait()
             except queue.Empty:
