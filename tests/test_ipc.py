@@ -105,3 +105,30 @@ def test_a_queued_request_crosses_without_its_empty_prefix_tensor() -> None:
     assert (back.rid, back.origin_input_ids, back.seed, back.stop_token_ids) == ("r1", list(range(50)), 3, req.stop_token_ids)
     req.prefix_indices = torch.arange(5)  # a request with KV keeps its prefix
     assert pickle.loads(pickle.dumps(req)).prefix_indices.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_read_available_never_blocks_on_a_frame_still_being_written() -> None:
+    import os
+    import pickle
+    import struct
+
+    channel = PipeChannel()
+    for i in range(5):
+        channel.put(("item", i))
+    assert channel.read_available(limit=2) == [("item", 0), ("item", 1)]
+    assert channel.has_whole_frame()  # read already: the pipe's readiness will not say so
+    assert channel.read_available(limit=10) == [("item", 2), ("item", 3), ("item", 4)]
+    assert not channel.has_whole_frame() and channel.read_available(limit=10) == []
+    # Half a frame (a writer slow, or killed mid-write): nothing yet, and no wait.
+    data = pickle.dumps({"big": "x" * 5000})
+    frame = struct.pack("!i", len(data)) + data
+    fd = channel._writer.fileno()
+    os.write(fd, frame[:3000])
+    started = time.monotonic()
+    assert channel.read_available(limit=10) == []
+    assert time.monotonic() - started < 0.5 and not channel.has_whole_frame()
+    os.write(fd, frame[3000:])
+    assert channel.read_available(limit=10) == [{"big": "x" * 5000}]
+    channel._writer.close()  # every writer gone: the reader is told so
+    with pytest.raises(EOFError):
+        channel.read_available(limit=10)

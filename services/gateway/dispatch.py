@@ -2,7 +2,8 @@
 
 validate -> choose a worker (router) -> register the stream (streams) -> publish a TokenizeRequest to
 `{p}.tokenize` (or, with --local-tokenizer for the worker's model, tokenize here and publish the
-GenerateRequest straight to the worker; with --local-tokenizer-max-chars, only prompts up to that size) -> the front door reads the stream. A prompt given as token ids
+GenerateRequest straight to the worker; with --local-tokenizer-max-chars, only prompts up to that
+size) -> the front door reads the stream. A prompt given as token ids
 has nothing to tokenize: its GenerateRequest goes straight to the worker, which checks the ids against
 its model (the tokenizer service would have made the same checks) and refuses bad ones with the same
 error final. A client that goes away releases its request, which

@@ -28,14 +28,17 @@ import time
 from multiprocessing import util as mp_util
 from typing import Any
 
-F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux), not exported before Python 3.10 on every build
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux
 PIPE_BYTES = 1 << 20
 _MAX_FRAME = 0x7FFFFFFF
+READ_BYTES = 1 << 16
 EXIT_FLUSH_S = 60.0  # how long an exiting process waits for its reader to take the backlog
 
 
 class PipeChannel:
-    """Any number of writer threads in one process, one reader thread in another (or the same)."""
+    """Any number of writer threads in one process, one reader thread in another (or the same). The
+    client's last put to a scheduler's outbox (the Shutdown that ends its reader) comes after the
+    scheduler processes have stopped, so two processes never write one channel at once."""
 
     def __init__(self, ctx: Any = None) -> None:
         ctx = ctx or mp.get_context("spawn")
@@ -54,6 +57,8 @@ class PipeChannel:
         self._flusher: threading.Thread | None = None
         self._nonblocking = False
         self._read_lock = threading.Lock()
+        self._inbuf = bytearray()  # read_available's bytes not yet a whole frame
+        self._reading_nonblocking = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"reader": self._reader, "writer": self._writer}
@@ -131,6 +136,51 @@ class PipeChannel:
 
     def get_nowait(self) -> Any:
         return self.get(0.0)
+
+    def read_available(self, limit: int) -> list[Any]:
+        """Up to `limit` whole objects, reading what the pipe holds without ever blocking: a frame still
+        being written stays buffered here for the next call, so an event loop's reader cannot hang on a
+        writer that is slow or died mid-frame. EOFError once every writer has closed. After the first
+        call the read end is non-blocking: use this, not get(), from then on."""
+        fd = self._reader.fileno()
+        with self._read_lock:
+            if not self._reading_nonblocking:
+                os.set_blocking(fd, False)
+                self._reading_nonblocking = True
+            while True:
+                try:
+                    chunk = os.read(fd, READ_BYTES)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    if not self._inbuf:
+                        raise EOFError("every writer of the channel has closed")
+                    break
+                self._inbuf += chunk
+                if len(chunk) < READ_BYTES:
+                    break
+            items: list[Any] = []
+            start = 0
+            view = memoryview(self._inbuf)
+            try:
+                while len(items) < limit and len(view) - start >= 4:
+                    (size,) = struct.unpack_from("!i", view, start)
+                    if size < 0 or len(view) - start - 4 < size:
+                        break
+                    items.append(pickle.loads(view[start + 4 : start + 4 + size]))
+                    start += 4 + size
+            finally:
+                view.release()
+            del self._inbuf[:start]
+            return items
+
+    def has_whole_frame(self) -> bool:
+        """Whether read_available's buffer already holds a whole frame (the pipe may be empty)."""
+        with self._read_lock:
+            if len(self._inbuf) < 4:
+                return False
+            (size,) = struct.unpack_from("!i", self._inbuf)
+            return 0 <= size <= len(self._inbuf) - 4
 
     def fileno(self) -> int:
         """The read end, for a selector."""

@@ -108,6 +108,7 @@ class SchedulerClient:
         self.config = config
         self._outputs_inline = outputs_inline
         self._outputs_loop = outputs_loop if config.scheduler_in_process() else None
+        self._loop_done = False  # the loop's reader has seen the last item
         self.model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length
         )
@@ -224,23 +225,31 @@ class SchedulerClient:
                 return
 
     def _read_on_loop(self) -> None:
-        """The outbox's reader on `outputs_loop`: the items already there (at most LOOP_READ_BATCH, so a
-        busy scheduler cannot keep the loop from publishing; the reader is called again while the pipe
-        holds more), then back to the loop."""
-        assert self._outputs_loop is not None
-        for _ in range(LOOP_READ_BATCH):
-            try:
-                item = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            except _CLOSED:
-                self._outputs_loop.remove_reader(self._outbox.fileno())
-                if not self._closed:
-                    self._fail("the scheduler stopped")
-                return
+        """The outbox's reader on `outputs_loop`: the whole items already there (at most
+        LOOP_READ_BATCH, so a busy scheduler cannot keep the loop from publishing), then back to the
+        loop. It never blocks: a frame still being written waits in the channel for the next call."""
+        loop = self._outputs_loop
+        assert loop is not None
+        if self._loop_done:
+            return
+        try:
+            items = self._outbox.read_available(LOOP_READ_BATCH)
+        except _CLOSED:
+            self._stop_loop_reader()
+            if not self._closed:
+                self._fail("the scheduler stopped")
+            return
+        for item in items:
             if not self._handle(item):
-                self._outputs_loop.remove_reader(self._outbox.fileno())
+                self._stop_loop_reader()
                 return
+        if self._outbox.has_whole_frame():
+            loop.call_soon(self._read_on_loop)  # read already, so the pipe's reader will not fire for it
+
+    def _stop_loop_reader(self) -> None:
+        assert self._outputs_loop is not None
+        self._loop_done = True
+        self._outputs_loop.remove_reader(self._outbox.fileno())
 
     def _handle(self, item: object) -> bool:
         """One outbox item; False once nothing more is to be read."""
