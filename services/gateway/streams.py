@@ -151,8 +151,10 @@ class StreamHub:
 
     async def _on_batch(self, batch: BatchStreamOut, raw: Msg) -> None:
         now = time.monotonic()
+        if trace.TRACE_DIR is not None:
+            for out in batch.items:
+                trace.mark(out.rid, "gateway.stream")
         for out in batch.items:
-            trace.mark(out.rid, "gateway.stream")
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue  # aborted or failed here already; late outputs are expected

@@ -56,8 +56,10 @@ class Engine:
     # ---- outputs --------------------------------------------------------------------------------
 
     def _on_outputs(self, outputs: list[ReqOutput]) -> None:
+        if trace.TRACE_DIR is not None:
+            for out in outputs:
+                trace.mark(out.rid, "engine.outputs")
         for out in outputs:
-            trace.mark(out.rid, "engine.outputs")
             with self._lock:
                 state = self._states.get(out.rid)
                 if state is not None and out.finished_reason is not None:
