@@ -10,7 +10,10 @@ to NATS; with tp_size > 1 the ranks are its child processes.
     {p}.workers.load           out  WorkerLoad every load_interval seconds
 
 Which tokens go out in which message (every step for a streamed request; the first token and the final
-for one whose client wants the whole answer) is services/worker/output_batcher.py's. An abort for a request not (yet) here is remembered for a minute: a request whose abort
+for one whose client wants the whole answer) is services/worker/output_batcher.py's. A scheduler thread
+computing on the CPU starts no step until the loop has written the message of a step that gave some
+request its first token (at most FIRST_TOKEN_WAIT_S): its compute threads would otherwise hold every
+core, and it the GIL, while that token is on its way to the client. An abort for a request not (yet) here is remembered for a minute: a request whose abort
 overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker stops its WorkerLoad (gateways stop routing to it), refuses new
 requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
 an 'abort' final) and drains NATS.
@@ -63,6 +66,10 @@ ABORT_GRACE_S = 5.0
 # An abort can overtake its request (still at the tokenizer); it is remembered this long, this many.
 EARLY_ABORT_TTL_S = 60.0
 EARLY_ABORT_MAX = 10_000
+# A scheduler thread computing on the CPU waits up to this long, after a step that gave a request its
+# first token, for the event loop to write that step's message before it starts the next step: its
+# compute threads would otherwise hold every core (and it the GIL) while the token is on its way out.
+FIRST_TOKEN_WAIT_S = 0.005
 
 
 def accept_length_buckets(num_draft_tokens: int) -> list[float]:
@@ -129,6 +136,9 @@ class WorkerService(Service):
         self._load_task: asyncio.Task[None] | None = None
         self._loop_thread = -1  # the event loop thread's id, once started
         self._metrics_server: MetricsServer | None = None
+        # Set in start(): a scheduler thread computing on the CPU waits for first tokens to go out.
+        self._await_first_tokens = False
+        self._handed_off: list[threading.Event] = []  # set once their step's message is written
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -143,6 +153,9 @@ class WorkerService(Service):
         self.client = await asyncio.to_thread(
             SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread, outputs_inline=True,
             outputs_loop=self._loop,
+        )
+        self._await_first_tokens = (
+            not cfg.engine.scheduler_in_process() and self.client.server_info["device"].startswith("cpu")
         )
         if cfg.with_detokenizer:
             if self.client.tokenizer is None:
@@ -160,6 +173,8 @@ class WorkerService(Service):
             "gateways directly" if self.stream else subjects.detok(self.worker_id),
             "its process's pipe" if cfg.engine.scheduler_in_process() else "its thread",
         )
+        if self._await_first_tokens:
+            logger.info("worker %s: the scheduler thread starts no step before a first token is written", self.worker_id)
 
     async def drain(self) -> None:
         """Refuse new work, let running requests finish (bounded), abort the rest, drain NATS."""
@@ -202,8 +217,23 @@ class WorkerService(Service):
         if threading.get_ident() == self._loop_thread:
             self._steps.put_nowait(outputs)
             return
+        handed_off = threading.Event() if self._await_first_tokens and self._has_first_output(outputs) else None
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is exiting
-            self._loop.call_soon_threadsafe(self._steps.put_nowait, outputs)
+            self._loop.call_soon_threadsafe(self._take_step, outputs, handed_off)
+        if handed_off is not None:
+            # A request's first token goes out before the next step takes the cores (FIRST_TOKEN_WAIT_S).
+            handed_off.wait(FIRST_TOKEN_WAIT_S)
+
+    def _has_first_output(self, outputs: list[ReqOutput]) -> bool:
+        """Whether a request among `outputs` has sent nothing yet (read on the scheduler's thread: a
+        flight that changes meanwhile makes one step wait, or not, once)."""
+        flights = self._flights
+        return any((flight := flights.get(out.rid)) is not None and flight.first for out in outputs)
+
+    def _take_step(self, outputs: list[ReqOutput], handed_off: threading.Event | None) -> None:
+        self._steps.put_nowait(outputs)
+        if handed_off is not None:
+            self._handed_off.append(handed_off)
 
     def _failure_from_thread(self, message: str) -> None:
         with contextlib.suppress(RuntimeError):
@@ -222,6 +252,7 @@ class WorkerService(Service):
         a message went out are one round, one message (output_batcher.py)."""
         while True:
             steps, stopping = await self._next_round()
+            handed_off, self._handed_off = self._handed_off, []  # the waits of exactly these steps
             batch = self.batcher.batch(steps)
             if batch.items:
                 try:
@@ -231,6 +262,10 @@ class WorkerService(Service):
                 if trace.TRACE_DIR is not None:
                     for item in batch.items:
                         trace.mark(item.rid, "worker.published")
+            if handed_off:
+                await asyncio.sleep(0)  # the NATS client's flusher writes the message to the socket
+                for event in handed_off:
+                    event.set()
             if stopping:
                 return
             await asyncio.sleep(0)  # arrivals and controls go before the next round
