@@ -51,7 +51,7 @@ class Stack:
 
 
 def _gateway_addresses(process: ServiceProcess) -> tuple[str, str]:
-    match = re.search(r"HTTP on (http://[\d.]+:\d+), gRPC on ([\d.]+:\d+)", process.log())
+    match = re.search(r"HTTP on (http://[\d.]+:\d+) \(httptools\), gRPC on ([\d.]+:\d+)", process.log())
     assert match, f"the gateway logged no addresses:\n{process.log()[-2000:]}"
     return match.group(1), match.group(2)
 

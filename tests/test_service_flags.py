@@ -123,3 +123,26 @@ def test_local_tokenizer_max_chars_and_up_gateway_tokenizes(qwen3_path: Path, ca
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--gateway-tokenizes", "some", *model])
     assert "invalid choice: 'some'" in capsys.readouterr().err
+
+
+def test_the_gateway_parses_http_with_httptools_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from services.gateway.config import GatewayConfig
+    from services.gateway.service import http_impl
+
+    assert http_impl(GatewayConfig().http) == "httptools"  # installed with the project
+    assert http_impl(flags.build(GatewayConfig, parse(GatewayConfig, ["--http", "h11"]), {}).http) == "h11"
+    assert flags.build(GatewayConfig, parse(GatewayConfig, []), {"RS_HTTP": "httptools"}).http == "httptools"
+    with pytest.raises(ValueError, match="http must be one of auto, httptools, h11, got 'http2'"):
+        flags.build(GatewayConfig, parse(GatewayConfig, ["--http", "http2"]), {})
+    # Where httptools does not import, auto falls back to h11.
+    real_import = builtins.__import__
+
+    def without_httptools(name: str, *args: object, **kwargs: object) -> object:
+        if name == "httptools":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", without_httptools)
+    assert http_impl("auto") == "h11"

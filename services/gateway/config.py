@@ -13,6 +13,9 @@ from shared.service import ServiceConfig
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
+HTTP_IMPLS = ("auto", "httptools", "h11")
+
+
 def _help(text: str, default: object) -> object:
     return field(default=default, metadata={"help": text})
 
@@ -33,6 +36,11 @@ class GatewayConfig(ServiceConfig):
         "bind the HTTP port with SO_REUSEPORT, so several gateway processes share one port and the kernel "
         "spreads new connections over them (Linux; needs a fixed --port)",
         False,
+    )
+    http: str = _help(
+        "HTTP/1.1 parser: httptools (C, installed with the project), h11 (pure Python), or auto (httptools "
+        "where it imports)",
+        "auto",
     )
     grpc_port: int = _help("gRPC port (0: any free port)", 50051)
     enable_grpc: bool = _help("serve the gRPC API", True)
@@ -93,6 +101,8 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(
                 f"worker_dead_after ({self.worker_dead_after}) must be >= worker_ttl ({self.worker_ttl})"
             )
+        if self.http not in HTTP_IMPLS:
+            raise ValueError(f"http must be one of {', '.join(HTTP_IMPLS)}, got {self.http!r}")
         if self.routing_policy not in ("cache_aware", "least_loaded"):
             raise ValueError(f"routing_policy must be cache_aware or least_loaded, got {self.routing_policy!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
