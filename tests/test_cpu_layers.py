@@ -15,6 +15,7 @@ from services.worker.layers.linear import (
     ColumnParallelLinear,
     calibrate_single_row,
     cpu_prepack_available,
+    cpu_prepack_dtypes,
     linear,
     prepack_cpu_weights,
     prepack_weight,
@@ -31,6 +32,8 @@ needs_onednn = pytest.mark.skipif(not cpu_prepack_available(), reason="this torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 300])
 def test_prepacked_linear_equals_f_linear(rows: int, dtype: torch.dtype) -> None:
+    if dtype not in cpu_prepack_dtypes():
+        pytest.skip("this CPU has no oneDNN bfloat16 products (AVX2 only); test_bf16_weights_stay_plain... covers it")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g).to(dtype)
     w = (torch.randn(160, 96, generator=g) * 0.1).to(dtype)
@@ -52,6 +55,31 @@ def test_prepack_covers_every_linear_and_the_lm_head(llama_path) -> None:
     assert packed == sum(m.weight.numel() * m.weight.element_size() for m in opted_in)
     assert any(isinstance(m, ColumnParallelLinear) for m in opted_in)
     assert model.lm_head.packed_weight is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("bf16_supported", [False, True])
+def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
+    llama_path, bf16_supported: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An AVX2-only CPU refuses oneDNN's bf16 reorder (RuntimeError); there a bf16 model keeps F.linear
+    # and still loads and runs. Where the CPU can pack bf16 (checked for real), every linear is packed.
+    real = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if bf16_supported and not real:
+        pytest.skip("this CPU has no oneDNN bfloat16 products")
+    if not bf16_supported:
+        import services.worker.layers.linear as linear_module
+
+        monkeypatch.setattr(linear_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
+    model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
+    packed = prepack_cpu_weights(model)
+    opted_in = [m for m in model.modules() if getattr(m, "prepackable", False)]
+    assert all((m.packed_weight is not None) == bf16_supported for m in opted_in)
+    assert (packed > 0) == bf16_supported
+    layer = next(m for m in opted_in if isinstance(m, ColumnParallelLinear))
+    x = torch.randn(3, layer.weight.shape[1], dtype=torch.bfloat16)
+    ref = F.linear(x.float(), layer.weight.float())
+    assert ((layer(x).float() - ref).norm() / ref.norm()) < 2e-2
 
 
 @needs_onednn
