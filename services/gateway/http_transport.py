@@ -49,9 +49,6 @@ class CoalescingTransport:
     def get_write_buffer_size(self) -> int:
         return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
 
-    def can_write_eof(self) -> bool:
-        return self._transport.can_write_eof()
-
     def write_eof(self) -> None:
         self.flush()
         self._transport.write_eof()

@@ -84,6 +84,7 @@ class GatewayService(Service):
         self.frontdoor: NatsFrontDoor | None = None
         self.grpc: grpc.aio.Server | None = None
         self.http: _HttpServer | None = None
+        self.http_impl = http_impl(config.http)  # the uvicorn protocol that parses requests
         self._http_task: asyncio.Task[None] | None = None
         self._metrics_server: MetricsServer | None = None
         self.http_port = 0
@@ -113,7 +114,7 @@ class GatewayService(Service):
             "gateway %s: HTTP on %s (%s), gRPC %s, NATS front door %s (NATS %s, prefix %r)",
             cfg.gateway_id,
             self.url,
-            http_impl(cfg.http),
+            self.http_impl,
             f"on {cfg.host}:{self.grpc_port}" if self.grpc else "off",
             f"on {self.bus.subjects.v1_generate}" if self.frontdoor else "off",
             cfg.nats_url,
@@ -133,7 +134,7 @@ class GatewayService(Service):
                 log_level=cfg.log_level.lower(),
                 access_log=False,
                 lifespan="off",
-                http=http_protocol(http_impl(cfg.http)),
+                http=http_protocol(self.http_impl),
                 timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1),
             )
         )
