@@ -1,7 +1,7 @@
 """Request-path timestamps for latency work. With RS_TRACE_DIR set, every process that marks a stage
 appends `rid stage nanoseconds` lines to DIR/<pid>.trace; the clock is CLOCK_MONOTONIC, which every
 process on one host shares, so one request's stages line up across the gateway, NATS hops, the worker
-and its scheduler process. Unset (the default), `mark` returns at once. `bench/pipeline_trace.py`
+and its scheduler process; the directory is made if it is missing. Unset (the default), `mark` returns at once. `bench/pipeline_trace.py`
 reads the files."""
 
 from __future__ import annotations
@@ -22,5 +22,6 @@ def mark(rid: str, stage: str) -> None:
     pid = os.getpid()  # a forked or spawned child writes its own file
     out = _files.get(pid)
     if out is None:
+        os.makedirs(TRACE_DIR, exist_ok=True)  # RS_TRACE_DIR need not exist yet
         out = _files[pid] = open(os.path.join(TRACE_DIR, f"{pid}.trace"), "a", buffering=1)  # noqa: SIM115
     out.write(f"{rid} {stage} {now}\n")

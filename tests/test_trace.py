@@ -29,6 +29,14 @@ def test_marks_are_lines_per_process_on_the_monotonic_clock(tmp_path: Path, monk
     assert 0 <= last - first < 10**9
 
 
+def test_a_missing_trace_dir_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    where = tmp_path / "not" / "yet"
+    monkeypatch.setattr(trace, "TRACE_DIR", str(where))
+    monkeypatch.setattr(trace, "_files", {})
+    trace.mark("r1", "gateway.submit")
+    assert (where / f"{os.getpid()}.trace").read_text().split()[:2] == ["r1", "gateway.submit"]
+
+
 def test_stage_medians_follow_each_side_s_order_across_process_files(tmp_path: Path) -> None:
     # Two processes' files for three traced gateway requests and one engine request; one gateway request
     # skipped the scheduler (a floor request), and lines of other requests are ignored.
