@@ -328,23 +328,19 @@ def engine_first_chunk(engine: Any, prompt: Prompt, new_tokens: int, rid: str | 
 
 
 def gateway_first_chunk(probe: SseProbe, prompt: Prompt, new_tokens: int, rid: str | None = None) -> float:
-    """Seconds from sending a streamed /generate to its first SSE event with a token (new_tokens=0:
-    its first event), read off the socket by bench/http_burst.py's SseProbe (no client library on the
-    clock: the Engine side has none either)."""
+    """Seconds from sending a streamed /generate to the read that delivered its first SSE event with a
+    token (new_tokens=0: its first event), off the socket by bench/http_burst.py's SseProbe (no client
+    library on the clock: the Engine side has none either). With RS_TRACE_DIR set, `rid` names the
+    request in the trace, whose client.sent and client.first are the same two moments."""
     body = {"text" if isinstance(prompt, str) else "input_ids": prompt, "sampling_params": sampling(new_tokens),
             "stream": True}
-    if rid is None:
-        return probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
-    body["rid"] = rid
-
-    def first(event: dict[str, Any]) -> bool:
-        if event["output_ids"] or not new_tokens:
-            trace.mark(rid, "client.first")
-            return True
-        return False
-
-    trace.mark(rid, "client.sent")
-    return probe.first_event("/generate", body, first)
+    if rid is not None:
+        body["rid"] = rid
+    seconds = probe.first_event("/generate", body, lambda event: bool(event["output_ids"]) or not new_tokens)
+    if rid is not None:
+        trace.mark(rid, "client.sent", probe.sent_ns)
+        trace.mark(rid, "client.first", probe.first_ns)
+    return seconds
 
 
 def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[Prompt], new_tokens: int,

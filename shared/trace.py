@@ -14,11 +14,12 @@ TRACE_DIR = os.environ.get("RS_TRACE_DIR") or None
 _files: dict[int, TextIO] = {}
 
 
-def mark(rid: str, stage: str) -> None:
-    """Record that request `rid` reached `stage` now (nothing unless RS_TRACE_DIR is set)."""
+def mark(rid: str, stage: str, at_ns: int | None = None) -> None:
+    """Record that request `rid` reached `stage` now, or at `at_ns` (a time.monotonic_ns() taken
+    earlier); nothing unless RS_TRACE_DIR is set."""
     if TRACE_DIR is None:
         return
-    now = time.monotonic_ns()
+    now = time.monotonic_ns() if at_ns is None else at_ns
     pid = os.getpid()  # a forked or spawned child writes its own file
     out = _files.get(pid)
     if out is None:

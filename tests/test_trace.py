@@ -29,6 +29,13 @@ def test_marks_are_lines_per_process_on_the_monotonic_clock(tmp_path: Path, monk
     assert 0 <= last - first < 10**9
 
 
+def test_a_mark_can_carry_a_time_taken_earlier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace, "TRACE_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_files", {})
+    trace.mark("r1", "client.sent", 123)
+    assert (tmp_path / f"{os.getpid()}.trace").read_text() == "r1 client.sent 123\n"
+
+
 def test_a_missing_trace_dir_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     where = tmp_path / "not" / "yet"
     monkeypatch.setattr(trace, "TRACE_DIR", str(where))
