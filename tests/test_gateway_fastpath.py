@@ -208,3 +208,42 @@ def test_the_fast_path_is_counted_under_its_route(http: httpx.Client) -> None:
     before = served()
     assert http.post("/generate", json={"text": "count me", "stream": True}).status_code == 200
     assert served() == before + 1
+
+
+def test_a_streamed_first_event_is_written_by_the_route_not_at_the_end_of_the_loop_turn(
+    http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SseResponse flushes its connection once the first event is sent (http_transport.flush_writes):
+    the write that carries the head and the first event is made from inside that call, and the
+    response's last writes (the final event, [DONE], the closing chunk) leave together as uvicorn
+    completes the response."""
+    from services.gateway import http_streaming, http_transport
+
+    writes: list[tuple[str, bytes]] = []
+    origin = ["loop"]
+    real_flush, real_complete = http_transport.CoalescingTransport.flush, http_transport.flush_writes
+
+    def flush(self: http_transport.CoalescingTransport) -> None:
+        if self._pending:
+            writes.append((origin[0], b"".join(self._pending)))
+        real_flush(self)
+
+    def flush_writes(scope: Any) -> None:
+        origin[0] = "route"
+        try:
+            real_complete(scope)
+        finally:
+            origin[0] = "loop"
+
+    monkeypatch.setattr(http_transport.CoalescingTransport, "flush", flush)
+    monkeypatch.setattr(http_streaming, "flush_writes", flush_writes)
+    # A new connection: its protocol holds the patched flush.
+    with httpx.Client(base_url=str(http.base_url), timeout=15) as fresh:
+        response = fresh.post("/generate", json={"text": "one two three", "stream": True}, headers=FAST)
+    assert response.status_code == 200
+    events = [e for e in response.text.split("\n\n") if e.startswith("data: ")]
+    assert len(events) >= 3 and events[-1] == "data: [DONE]"
+    origin_of_first, first = writes[0]
+    assert origin_of_first == "route" and first.startswith(b"HTTP/1.1 200 OK\r\n"), writes[0]
+    assert first.count(b"data: ") == 1 and events[0].encode() in first
+    assert writes[-1][1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and events[-2].encode() in writes[-1][1]

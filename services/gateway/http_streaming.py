@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import CLIENT_CLOSED, GatewayError
+from services.gateway.http_transport import flush_writes
 from services.gateway.streams import RequestStream
 from shared.protocol import StreamOut
 
@@ -153,6 +154,7 @@ class SseResponse(StreamingResponse):
                 data = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
                 await send({"type": "http.response.body", "body": data, "more_body": True})
                 if watcher is None:
+                    flush_writes(scope)  # the head and the first event leave now, together
                     watcher = asyncio.create_task(watch())
             sending = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
