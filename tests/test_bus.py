@@ -263,3 +263,16 @@ def test_bus_logs_a_lost_server_and_resubscribes_when_it_returns(caplog: pytest.
     messages = [r.getMessage() for r in caplog.records]
     assert any("survivor: lost the NATS connection" in m for m in messages)
     assert any("survivor: reconnected to NATS" in m for m in messages)
+
+
+def test_many_publishes_arrive_in_order(nats_server: NatsServer) -> None:
+    async def main() -> list[str]:
+        bus = await Bus.connect(nats_server.url, "order")
+        received = await _collector(bus, "t.order", (NatsAbort,))
+        for i in range(500):
+            await bus.publish("t.order", NatsAbort(v=V, rid=str(i)))
+        out = [(await asyncio.wait_for(received.get(), 10)).rid for _ in range(500)]  # type: ignore[attr-defined]
+        await bus.drain()
+        return out
+
+    assert run(main()) == [str(i) for i in range(500)]
