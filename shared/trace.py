@@ -1,8 +1,8 @@
 """Request-path timestamps for latency work. With RS_TRACE_DIR set, every process that marks a stage
 appends `rid stage nanoseconds` lines to DIR/<pid>.trace; the clock is CLOCK_MONOTONIC, which every
 process on one host shares, so one request's stages line up across the gateway, NATS hops, the worker
-and its scheduler process; the directory is made if it is missing. Unset (the default), `mark` returns at once. `bench/pipeline_trace.py`
-reads the files."""
+and its scheduler process; the directory is made if it is missing. Unset (the default), `mark` returns
+at once. `bench/pipeline_trace.py` reads the files."""
 
 from __future__ import annotations
 

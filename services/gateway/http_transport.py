@@ -8,10 +8,11 @@ next waits (the head and the first event; the last event, `data: [DONE]` and the
 joined and leave in one send() once the task yields, on the next turn of the loop. Nothing is held
 longer than that turn, and closing the connection sends what is pending first.
 
-Waiting for the turn to end costs a first event the rest of its task's turn and a pass of the loop
-(~70 µs on a 2-vCPU host, traced), so the writes also leave at once where the app knows it is done
-for now: a finished response is written when uvicorn completes it, and an app calls
-`flush_writes(scope)` after a streamed response's first event (http_streaming.SseResponse does).
+Waiting for the turn to end would make a first event wait for the rest of its task's turn and a pass
+of the loop, so the writes also leave at once where the app knows it is done for now: a finished
+response is written when uvicorn completes it, and an app calls `flush_writes(scope)` after a streamed
+response's first event (http_streaming.SseResponse does). On the 2-vCPU host the traced last stretch
+did not move beyond its run-to-run spread either way (bench/RESULTS.md, eleventh session).
 """
 
 from __future__ import annotations
