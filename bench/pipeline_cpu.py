@@ -30,27 +30,17 @@ if __package__ in (None, ""):
 
 from bench.http_burst import SseProbe  # noqa: E402
 from bench.pipeline_floor import IDS, start_up  # noqa: E402
-from bench.pipeline_overhead import free_port  # noqa: E402
+from bench.pipeline_overhead import free_port, process_stats, process_tree  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+SAMPLE_HZ = 2000  # py-spy's sampling rate
 BODY = {"input_ids": IDS, "sampling_params": {"max_new_tokens": 0}, "stream": True}
 
 
 def descendants(root: int) -> dict[int, str]:
     """pid -> role of `root`'s descendants: the service a `radixserve` process runs, or the program."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
     roles = {}
-    for pid in found:
+    for pid in process_tree(root, process_stats()) - {root}:
         try:
             argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -93,7 +83,7 @@ def profile(probe: SseProbe, pid: int, count: int, top: int, native: bool) -> No
         raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "stacks.txt"
-        proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "2000", "--format", "raw",
+        proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", str(SAMPLE_HZ), "--format", "raw",
                                  "--output", str(out), *(["--native"] if native else ["--nonblocking"])],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
@@ -111,7 +101,7 @@ def profile(probe: SseProbe, pid: int, count: int, top: int, native: bool) -> No
             for frame in set(frames):
                 inclusive[frame] += samples
             own[frames[-1]] += samples
-    rate = 2000 / 1e3  # samples per ms
+    rate = SAMPLE_HZ / 1e3  # samples per ms
     print(f"\npy-spy on pid {pid}: {total} samples over {count} requests; ms per request (wall samples)")
     for title, counter in (("inclusive", inclusive), ("self", own)):
         print(f"-- {title}")

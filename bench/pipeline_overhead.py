@@ -97,23 +97,33 @@ def _busy_ticks() -> int:
     return sum(values) - values[3] - values[4]  # less idle and iowait
 
 
-def _tree_ticks(root: int) -> int:
-    """CPU ticks of `root` and its live descendants (this benchmark and the pipeline it started)."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
+def process_stats() -> dict[int, list[str]]:
+    """Every live process's /proc/<pid>/stat fields after the command name (index 1: the parent,
+    11 and 12: user and system ticks)."""
+    stats: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                stats[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            parents[int(entry.name)] = int(fields[1])
-            ticks[int(entry.name)] = int(fields[11]) + int(fields[12])
+    return stats
+
+
+def process_tree(root: int, stats: dict[int, list[str]]) -> set[int]:
+    """`root` and its live descendants, by the parents in `stats` (process_stats())."""
+    parents = {pid: int(fields[1]) for pid, fields in stats.items()}
     found, frontier = {root}, {root}
     while frontier:
         frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
         found |= frontier
-    return sum(ticks.get(pid, 0) for pid in found)
+    return found
+
+
+def _tree_ticks(root: int) -> int:
+    """CPU ticks of `root` and its live descendants (this benchmark and the pipeline it started)."""
+    stats = process_stats()
+    return sum(int(stats[pid][11]) + int(stats[pid][12]) for pid in process_tree(root, stats) if pid in stats)
 
 
 class ForeignCpu:
