@@ -143,6 +143,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
                    help="`up --gateway-tokenizes` (default short)")
     p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
+    p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
+                   help="`up --busy-poll-ms` (default: RS_BUSY_POLL_MS, else 0: off)")
     p.add_argument("--out", type=Path, default=OUT / "gpu_pipeline.json", help="JSON results path")
     args = p.parse_args(argv)
     for name, default in PROFILES["tiny" if args.tiny else "gpu"].items():
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in WORKLOAD_FLAGS:
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     forwarded += ["--gateway-tokenizes", args.gateway_tokenizes, "--pair-gap-ms", str(args.pair_gap_ms)]
-    forwarded += ["--gateways", str(args.gateways)]
+    forwarded += ["--gateways", str(args.gateways), "--busy-poll-ms", f"{args.busy_poll_ms:g}"]
     pipeline_overhead.main(forwarded)
 
 

@@ -154,7 +154,8 @@ class Stack:
     """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
 
     def __init__(
-        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: str = "short", gateways: int = 1
+        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: str = "short", gateways: int = 1,
+        busy_poll_ms: float = 0.0,
     ) -> None:
         self.port, grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -166,7 +167,7 @@ class Stack:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
                  str(grpc_port), "--run-dir", str(run_dir), *engine_flags,
-                 "--gateway-tokenizes", gateway_tokenizes, "--gateways", str(gateways)],
+                 "--gateway-tokenizes", gateway_tokenizes, "--gateways", str(gateways), "--busy-poll-ms", f"{busy_poll_ms:g}"],
                 cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
             )
@@ -446,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
                    help="`up --gateway-tokenizes`: which text prompts the gateway tokenizes itself (default short)")
     p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
+    p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
+                   help="`up --busy-poll-ms`: the services' polling window (default: RS_BUSY_POLL_MS, else 0: off)")
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the embedded model)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both sides")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 for both sides (default: the engine's)")
@@ -454,7 +457,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results path")
     args = p.parse_args(argv)
     least = {"threads": 1, "batch": 1, "prompt_len": 1, "new_tokens": 1, "repeats": 1, "ttft_runs": 2, "ttft_warmup": 0,
-             "floor_runs": 2, "text_runs": 0, "pair_gap_ms": 0}
+             "floor_runs": 2, "text_runs": 0, "pair_gap_ms": 0, "busy_poll_ms": 0}
     for name, low in least.items():
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
@@ -516,7 +519,8 @@ def main(argv: list[str] | None = None) -> None:
     # 20 ms decode step, and 8 ms more per prefill through the LM head's single row).
     engine = Engine(str(model_path), **options)
     try:
-        stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes, args.gateways)
+        stack = Stack(args.threads, up_flags(model_path, options), run_dir, args.gateway_tokenizes, args.gateways,
+                      args.busy_poll_ms)
         try:
             stack.wait_ready()
             print(f"pipeline up at {stack.url} (logs in {run_dir}), engine loaded: "

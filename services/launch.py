@@ -87,6 +87,10 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
                     help="use this NATS when it answers, else start one (env RS_NATS_URL)")
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
+    up.add_argument("--busy-poll-ms", type=float, default=None,
+                    help="every service keeps its event loop polling for this many ms after each message or "
+                         "request instead of sleeping (a core each while they poll; needs the scheduler in "
+                         "its own process, as on CUDA; env RS_BUSY_POLL_MS; default 0: off)")
     flags.add_arguments(up, EngineConfig)
     up.set_defaults(handler=run_up)
 
@@ -127,12 +131,28 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _busy_poll_ms(flag: float | None, engine: EngineConfig) -> float:
+    """--busy-poll-ms, else RS_BUSY_POLL_MS, else 0; ValueError for a value the services would refuse."""
+    text = os.environ.get("RS_BUSY_POLL_MS") or "0"
+    try:
+        value = flag if flag is not None else float(text)
+    except ValueError:
+        raise ValueError(f"RS_BUSY_POLL_MS must be a number of milliseconds, got {text!r}") from None
+    if not 0 <= value <= 60_000:
+        raise ValueError(f"--busy-poll-ms must be in [0, 60000], got {value:g}")
+    if value > 0 and not engine.scheduler_in_process():
+        raise ValueError("--busy-poll-ms needs the scheduler in its own process (--device cuda or "
+                         "--scheduler-process): a scheduler thread would share the GIL with the worker's polling loop")
+    return value
+
+
 def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         engine_values = flags.values_from(EngineConfig, args, env={})
         model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
-        EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
+        engine = EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
+        busy_poll_ms = _busy_poll_ms(args.busy_poll_ms, engine)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
@@ -154,7 +174,8 @@ def run_up(args: argparse.Namespace) -> int:
     else:
         logger.info("using NATS at %s", nats_url)
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_NATS_URL": nats_url, "RS_MODEL_PATH": str(model_path)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_NATS_URL": nats_url, "RS_MODEL_PATH": str(model_path),
+           "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}"}
     for name, value in engine_values.items():
         env[flags.env_name(name)] = "none" if value is None else str(value)
     children: list[Child] = []

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATSClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from shared.busy_poll import BusyPoll
 from shared.protocol import PROTOCOL_VERSION, Subjects, decoder, encode
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Bus:
         self.nc = nc
         self.subjects = subjects
         self.name = name
+        # Touched by every message this connection delivers (a no-op unless the service busy-polls).
+        self.poller = BusyPoll()
 
     @classmethod
     async def connect(cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0) -> Bus:
@@ -90,6 +93,7 @@ class Bus:
         dec = decoder(*types)
 
         async def on_message(raw: Msg) -> None:
+            self.poller.touch()
             try:
                 msg = dec.decode(raw.data)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.bus import Bus, PayloadTooLarge
+from shared.busy_poll import BusyPoll
 from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ class ServiceConfig:
     nats_connect_timeout: float = _help("seconds to reach NATS at start before giving up (exit 1)", 10.0)
     drain_timeout: float = _help("seconds to finish in-flight work on SIGTERM before closing", 5.0)
     log_level: str = _help("DEBUG, INFO, WARNING or ERROR", "INFO")
+    busy_poll_ms: float = _help("after each NATS message or request, keep the event loop polling instead of "
+                                "sleeping for this many ms, so the next one finds the process awake (holds a "
+                                "core while it polls; 0: off)", 0.0)
 
     def __post_init__(self) -> None:
         if not all(is_subject_token(part) for part in self.subject_prefix.split(".")):
@@ -60,6 +64,8 @@ class ServiceConfig:
             raise ValueError(f"nats_connect_timeout must be > 0, got {self.nats_connect_timeout}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not 0 <= self.busy_poll_ms <= 60_000:
+            raise ValueError(f"busy_poll_ms must be in [0, 60000], got {self.busy_poll_ms:g}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
@@ -84,13 +90,17 @@ async def connect_bus(config: ServiceConfig, name: str) -> Bus:
     """Bus.connect bounded by config.nats_connect_timeout (an unreachable NATS would otherwise be
     retried for ever); ConnectionError naming the URL."""
     try:
-        return await asyncio.wait_for(
+        bus = await asyncio.wait_for(
             Bus.connect(config.nats_url, name, config.subject_prefix), timeout=config.nats_connect_timeout
         )
     except (asyncio.TimeoutError, OSError) as exc:
         raise ConnectionError(
             f"{name}: NATS at {config.nats_url} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s)"
         ) from exc
+    bus.poller = BusyPoll(config.busy_poll_ms / 1000)
+    if bus.poller.enabled:
+        logger.info("%s busy-polls for %g ms after each message or request", name, config.busy_poll_ms)
+    return bus
 
 
 async def drain_bus(bus: Bus | None, timeout: float) -> None:
@@ -98,6 +108,7 @@ async def drain_bus(bus: Bus | None, timeout: float) -> None:
     past `timeout` seconds the connection is closed anyway."""
     if bus is None or bus.nc.is_closed:
         return
+    bus.poller.close()
     try:
         await asyncio.wait_for(bus.drain(), timeout=max(timeout, 0.1))
     except asyncio.TimeoutError:

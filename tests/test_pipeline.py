@@ -391,15 +391,17 @@ def test_a_worker_with_its_own_detokenizer_answers_alike_and_when_killed_sends_n
 def test_a_worker_with_a_scheduler_process_reads_its_outputs_on_the_event_loop(pipeline: Pipeline) -> None:
     """--scheduler-process (the CUDA default): the scheduler's outbox is read by the worker's event loop,
     not a dispatcher thread. Streamed tokens, the final, control replies (get_info, flush_cache) and the
-    drain on SIGTERM all come through it, and the answer is w1's (a scheduler thread)."""
+    drain on SIGTERM all come through it, and the answer is w1's (a scheduler thread). w3 busy-polls
+    (--busy-poll-ms), which changes when its loop looks for work, not what it does."""
     common = ["--nats-url", pipeline.nats.url, "--metrics-port", "none", "--model-path", str(pipeline.model_path)]
     args = [*common, "--worker-id", "w3", "--max-total-tokens", "4096", "--with-detokenizer", "--scheduler-process",
-            "--drain-timeout", "30"]
+            "--drain-timeout", "30", "--busy-poll-ms", "100"]
     worker = ServiceProcess.start("worker", args, pipeline.log_dir, "w3")
     sampling = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     try:
         worker.wait_ready()
         assert "the scheduler's outputs reach the event loop from its process's pipe" in worker.log()
+        assert "busy-polls for 100 ms after each message or request" in worker.log()
 
         async def main() -> tuple[object, object, ControlReply, ControlReply, object]:
             async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:

@@ -176,6 +176,7 @@ class CountRequests:
             await self.app(scope, receive, send)
             return
         status = 500
+        self.dispatcher.bus.poller.touch()
 
         async def tracking_send(message: Message) -> None:
             nonlocal status
