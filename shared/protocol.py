@@ -72,6 +72,7 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Only the fields that were set (for SamplingParams.from_dict)."""

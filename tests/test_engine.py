@@ -211,6 +211,29 @@ def test_logprobs_equal_transformers_log_softmax(llama_path: Path) -> None:
         assert top[0][1] == tid
 
 
+def test_logit_bias_matches_transformers_single_token_sequence_bias(qwen3_path: Path) -> None:
+    """OpenAI's logit_bias is transformers' sequence_bias of one-token sequences: the same greedy
+    tokens. The biases push the unbiased answer's first tokens out and lift others; a request without
+    a bias in the same batch gets the unbiased answer."""
+    prompts = random_prompts(2, 6, 12, seed=21)
+    plain = [hf_greedy(qwen3_path, prompt, 12) for prompt in prompts]
+    bias = {plain[0][0]: -100.0, plain[0][1]: -100.0, plain[0][4]: -3.0, 40: 2.0, 41: 5.0}
+    model = hf_model(str(qwen3_path))
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+            pad_token_id=0, sequence_bias=[[[tid], value] for tid, value in bias.items()],
+        )[0, len(prompts[0]):].tolist()
+    assert ref != plain[0]
+    with Engine(str(qwen3_path)) as engine:
+        biased = {**GREEDY, "max_new_tokens": 12, "logit_bias": {str(t): v for t, v in bias.items()}}
+        out = output_ids(engine.generate(input_ids=prompts, sampling_params=[biased, {**GREEDY, "max_new_tokens": 12}]))
+        with pytest.raises(ValueError, match="logit_bias for token 3 must be a number in"):
+            engine.generate(input_ids=prompts[0], sampling_params={"logit_bias": {3: -101}})
+    assert out == [ref, plain[1]]
+
+
 def test_streaming_chunks_add_up_to_the_full_text(llama_path: Path) -> None:
     params = {**GREEDY, "max_new_tokens": 20}
     with Engine(str(llama_path)) as engine:

@@ -127,6 +127,20 @@ def test_openai_chat_says_paris_exactly_like_the_offline_engine(client: openai.O
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_logit_bias_steers_the_answer_as_in_the_offline_engine(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
+    """Banning the greedy answer's first two tokens (-100) gives another answer, the Engine's with the
+    same bias, through tokenizer, worker and detokenizer."""
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = engine.apply_chat_template(messages)
+    free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 8})
+    bias = {str(t): -100 for t in free["output_ids"][:2]}
+    expected = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 8, "logit_bias": bias})
+    reply = client.chat.completions.create(model=stack.model, messages=messages, temperature=0, max_tokens=8,
+                                           logit_bias=bias)
+    assert expected["output_ids"][0] not in free["output_ids"][:2]
+    assert reply.choices[0].message.content == expected["text"] != free["text"]
+
+
 def test_openai_completions_n2_logprobs_stop_and_usage(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
     prompt = "The three primary colors are"
     free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})

@@ -60,6 +60,17 @@ def test_generate_streams_deltas_then_a_final_with_usage(stub: Any, pipeline: Fa
     assert sent.sampling.top_p is None  # unset optional fields stay unset
 
 
+def test_generate_passes_logit_bias(stub: Any, pipeline: FakePipeline) -> None:
+    sampling = radixserve_pb2.SamplingParams(logit_bias={9: -100.0, 4: 1.5})
+    list(stub.Generate(request(text="biased", sampling_params=sampling, rid="g-bias"), timeout=10))
+    assert next(r for r in pipeline.requests if r.rid == "g-bias").sampling.logit_bias == {9: -100.0, 4: 1.5}
+    bad = radixserve_pb2.SamplingParams(logit_bias={9: 500.0})
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(request(text="biased", sampling_params=bad), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logit_bias for token 9 must be a number in [-100, 100]" in caught.value.details()
+
+
 def test_generate_from_token_ids_and_chat_with_logprobs(stub: Any) -> None:
     ids = list(stub.Generate(request(input_ids=radixserve_pb2.TokenIds(ids=[7, 8])), timeout=10))
     assert "".join(r.text for r in ids) == "t7 t8 "

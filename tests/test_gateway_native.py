@@ -53,6 +53,14 @@ def test_generate_answers_in_sglang_shape(http: httpx.Client, pipeline: FakePipe
     assert response.headers["x-radixserve-worker"] == sent.worker_id
 
 
+def test_generate_passes_logit_bias_as_token_ids(http: httpx.Client, pipeline: FakePipeline) -> None:
+    body = {"text": "one", "sampling_params": {"logit_bias": {"11": -100, "12": 0.5}}, "rid": "native-bias"}
+    assert http.post("/generate", json=body).status_code == 200
+    assert next(r for r in pipeline.requests if r.rid == "native-bias").sampling.logit_bias == {11: -100.0, 12: 0.5}
+    bad = http.post("/generate", json={"text": "one", "sampling_params": {"logit_bias": {"x1": 1}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
 def test_generate_from_input_ids_with_logprobs(http: httpx.Client) -> None:
     body = {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 2}
     meta = http.post("/generate", json=body).json()["meta_info"]

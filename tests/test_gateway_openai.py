@@ -67,6 +67,26 @@ def test_chat_completion_returns_the_pipeline_text_and_usage(client: openai.Open
     assert (sent.sampling.top_k, sent.sampling.min_p) == (5, 0.1)
 
 
+def test_logit_bias_reaches_the_worker_keyed_by_token_id(client: openai.OpenAI, pipeline: FakePipeline) -> None:
+    """OpenAI's JSON keys are strings; the worker gets token ids. Bad keys or values are 400s naming
+    logit_bias (what the worker does with it: tests/test_sampler.py, tests/test_engine.py)."""
+    reply = client.chat.completions.create(
+        model=FAKE_MODEL, messages=[{"role": "user", "content": "bias me"}], logit_bias={"42": -100, "7": 2.5}
+    )
+    sent = next(r for r in pipeline.requests if r.rid == reply.id.removeprefix("chatcmpl-"))
+    assert sent.sampling.logit_bias == {42: -100.0, 7: 2.5}
+    reply = client.completions.create(model=FAKE_MODEL, prompt="x", logit_bias={"3": 1})
+    assert next(r for r in pipeline.requests if r.rid == reply.id.removeprefix("cmpl-")).sampling.logit_bias == {3: 1.0}
+    for bias, message in (({"the": 1}, "logit_bias keys must be token ids, got 'the'"),
+                          ({"5": 101}, "logit_bias for token 5 must be a number in [-100, 100], got 101"),
+                          ({"-5": 1}, "logit_bias keys must be token ids, got '-5'")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=FAKE_MODEL, prompt="x", logit_bias=bias)
+        assert caught.value.status_code == 400
+        assert caught.value.body["param"] == "logit_bias"
+        assert message in caught.value.body["message"]
+
+
 def test_chat_without_max_tokens_may_fill_the_context(client: openai.OpenAI, pipeline: FakePipeline) -> None:
     reply = client.chat.completions.create(model=FAKE_MODEL, messages=[{"role": "user", "content": "x y"}])
     sent = next(r for r in pipeline.requests if r.rid == reply.id.removeprefix("chatcmpl-"))

@@ -208,6 +208,45 @@ def test_greedy_rows_take_argmax_of_penalised_logits() -> None:
     assert torch.equal(Sampler()(logits, all_greedy, torch.arange(bs)).next_token_ids, logits.argmax(-1))
 
 
+def test_logit_bias_adds_to_the_penalised_logits_of_its_row_only() -> None:
+    """Against the naive reference: penalties first, then each biased token's logit + its bias; the
+    distribution, the greedy argmax and the log-probs all see it; a banned token stays banned."""
+    rng = random.Random(9)
+    torch.manual_seed(9)
+    bs, vocab, eos = 4, 32, 3
+    logits = torch.randn(bs, vocab)
+    outputs = [random_ids(rng, vocab, 6) for _ in range(bs)]
+    top = logits.argmax(-1).tolist()
+    biases = [{top[0]: -100.0, 5: 2.5}, None, {eos: 100.0, 11: 100.0}, {top[3]: -100.0}]
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.5, logit_bias=biases[0]),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, min_new_tokens=10, logit_bias=biases[2]),
+        SamplingParams(temperature=0.7, logit_bias=biases[3]),
+    ]
+    info = SamplingBatchInfo.from_params(
+        params, [1, 2, 3, 4], vocab_size=vocab, device="cpu", output_ids=outputs, eos_token_ids=[eos]
+    )
+    expected = torch.stack([naive_penalties(logits[i], [], outputs[i], 1.0, 0.5 if i == 0 else 0.0, 0.0)
+                            for i in range(bs)])
+    expected[2, eos] = float("-inf")  # min_new_tokens bans EOS: its +100 does not lift it
+    for i, bias in enumerate(biases):
+        for tid, value in (bias or {}).items():
+            expected[i, tid] += value
+    assert torch.allclose(penalized_logits(logits, info), expected)
+    out = Sampler()(logits, info, torch.arange(bs), return_logprob=True)
+    assert out.next_token_ids[:3].tolist() == [expected[0].argmax().item(), top[1], 11]
+    assert out.next_token_ids[3].item() != top[3]
+    scaled = expected[3] / 0.7
+    assert torch.allclose(out.logprobs[3], torch.log_softmax(scaled, -1)[out.next_token_ids[3]])
+    # No bias, no tensors; a bias alone builds no PenaltyState, so the model runner may reuse the
+    # batch's sampling tensors from one decode step to the next (ModelRunner._sampling_info).
+    assert build(2, vocab).bias is None
+    only_bias = SamplingBatchInfo.from_params([SamplingParams(logit_bias={1: 1.0})], [0], vocab_size=vocab,
+                                              device="cpu")
+    assert only_bias.penalties is None and only_bias.bias is not None
+
+
 def test_min_new_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     vocab, eos, stop_id = 10, 2, 7
     logits = torch.zeros(3, vocab)

@@ -46,6 +46,13 @@ def test_defaults_are_valid_and_match_sglang() -> None:
         ("seed", 1.5),
         ("seed", "42"),
         ("seed", True),
+        ("logit_bias", {VOCAB: 1.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"3": 1.0}),
+        ("logit_bias", {3: 100.5}),
+        ("logit_bias", {3: float("nan")}),
+        ("logit_bias", {3: "high"}),
+        ("logit_bias", [3, 1.0]),
     ],
 )
 def test_bad_value_is_a_value_error_naming_the_field(field: str, value: object) -> None:
@@ -66,6 +73,14 @@ def test_boundary_values_are_accepted() -> None:
         SamplingParams(stop="x", stop_token_ids=[0, VOCAB - 1], seed=-7, min_new_tokens=128),
     ):
         params.verify(VOCAB)
+
+
+def test_logit_bias_keys_may_be_json_strings_of_token_ids() -> None:
+    params = SamplingParams.from_dict({"logit_bias": {"5": -100, 7: 100, " 9": 0.5}})
+    assert params.logit_bias == {5: -100, 7: 100, 9: 0.5}
+    params.verify(VOCAB)
+    with pytest.raises(ValueError, match="logit_bias key 'five' is not a token id"):
+        SamplingParams.from_dict({"logit_bias": {"five": 1}}).verify(VOCAB)
 
 
 def test_from_dict_rejects_an_unknown_key_by_name() -> None:

@@ -48,7 +48,8 @@ def sampling_from_proto(p: Any) -> Sampling:
             "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
         )
     }
-    return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None)
+    return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
+                    logit_bias=dict(p.logit_bias) or None)
 
 
 def spec_from_proto(request: Any) -> GenerateSpec:

@@ -21,7 +21,7 @@ from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_protocol import MAX_N, StrictModel
+from services.gateway.openai_protocol import MAX_N, StrictModel, logit_bias_ids
 from services.gateway.streams import RequestStream
 from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut
 
@@ -54,13 +54,14 @@ class NativeSampling(StrictModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
     def sampling(self, choice: int) -> Sampling:
-        values = self.model_dump(exclude={"n", "stop", "seed"})
+        values = self.model_dump(exclude={"n", "stop", "seed", "logit_bias"})
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         seed = None if self.seed is None else self.seed + choice
-        return Sampling(**values, stop=stop, seed=seed)
+        return Sampling(**values, stop=stop, seed=seed, logit_bias=logit_bias_ids(self.logit_bias))
 
 
 class GenerateBody(StrictModel):

@@ -24,6 +24,19 @@ MAX_TOP_LOGPROBS = 20
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are strings: {"1234": -100}) keyed by token id; 400 naming
+    logit_bias for a key that is not one. Ranges are checked with the rest of the sampling values."""
+    if not bias:
+        return None
+    ids: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        ids[int(key)] = value
+    return ids
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -48,6 +61,8 @@ class SamplingFields(StrictModel):
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id -> bias in [-100, 100] added to its logit before sampling")
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
@@ -75,6 +90,7 @@ class SamplingFields(StrictModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             seed=None if self.seed is None else self.seed + choice,
+            logit_bias=logit_bias_ids(self.logit_bias),
         )
 
     def choice_rid(self, prompt_index: int, choice: int, prompts: int) -> str | None:

@@ -1,7 +1,7 @@
 """The batched sampler: next-token logits [bs, V] -> token ids, on the logits' device, no host sync.
 
 Pipeline per row (each row has its own parameters):
-  penalties (penalties.py) -> greedy rows: argmax here, done
+  penalties (penalties.py) -> logit_bias -> greedy rows: argmax here, done
   -> / temperature -> top-k -> top-p -> min-p (HF's order and semantics; one ascending sort serves all
   three) -> Gumbel-max with noise hashed from (seed, position, token id).
 
@@ -20,7 +20,7 @@ min-p truncation (greedy rows use temperature 1), so a truncated-away token stil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +93,9 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    # OpenAI's logit_bias: (rows, token ids, biases) added to the penalised logits; None when unused.
+    # Kept out of PenaltyState: it never changes during a request, so a decode step may reuse it.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -116,12 +119,14 @@ class SamplingBatchInfo:
         output_ids: Sequence[TokenIds] | None = None,
         pending_output_ids: torch.Tensor | None = None,
         banned_ids: Sequence[Sequence[int]] | None = None,
+        logit_biases: Sequence[Mapping[int, float] | None] | None = None,
     ) -> SamplingBatchInfo:
         """Per-request lists (all of length bs, in batch row order) -> device tensors.
 
         Values are taken as verified (SamplingParams.verify); top_k -1 means off. prompt_ids and
         output_ids are only read for rows with a penalty; banned_ids[i] are tokens row i may not
-        sample this step. See PenaltyState.build for pending_output_ids (overlap scheduling).
+        sample this step; logit_biases[i] maps token ids to what row i adds to their logits. See
+        PenaltyState.build for pending_output_ids (overlap scheduling).
         """
         device = torch.device(device)
         bs = len(seeds)
@@ -165,6 +170,7 @@ class SamplingBatchInfo:
             need_top_k=any(s and k < vocab_size for s, k in zip(sampled, ks)),
             need_top_p=any(s and p < 1.0 for s, p in zip(sampled, top_ps)),
             need_min_p=any(s and m > 0.0 for s, m in zip(sampled, min_ps)),
+            bias=_bias_tensors(logit_biases, bs, vocab_size, device),
         )
 
     @classmethod
@@ -212,7 +218,25 @@ class SamplingBatchInfo:
             output_ids=output_ids,
             pending_output_ids=pending_output_ids,
             banned_ids=banned,
+            logit_biases=[p.logit_bias for p in params],
         )
+
+
+def _bias_tensors(
+    biases: Sequence[Mapping[int, float] | None] | None, bs: int, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids, biases) on `device` for the rows with a logit_bias, or None."""
+    if biases is None or not any(biases):
+        return None
+    if len(biases) != bs:
+        raise ValueError(f"logit_biases has {len(biases)} entries for a batch of {bs}")
+    rows = [i for i, row in enumerate(biases) for _ in (row or ())]
+    ids = [int(t) for row in biases for t in (row or ())]
+    values = [float(v) for row in biases for v in (row or {}).values()]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"logit_biases holds a token id outside [0, {vocab_size})")
+    pair = to_device_async(torch.tensor([rows, ids], dtype=torch.int64), device)
+    return pair[0], pair[1], to_device_async(torch.tensor(values, dtype=torch.float32), device)
 
 
 @dataclass
@@ -226,9 +250,15 @@ class SampleOutput:
 
 
 def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """float32 logits after penalties and bans (greedy rows take the argmax of exactly this)."""
+    """float32 logits after penalties, bans and logit_bias (greedy rows take the argmax of exactly
+    this). A banned token stays at -inf whatever its bias."""
     logits = logits.float()
-    return info.penalties.apply(logits) if info.penalties is not None else logits
+    if info.penalties is not None:
+        logits = info.penalties.apply(logits)
+    if info.bias is not None:
+        rows, ids, values = info.bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)  # a copy: the input is kept
+    return logits
 
 
 def _truncate_sorted(scaled: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:

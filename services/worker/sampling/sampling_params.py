@@ -43,6 +43,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     n: int = 1
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to that token's logit before
+    # sampling (after the penalties; a banned token stays banned). -100 all but bans a token.
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -58,6 +61,9 @@ class SamplingParams:
             if key not in known:
                 raise ValueError(f"unknown sampling parameter {key!r}; expected one of {sorted(known)}")
         values = {k: v for k, v in d.items() if v is not None}
+        if isinstance(values.get("logit_bias"), dict):
+            # JSON object keys are strings ("1234": -100, as OpenAI sends them): the ids they spell.
+            values["logit_bias"] = {_token_key(k): v for k, v in values["logit_bias"].items()}
         for key in GENERATION_DEFAULT_KEYS:
             default = (defaults or {}).get(key)
             if key not in values and default is not None:
@@ -118,6 +124,14 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for tid, bias in self.logit_bias.items():
+                if not isinstance(tid, int) or isinstance(tid, bool) or not 0 <= tid < vocab_size:
+                    raise ValueError(f"logit_bias key {tid!r} is not a token id in [0, {vocab_size})")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias for token {tid} must be a number in [-100, 100], got {bias!r}")
 
     def normalize(self) -> SamplingParams:
         """Canonical form, in place (call after verify): stop as a list, greedy as temperature 1 with
@@ -128,6 +142,13 @@ class SamplingParams:
             self.temperature = 1.0
             self.top_k = 1
         return self
+
+
+def _token_key(key: object) -> object:
+    """A logit_bias key as a token id: "42" -> 42; anything else is left for verify to refuse."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    return key
 
 
 def _require_number(name: str, value: object) -> None:

@@ -12,7 +12,7 @@
                  takes a request's committed tokens) only ever receives accepted ones
 
 The scheduler appends each request's tokens with a finish check after each (a token after EOS or a
-stop is dropped). Requests with log-probs, penalties or an unmet min_new_tokens do not speculate: they
+stop is dropped). Requests with log-probs, penalties, a logit_bias or an unmet min_new_tokens do not speculate: they
 get no proposals and their row is sampled by the ordinary sampler, exactly as a plain decode.
 """
 
@@ -51,13 +51,15 @@ class SpecStep:
 def can_speculate(req: Req) -> bool:
     """Speculation needs every proposal's distribution to be known before the earlier ones are
     accepted: penalties and min_new_tokens bans change with each token, and log-probs are reported
-    by the plain path; such requests decode one token per step."""
+    by the plain path; such requests decode one token per step. So do requests with a logit_bias:
+    the greedy paths compare raw argmaxes."""
     params = req.sampling_params
     return (
         not req.return_logprob
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and params.repetition_penalty == 1.0
+        and not params.logit_bias
         and len(req.output_ids) >= params.min_new_tokens
     )
 
