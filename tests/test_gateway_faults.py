@@ -97,6 +97,42 @@ def test_out_of_range_values_are_400_naming_the_field(http: httpx.Client, body: 
     assert (status, param) == (400, field)
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "message"),
+    [
+        ("/v1/chat/completions", chat("hi", tools=[TOOL]), "tools", "tools are not supported"),
+        ("/v1/chat/completions", chat("hi", functions=[TOOL["function"]]), "functions", "functions are not supported"),
+        ("/v1/chat/completions", chat("hi", function_call="auto"), "function_call", "function_call is not supported"),
+        ("/v1/chat/completions", chat("hi", modalities=["text", "audio"]), "modalities", "only text output"),
+        ("/v1/chat/completions", chat("hi", audio={"voice": "x", "format": "wav"}), "audio", "only text output"),
+        ("/v1/chat/completions", chat("hi", response_format={"type": "json_object"}), "response_format",
+         "only response_format {'type': 'text'} is supported"),
+        ("/v1/completions", {"model": FAKE_MODEL, "prompt": "a", "suffix": "z"}, "suffix", "suffix is not supported"),
+        ("/v1/completions", {"model": FAKE_MODEL, "prompt": "a", "best_of": 3}, "best_of",
+         "best_of is not supported (ask for n choices instead), got best_of 3 with n 1"),
+    ],
+)
+def test_what_the_gateway_cannot_honour_is_400_naming_it(
+    http: httpx.Client, path: str, body: dict[str, object], field: str, message: str
+) -> None:
+    """Parameters that would change the answer but have no implementation here are refused, not
+    ignored; their harmless forms pass (below)."""
+    status, param, text = error_of(http.post(path, json=body))
+    assert (status, param) == (400, field)
+    assert message in text
+
+
+def test_the_harmless_forms_of_unsupported_parameters_pass(http: httpx.Client) -> None:
+    for body in (chat("a b", function_call="none", modalities=["text"], response_format={"type": "text"}, tools=[]),):
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+    for best_of in (1, 2):
+        body = {"model": FAKE_MODEL, "prompt": "a", "n": 2, "best_of": best_of, "max_tokens": 2}
+        assert len(http.post("/v1/completions", json=body).json()["choices"]) == 2
+
+
 def test_unknown_model_is_404(http: httpx.Client) -> None:
     status, param, message = error_of(http.post("/v1/chat/completions", json=chat("hi") | {"model": "gpt-9"}))
     assert (status, param) == (404, "model")

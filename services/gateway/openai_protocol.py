@@ -136,6 +136,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, object]] | None = None
+    functions: list[dict[str, object]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, object] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, object] | None = None
     response_format: dict[str, object] | None = None
     add_generation_prompt: bool = True
 
@@ -144,6 +148,13 @@ class ChatCompletionRequest(SamplingFields):
         (`default_max_tokens`, which the worker clips to what the prompt leaves)."""
         if self.tools:
             raise bad_request("tools are not supported", "tools")
+        if self.functions:
+            raise bad_request("functions are not supported", "functions")
+        if self.function_call not in (None, "none"):
+            raise bad_request("function_call is not supported (no functions)", "function_call")
+        if self.audio is not None or (self.modalities and self.modalities != ["text"]):
+            raise bad_request("only text output is supported (modalities ['text'], no audio)",
+                              "audio" if self.audio is not None else "modalities")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
@@ -174,6 +185,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -191,6 +203,9 @@ class CompletionRequest(SamplingFields):
     def specs(self) -> list[GenerateSpec]:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise bad_request(f"best_of is not supported (ask for n choices instead), got best_of {self.best_of} "
+                              f"with n {self.n}", "best_of")
         prompts = self.prompts()
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
