@@ -26,7 +26,7 @@ class BusyPoll:
         self.window_s = window_s
         self.deadline = 0.0
         self._task: asyncio.Task[None] | None = None
-        self.polls = 0  # loop turns spent polling, for tests and metrics
+        self.polls = 0  # loop turns spent polling (tests read it)
 
     @property
     def enabled(self) -> bool:
