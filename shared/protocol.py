@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any
 
 import msgspec
 
@@ -112,6 +113,9 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     messages: list[ChatMessage] | None = None
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    # Extra variables for the chat template (vLLM's and SGLang's chat_template_kwargs), e.g. Qwen3's
+    # {"enable_thinking": false}; messages only.
+    chat_template_kwargs: dict[str, Any] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
     priority: int = 0
@@ -264,6 +268,7 @@ class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=Tru
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stream: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra chat template variables
 
 
 class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):

@@ -13,7 +13,14 @@ import nats
 import pytest
 
 from shared.natsd import NatsServer, start_nats_server
-from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, Sampling
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    ChatMessage,
+    NatsAbort,
+    NatsGenerateChunk,
+    NatsGenerateRequest,
+    Sampling,
+)
 from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, wait_for_workers
 
 CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
@@ -70,6 +77,18 @@ def test_streamed_replies_end_with_an_explicit_final(nats_server: NatsServer, ga
     final = chunks[-1]
     assert final.finish is not None and final.finish.type == "stop"
     assert (final.rid, final.prompt_tokens, final.completion_tokens, final.error) == ("n-1", 3, 3, None)
+
+
+def test_chat_template_kwargs_reach_the_tokenizer(
+    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    messages = [ChatMessage("user", "think less")]
+    payload = request(messages=messages, rid="n-kw", chat_template_kwargs={"enable_thinking": False})
+    chunks = run_in_new_loop(generate(nats_server.url, payload))
+    assert chunks[-1].error is None
+    assert next(r for r in pipeline.requests if r.rid == "n-kw").chat_template_kwargs == {"enable_thinking": False}
+    bad = run_in_new_loop(generate(nats_server.url, request(text="x", chat_template_kwargs={"enable_thinking": False})))
+    assert bad[-1].error == "400: chat_template_kwargs apply to chat messages only"
 
 
 def test_unstreamed_request_gets_one_final_with_the_whole_text(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:

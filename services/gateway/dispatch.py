@@ -38,7 +38,12 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
-from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request, is_quick
+from services.tokenizer.prompt_tokenizer import (
+    PromptTokenizer,
+    check_chat_template_kwargs,
+    generate_request,
+    is_quick,
+)
 from services.worker.sampling.sampling_params import SamplingParams
 from shared import trace
 from shared.bus import Bus, PayloadTooLarge
@@ -76,6 +81,7 @@ class GenerateSpec:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (messages only)
     # False when the client reads the whole answer only: the worker then sends the first token and the
     # final, not every step (services/worker/output_batcher.py).
     stream: bool = True
@@ -93,6 +99,11 @@ class GenerateSpec:
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs_num < 0:
             raise bad_request(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
+        if self.chat_template_kwargs:
+            try:
+                check_chat_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
+            except ValueError as exc:
+                raise bad_request(str(exc), "chat_template_kwargs") from None
         try:
             SamplingParams.from_dict(self.sampling.to_dict()).verify(_ANY_VOCAB)
         except (ValueError, TypeError) as exc:
@@ -233,6 +244,7 @@ class Dispatcher:
             messages=spec.messages,
             input_ids=spec.input_ids,
             add_generation_prompt=spec.add_generation_prompt,
+            chat_template_kwargs=spec.chat_template_kwargs or None,
             return_logprob=spec.return_logprob or spec.top_logprobs_num > 0,
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,

@@ -147,6 +147,7 @@ def _spec(request: NatsGenerateRequest) -> GenerateSpec:
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num,
         stream=request.stream,
+        chat_template_kwargs=request.chat_template_kwargs,
     )
 
 

@@ -142,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, object] | None = None
     response_format: dict[str, object] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, object] | None = Field(
+        None, description="extra chat template variables, e.g. {\"enable_thinking\": false} for Qwen3")
 
     def specs(self, default_max_tokens: int | None) -> list[GenerateSpec]:
         """One GenerateSpec per choice. Without max_tokens the answer may fill the context
@@ -171,6 +173,7 @@ class ChatCompletionRequest(SamplingFields):
                 return_logprob=self.logprobs,
                 top_logprobs_num=self.top_logprobs or 0,
                 add_generation_prompt=self.add_generation_prompt,
+                chat_template_kwargs=self.chat_template_kwargs,
             )
             for i in range(self.n)
         ]

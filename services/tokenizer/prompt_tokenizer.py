@@ -23,6 +23,23 @@ from shared.protocol import PROTOCOL_VERSION, GenerateRequest, TokenizeRequest
 INLINE_TOKENIZE_CHARS = 4096
 
 
+# Arguments apply_chat_template takes itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any], has_messages: bool) -> None:
+    """ValueError (its message starts with the field's name) unless `kwargs` can go to a chat template."""
+    if not has_messages:
+        raise ValueError("chat_template_kwargs apply to chat messages only")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+
+
 def prompt_chars(req: TokenizeRequest) -> int:
     """The characters there are to tokenize: the text's, or all chat messages' roles and contents (0 for ids)."""
     if req.text is not None:
@@ -70,6 +87,8 @@ class PromptTokenizer:
         given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+        if req.chat_template_kwargs and req.messages is None:
+            check_chat_template_kwargs(req.chat_template_kwargs, has_messages=False)
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.text is not None:
@@ -81,11 +100,19 @@ class PromptTokenizer:
             raise ValueError("`messages` is empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send `text` or `input_ids` instead of `messages`")
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in req.messages],
-            tokenize=False,
-            add_generation_prompt=req.add_generation_prompt,
-        )
+        extra = req.chat_template_kwargs or {}
+        check_chat_template_kwargs(extra, has_messages=True)
+        from jinja2 import TemplateError
+
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages],
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                **extra,
+            )
+        except TemplateError as exc:  # the template's own raise_exception(), or what the variables broke
+            raise ValueError(f"messages could not be formatted by the chat template: {exc}") from None
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
 
     def to_generate(self, req: TokenizeRequest) -> GenerateRequest:

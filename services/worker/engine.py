@@ -200,8 +200,10 @@ class Engine:
     def get_server_info(self) -> dict[str, Any]:
         return self._client.control("get_info")
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The checkpoint's chat template, with the assistant turn opened."""
+    def apply_chat_template(self, messages: list[dict[str, str]], **template_kwargs: Any) -> str:
+        """The checkpoint's chat template, with the assistant turn opened; `template_kwargs` are the
+        template's own variables (Qwen3's `enable_thinking=False`)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this checkpoint has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs)
