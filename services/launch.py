@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.gateway.reasoning import PARSERS
 from services.worker.config import EngineConfig
 from shared import flags
 from shared.model_path import resolve_model_path
@@ -87,6 +88,8 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
                     help="use this NATS when it answers, else start one (env RS_NATS_URL)")
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
+    up.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
+                    help="the gateways split chat answers into reasoning_content and content (Qwen3: qwen3)")
     up.add_argument("--busy-poll-ms", type=float, default=None,
                     help="every service keeps its event loop polling for this many ms after each message or "
                          "request instead of sleeping (a core each while they poll; needs the scheduler in "
@@ -206,6 +209,8 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_args += ["--local-tokenizer-max-chars", str(SHORT_PROMPT_CHARS)]
         if args.gateways > 1:
             gateway_args += ["--reuse-port"]
+        if args.reasoning_parser:
+            gateway_args += ["--reasoning-parser", args.reasoning_parser]
         gateways = [
             _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env, run_dir)
             for i in range(args.gateways)

@@ -7,6 +7,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from services.gateway.reasoning import PARSERS
 from shared.service import ServiceConfig
 
 # A gateway id becomes a NATS subject token ({prefix}.gateway.{id}.stream): no dots, spaces, wildcards.
@@ -75,6 +76,11 @@ class GatewayConfig(ServiceConfig):
     balance_rel_threshold: float = _help(
         "cache_aware: queues are imbalanced when longest > shortest * this (and the absolute threshold)", 1.5
     )
+    reasoning_parser: str | None = _help(
+        "split chat answers into reasoning_content and content: qwen3, qwen3-thinking or deepseek-r1 (none: off; "
+        "a request's separate_reasoning: false keeps its answer whole)",
+        None,
+    )
     wait_for_worker: float = _help("seconds a request waits for a first live worker before a 503", 2.0)
     first_output_timeout: float = _help("seconds: a request with no output at all by then ends with a 504", 300.0)
     control_timeout: float = _help("seconds to wait for a worker's reply to abort, flush_cache or get_info", 5.0)
@@ -92,6 +98,9 @@ class GatewayConfig(ServiceConfig):
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.local_tokenizer_max_chars is not None and self.local_tokenizer_max_chars < 0:
             raise ValueError(f"local_tokenizer_max_chars must be >= 0, got {self.local_tokenizer_max_chars}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(PARSERS))} or none, "
+                             f"got {self.reasoning_parser!r}")
         if self.reuse_port and self.port == 0:
             raise ValueError("reuse_port needs a fixed port: with port 0 each gateway would get its own")
         for name in ("worker_ttl", "worker_dead_after", "first_output_timeout", "control_timeout"):

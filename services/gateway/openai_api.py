@@ -18,6 +18,7 @@ from services.gateway.dispatch import Completion, Dispatcher, token_texts, top_l
 from services.gateway.errors import NOT_FOUND, GatewayError
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.reasoning import ReasoningSplitter, split
 from services.gateway.router import model_matches
 from services.gateway.streams import RequestStream
 from shared.protocol import Finish, StreamOut, TopLogprob
@@ -158,13 +159,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     model = body.model or dispatcher.served_model(streams[0])
     header = {"id": f"chatcmpl-{rid}", "created": created, "model": model}
     if body.stream:
-        return await start_stream(request, dispatcher, streams, lambda outs: _chat_chunks(body, header, outs))
+        parser = _reasoning_parser(dispatcher, body)
+        return await start_stream(request, dispatcher, streams, lambda outs: _chat_chunks(body, header, outs, parser))
     completions = await _collect(request, streams)
+    parser = _reasoning_parser(dispatcher, body)
     choices = []
     for i, c in enumerate(completions):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if parser is not None:
+            message["reasoning_content"], message["content"] = split(c.text, parser)
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": None,
             "finish_reason": finish_reason(c.finish),
             "matched_stop": _matched(c.finish),
@@ -178,8 +184,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     )
 
 
+def _reasoning_parser(dispatcher: Dispatcher, body: ChatCompletionRequest) -> str | None:
+    return dispatcher.config.reasoning_parser if body.separate_reasoning else None
+
+
 async def _chat_chunks(
-    body: ChatCompletionRequest, header: dict[str, Any], outs: AsyncIterator[tuple[int, StreamOut]]
+    body: ChatCompletionRequest, header: dict[str, Any], outs: AsyncIterator[tuple[int, StreamOut]],
+    parser: str | None = None,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
@@ -188,17 +199,35 @@ async def _chat_chunks(
         return sse({**header, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
     totals = [Completion(rid="") for _ in range(body.n)]
+    splitters = [ReasoningSplitter.for_parser(parser) for _ in range(body.n)] if parser is not None else None
     for i in range(body.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for i, out in outs:
         totals[i].add(out)
         logprobs = chat_logprobs(*_stream_logprobs(out)) if body.logprobs and out.token_ids else None
-        if out.text or logprobs:
-            yield chunk(i, {"content": out.text}, logprobs=logprobs)
+        delta = {"content": out.text} if out.text else {}
+        if splitters is not None:
+            delta = _reasoning_delta(splitters[i], out.text, out.finish is not None)
+        if delta or logprobs:
+            yield chunk(i, delta, logprobs=logprobs)
         if out.finish is not None:
             yield chunk(i, {}, finish_reason=finish_reason(out.finish), matched_stop=_matched(out.finish))
     if body.include_usage:
         yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage(totals, body.n)})
+
+
+def _reasoning_delta(splitter: ReasoningSplitter, text: str, last: bool) -> dict[str, str]:
+    """A streamed delta's parts (empty ones left out; text held while it may be a split tag)."""
+    reasoning, content = splitter.feed(text)
+    if last:
+        more_reasoning, more_content = splitter.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------

@@ -142,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, object] | None = None
     response_format: dict[str, object] | None = None
     add_generation_prompt: bool = True
+    separate_reasoning: bool = Field(
+        True, description="with the gateway's --reasoning-parser: reasoning in reasoning_content (false: all in content)")
     chat_template_kwargs: dict[str, object] | None = Field(
         None, description="extra chat template variables, e.g. {\"enable_thinking\": false} for Qwen3")
 
