@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "services" / "gateway" / "playgro
 def gateway() -> Iterator[GatewayThread]:
     with start_nats_server() as nats:
         fake = FakePipeline(nats.url, workers=("w1",), prefix="play")
-        gw = GatewayThread(nats.url, subject_prefix="play", api_key="secret")
+        gw = GatewayThread(nats.url, subject_prefix="play", api_key="secret", reasoning_parser="qwen3")
         try:
             wait_for_workers(gw.url, 1)
             yield gw
@@ -66,6 +66,19 @@ console.log(JSON.stringify({{models, reply, deltas}}));
     assert out["deltas"] == ["alpha ", "beta ", "gamma "]  # one SSE event per step
     assert out["reply"]["finishReason"] == expected["choices"][0]["finish_reason"]
     assert out["reply"]["usage"]["completion_tokens"] == expected["usage"]["completion_tokens"]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the playground's script")
+def test_the_script_keeps_reasoning_apart_from_the_answer(gateway: GatewayThread) -> None:
+    """The gateway runs --reasoning-parser qwen3; the fake pipeline echoes the think tags back."""
+    request = {"model": FAKE_MODEL, "messages": [{"role": "user", "content": "<think> hmm yes </think> done"}]}
+    out = run_node(gateway, f"""
+const deltas = [];
+const reply = await pg.streamChat(base, "secret", {json.dumps(request)}, (d, kind) => deltas.push([kind, d]));
+console.log(JSON.stringify({{reply, deltas}}));
+""")
+    assert (out["reply"]["reasoning"], out["reply"]["text"]) == ("hmm yes", "done ")
+    assert out["deltas"] == [["reasoning", "hmm"], ["reasoning", " yes"], ["content", "done "]]
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js to run the playground's script")

@@ -47,9 +47,10 @@ export async function listModels(baseUrl, apiKey) {
 }
 
 /**
- * Stream one chat completion; onDelta(text) gets each piece as it arrives. Resolves to
- * { text, finishReason, usage }; rejects with the server's error message (HTTP status or an error
- * event in the stream).
+ * Stream one chat completion; onDelta(text, kind) gets each piece as it arrives, kind "content" or,
+ * from a gateway started with --reasoning-parser, "reasoning". Resolves to
+ * { text, reasoning, finishReason, usage }; rejects with the server's error message (HTTP status or
+ * an error event in the stream).
  */
 export async function streamChat(baseUrl, apiKey, request, onDelta = () => {}) {
   const body = { ...request, stream: true, stream_options: { include_usage: true } };
@@ -58,18 +59,21 @@ export async function streamChat(baseUrl, apiKey, request, onDelta = () => {}) {
   });
   if (!response.ok) throw await failure(response);
   let text = "";
+  let reasoning = "";
   let finishReason = null;
   let usage = null;
   for await (const event of sseEvents(response.body)) {
     if (event.error) throw new Error(event.error.message);
     if (event.usage) usage = event.usage;
     for (const choice of event.choices || []) {
+      const thought = (choice.delta && choice.delta.reasoning_content) || "";
+      if (thought) { reasoning += thought; onDelta(thought, "reasoning"); }
       const delta = (choice.delta && choice.delta.content) || "";
-      if (delta) { text += delta; onDelta(delta); }
+      if (delta) { text += delta; onDelta(delta, "content"); }
       if (choice.finish_reason) finishReason = choice.finish_reason;
     }
   }
-  return { text, finishReason, usage };
+  return { text, reasoning, finishReason, usage };
 }
 
 // ---- the page ----------------------------------------------------------------------------------
@@ -107,6 +111,13 @@ function startPage() {
     history.push({ role: "user", content });
     show("user", content);
     const reply = show("assistant", "");
+    const thinking = document.createElement("details");
+    thinking.className = "thinking";
+    thinking.hidden = true;
+    thinking.append(Object.assign(document.createElement("summary"), { textContent: "reasoning" }),
+      document.createElement("div"));
+    const answer = document.createElement("span");
+    reply.append(thinking, answer);
     const system = $("system").value.trim();
     const request = {
       model: $("model").value,
@@ -117,7 +128,10 @@ function startPage() {
     $("send").disabled = true;
     const started = performance.now();
     try {
-      const out = await streamChat(base, key(), request, (d) => { reply.textContent += d; });
+      const out = await streamChat(base, key(), request, (d, kind) => {
+        if (kind === "reasoning") { thinking.hidden = false; thinking.lastChild.textContent += d; }
+        else answer.textContent += d;
+      });
       history.push({ role: "assistant", content: out.text });
       const secs = (performance.now() - started) / 1000;
       const u = out.usage || {};
@@ -125,7 +139,7 @@ function startPage() {
         (u.prompt_tokens_details ? `; ${u.prompt_tokens_details.cached_tokens} prompt tokens from the cache` : "");
     } catch (err) {
       reply.classList.add("error");
-      reply.textContent += `\n[${err.message}]`;
+      answer.textContent += `\n[${err.message}]`;
       history.pop();
     } finally {
       $("send").disabled = false;
