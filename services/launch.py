@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.gateway.reasoning import PARSERS
+from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
 from services.worker.config import EngineConfig
 from shared import flags
 from shared.model_path import resolve_model_path
@@ -90,6 +91,9 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
     up.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
                     help="the gateways split chat answers into reasoning_content and content (Qwen3: qwen3)")
+    up.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                    help="the gateways accept tools and return the model's <tool_call> blocks as tool_calls "
+                         "(Qwen3: qwen3)")
     up.add_argument("--busy-poll-ms", type=float, default=None,
                     help="every service keeps its event loop polling for this many ms after each message or "
                          "request instead of sleeping (a core each while they poll; needs the scheduler in "
@@ -211,6 +215,8 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_args += ["--reuse-port"]
         if args.reasoning_parser:
             gateway_args += ["--reasoning-parser", args.reasoning_parser]
+        if args.tool_call_parser:
+            gateway_args += ["--tool-call-parser", args.tool_call_parser]
         gateways = [
             _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env, run_dir)
             for i in range(args.gateways)

@@ -80,9 +80,22 @@ class Sampling(msgspec.Struct, omit_defaults=True):
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str
+    # An assistant turn's tool calls (OpenAI's shape: id, type, function {name, arguments}) and a tool
+    # turn's answer to one, for chat templates that render them.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class Finish(msgspec.Struct, omit_defaults=True):
@@ -116,6 +129,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     # Extra variables for the chat template (vLLM's and SGLang's chat_template_kwargs), e.g. Qwen3's
     # {"enable_thinking": false}; messages only.
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     return_logprob: bool = False
     top_logprobs_num: int = 0
     priority: int = 0

@@ -103,7 +103,9 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 @pytest.mark.parametrize(
     ("path", "body", "field", "message"),
     [
-        ("/v1/chat/completions", chat("hi", tools=[TOOL]), "tools", "tools are not supported"),
+        ("/v1/chat/completions", chat("hi", tools=[TOOL]), "tools", "tools need a gateway started with --tool-call-parser"),
+        ("/v1/chat/completions", chat("hi", tools=[TOOL], tool_choice="required"), "tool_choice",
+         'only tool_choice "auto" or "none" is supported'),
         ("/v1/chat/completions", chat("hi", functions=[TOOL["function"]]), "functions", "functions are not supported"),
         ("/v1/chat/completions", chat("hi", function_call="auto"), "function_call", "function_call is not supported"),
         ("/v1/chat/completions", chat("hi", modalities=["text", "audio"]), "modalities", "only text output"),
@@ -126,7 +128,8 @@ def test_what_the_gateway_cannot_honour_is_400_naming_it(
 
 
 def test_the_harmless_forms_of_unsupported_parameters_pass(http: httpx.Client) -> None:
-    for body in (chat("a b", function_call="none", modalities=["text"], response_format={"type": "text"}, tools=[]),):
+    for body in (chat("a b", function_call="none", modalities=["text"], response_format={"type": "text"}, tools=[]),
+                 chat("a b", tools=[TOOL], tool_choice="none")):
         assert http.post("/v1/chat/completions", json=body).status_code == 200
     for best_of in (1, 2):
         body = {"model": FAKE_MODEL, "prompt": "a", "n": 2, "best_of": best_of, "max_tokens": 2}

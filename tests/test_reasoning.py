@@ -108,6 +108,7 @@ def test_up_passes_the_parser_to_its_gateways(capsys: pytest.CaptureFixture[str]
     add_up_commands(parser.add_subparsers())
     assert parser.parse_args(["up", "--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
     assert parser.parse_args(["up"]).reasoning_parser is None
+    assert parser.parse_args(["up", "--tool-call-parser", "hermes"]).tool_call_parser == "hermes"
     with pytest.raises(SystemExit):
         parser.parse_args(["up", "--reasoning-parser", "o1"])
     assert "invalid choice: 'o1'" in capsys.readouterr().err

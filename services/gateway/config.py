@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.gateway.reasoning import PARSERS
+from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
 from shared.service import ServiceConfig
 
 # A gateway id becomes a NATS subject token ({prefix}.gateway.{id}.stream): no dots, spaces, wildcards.
@@ -81,6 +82,11 @@ class GatewayConfig(ServiceConfig):
         "a request's separate_reasoning: false keeps its answer whole)",
         None,
     )
+    tool_call_parser: str | None = _help(
+        "read tool calls back from chat answers (hermes, or qwen3: the same <tool_call> format); none: requests "
+        "with tools are refused",
+        None,
+    )
     wait_for_worker: float = _help("seconds a request waits for a first live worker before a 503", 2.0)
     first_output_timeout: float = _help("seconds: a request with no output at all by then ends with a 504", 300.0)
     control_timeout: float = _help("seconds to wait for a worker's reply to abort, flush_cache or get_info", 5.0)
@@ -101,6 +107,9 @@ class GatewayConfig(ServiceConfig):
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(PARSERS))} or none, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)} or none, "
+                             f"got {self.tool_call_parser!r}")
         if self.reuse_port and self.port == 0:
             raise ValueError("reuse_port needs a fixed port: with port 0 each gateway would get its own")
         for name in ("worker_ttl", "worker_dead_after", "first_output_timeout", "control_timeout"):

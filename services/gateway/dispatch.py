@@ -82,6 +82,7 @@ class GenerateSpec:
     top_logprobs_num: int = 0
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (messages only)
+    tools: list[dict[str, Any]] | None = None  # tool definitions for the chat template (messages only)
     # False when the client reads the whole answer only: the worker then sends the first token and the
     # final, not every step (services/worker/output_batcher.py).
     stream: bool = True
@@ -245,6 +246,7 @@ class Dispatcher:
             input_ids=spec.input_ids,
             add_generation_prompt=spec.add_generation_prompt,
             chat_template_kwargs=spec.chat_template_kwargs or None,
+            tools=spec.tools or None,
             return_logprob=spec.return_logprob or spec.top_logprobs_num > 0,
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,

@@ -18,9 +18,10 @@ from services.gateway.dispatch import Completion, Dispatcher, token_texts, top_l
 from services.gateway.errors import NOT_FOUND, GatewayError
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.reasoning import ReasoningSplitter, split
+from services.gateway.reasoning import ReasoningSplitter
 from services.gateway.router import model_matches
 from services.gateway.streams import RequestStream
+from services.gateway.tool_calls import ToolCallStreamer
 from shared.protocol import Finish, StreamOut, TopLogprob
 
 router = APIRouter(tags=["OpenAI-compatible"])
@@ -129,7 +130,7 @@ async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequ
         if not dispatcher.registry.live():
             # The default length is the worker's context: wait (as routing would) to learn it.
             await dispatcher.registry.wait_for_worker(dispatcher.config.wait_for_worker)
-        specs = body.specs(dispatcher.context_len(body.model))
+        specs = body.specs(dispatcher.context_len(body.model), dispatcher.config.tool_call_parser)
     else:
         specs = body.specs()
     for spec in specs:
@@ -158,21 +159,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     rid, created = streams[0].rid, int(time.time())
     model = body.model or dispatcher.served_model(streams[0])
     header = {"id": f"chatcmpl-{rid}", "created": created, "model": model}
+    reasoning = dispatcher.config.reasoning_parser if body.separate_reasoning else None
+    tools = body.uses_tools()
     if body.stream:
-        parser = _reasoning_parser(dispatcher, body)
-        return await start_stream(request, dispatcher, streams, lambda outs: _chat_chunks(body, header, outs, parser))
+        return await start_stream(
+            request, dispatcher, streams, lambda outs: _chat_chunks(body, header, outs, reasoning, tools)
+        )
     completions = await _collect(request, streams)
-    parser = _reasoning_parser(dispatcher, body)
     choices = []
     for i, c in enumerate(completions):
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if parser is not None:
-            message["reasoning_content"], message["content"] = split(c.text, parser)
+        answer = AnswerReader(reasoning, tools)
+        delta = answer.read(c.text, last=True)
+        message: dict[str, Any] = {"role": "assistant", "content": delta.get("content", "")}
+        if reasoning is not None:
+            message["reasoning_content"] = delta.get("reasoning_content", "")
+        if answer.calls:
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in delta["tool_calls"]]
+            message["content"] = message["content"] if message["content"].strip() else None
         choice: dict[str, Any] = {
             "index": i,
             "message": message,
             "logprobs": None,
-            "finish_reason": finish_reason(c.finish),
+            "finish_reason": answer.finish_reason(c.finish),
             "matched_stop": _matched(c.finish),
         }
         if body.logprobs:
@@ -184,13 +192,52 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     )
 
 
-def _reasoning_parser(dispatcher: Dispatcher, body: ChatCompletionRequest) -> str | None:
-    return dispatcher.config.reasoning_parser if body.separate_reasoning else None
+class AnswerReader:
+    """One choice's answer as the client sees it: with a reasoning parser, the reasoning apart; with
+    tools, the <tool_call> blocks as tool calls. Streamed text goes in delta by delta (text that may be
+    half a tag waits for the next delta); a whole answer goes in once, as the last."""
+
+    def __init__(self, reasoning_parser: str | None, tools: bool) -> None:
+        self.reasoning = ReasoningSplitter.for_parser(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallStreamer() if tools else None
+
+    @property
+    def calls(self) -> int:
+        return self.tools.calls if self.tools is not None else 0
+
+    def read(self, text: str, last: bool) -> dict[str, Any]:
+        """The delta for `text`: content, reasoning_content and tool_calls, the empty ones left out."""
+        reasoning, content = "", text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(text)
+            if last:
+                more_reasoning, more_content = self.reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            first = self.tools.calls
+            content, calls = self.tools.feed(content)
+            calls = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            if last:
+                content += self.tools.finish()
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def finish_reason(self, finish: Finish | None) -> str | None:
+        """"tool_calls" when the model stopped after calling tools (OpenAI's reason), else the finish's."""
+        reason = finish_reason(finish)
+        return "tool_calls" if reason == "stop" and self.calls else reason
 
 
 async def _chat_chunks(
     body: ChatCompletionRequest, header: dict[str, Any], outs: AsyncIterator[tuple[int, StreamOut]],
-    parser: str | None = None,
+    reasoning: str | None = None, tools: bool = False,
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
@@ -199,35 +246,19 @@ async def _chat_chunks(
         return sse({**header, "object": "chat.completion.chunk", "choices": [choice], **extra})
 
     totals = [Completion(rid="") for _ in range(body.n)]
-    splitters = [ReasoningSplitter.for_parser(parser) for _ in range(body.n)] if parser is not None else None
+    answers = [AnswerReader(reasoning, tools) for _ in range(body.n)]
     for i in range(body.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     async for i, out in outs:
         totals[i].add(out)
         logprobs = chat_logprobs(*_stream_logprobs(out)) if body.logprobs and out.token_ids else None
-        delta = {"content": out.text} if out.text else {}
-        if splitters is not None:
-            delta = _reasoning_delta(splitters[i], out.text, out.finish is not None)
+        delta = answers[i].read(out.text, last=out.finish is not None)
         if delta or logprobs:
             yield chunk(i, delta, logprobs=logprobs)
         if out.finish is not None:
-            yield chunk(i, {}, finish_reason=finish_reason(out.finish), matched_stop=_matched(out.finish))
+            yield chunk(i, {}, finish_reason=answers[i].finish_reason(out.finish), matched_stop=_matched(out.finish))
     if body.include_usage:
         yield sse({**header, "object": "chat.completion.chunk", "choices": [], "usage": usage(totals, body.n)})
-
-
-def _reasoning_delta(splitter: ReasoningSplitter, text: str, last: bool) -> dict[str, str]:
-    """A streamed delta's parts (empty ones left out; text held while it may be a split tag)."""
-    reasoning, content = splitter.feed(text)
-    if last:
-        more_reasoning, more_content = splitter.finish()
-        reasoning, content = reasoning + more_reasoning, content + more_content
-    delta = {}
-    if reasoning:
-        delta["reasoning_content"] = reasoning
-    if content:
-        delta["content"] = content
-    return delta
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------

@@ -110,6 +110,12 @@ class ChatMessageIn(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, object]] | None = None  # an assistant turn's calls, as a reply gave them
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    def message(self, index: int) -> ChatMessage:
+        return ChatMessage(role=self.role, content=self.text(index), tool_calls=self.tool_calls or None,
+                           tool_call_id=self.tool_call_id, name=self.name)
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -136,6 +142,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, object]] | None = None
+    tool_choice: str | dict[str, object] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict[str, object]] | None = None  # the deprecated form of tools
     function_call: str | dict[str, object] | None = None
     modalities: list[str] | None = None
@@ -147,11 +155,25 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, object] | None = Field(
         None, description="extra chat template variables, e.g. {\"enable_thinking\": false} for Qwen3")
 
-    def specs(self, default_max_tokens: int | None) -> list[GenerateSpec]:
+    def uses_tools(self) -> bool:
+        """Whether the model gets the tools (and its answer is parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def specs(self, default_max_tokens: int | None, tool_parser: str | None = None) -> list[GenerateSpec]:
         """One GenerateSpec per choice. Without max_tokens the answer may fill the context
-        (`default_max_tokens`, which the worker clips to what the prompt leaves)."""
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
+        (`default_max_tokens`, which the worker clips to what the prompt leaves). Tools need the
+        gateway's tool_parser to read the calls back."""
+        if self.tool_choice not in (None, "auto", "none"):
+            raise bad_request("only tool_choice \"auto\" or \"none\" is supported (forcing a call needs "
+                              "constrained decoding)", "tool_choice")
+        if self.uses_tools():
+            if tool_parser is None:
+                raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
+            for i, tool in enumerate(self.tools or []):
+                function = tool.get("function")
+                if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+                    raise bad_request("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                      f"tools.{i}")
         if self.functions:
             raise bad_request("functions are not supported", "functions")
         if self.function_call not in (None, "none"):
@@ -163,7 +185,7 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+        messages = [m.message(i) for i, m in enumerate(self.messages)]
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         max_new = default_max_tokens if max_new is None else max_new
         return [
@@ -176,6 +198,7 @@ class ChatCompletionRequest(SamplingFields):
                 top_logprobs_num=self.top_logprobs or 0,
                 add_generation_prompt=self.add_generation_prompt,
                 chat_template_kwargs=self.chat_template_kwargs,
+                tools=self.tools if self.uses_tools() else None,
             )
             for i in range(self.n)
         ]

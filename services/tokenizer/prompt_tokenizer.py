@@ -9,6 +9,7 @@ request never costs a worker anything; the worker checks again against its KV po
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -45,7 +46,9 @@ def prompt_chars(req: TokenizeRequest) -> int:
     if req.text is not None:
         return len(req.text)
     if req.messages is not None:
-        return sum(len(m.role) + len(m.content) for m in req.messages)
+        tools = len(json.dumps(req.tools)) if req.tools else 0
+        return tools + sum(len(m.role) + len(m.content) + (len(json.dumps(m.tool_calls)) if m.tool_calls else 0)
+                           for m in req.messages)
     return 0
 
 
@@ -106,7 +109,8 @@ class PromptTokenizer:
 
         try:
             rendered = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
+                [m.template_dict() for m in req.messages],
+                tools=req.tools,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
                 **extra,
