@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -336,3 +337,26 @@ def nats_generate(nats_url: str, request: NatsGenerateRequest, timeout: float = 
             await nc.close()
 
     return asyncio.run(ask())
+
+
+@contextlib.contextmanager
+def served_by_fake(nats_url: str, **gateway_overrides: Any) -> Iterator[tuple[GatewayThread, FakePipeline]]:
+    """A FakePipeline with worker w1 and a GatewayThread (GatewayConfig overrides) that has heard it;
+    both closed on the way out."""
+    pipeline = FakePipeline(nats_url, workers=("w1",))
+    gateway: GatewayThread | None = None
+    try:
+        gateway = GatewayThread(nats_url, **gateway_overrides)
+        wait_for_workers(gateway.url, 1)
+        yield gateway, pipeline
+    finally:
+        if gateway is not None:
+            gateway.close()
+        pipeline.close()
+
+
+def openai_client(gateway: GatewayThread) -> Any:
+    """The official openai client for `gateway` (no retries, so a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=15)

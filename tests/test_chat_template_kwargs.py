@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, Sampling, TokenizeRequest
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, openai_client, served_by_fake
 
 # Qwen3's way of turning thinking off, in the tiny tokenizer's ChatML, plus a variable that makes the
 # template fail the way templates do (raise_exception).
@@ -69,21 +69,14 @@ def test_bad_variables_are_value_errors_saying_why(tokenizer: PromptTokenizer, f
 
 
 @pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url, workers=("w1",))
-    yield fake
-    fake.close()
+def served(nats: NatsServer) -> Iterator[tuple[GatewayThread, FakePipeline]]:
+    with served_by_fake(nats.url) as pair:
+        yield pair
 
 
-@pytest.fixture(scope="module")
-def client(nats: NatsServer, pipeline: FakePipeline) -> Iterator[openai.OpenAI]:
-    gw = GatewayThread(nats.url)
-    wait_for_workers(gw.url, 1)
-    yield openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=15)
-    gw.close()
-
-
-def test_the_gateway_passes_them_to_the_tokenizer(client: openai.OpenAI, pipeline: FakePipeline) -> None:
+def test_the_gateway_passes_them_to_the_tokenizer(served: tuple[GatewayThread, FakePipeline]) -> None:
+    gateway, pipeline = served
+    client = openai_client(gateway)
     reply = client.chat.completions.create(
         model=FAKE_MODEL, messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
     )

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from services.gateway.config import GatewayConfig
 from services.gateway.reasoning import PARSERS, ReasoningSplitter, split
 from shared.natsd import NatsServer
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, openai_client, served_by_fake
 
 
 @pytest.mark.parametrize(
@@ -63,14 +63,8 @@ def test_any_streaming_adds_up_to_the_whole_answers_split(parser: str, pieces: l
 
 @pytest.fixture(scope="module")
 def client(nats: NatsServer) -> Iterator[openai.OpenAI]:
-    pipeline = FakePipeline(nats.url, workers=("w1",))
-    gw = GatewayThread(nats.url, reasoning_parser="qwen3")
-    try:
-        wait_for_workers(gw.url, 1)
-        yield openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=15)
-    finally:
-        gw.close()
-        pipeline.close()
+    with served_by_fake(nats.url, reasoning_parser="qwen3") as (gateway, _):
+        yield openai_client(gateway)
 
 
 THOUGHT = [{"role": "user", "content": "<think> I should say Paris </think> Paris it is"}]

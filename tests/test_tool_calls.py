@@ -22,7 +22,7 @@ from services.gateway.tool_calls import ToolCallStreamer, parse
 from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, Sampling, TokenizeRequest
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, openai_client, served_by_fake
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
 
@@ -109,14 +109,8 @@ ASKS = 'Let me check. <tool_call> {"name": "get_weather", "arguments": {"city": 
 
 @pytest.fixture(scope="module")
 def served(nats: NatsServer) -> Iterator[tuple[openai.OpenAI, FakePipeline]]:
-    pipeline = FakePipeline(nats.url, workers=("w1",))
-    gw = GatewayThread(nats.url, tool_call_parser="qwen3", reasoning_parser="qwen3")
-    try:
-        wait_for_workers(gw.url, 1)
-        yield openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=15), pipeline
-    finally:
-        gw.close()
-        pipeline.close()
+    with served_by_fake(nats.url, tool_call_parser="qwen3", reasoning_parser="qwen3") as (gateway, pipeline):
+        yield openai_client(gateway), pipeline
 
 
 def test_a_reply_carries_the_tool_calls(served: tuple[openai.OpenAI, FakePipeline]) -> None:

@@ -23,7 +23,7 @@ PARSERS = {"qwen3": False, "qwen3-thinking": True, "deepseek-r1": True}
 _UNDECIDED, _REASONING, _CONTENT = 0, 1, 2
 
 
-def _held_suffix(text: str, tag: str) -> int:
+def held_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper start of `tag` (it may be a split tag)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -79,7 +79,7 @@ class ReasoningSplitter:
                     continue
                 # Held back: a split </think> at the end, and the whitespace before it, which is
                 # dropped if </think> follows and sent with the next text otherwise.
-                body = text[: len(text) - _held_suffix(text, END)]
+                body = text[: len(text) - held_suffix(text, END)]
                 core = body.rstrip()
                 reasoning.append(self._part(core))
                 self._held, text = text[len(core):], ""

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.reasoning import held_suffix
+
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "qwen3")  # one format: Qwen's templates use Hermes' tags
 
@@ -49,13 +51,6 @@ def call_from(body: str) -> dict[str, Any] | None:
     return {"id": new_call_id(), "type": "function", "function": {"name": value["name"], "arguments": text}}
 
 
-def _held_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 @dataclass
 class ToolCallStreamer:
     """One choice's answer, fed delta by delta: (content delta, tool calls completed by this delta)."""
@@ -73,7 +68,7 @@ class ToolCallStreamer:
             if not self._in_block:
                 at = text.find(START)
                 if at < 0:
-                    keep = _held_suffix(text, START)
+                    keep = held_suffix(text, START)
                     content.append(text[: len(text) - keep])
                     self._held, text = text[len(text) - keep:], ""
                     break
