@@ -35,6 +35,7 @@ class Subjects:
     def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix = prefix
         self.tokenize = f"{prefix}.tokenize"
+        self.tokenize_text = f"{prefix}.tokenize.text"
         self.workers_load = f"{prefix}.workers.load"
         self.v1_generate = f"{prefix}.v1.generate"
         self.v1_abort = f"{prefix}.v1.abort"
@@ -136,6 +137,30 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     # False: the client wants the whole answer only, so the worker sends the first token and the final
     # (with every other token), not every step.
     stream: bool = True
+
+
+class TextTokenize(msgspec.Struct, tag="text_tokenize", omit_defaults=True):
+    """A question for the tokenizer itself, request/reply on {p}.tokenize.text (the gateway's /tokenize
+    and /detokenize): the ids of `text` or of chat `messages`, or the text of `input_ids`."""
+
+    v: int
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None  # to detokenize
+    add_special_tokens: bool = True  # text: as the tokenizer's encode; messages: the template holds them
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TextTokenized(msgspec.Struct, tag="text_tokenized", omit_defaults=True):
+    """The answer: ids (tokenized) or text (detokenized), the model's context length; or an error."""
+
+    v: int
+    input_ids: list[int] | None = None
+    text: str | None = None
+    context_len: int = 0
+    error: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):

@@ -141,6 +141,26 @@ def test_logit_bias_steers_the_answer_as_in_the_offline_engine(client: openai.Op
     assert reply.choices[0].message.content == expected["text"] != free["text"]
 
 
+def test_tokenize_and_detokenize_through_the_service_and_a_local_tokenizer(stack: Stack, engine: Engine) -> None:
+    """g1 asks the tokenizer service ({p}.tokenize.text), g2 tokenizes itself: both answer as the
+    Engine's tokenizer does. Bad ids are a 400 naming tokens; an unknown model a 404."""
+    messages = [{"role": "user", "content": QUESTION}]
+    expected_chat = engine.tokenizer.encode(engine.apply_chat_template(messages), add_special_tokens=False)
+    expected_text = engine.tokenizer.encode(QUESTION)
+    for gateway in stack.gateways[:2]:
+        text = httpx.post(f"{gateway.url}/tokenize", json={"prompt": QUESTION}, timeout=30).json()
+        assert text["tokens"] == expected_text and text["count"] == len(expected_text)
+        assert text["max_model_len"] == engine.model_config.context_len
+        chat = httpx.post(f"{gateway.url}/tokenize", json={"model": stack.model, "messages": messages}, timeout=30)
+        assert chat.json()["tokens"] == expected_chat
+        back = httpx.post(f"{gateway.url}/detokenize", json={"tokens": expected_text}, timeout=30).json()
+        assert back["prompt"] == engine.tokenizer.decode(expected_text) == QUESTION
+        bad = httpx.post(f"{gateway.url}/detokenize", json={"tokens": [10**7]}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        unknown = httpx.post(f"{gateway.url}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=30)
+        assert unknown.status_code == 404
+
+
 def test_openai_completions_n2_logprobs_stop_and_usage(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
     prompt = "The three primary colors are"
     free = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})

@@ -136,6 +136,15 @@ def test_the_harmless_forms_of_unsupported_parameters_pass(http: httpx.Client) -
         assert len(http.post("/v1/completions", json=body).json()["choices"]) == 2
 
 
+def test_tokenize_without_a_tokenizer_is_503_and_bad_bodies_are_400(http: httpx.Client) -> None:
+    """The fake pipeline serves no {p}.tokenize.text, and this gateway has no tokenizer of its own."""
+    status, _, message = error_of(http.post("/tokenize", json={"prompt": "hello"}))
+    assert status == 503 and "no tokenizer answered on rs.tokenize.text" in message
+    assert error_of(http.post("/tokenize", json={}))[:2] == (400, "prompt")
+    assert error_of(http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}))[:2] == (400, "prompt")
+    assert error_of(http.post("/detokenize", json={"tokens": ["x"]}))[0] == 400
+
+
 def test_unknown_model_is_404(http: httpx.Client) -> None:
     status, param, message = error_of(http.post("/v1/chat/completions", json=chat("hi") | {"model": "gpt-9"}))
     assert (status, param) == (404, "model")

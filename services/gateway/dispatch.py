@@ -56,6 +56,8 @@ from shared.protocol import (
     Finish,
     Sampling,
     StreamOut,
+    TextTokenize,
+    TextTokenized,
     TokenizeRequest,
     TopLogprob,
     WorkerLoad,
@@ -296,6 +298,30 @@ class Dispatcher:
         else:
             out = await asyncio.to_thread(self.local_tokenizer.to_generate, msg)
         await self.bus.publish(self.bus.subjects.worker_requests(msg.worker_id), out)
+
+    async def tokenize_text(self, model: str | None, msg: TextTokenize) -> TextTokenized:
+        """/tokenize and /detokenize: this gateway's own tokenizer when it has the model's, else the
+        tokenizer service (request/reply); 404 for a model no live worker serves, 503 when no tokenizer
+        answers, 400 with the tokenizer's message for a bad request."""
+        worker = await self._choose(model)
+        if self.tokenizes_for(worker):
+            assert self.local_tokenizer is not None
+            answer = await asyncio.to_thread(self.local_tokenizer.answer, msg)
+        else:
+            try:
+                answer = await self.bus.request(
+                    self.bus.subjects.tokenize_text, msg, (TextTokenized,), timeout=self.config.control_timeout
+                )
+            except PayloadTooLarge as exc:
+                raise GatewayError(PAYLOAD_TOO_LARGE, f"the request is too large: {exc}") from None
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                raise GatewayError(
+                    SERVICE_UNAVAILABLE,
+                    f"no tokenizer answered on {self.bus.subjects.tokenize_text} within {self.config.control_timeout:g} s",
+                ) from None
+        if answer.error is not None:
+            raise bad_request(answer.error, "tokens" if msg.input_ids is not None else None)
+        return answer
 
     async def submit_all(self, specs: list[GenerateSpec]) -> list[RequestStream]:
         """Submit several requests (n > 1, batches); if one fails, the others are released."""

@@ -21,9 +21,9 @@ from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_protocol import MAX_N, StrictModel, logit_bias_ids
+from services.gateway.openai_protocol import MAX_N, ChatMessageIn, StrictModel, logit_bias_ids
 from services.gateway.streams import RequestStream
-from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut
+from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
 
 router = APIRouter(tags=["native"])
 
@@ -170,6 +170,52 @@ async def _chunks(streams: list[RequestStream], single: bool, want_lp: bool, out
         if not single:
             item["index"] = index
         yield sse(item)
+
+
+class TokenizeBody(StrictModel):
+    """POST /tokenize (vLLM's shape): a `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeBody(StrictModel):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
+    """The ids the model gets for a prompt, or for chat messages through its chat template."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None and not body.messages:
+        raise bad_request("messages must not be empty", "messages")
+    if body.chat_template_kwargs and body.messages is None:
+        raise bad_request("chat_template_kwargs apply to chat messages only", "chat_template_kwargs")
+    messages = [m.message(i) for i, m in enumerate(body.messages)] if body.messages is not None else None
+    msg = TextTokenize(
+        v=PROTOCOL_VERSION, text=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,
+        add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or None,
+        tools=body.tools or None,
+    )
+    answer = await dispatcher_of(request).tokenize_text(body.model, msg)
+    ids = answer.input_ids or []
+    return {"count": len(ids), "max_model_len": answer.context_len, "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+    """The text of token ids (special tokens included)."""
+    answer = await dispatcher_of(request).tokenize_text(body.model, TextTokenize(v=PROTOCOL_VERSION, input_ids=body.tokens))
+    return {"prompt": answer.text or ""}
 
 
 @router.get("/health")

@@ -16,7 +16,14 @@ from typing import Any
 from services.worker.request_state import validate_input_ids
 from services.worker.sampling.sampling_params import SamplingParams
 from shared.model_path import resolve_model_path
-from shared.protocol import PROTOCOL_VERSION, GenerateRequest, TokenizeRequest
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    GenerateRequest,
+    Sampling,
+    TextTokenize,
+    TextTokenized,
+    TokenizeRequest,
+)
 
 # Token ids, and prompts up to this many characters, are encoded on the tokenizer service's event loop:
 # handing them to a thread costs more than they do (a short chat's template and encoding ~0.12 ms, the
@@ -118,6 +125,31 @@ class PromptTokenizer:
         except TemplateError as exc:  # the template's own raise_exception(), or what the variables broke
             raise ValueError(f"messages could not be formatted by the chat template: {exc}") from None
         return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+
+    def answer(self, msg: TextTokenize) -> TextTokenized:
+        """/tokenize and /detokenize: the ids of text or chat messages, or the text of ids; a bad
+        request is an answer with `error` (naming the field), never an exception."""
+        try:
+            given = [name for name in ("text", "messages", "input_ids") if getattr(msg, name) is not None]
+            if len(given) != 1:
+                raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+            if msg.input_ids is not None:
+                for tid in msg.input_ids:
+                    if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.vocab_size:
+                        raise ValueError(f"`tokens` entry {tid!r} is not a token id in [0, {self.vocab_size})")
+                text = self.tokenizer.decode(msg.input_ids, skip_special_tokens=False)
+                return TextTokenized(v=PROTOCOL_VERSION, text=text, context_len=self.context_len)
+            if msg.text is not None:
+                ids = list(self.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens))
+            else:
+                ids = self.prompt_ids(TokenizeRequest(
+                    v=PROTOCOL_VERSION, rid="", gateway_id="", worker_id="", sampling=Sampling(),
+                    messages=msg.messages, add_generation_prompt=msg.add_generation_prompt,
+                    chat_template_kwargs=msg.chat_template_kwargs, tools=msg.tools,
+                ))
+            return TextTokenized(v=PROTOCOL_VERSION, input_ids=ids, context_len=self.context_len)
+        except ValueError as exc:
+            return TextTokenized(v=PROTOCOL_VERSION, error=str(exc), context_len=self.context_len)
 
     def to_generate(self, req: TokenizeRequest) -> GenerateRequest:
         """The worker's request; ValueError naming the field for anything a worker would refuse."""

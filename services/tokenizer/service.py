@@ -1,5 +1,8 @@
 """The tokenizer service: `{p}.tokenize` (queue group) -> `{p}.worker.{wid}.requests`.
 
+`{p}.tokenize.text` (the same queue group, request/reply) answers a gateway's /tokenize and
+/detokenize: ids of text or chat messages, or text of ids.
+
 Stateless, so any number of replicas share the queue group. Each TokenizeRequest becomes the
 GenerateRequest for the worker the gateway chose (`worker_id`); a request that cannot be served (empty
 prompt, too long, ids outside the vocabulary, bad sampling values) ends at once with an error final on
@@ -22,7 +25,7 @@ from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.prompt_tokenizer import PromptTokenizer, is_quick
 from shared.bus import Bus, PayloadTooLarge
 from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
-from shared.protocol import TokenizeRequest
+from shared.protocol import PROTOCOL_VERSION, TextTokenize, TextTokenized, TokenizeRequest
 from shared.service import Service, connect_bus, drain_bus, is_subject_token, publish_error
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,9 @@ class TokenizerService(Service):
         await self.bus.subscribe(
             self.bus.subjects.tokenize, (TokenizeRequest,), self._on_request, queue=cfg.queue_group
         )
+        await self.bus.subscribe(
+            self.bus.subjects.tokenize_text, (TextTokenize,), self._on_text, queue=cfg.queue_group
+        )
         self._metrics_server = start_metrics_server(cfg.metrics_port, cfg.metrics_host)
         logger.info(
             "tokenizer for %s (vocab %d, context %d) on %s, queue group %r",
@@ -92,6 +98,15 @@ class TokenizerService(Service):
             self.metrics.prompt_tokens.inc(len(out.input_ids))
         finally:
             self.metrics.latency.observe(time.perf_counter() - started)
+
+    async def _on_text(self, msg: TextTokenize, raw: Msg) -> None:
+        """/tokenize and /detokenize for gateways without a tokenizer of their own: reply with the answer."""
+        assert self.bus is not None and self.prompts is not None
+        answer = await asyncio.to_thread(self.prompts.answer, msg)
+        try:
+            await self.bus.respond(raw, answer)
+        except PayloadTooLarge as exc:
+            await self.bus.respond(raw, TextTokenized(v=PROTOCOL_VERSION, error=f"the answer is too large: {exc}"))
 
     async def drain(self) -> None:
         """NATS drain stops the subscription and lets every message already received finish."""
