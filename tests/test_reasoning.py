@@ -27,6 +27,7 @@ from tests.gateway_helpers import FAKE_MODEL, openai_client, served_by_fake
         ("qwen3", "<think>cut off by max_tokens", ("cut off by max_tokens", "")),
         ("qwen3", "<think></think>Paris.", ("", "Paris.")),
         ("qwen3", "<thi", ("", "<thi")),
+        ("qwen3", "  <thi", ("", "  <thi")),  # no reasoning: kept as written, leading spaces too
         ("deepseek-r1", "Let me see.\n</think>\n\nParis.", ("Let me see.", "Paris.")),
         ("deepseek-r1", "<think>\nLet me see.</think>Paris.", ("Let me see.", "Paris.")),
         ("qwen3-thinking", "still thinking", ("still thinking", "")),

@@ -93,7 +93,7 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         if self._state == _REASONING:
             return self._part(held.rstrip()), ""
-        return "", self._part(held)
+        return "", held  # undecided to the end: no reasoning, so the answer as written
 
     def _part(self, text: str) -> str:
         if self._fresh:
