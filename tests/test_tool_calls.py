@@ -43,6 +43,8 @@ def named(calls: list[dict]) -> list[tuple[str, object]]:
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
         ('Sure <tool_call>{"name": "f", "argu', 'Sure <tool_call>{"name": "f", "argu', []),
         ("No tools needed. <tool_c", "No tools needed. <tool_c", []),
+        ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', "", [("f", {"a": 1})]),
+        ("<tool_call>" + "[" * 100_000 + "</tool_call>", "<tool_call>" + "[" * 100_000 + "</tool_call>", []),
     ],
 )
 def test_whole_answers(text: str, content: str, calls: list[tuple[str, object]]) -> None:

@@ -7,8 +7,9 @@
 
 becomes OpenAI's `tool_calls` (`{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}`)
 and the text outside the blocks, as vLLM's `hermes` and SGLang's `qwen25` parsers return it. A block
-whose body is not a JSON object with a string `name` (and `arguments` an object or a string) stays in
-the content as written, as does a block the answer never closed (cut by max_tokens).
+whose body is not a JSON object with a string `name` (and `arguments`, or Hermes' `parameters`, an
+object or a string) stays in the content as written, as does a block the answer never closed (cut by
+max_tokens).
 
 ToolCallStreamer does the same on streamed text deltas: content flows until a `<tool_call>` starts (a
 delta that may be half a tag waits for the next), then the block is held and comes out as one whole
@@ -37,7 +38,7 @@ def call_from(body: str) -> dict[str, Any] | None:
     """The OpenAI tool call a block's body spells, or None when it spells none."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
