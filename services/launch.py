@@ -26,10 +26,11 @@ from pathlib import Path
 from services.gateway.reasoning import PARSERS
 from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
 from services.worker.config import EngineConfig
+from services.worker.service_config import check_busy_poll
 from shared import flags
 from shared.model_path import resolve_model_path
 from shared.natsd import NatsServer, is_reachable, start_nats_server
-from shared.service import DEFAULT_NATS_URL, die_with_parent, ready_line
+from shared.service import DEFAULT_NATS_URL, ServiceConfig, die_with_parent, ready_line
 
 logger = logging.getLogger("radixserve.up")
 READY_TIMEOUT_S = 600.0
@@ -139,17 +140,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _busy_poll_ms(flag: float | None, engine: EngineConfig) -> float:
-    """--busy-poll-ms, else RS_BUSY_POLL_MS, else 0; ValueError for a value the services would refuse."""
+    """--busy-poll-ms, else RS_BUSY_POLL_MS, else 0; ValueError (the services' own checks) for a value
+    they would refuse, before anything starts."""
     text = os.environ.get("RS_BUSY_POLL_MS") or "0"
-    try:
-        value = flag if flag is not None else float(text)
-    except ValueError:
-        raise ValueError(f"RS_BUSY_POLL_MS must be a number of milliseconds, got {text!r}") from None
-    if not 0 <= value <= 60_000:
-        raise ValueError(f"--busy-poll-ms must be in [0, 60000], got {value:g}")
-    if value > 0 and not engine.scheduler_in_process():
-        raise ValueError("--busy-poll-ms needs the scheduler in its own process (--device cuda or "
-                         "--scheduler-process): a scheduler thread would share the GIL with the worker's polling loop")
+    value = flag if flag is not None else flags.parse_value(text, float, "RS_BUSY_POLL_MS")
+    ServiceConfig(busy_poll_ms=value)  # the range
+    check_busy_poll(value, engine)
     return value
 
 

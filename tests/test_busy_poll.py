@@ -107,24 +107,22 @@ def test_busy_polling_needs_a_scheduler_process(qwen3_path: Path, capsys: pytest
     """On the CPU the scheduler is a thread of the worker unless --scheduler-process: the worker and
     `radixserve up` refuse to poll there, before anything starts."""
     from services.launch import add_up_commands, run_up
-    from services.worker.service import WorkerService
     from services.worker.service_config import WorkerServiceConfig
 
-    config = WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path), "RS_DEVICE": "cpu",
-                                                  "RS_BUSY_POLL_MS": "50"})
     with pytest.raises(ValueError, match="busy_poll_ms needs the scheduler in its own process"):
-        run(WorkerService(config).start())
+        WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path), "RS_DEVICE": "cpu",
+                                             "RS_BUSY_POLL_MS": "50"})
 
     parser = argparse.ArgumentParser()
     add_up_commands(parser.add_subparsers())
     model = ["--model-path", str(qwen3_path), "--device", "cpu"]
     assert run_up(parser.parse_args(["up", "--busy-poll-ms", "50", *model])) == 2
-    assert "--busy-poll-ms needs the scheduler in its own process" in capsys.readouterr().err
+    assert "busy_poll_ms needs the scheduler in its own process" in capsys.readouterr().err
     assert run_up(parser.parse_args(["up", "--busy-poll-ms", "-3", *model])) == 2
-    assert r"--busy-poll-ms must be in [0, 60000], got -3" in capsys.readouterr().err
+    assert r"busy_poll_ms must be in [0, 60000], got -3" in capsys.readouterr().err
     monkeypatch.setenv("RS_BUSY_POLL_MS", "soon")
     assert run_up(parser.parse_args(["up", *model])) == 2
-    assert "RS_BUSY_POLL_MS must be a number of milliseconds, got 'soon'" in capsys.readouterr().err
+    assert "RS_BUSY_POLL_MS: cannot read 'soon' as float" in capsys.readouterr().err
 
 
 def test_an_http_request_opens_the_gateways_window(nats: NatsServer) -> None:

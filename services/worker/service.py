@@ -145,10 +145,6 @@ class WorkerService(Service):
     async def start(self) -> None:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
-        if cfg.busy_poll_ms > 0 and not cfg.engine.scheduler_in_process():
-            # A polling loop would hold the GIL against the scheduler thread's Python half the time.
-            raise ValueError("busy_poll_ms needs the scheduler in its own process (device cuda, or "
-                             "scheduler_process): a scheduler thread would share the GIL with the polling loop")
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
         logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
         self._loop_thread = threading.get_ident()

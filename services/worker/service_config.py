@@ -22,6 +22,14 @@ def _help(text: str, default: object) -> object:
     return field(default=default, metadata={"help": text})
 
 
+def check_busy_poll(busy_poll_ms: float, engine: EngineConfig) -> None:
+    """ValueError unless a worker with these engine settings may busy-poll: a polling loop would hold
+    the GIL against a scheduler thread's Python half the time, so the scheduler must be a process."""
+    if busy_poll_ms > 0 and not engine.scheduler_in_process():
+        raise ValueError("busy_poll_ms needs the scheduler in its own process (device cuda, or "
+                         "scheduler_process): a scheduler thread would share the GIL with the polling loop")
+
+
 def random_worker_id() -> str:
     return uuid.uuid4().hex[:8]
 
@@ -46,6 +54,7 @@ class WorkerServiceConfig(ServiceConfig):
             raise ValueError(f"worker_id must be one NATS token (no spaces, dots, * or >), got {self.worker_id!r}")
         if self.load_interval <= 0:
             raise ValueError(f"load_interval must be > 0, got {self.load_interval}")
+        check_busy_poll(self.busy_poll_ms, self.engine)
 
     @property
     def model_name(self) -> str:
