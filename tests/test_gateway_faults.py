@@ -143,6 +143,8 @@ def test_tokenize_without_a_tokenizer_is_503_and_bad_bodies_are_400(http: httpx.
     assert error_of(http.post("/tokenize", json={}))[:2] == (400, "prompt")
     assert error_of(http.post("/tokenize", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}))[:2] == (400, "prompt")
     assert error_of(http.post("/detokenize", json={"tokens": ["x"]}))[0] == 400
+    kwargs_alone = error_of(http.post("/tokenize", json={"prompt": "a", "chat_template_kwargs": {"x": 1}}))
+    assert kwargs_alone == (400, "chat_template_kwargs", "chat_template_kwargs apply to chat messages only")
 
 
 def test_unknown_model_is_404(http: httpx.Client) -> None:

@@ -102,15 +102,20 @@ class GenerateSpec:
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs_num < 0:
             raise bad_request(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
-        if self.chat_template_kwargs:
-            try:
-                check_chat_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
-            except ValueError as exc:
-                raise bad_request(str(exc), "chat_template_kwargs") from None
+        validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
         try:
             SamplingParams.from_dict(self.sampling.to_dict()).verify(_ANY_VOCAB)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), _field_of(str(exc))) from None
+
+
+def validate_template_kwargs(kwargs: dict[str, Any] | None, has_messages: bool) -> None:
+    """GatewayError 400 naming chat_template_kwargs unless they may go to a chat template."""
+    if kwargs:
+        try:
+            check_chat_template_kwargs(kwargs, has_messages)
+        except ValueError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs") from None
 
 
 def _field_of(message: str) -> str | None:

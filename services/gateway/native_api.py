@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
-from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
+from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec, validate_template_kwargs
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
@@ -198,8 +198,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None and not body.messages:
         raise bad_request("messages must not be empty", "messages")
-    if body.chat_template_kwargs and body.messages is None:
-        raise bad_request("chat_template_kwargs apply to chat messages only", "chat_template_kwargs")
+    validate_template_kwargs(body.chat_template_kwargs, has_messages=body.messages is not None)
     messages = [m.message(i) for i, m in enumerate(body.messages)] if body.messages is not None else None
     msg = TextTokenize(
         v=PROTOCOL_VERSION, text=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,

@@ -13,13 +13,15 @@ import json
 import sys
 from typing import Any
 
+from jinja2 import TemplateError
+
 from services.worker.request_state import validate_input_ids
 from services.worker.sampling.sampling_params import SamplingParams
 from shared.model_path import resolve_model_path
 from shared.protocol import (
     PROTOCOL_VERSION,
+    ChatMessage,
     GenerateRequest,
-    Sampling,
     TextTokenize,
     TextTokenized,
     TokenizeRequest,
@@ -97,8 +99,8 @@ class PromptTokenizer:
         given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
-        if req.chat_template_kwargs and req.messages is None:
-            check_chat_template_kwargs(req.chat_template_kwargs, has_messages=False)
+        if req.chat_template_kwargs:
+            check_chat_template_kwargs(req.chat_template_kwargs, has_messages=req.messages is not None)
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.text is not None:
@@ -106,21 +108,24 @@ class PromptTokenizer:
                 raise ValueError("the prompt is empty (`text`)")
             return list(self.tokenizer.encode(req.text))
         assert req.messages is not None
-        if not req.messages:
+        return self.chat_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
+
+    def chat_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        """Chat messages through the checkpoint's chat template (kwargs already checked)."""
+        if not messages:
             raise ValueError("`messages` is empty")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send `text` or `input_ids` instead of `messages`")
-        extra = req.chat_template_kwargs or {}
-        check_chat_template_kwargs(extra, has_messages=True)
-        from jinja2 import TemplateError
-
         try:
             rendered = self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in req.messages],
-                tools=req.tools,
+                [m.template_dict() for m in messages],
+                tools=tools,
                 tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                **extra,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
             )
         except TemplateError as exc:  # the template's own raise_exception(), or what the variables broke
             raise ValueError(f"messages could not be formatted by the chat template: {exc}") from None
@@ -133,20 +138,20 @@ class PromptTokenizer:
             given = [name for name in ("text", "messages", "input_ids") if getattr(msg, name) is not None]
             if len(given) != 1:
                 raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+            if msg.chat_template_kwargs:
+                check_chat_template_kwargs(msg.chat_template_kwargs, has_messages=msg.messages is not None)
             if msg.input_ids is not None:
-                for tid in msg.input_ids:
-                    if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.vocab_size:
-                        raise ValueError(f"`tokens` entry {tid!r} is not a token id in [0, {self.vocab_size})")
+                # Decoded ids come typed (msgspec, pydantic strict): only the range is left to check.
+                if msg.input_ids and (min(msg.input_ids) < 0 or max(msg.input_ids) >= self.vocab_size):
+                    bad = min(msg.input_ids) if min(msg.input_ids) < 0 else max(msg.input_ids)
+                    raise ValueError(f"`tokens` entry {bad} is not a token id in [0, {self.vocab_size})")
                 text = self.tokenizer.decode(msg.input_ids, skip_special_tokens=False)
                 return TextTokenized(v=PROTOCOL_VERSION, text=text, context_len=self.context_len)
             if msg.text is not None:
                 ids = list(self.tokenizer.encode(msg.text, add_special_tokens=msg.add_special_tokens))
             else:
-                ids = self.prompt_ids(TokenizeRequest(
-                    v=PROTOCOL_VERSION, rid="", gateway_id="", worker_id="", sampling=Sampling(),
-                    messages=msg.messages, add_generation_prompt=msg.add_generation_prompt,
-                    chat_template_kwargs=msg.chat_template_kwargs, tools=msg.tools,
-                ))
+                assert msg.messages is not None
+                ids = self.chat_ids(msg.messages, msg.add_generation_prompt, msg.chat_template_kwargs, msg.tools)
             return TextTokenized(v=PROTOCOL_VERSION, input_ids=ids, context_len=self.context_len)
         except ValueError as exc:
             return TextTokenized(v=PROTOCOL_VERSION, error=str(exc), context_len=self.context_len)
