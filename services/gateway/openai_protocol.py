@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.dispatch import GenerateSpec
 from services.gateway.errors import bad_request
+from services.worker.sampling.sampling_params import token_key
 from shared.protocol import ChatMessage, Sampling
 
 MAX_N = 128
@@ -29,12 +30,11 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     logit_bias for a key that is not one. Ranges are checked with the rest of the sampling values."""
     if not bias:
         return None
-    ids: dict[int, float] = {}
-    for key, value in bias.items():
-        if not key.strip().isdigit():
+    ids = {token_key(key): value for key, value in bias.items()}
+    for key in ids:
+        if not isinstance(key, int):
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        ids[int(key)] = value
-    return ids
+    return ids  # type: ignore[return-value]
 
 
 class StrictModel(BaseModel):

@@ -63,7 +63,7 @@ class SamplingParams:
         values = {k: v for k, v in d.items() if v is not None}
         if isinstance(values.get("logit_bias"), dict):
             # JSON object keys are strings ("1234": -100, as OpenAI sends them): the ids they spell.
-            values["logit_bias"] = {_token_key(k): v for k, v in values["logit_bias"].items()}
+            values["logit_bias"] = {token_key(k): v for k, v in values["logit_bias"].items()}
         for key in GENERATION_DEFAULT_KEYS:
             default = (defaults or {}).get(key)
             if key not in values and default is not None:
@@ -144,7 +144,7 @@ class SamplingParams:
         return self
 
 
-def _token_key(key: object) -> object:
+def token_key(key: object) -> object:
     """A logit_bias key as a token id: "42" -> 42; anything else is left for verify to refuse."""
     if isinstance(key, str) and key.strip().isdigit():
         return int(key)
