@@ -11,7 +11,7 @@ built with one scatter from the flattened id lists, and only when some row needs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,12 +93,7 @@ class PenaltyState:
             state.output_counts = _count_tokens(used, vocab_size, device, "output_ids")
             _add_pending(state.output_counts, pending_output_ids)
         if banned_ids is not None and any(banned_ids):
-            rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
-            ids = [t for row in banned_ids for t in row]
-            if min(ids) < 0 or max(ids) >= vocab_size:
-                raise ValueError(f"banned_ids holds a token id outside [0, {vocab_size})")
-            pair = to_device_async(torch.tensor([rows, ids], dtype=torch.int64), device)
-            state.banned = (pair[0], pair[1])
+            state.banned = row_token_pairs(banned_ids, vocab_size, device, "banned_ids")
         return state
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -113,6 +108,19 @@ class PenaltyState:
             # new_full fills on the device; torch.tensor(..., device=cuda) would be a synchronising copy.
             logits = logits.index_put(self.banned, logits.new_full((), float("-inf")))
         return logits
+
+
+def row_token_pairs(
+    per_row: Sequence[Iterable[int]], vocab_size: int, device: torch.device, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, token ids) as int64 tensors on `device`, one pair per token of each row's ids (an
+    index_put index); ValueError naming `name` for an id outside the vocabulary."""
+    rows = [i for i, ids in enumerate(per_row) for _ in ids]
+    ids = [int(t) for row in per_row for t in row]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"{name} holds a token id outside [0, {vocab_size})")
+    pair = to_device_async(torch.tensor([rows, ids], dtype=torch.int64), device)
+    return pair[0], pair[1]
 
 
 def _concat(a: TokenIds, b: TokenIds) -> TokenIds:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.sampling.penalties import PenaltyState, TokenIds, to_device_async
+from services.worker.sampling.penalties import PenaltyState, TokenIds, row_token_pairs, to_device_async
 from services.worker.sampling.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -230,13 +230,9 @@ def _bias_tensors(
         return None
     if len(biases) != bs:
         raise ValueError(f"logit_biases has {len(biases)} entries for a batch of {bs}")
-    rows = [i for i, row in enumerate(biases) for _ in (row or ())]
-    ids = [int(t) for row in biases for t in (row or ())]
+    rows, ids = row_token_pairs([row or {} for row in biases], vocab_size, device, "logit_biases")
     values = [float(v) for row in biases for v in (row or {}).values()]
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise ValueError(f"logit_biases holds a token id outside [0, {vocab_size})")
-    pair = to_device_async(torch.tensor([rows, ids], dtype=torch.int64), device)
-    return pair[0], pair[1], to_device_async(torch.tensor(values, dtype=torch.float32), device)
+    return rows, ids, to_device_async(torch.tensor(values, dtype=torch.float32), device)
 
 
 @dataclass

@@ -12,8 +12,9 @@
                  takes a request's committed tokens) only ever receives accepted ones
 
 The scheduler appends each request's tokens with a finish check after each (a token after EOS or a
-stop is dropped). Requests with log-probs, penalties, a logit_bias or an unmet min_new_tokens do not speculate: they
-get no proposals and their row is sampled by the ordinary sampler, exactly as a plain decode.
+stop is dropped). Requests with log-probs, penalties, a logit_bias or an unmet min_new_tokens do not
+speculate: they get no proposals and their row is sampled by the ordinary sampler, exactly as a plain
+decode.
 """
 
 from __future__ import annotations
