@@ -50,6 +50,16 @@ def check_chat_template_kwargs(kwargs: dict[str, Any], has_messages: bool) -> No
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
 
 
+def _check_prompt_fields(msg: TokenizeRequest | TextTokenize) -> None:
+    """ValueError unless exactly one of text, messages or input_ids is given, with chat_template_kwargs
+    only beside messages."""
+    given = [name for name in ("text", "messages", "input_ids") if getattr(msg, name) is not None]
+    if len(given) != 1:
+        raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+    if msg.chat_template_kwargs:
+        check_chat_template_kwargs(msg.chat_template_kwargs, has_messages=msg.messages is not None)
+
+
 def prompt_chars(req: TokenizeRequest) -> int:
     """The characters there are to tokenize: the text's, or all chat messages' roles and contents (0 for ids)."""
     if req.text is not None:
@@ -96,11 +106,7 @@ class PromptTokenizer:
         )
 
     def prompt_ids(self, req: TokenizeRequest) -> list[int]:
-        given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
-        if len(given) != 1:
-            raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
-        if req.chat_template_kwargs:
-            check_chat_template_kwargs(req.chat_template_kwargs, has_messages=req.messages is not None)
+        _check_prompt_fields(req)
         if req.input_ids is not None:
             return list(req.input_ids)
         if req.text is not None:
@@ -135,11 +141,7 @@ class PromptTokenizer:
         """/tokenize and /detokenize: the ids of text or chat messages, or the text of ids; a bad
         request is an answer with `error` (naming the field), never an exception."""
         try:
-            given = [name for name in ("text", "messages", "input_ids") if getattr(msg, name) is not None]
-            if len(given) != 1:
-                raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
-            if msg.chat_template_kwargs:
-                check_chat_template_kwargs(msg.chat_template_kwargs, has_messages=msg.messages is not None)
+            _check_prompt_fields(msg)
             if msg.input_ids is not None:
                 # Decoded ids come typed (msgspec, pydantic strict): only the range is left to check.
                 if msg.input_ids and (min(msg.input_ids) < 0 or max(msg.input_ids) >= self.vocab_size):
