@@ -75,6 +75,10 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool | None = None
     seed: int | None = None
     logit_bias: dict[int, float] | None = None
+    # Constrained decoding, at most one: a JSON schema (as JSON text), a regex, an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Only the fields that were set (for SamplingParams.from_dict)."""

@@ -7,6 +7,7 @@ available RAM on CPU), agreed across TP ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from services.worker.layers.linear import (
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
+from services.worker.sampling.grammar import allowed_tokens
 from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 
@@ -297,6 +299,13 @@ class ModelRunner:
         if not info.all_greedy:
             host = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
             positions = to_device_async(host, logits.device)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            # Each step's masks are new: they ride on a copy, and the cached info stays mask-free.
+            vocab = self.model_config.vocab_size
+            rows = to_device_async(torch.tensor(constrained, dtype=torch.int64), logits.device)
+            allowed = allowed_tokens([reqs[i].grammar for i in constrained], vocab, logits.device)
+            info = dataclasses.replace(info, grammar=(rows, allowed))
         top_n = max((r.top_logprobs_num for r in reqs), default=0)
         out = self.sampler(
             logits[:, : self.model_config.vocab_size],

@@ -29,6 +29,7 @@ from services.worker.config import EngineConfig
 from services.worker.ipc import PipeChannel
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import validate_input_ids
+from services.worker.sampling.grammar import GRAMMAR_FIELDS
 from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
@@ -303,6 +304,9 @@ class SchedulerClient:
         params.normalize()
         if params.stop_strings() and self.tokenizer is None:
             raise ValueError("`stop` strings need a tokenizer; this checkpoint has none")
+        if params.is_constrained and self.tokenizer is None:
+            field = next(f for f in GRAMMAR_FIELDS if getattr(params, f) is not None)
+            raise ValueError(f"{field} (constrained decoding) needs a tokenizer; this checkpoint has none")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {top_logprobs_num!r}")
         params.max_new_tokens = min(params.max_new_tokens, mc.context_len - len(input_ids))

@@ -23,6 +23,7 @@ from services.worker import distributed
 from services.worker.config import EngineConfig
 from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner, default_device
+from services.worker.sampling.grammar import GrammarBackend
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import PackedOutputs, Scheduler
 from shared import trace
@@ -110,6 +111,7 @@ class SchedulerLoop:
             config,
             self.runner,
             decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
+            grammar=GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None,
         )
 
     def info(self) -> dict[str, Any]:

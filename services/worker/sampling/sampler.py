@@ -1,7 +1,7 @@
 """The batched sampler: next-token logits [bs, V] -> token ids, on the logits' device, no host sync.
 
 Pipeline per row (each row has its own parameters):
-  penalties (penalties.py) -> logit_bias -> greedy rows: argmax here, done
+  penalties (penalties.py) -> logit_bias -> grammar mask (grammar.py) -> greedy rows: argmax here, done
   -> / temperature -> top-k -> top-p -> min-p (HF's order and semantics; one ascending sort serves all
   three) -> Gumbel-max with noise hashed from (seed, position, token id).
 
@@ -96,6 +96,9 @@ class SamplingBatchInfo:
     # OpenAI's logit_bias: (rows, token ids, biases) added to the penalised logits; None when unused.
     # Kept out of PenaltyState: it never changes during a request, so a decode step may reuse it.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Constrained decoding (grammar.py): (rows, allowed) with allowed a bool [len(rows), V]; every
+    # other token of those rows is -inf. Set per step (dataclasses.replace), never cached.
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -246,14 +249,17 @@ class SampleOutput:
 
 
 def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """float32 logits after penalties, bans and logit_bias (greedy rows take the argmax of exactly
-    this). A banned token stays at -inf whatever its bias."""
+    """float32 logits after penalties, bans, logit_bias and the grammar masks (greedy rows take the
+    argmax of exactly this). A banned or disallowed token stays at -inf whatever its bias."""
     logits = logits.float()
     if info.penalties is not None:
         logits = info.penalties.apply(logits)
     if info.bias is not None:
         rows, ids, values = info.bias
         logits = logits.index_put((rows, ids), values, accumulate=True)  # a copy: the input is kept
+    if info.grammar is not None:
+        rows, allowed = info.grammar
+        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
     return logits
 
 

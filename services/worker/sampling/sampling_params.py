@@ -46,6 +46,11 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to that token's logit before
     # sampling (after the penalties; a banned token stays banned). -100 all but bans a token.
     logit_bias: dict[int, float] | None = None
+    # Constrained decoding (grammar.py), at most one: a JSON schema (text, or an object), a regular
+    # expression, or an EBNF grammar (llama.cpp's GBNF or Lark) that the output must match.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -69,6 +74,10 @@ class SamplingParams:
             if key not in values and default is not None:
                 values[key] = -1 if key == "top_k" and default == 0 else default
         return cls(**values)
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -132,6 +141,10 @@ class SamplingParams:
                     raise ValueError(f"logit_bias key {tid!r} is not a token id in [0, {vocab_size})")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias for token {tid} must be a number in [-100, 100], got {bias!r}")
+        if self.is_constrained:
+            from services.worker.sampling.grammar import check_grammar
+
+            check_grammar(self)
 
     def normalize(self) -> SamplingParams:
         """Canonical form, in place (call after verify): stop as a list, greedy as temperature 1 with

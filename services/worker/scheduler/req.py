@@ -8,7 +8,7 @@ through `last_node`), the rest are the request's own until it is cached or freed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,6 +86,9 @@ class Req:
         self.spec_verify_steps = 0
         self.spec_proposed_tokens = 0
         self.spec_accepted_tokens = 0
+        # Constrained decoding: the llguidance matcher of the request's grammar, advanced by each
+        # output token (made by the scheduler at admission; None when unconstrained).
+        self.grammar: Any = None
 
     @property
     def all_ids(self) -> list[int]:

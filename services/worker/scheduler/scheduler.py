@@ -28,6 +28,7 @@ from services.worker.scheduler.schedule_policy import (
 if TYPE_CHECKING:
     from services.worker.model_config import ModelConfig
     from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
+    from services.worker.sampling.grammar import GrammarBackend
     from services.worker.spec.spec_worker import SpecStep, SpecWorker
 
 logger = logging.getLogger(__name__)
@@ -153,8 +154,15 @@ def _keys_per_token(mc: ModelConfig) -> float:
 class Scheduler:
     """Continuous batching over one model runner (one TP rank)."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, decode_tail: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        decode_tail: Callable[[list[int]], str],
+        grammar: GrammarBackend | None = None,
+    ):
         self.config = config
+        self.grammar = grammar
         self.runner = runner
         # Mixed steps size their chunk by its cost (see _keys_per_token); unused otherwise.
         self._keys_per_token, self._min_mixed_chunk = 0.0, 1
@@ -199,6 +207,17 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(self, req: Req) -> None:
+        if req.sampling_params.is_constrained and req.grammar is None:
+            try:
+                if self.grammar is None:
+                    raise ValueError("this scheduler has no grammar backend (no tokenizer)")
+                req.grammar = self.grammar.matcher(req.sampling_params)
+            except ValueError as exc:
+                # Checked before it queued (SamplingParams.verify); this is a grammar that compiles
+                # alone but not against this vocabulary.
+                req.finished_reason = FinishReason("abort", message=str(exc))
+                self._pending_outputs.append(self._final_output(req))
+                return
         self.waiting.append(req)
 
     def abort_request(self, rid: str) -> bool:
@@ -262,9 +281,12 @@ class Scheduler:
 
     def _must_sync_before_scheduling(self) -> bool:
         """An extend step in flight changes the tree and the running set (chunked prefill, new
-        requests); a mixed step would need its decodes' tokens on the host. Both wait for it."""
+        requests); a mixed step would need its decodes' tokens on the host. Both wait for it, as
+        does a step with a constrained request: its next mask needs the token in flight."""
         assert self._inflight is not None
         if self._inflight.batch.mode.is_extend():
+            return True
+        if any(r.grammar is not None for r in self._inflight.sampled):
             return True
         return self.config.enable_mixed_chunk and bool(self.waiting or self.chunked_req)
 
@@ -342,11 +364,28 @@ class Scheduler:
             if stops:
                 longest = max(len(s) for s in stops)
                 tail = self.decode_tail(req.output_ids[-(longest + 2) :])
+            if req.grammar is not None:
+                self._advance_grammar(req, token)
             req.check_finished(tail)
             if req.finished():
                 self._release(req)
                 out.take_final(self._final_output(req))
                 return
+
+    @staticmethod
+    def _advance_grammar(req: Req, token: int) -> None:
+        """The request's grammar takes its new token: a request the grammar can take no further
+        finishes ('stop', also when the token was its last by max_new_tokens, and without spending a
+        step on EOS), one whose token it refuses (only when min_new_tokens bans the grammar's way
+        out) ends as 'abort' saying why."""
+        grammar = req.grammar
+        if not grammar.consume_token(token):
+            error = grammar.get_error().strip().splitlines()
+            req.finished_reason = FinishReason(
+                "abort", message=f"the output left its grammar: {error[0] if error else 'token refused'}"
+            )
+        elif grammar.is_stopped():
+            req.finished_reason = FinishReason("stop", token if token in req.stop_token_ids else None)
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         """Every request this step prefilled (a chunk or all of it) puts that KV into the tree, locked,

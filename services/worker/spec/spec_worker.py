@@ -52,8 +52,9 @@ class SpecStep:
 def can_speculate(req: Req) -> bool:
     """Speculation needs every proposal's distribution to be known before the earlier ones are
     accepted: penalties and min_new_tokens bans change with each token, and log-probs are reported
-    by the plain path; such requests decode one token per step. So do requests with a logit_bias:
-    the greedy paths compare raw argmaxes."""
+    by the plain path; such requests decode one token per step. So do requests with a logit_bias
+    (the greedy paths compare raw argmaxes) and constrained ones (a grammar's mask follows each
+    accepted token)."""
     params = req.sampling_params
     return (
         not req.return_logprob
@@ -61,6 +62,7 @@ def can_speculate(req: Req) -> bool:
         and params.presence_penalty == 0.0
         and params.repetition_penalty == 1.0
         and not params.logit_bias
+        and not params.is_constrained
         and len(req.output_ids) >= params.min_new_tokens
     )
 
