@@ -75,7 +75,8 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
         }
         # g2 tokenizes the default model's requests itself (--local-tokenizer); g1 uses the tokenizer
         # service; g3 tokenizes prompts up to LOCAL_MAX_CHARS itself and sends longer ones to the service.
-        local = {"g1": [], "g2": ["--local-tokenizer", str(default_model_path)],
+        # g2 also reads tool calls (--tool-call-parser).
+        local = {"g1": [], "g2": ["--local-tokenizer", str(default_model_path), "--tool-call-parser", "qwen3"],
                  "g3": ["--local-tokenizer", str(default_model_path), "--local-tokenizer-max-chars", str(LOCAL_MAX_CHARS)]}
         gateway_processes = [
             ServiceProcess.start(
@@ -139,6 +140,40 @@ def test_logit_bias_steers_the_answer_as_in_the_offline_engine(client: openai.Op
                                            logit_bias=bias)
     assert expected["output_ids"][0] not in free["output_ids"][:2]
     assert reply.choices[0].message.content == expected["text"] != free["text"]
+
+
+def test_response_format_json_schema_answers_as_the_offline_engine(client: openai.OpenAI, stack: Stack, engine: Engine) -> None:
+    """The schema travels gateway -> tokenizer -> worker; the answer is the Engine's under the same
+    schema, an object of that schema, where the free answer is prose."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    messages = [{"role": "user", "content": QUESTION + " Answer in JSON."}]
+    expected = engine.generate(engine.apply_chat_template(messages),
+                               {"temperature": 0, "max_new_tokens": 30, "json_schema": json.dumps(schema)})
+    reply = client.chat.completions.create(
+        model=stack.model, messages=messages, temperature=0, max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    assert reply.choices[0].message.content == expected["text"]
+    assert json.loads(expected["text"]) == {"city": "Paris"}
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_required_gets_a_call_through_the_pipeline(stack: Stack) -> None:
+    """g2 reads tool calls: forced by tool_choice, the default model's answer is a call, whole and
+    streamed. One call (parallel_tool_calls false): allowed more, this untrained model repeats it."""
+    g2 = openai.OpenAI(base_url=f"{stack.gateways[1].url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    args = dict(model=stack.model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[tool], tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=40)
+    reply = g2.chat.completions.create(**args)
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(g2.chat.completions.create(**args, stream=True))
+    streamed = [c for chunk in chunks if chunk.choices for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [(call.function.name, call.function.arguments)]
 
 
 def test_tokenize_and_detokenize_through_the_service_and_a_local_tokenizer(stack: Stack, engine: Engine) -> None:

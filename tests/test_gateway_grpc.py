@@ -71,6 +71,17 @@ def test_generate_passes_logit_bias(stub: Any, pipeline: FakePipeline) -> None:
     assert "logit_bias for token 9 must be a number in [-100, 100]" in caught.value.details()
 
 
+def test_generate_passes_a_grammar(stub: Any, pipeline: FakePipeline) -> None:
+    sampling = radixserve_pb2.SamplingParams(json_schema='{"type": "object"}')
+    list(stub.Generate(request(text="json", sampling_params=sampling, rid="g-json"), timeout=10))
+    sent = next(r for r in pipeline.requests if r.rid == "g-json").sampling
+    assert (sent.json_schema, sent.regex, sent.ebnf) == ('{"type": "object"}', None, None)
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(request(text="x", sampling_params=radixserve_pb2.SamplingParams(regex="[")), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "regex cannot be compiled" in caught.value.details()
+
+
 def test_generate_from_token_ids_and_chat_with_logprobs(stub: Any) -> None:
     ids = list(stub.Generate(request(input_ids=radixserve_pb2.TokenIds(ids=[7, 8])), timeout=10))
     assert "".join(r.text for r in ids) == "t7 t8 "

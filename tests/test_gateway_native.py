@@ -61,6 +61,23 @@ def test_generate_passes_logit_bias_as_token_ids(http: httpx.Client, pipeline: F
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
 
 
+def test_generate_passes_grammars_with_a_schema_object_as_json_text(http: httpx.Client, pipeline: FakePipeline) -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "boolean"}}}
+    for rid, params, field, value in (
+        ("g-schema-obj", {"json_schema": schema}, "json_schema", json.dumps(schema)),
+        ("g-schema-text", {"json_schema": '{"type": "object"}'}, "json_schema", '{"type": "object"}'),
+        ("g-regex", {"regex": "a|b"}, "regex", "a|b"),
+        ("g-ebnf", {"ebnf": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+    ):
+        assert http.post("/generate", json={"text": "one", "sampling_params": params, "rid": rid}).status_code == 200
+        assert getattr(next(r for r in pipeline.requests if r.rid == rid).sampling, field) == value
+    for params, message in (({"regex": "("}, "regex cannot be compiled"),
+                            ({"json_schema": "{", "regex": "a"}, "json_schema and regex cannot be combined")):
+        bad = http.post("/generate", json={"text": "one", "sampling_params": params})
+        assert bad.status_code == 400 and message in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == next(iter(params))
+
+
 def test_generate_from_input_ids_with_logprobs(http: httpx.Client) -> None:
     body = {"input_ids": [5, 6], "return_logprob": True, "top_logprobs_num": 2}
     meta = http.post("/generate", json=body).json()["meta_info"]

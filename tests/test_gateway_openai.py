@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from shared.natsd import NatsServer
+from shared.protocol import Sampling
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 
@@ -85,6 +86,33 @@ def test_logit_bias_reaches_the_worker_keyed_by_token_id(client: openai.OpenAI, 
         assert caught.value.status_code == 400
         assert caught.value.body["param"] == "logit_bias"
         assert message in caught.value.body["message"]
+
+
+def test_response_format_regex_and_ebnf_reach_the_worker_as_its_grammar(client: openai.OpenAI, pipeline: FakePipeline) -> None:
+    """json_object is "any object"; json_schema sends the schema as JSON text; SGLang's regex and ebnf
+    extensions pass as they are, on chat and completions (what the worker does with them:
+    tests/test_grammar.py; refusals: tests/test_gateway_faults.py)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def sent_for(reply: object, prefix: str) -> Sampling:
+        return next(r for r in pipeline.requests if r.rid == reply.id.removeprefix(prefix)).sampling
+
+    messages = [{"role": "user", "content": "json please"}]
+    reply = client.chat.completions.create(model=FAKE_MODEL, messages=messages, response_format={"type": "json_object"})
+    assert sent_for(reply, "chatcmpl-").json_schema == '{"type": "object"}'
+    reply = client.chat.completions.create(
+        model=FAKE_MODEL, messages=messages,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    sent = sent_for(reply, "chatcmpl-")
+    assert json.loads(sent.json_schema) == schema and (sent.regex, sent.ebnf) == (None, None)
+    reply = client.chat.completions.create(model=FAKE_MODEL, messages=messages, response_format={"type": "text"})
+    assert sent_for(reply, "chatcmpl-").json_schema is None
+    reply = client.completions.create(model=FAKE_MODEL, prompt="x", extra_body={"regex": "[0-9]+"})
+    assert sent_for(reply, "cmpl-").regex == "[0-9]+"
+    reply = client.completions.create(model=FAKE_MODEL, prompt="x", extra_body={"ebnf": 'root ::= "y"'})
+    assert sent_for(reply, "cmpl-").ebnf == 'root ::= "y"'
+    reply = client.completions.create(model=FAKE_MODEL, prompt="x", extra_body={"response_format": {"type": "json_object"}})
+    assert sent_for(reply, "cmpl-").json_schema == '{"type": "object"}'
 
 
 def test_chat_without_max_tokens_may_fill_the_context(client: openai.OpenAI, pipeline: FakePipeline) -> None:

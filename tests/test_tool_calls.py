@@ -2,9 +2,11 @@
 calls; whole answers against worked cases (calls, several calls, invalid JSON and unclosed blocks kept
 as content); streamed answers, cut anywhere, give the same content and calls. The tokenizer renders
 tools and tool turns as transformers does; a gateway with --tool-call-parser returns tool_calls (and
-finish_reason "tool_calls") in replies and streams. Bad input: a tool without a function name, or a
-tool_choice that forces a call, is a 400 naming it (tests/test_gateway_faults.py: tools on a gateway
-without a parser)."""
+finish_reason "tool_calls") in replies and streams. tool_choice "required" or a named function sends
+the worker a grammar of tool-call blocks (forced_call_grammar), under which the default model writes
+calls the parser reads. Bad input: a tool without a function name, a tool_choice naming no tool, or
+tools whose parameters cannot be compiled, is a 400 naming it (tests/test_gateway_faults.py: tools on
+a gateway without a parser)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from services.gateway.tool_calls import ToolCallStreamer, parse
+from services.gateway.tool_calls import ToolCallStreamer, forced_call_grammar, parse
 from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from services.worker.engine import Engine
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, Sampling, TokenizeRequest
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, openai_client, served_by_fake
@@ -161,3 +164,66 @@ def test_a_malformed_tool_is_400_naming_it(served: tuple[openai.OpenAI, FakePipe
         client.chat.completions.create(model=FAKE_MODEL, messages=[{"role": "user", "content": "x"}],
                                        tools=[TOOL, {"type": "function", "function": {"description": "no name"}}])
     assert caught.value.body["param"] == "tools.1"
+
+
+# ---- forcing a call: tool_choice "required" or a named function (constrained decoding) ----
+
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}}
+
+
+def test_forcing_a_call_sends_the_call_grammar_and_bad_choices_are_400(served: tuple[openai.OpenAI, FakePipeline]) -> None:
+    """required: calls to any tool, several unless parallel_tool_calls is false; a named function:
+    one call to it. The grammar goes to the worker as the request's ebnf (what it makes the model
+    write: test_a_forced_call_from_the_default_model_parses_as_that_call)."""
+    client, pipeline = served
+    messages = [{"role": "user", "content": "weather"}]
+    cases = [
+        ({"tool_choice": "required"}, forced_call_grammar([TOOL, CLOCK], None, True)),
+        ({"tool_choice": "required", "parallel_tool_calls": False}, forced_call_grammar([TOOL, CLOCK], None, False)),
+        ({"tool_choice": {"type": "function", "function": {"name": "now"}}}, forced_call_grammar([TOOL, CLOCK], "now", True)),
+    ]
+    for extra, grammar in cases:
+        reply = client.chat.completions.create(model=FAKE_MODEL, messages=messages, tools=[TOOL, CLOCK], **extra)
+        assert next(r for r in pipeline.requests if r.rid == reply.id.removeprefix("chatcmpl-")).sampling.ebnf == grammar
+    assert "start: call (" in cases[0][1] and "start: call\n" in cases[1][1] and '"const": "get_weather"' not in cases[2][1]
+    bad = [
+        ({"tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice",
+         "tool_choice names 'missing', which is not among the tools"),
+        ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice", "a named tool_choice is"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+         "tool_choice 'required' and response_format cannot be combined"),
+    ]
+    for extra, param, message in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=FAKE_MODEL, messages=messages, tools=[TOOL], **extra)
+        assert caught.value.body["param"] == param and message in caught.value.body["message"]
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "array", "minContains": 2}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=FAKE_MODEL, messages=messages, tools=[odd], tool_choice="required")
+    assert caught.value.body["param"] == "tools"
+    assert "the tools' parameters cannot be enforced" in caught.value.body["message"]
+
+
+def test_a_forced_call_from_the_default_model_parses_as_that_call(default_model_path: Path) -> None:
+    """The embedded model, which has no tool training, under the call grammar: its answer is Hermes
+    blocks only, and the parser reads them as calls whose arguments fit the tool's parameters."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+        "additionalProperties": False}}}
+    with Engine(str(default_model_path), max_total_tokens=2048) as engine:
+        prompt = engine.apply_chat_template([{"role": "user", "content": "What is the weather in Paris?"}])
+        results = [engine.generate(prompt, {"temperature": 0, "max_new_tokens": 60,
+                                            "ebnf": forced_call_grammar([weather, CLOCK], None, False)})]
+        results += engine.generate(prompt, {"temperature": 0.8, "seed": 3, "n": 4, "max_new_tokens": 60,
+                                            "ebnf": forced_call_grammar([weather, CLOCK], "get_weather", True)})
+    for result in results:
+        content, calls = parse(result["text"])
+        assert result["meta_info"]["finish_reason"]["type"] == "stop" and content == "", result["text"]
+        assert len(calls) == 1 and calls[0]["function"]["name"] in ("get_weather", "now")
+        arguments = json.loads(calls[0]["function"]["arguments"])
+        if calls[0]["function"]["name"] == "get_weather":
+            assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+        else:
+            assert arguments == {}
+    assert all(parse(r["text"])[1][0]["function"]["name"] == "get_weather" for r in results[1:])

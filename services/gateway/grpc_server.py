@@ -46,6 +46,7 @@ def sampling_from_proto(p: Any) -> Sampling:
         for name in (
             "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
             "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
+            "json_schema", "regex", "ebnf",
         )
     }
     return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,

@@ -9,6 +9,7 @@ delta; `meta_info.finish_reason` is null until the last chunk.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -55,13 +56,20 @@ class NativeSampling(StrictModel):
     skip_special_tokens: bool | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
+    # Constrained decoding (one of): a JSON schema (JSON text, as SGLang takes it, or an object), a
+    # regular expression, an EBNF grammar (GBNF or Lark).
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
     def sampling(self, choice: int) -> Sampling:
-        values = self.model_dump(exclude={"n", "stop", "seed", "logit_bias"})
+        values = self.model_dump(exclude={"n", "stop", "seed", "logit_bias", "json_schema"})
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         seed = None if self.seed is None else self.seed + choice
-        return Sampling(**values, stop=stop, seed=seed, logit_bias=logit_bias_ids(self.logit_bias))
+        schema = json.dumps(self.json_schema) if isinstance(self.json_schema, dict) else self.json_schema
+        return Sampling(**values, stop=stop, seed=seed, logit_bias=logit_bias_ids(self.logit_bias),
+                        json_schema=schema)
 
 
 class GenerateBody(StrictModel):

@@ -10,13 +10,16 @@ OpenAI's SDKs send fields a server may not know.
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.gateway.dispatch import GenerateSpec
 from services.gateway.errors import bad_request
-from services.worker.sampling.sampling_params import token_key
+from services.gateway.tool_calls import forced_call_grammar
+from services.worker.sampling.grammar import check_grammar
+from services.worker.sampling.sampling_params import SamplingParams, token_key
 from shared.protocol import ChatMessage, Sampling
 
 MAX_N = 128
@@ -69,12 +72,49 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool | None = None
     rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
     user: str | None = None
+    response_format: dict[str, object] | None = Field(
+        None, description="{\"type\": \"text\" | \"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
+    regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
+    ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_new_tokens: int | None, choice: int) -> Sampling:
+    def constraint(self) -> dict[str, str]:
+        """The Sampling fields of the output's constraint (constrained decoding), from response_format
+        or SGLang's regex/ebnf; 400 naming the field for a form no worker can run."""
+        given: dict[str, str] = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given["json_schema"] = '{"type": "object"}'
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise bad_request("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                      "\"schema\": {...}}}", "response_format")
+                given["json_schema"] = json.dumps(schema)
+            elif kind not in (None, "text"):
+                raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                  "response_format")
+        for name in ("regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                given[name] = value
+        names = ["response_format" if k == "json_schema" else k for k in given]
+        if len(given) > 1:
+            raise bad_request(f"{names[0]} and {names[1]} cannot be combined: one constraint per request", names[1])
+        if given:
+            try:
+                check_grammar(SamplingParams(**given))  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise bad_request(str(exc), names[0]) from None
+        return given
+
+    def sampling(self, max_new_tokens: int | None, choice: int, constraint: dict[str, str] | None = None) -> Sampling:
         return Sampling(
             max_new_tokens=max_new_tokens,
             min_new_tokens=self.min_tokens,
@@ -91,6 +131,7 @@ class SamplingFields(StrictModel):
             skip_special_tokens=self.skip_special_tokens,
             seed=None if self.seed is None else self.seed + choice,
             logit_bias=logit_bias_ids(self.logit_bias),
+            **(constraint or {}),
         )
 
     def choice_rid(self, prompt_index: int, choice: int, prompts: int) -> str | None:
@@ -148,7 +189,6 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, object] | None = None
     modalities: list[str] | None = None
     audio: dict[str, object] | None = None
-    response_format: dict[str, object] | None = None
     add_generation_prompt: bool = True
     separate_reasoning: bool = Field(
         True, description="with the gateway's --reasoning-parser: reasoning in reasoning_content (false: all in content)")
@@ -159,13 +199,39 @@ class ChatCompletionRequest(SamplingFields):
         """Whether the model gets the tools (and its answer is parsed for calls)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def forced_tool_call(self) -> str | None:
+        """The grammar that makes the answer tool calls only, for tool_choice "required" or a named
+        function (forced_call_grammar); None for "auto", "none" or unset. 400 naming tool_choice for
+        any other value, a name no tool has, or tools whose parameters cannot be compiled."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if choice == "required":
+            name = None
+        elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+            name = choice["function"].get("name")  # type: ignore[union-attr]
+            if not isinstance(name, str) or not name:
+                raise bad_request("a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                  "tool_choice")
+        else:
+            raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                              "\"function\": {\"name\": ...}}", "tool_choice")
+        if not self.tools:
+            raise bad_request(f"tool_choice {choice!r} needs tools", "tool_choice")
+        if name is not None and not any(t.get("function", {}).get("name") == name for t in self.tools  # type: ignore[union-attr]
+                                        if isinstance(t.get("function"), dict)):
+            raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        grammar = forced_call_grammar(self.tools, name, self.parallel_tool_calls is not False)  # type: ignore[arg-type]
+        try:
+            check_grammar(SamplingParams(ebnf=grammar))
+        except ValueError as exc:
+            raise bad_request(f"the tools' parameters cannot be enforced: {exc}", "tools") from None
+        return grammar
+
     def specs(self, default_max_tokens: int | None, tool_parser: str | None = None) -> list[GenerateSpec]:
         """One GenerateSpec per choice. Without max_tokens the answer may fill the context
         (`default_max_tokens`, which the worker clips to what the prompt leaves). Tools need the
         gateway's tool_parser to read the calls back."""
-        if self.tool_choice not in (None, "auto", "none"):
-            raise bad_request("only tool_choice \"auto\" or \"none\" is supported (forcing a call needs "
-                              "constrained decoding)", "tool_choice")
         if self.uses_tools():
             if tool_parser is None:
                 raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
@@ -181,8 +247,13 @@ class ChatCompletionRequest(SamplingFields):
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             raise bad_request("only text output is supported (modalities ['text'], no audio)",
                               "audio" if self.audio is not None else "modalities")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        constraint = self.constraint()
+        forced = self.forced_tool_call()
+        if forced is not None:
+            if constraint:
+                field = "response_format" if "json_schema" in constraint else next(iter(constraint))
+                raise bad_request(f"tool_choice {self.tool_choice!r} and {field} cannot be combined", field)
+            constraint = {"ebnf": forced}
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [m.message(i) for i, m in enumerate(self.messages)]
@@ -190,7 +261,7 @@ class ChatCompletionRequest(SamplingFields):
         max_new = default_max_tokens if max_new is None else max_new
         return [
             GenerateSpec(
-                sampling=self.sampling(max_new, i),
+                sampling=self.sampling(max_new, i, constraint),
                 messages=messages,
                 model=self.model,
                 rid=self.choice_rid(0, i, 1),
@@ -237,12 +308,13 @@ class CompletionRequest(SamplingFields):
         prompts = self.prompts()
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
+        constraint = self.constraint()
         specs = []
         for p_index, prompt in enumerate(prompts):
             for i in range(self.n):
                 specs.append(
                     GenerateSpec(
-                        sampling=self.sampling(self.max_tokens, i),
+                        sampling=self.sampling(self.max_tokens, i, constraint),
                         text=prompt if isinstance(prompt, str) else None,
                         input_ids=prompt if isinstance(prompt, list) else None,
                         model=self.model,

@@ -103,3 +103,27 @@ def parse(text: str) -> tuple[str, list[dict[str, Any]]]:
     streamer = ToolCallStreamer()
     content, calls = streamer.feed(text)
     return content + streamer.finish(), calls
+
+
+def forced_call_grammar(tools: list[dict[str, Any]], name: str | None, parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect, sent as the request's `ebnf`) whose sentences are Hermes
+    tool-call blocks and nothing else: OpenAI's tool_choice "required" (a call to any of `tools`, more
+    than one unless `parallel` is False) or a named function (`name`: exactly one call to it). Each
+    block's body is {"name": <the tool>, "arguments": <an object its parameters schema allows>}."""
+    bodies = []
+    for tool in tools:
+        function = tool["function"]
+        if name is not None and function["name"] != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        bodies.append({
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    schema = {"anyOf": bodies, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
+                                              "key_separator": ": "}}
+    call = f'call: "{START}\\n" %json {json.dumps(schema)} "\\n{END}"'
+    start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
+    return f"{start}\n{call}\n"
