@@ -186,7 +186,9 @@ def test_the_default_model_answers_in_the_schema(default_model_path: Path) -> No
     ],
 )
 def test_bad_grammars_are_value_errors_naming_the_field(qwen3_path: Path, params: dict, message: str, engine_cache: dict) -> None:
-    engine = engine_cache.setdefault("qwen3", Engine(str(qwen3_path)))
+    if "qwen3" not in engine_cache:
+        engine_cache["qwen3"] = Engine(str(qwen3_path))
+    engine = engine_cache["qwen3"]
     with pytest.raises(ValueError) as caught:
         engine.generate(input_ids=[5, 6, 7], sampling_params=params)
     assert message in str(caught.value)

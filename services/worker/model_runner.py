@@ -28,7 +28,7 @@ from services.worker.layers.linear import (
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.model_config import ModelConfig
 from services.worker.model_loader import load_model
-from services.worker.sampling.grammar import allowed_tokens
+from services.worker.sampling.grammar import MaskBuffers
 from services.worker.sampling.penalties import to_device_async
 from services.worker.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
 
@@ -123,6 +123,8 @@ class ModelRunner:
 
     # The last sampled batch's requests and their SamplingBatchInfo, while it can be reused.
     _sampling_cache: tuple[list[Req], SamplingBatchInfo] | None = None
+    # Constrained decoding's host bitmasks (grammar.py), made at the first constrained step.
+    _masks: MaskBuffers | None = None
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
         self.config = config
@@ -299,13 +301,15 @@ class ModelRunner:
         if not info.all_greedy:
             host = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
             positions = to_device_async(host, logits.device)
-        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        # A request finished by the step read back meanwhile is sampled for nothing; its grammar is done.
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
         if constrained:
             # Each step's masks are new: they ride on a copy, and the cached info stays mask-free.
-            vocab = self.model_config.vocab_size
+            if self._masks is None:
+                self._masks = MaskBuffers(self.model_config.vocab_size, logits.device)
             rows = to_device_async(torch.tensor(constrained, dtype=torch.int64), logits.device)
-            allowed = allowed_tokens([reqs[i].grammar for i in constrained], vocab, logits.device)
-            info = dataclasses.replace(info, grammar=(rows, allowed))
+            bitmask = self._masks.bitmask([reqs[i].grammar for i in constrained])
+            info = dataclasses.replace(info, grammar=(rows, bitmask))
         top_n = max((r.top_logprobs_num for r in reqs), default=0)
         out = self.sampler(
             logits[:, : self.model_config.vocab_size],

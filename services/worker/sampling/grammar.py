@@ -10,9 +10,11 @@ output a prefix of some sentence of the grammar. Here:
                             needed: the gateway and the Engine refuse bad ones before they queue)
   GrammarBackend            per scheduler: the tokenizer as llguidance reads it (built at the first
                             constrained request, ~0.3 s for a 49k vocabulary) and a matcher per request
-  allowed_tokens(...)       the next-token masks of the constrained rows, as a bool [rows, vocab] tensor
-                            (ModelRunner.sample_async; the sampler sets the rest to -inf after the
-                            penalties and logit_bias)
+  MaskBuffers               per runner: the constrained rows' next-token bitmasks, computed by
+                            llguidance into reused (pinned) host memory and copied to the device
+                            (ModelRunner.sample_async)
+  apply_bitmask(...)        the sampler's step after the penalties and logit_bias: disallowed tokens
+                            to -inf (kernels/token_bitmask.py on CUDA, torch ops on the CPU)
 
 A matcher advances with each token the request gains (Scheduler._add_tokens). When the grammar can go
 no further the request finishes with reason 'stop' (no EOS step is spent); a token the grammar refuses,
@@ -31,8 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from services.worker.sampling.penalties import to_device_async
-
 if TYPE_CHECKING:
     from services.worker.sampling.sampling_params import SamplingParams
 
@@ -40,6 +40,10 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Grammar errors can quote the whole grammar; a client gets the start of the first lines.
 MAX_ERROR_CHARS = 400
+# From this many constrained rows a CUDA step computes their masks on llguidance's thread pool. Fewer
+# rows, or a CPU step (whose compute threads hold the cores), compute them one after another: a mask
+# takes 1-10 us for typical grammars, less than handing work to the pool.
+PARALLEL_MIN_ROWS = 16
 
 
 def _llguidance() -> Any:
@@ -133,14 +137,58 @@ class GrammarBackend:
 
 
 
-def allowed_tokens(matchers: list[Any], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """bool [len(matchers), vocab_size] on `device`: True where the row's grammar allows the token
-    next. The masks are computed on the host (llguidance) while the device runs the forward."""
-    words = (vocab_size + 31) // 32
-    bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
-    for i, matcher in enumerate(matchers):
-        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
-    return unpack_bitmask(to_device_async(bitmask, device), vocab_size)
+class MaskBuffers:
+    """Host bitmasks for a runner's constrained rows, and their copy to the device. On CUDA the host
+    side is pinned memory allocated once (two buffers, alternating, grown when more rows come) so
+    the copy neither allocates nor waits; the step before has been read back by the time a buffer
+    is written again (a constrained step needs the last one's tokens), so the second buffer is a
+    margin, not a requirement. Several rows' masks are computed in parallel on llguidance's thread
+    pool from PARALLEL_MIN_ROWS rows on."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+        self._host: list[torch.Tensor] = []
+        self._turn = 0
+        self._executor: Any = None
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if not self._host or self._host[0].shape[0] < rows:
+            size = max(rows, 2 * self._host[0].shape[0] if self._host else 8)
+            pin = self.device.type == "cuda"
+            self._host = [torch.empty((size, self.words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._turn ^= 1
+        return self._host[self._turn][:rows]
+
+    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """int32 [len(matchers), ceil(V / 32)] on the device: each row's next-token bitmask. Computed on
+        the host (llguidance) while the device runs the forward; several rows in parallel on
+        llguidance's thread pool."""
+        host = self._buffer(len(matchers))
+        if len(matchers) < PARALLEL_MIN_ROWS or self.device.type != "cuda":
+            for i, matcher in enumerate(matchers):
+                matcher.unsafe_compute_mask_ptr(host[i].data_ptr(), self.words * 4)
+        else:
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)], host.data_ptr(), self.words * 4, len(matchers)
+            )
+        # On the CPU the sampler reads the buffer before this step returns, so it is used as it is.
+        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host.to(self.device)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` with every token the rows' bitmasks clear at -inf (the rows of `rows`); a new tensor
+    on the CPU, in place on CUDA (one Triton launch)."""
+    if logits.is_cuda:
+        from kernels.token_bitmask import apply_token_bitmask_
+
+        apply_token_bitmask_(logits, rows, bitmask)
+        return logits
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.sampling.grammar import apply_bitmask
 from services.worker.sampling.penalties import PenaltyState, TokenIds, row_token_pairs, to_device_async
 from services.worker.sampling.sampling_params import SAMPLING_EPS, SamplingParams
 
@@ -96,8 +97,9 @@ class SamplingBatchInfo:
     # OpenAI's logit_bias: (rows, token ids, biases) added to the penalised logits; None when unused.
     # Kept out of PenaltyState: it never changes during a request, so a decode step may reuse it.
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # Constrained decoding (grammar.py): (rows, allowed) with allowed a bool [len(rows), V]; every
-    # other token of those rows is -inf. Set per step (dataclasses.replace), never cached.
+    # Constrained decoding (grammar.py): (rows, bitmask), bitmask int32 [len(rows), ceil(V / 32)], bit
+    # j of word w allowing token 32 w + j; every other token of those rows is -inf. Set per step
+    # (dataclasses.replace), never cached.
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -251,6 +253,7 @@ class SampleOutput:
 def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """float32 logits after penalties, bans, logit_bias and the grammar masks (greedy rows take the
     argmax of exactly this). A banned or disallowed token stays at -inf whatever its bias."""
+    source = logits
     logits = logits.float()
     if info.penalties is not None:
         logits = info.penalties.apply(logits)
@@ -258,8 +261,9 @@ def penalized_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Ten
         rows, ids, values = info.bias
         logits = logits.index_put((rows, ids), values, accumulate=True)  # a copy: the input is kept
     if info.grammar is not None:
-        rows, allowed = info.grammar
-        logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+        if logits is source and logits.is_cuda:
+            logits = logits.clone()  # the mask kernel writes in place; the input is kept
+        logits = apply_bitmask(logits, *info.grammar)
     return logits
 
 

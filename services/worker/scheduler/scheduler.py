@@ -271,7 +271,7 @@ class Scheduler:
             if spec_step is not None:
                 self._apply_spec_step(batch, spec_step, outputs)
                 return outputs
-        launched = self._launch(batch) if batch is not None else None
+        launched = self._launch(batch, outputs) if batch is not None else None
         self._finish_inflight(outputs)
         if self.overlap:
             self._inflight = launched
@@ -281,17 +281,19 @@ class Scheduler:
 
     def _must_sync_before_scheduling(self) -> bool:
         """An extend step in flight changes the tree and the running set (chunked prefill, new
-        requests); a mixed step would need its decodes' tokens on the host. Both wait for it, as
-        does a step with a constrained request: its next mask needs the token in flight."""
+        requests); a mixed step would need its decodes' tokens on the host. Both wait for it. (A
+        constrained request's mask needs the token in flight too, but only to sample: _launch reads
+        it back after launching the next forward.)"""
         assert self._inflight is not None
         if self._inflight.batch.mode.is_extend():
             return True
-        if any(r.grammar is not None for r in self._inflight.sampled):
-            return True
         return self.config.enable_mixed_chunk and bool(self.waiting or self.chunked_req)
 
-    def _launch(self, batch: ScheduleBatch) -> InFlight:
-        """Prepare, run the forward and start sampling; nothing here waits for the device."""
+    def _launch(self, batch: ScheduleBatch, outputs: list[ReqOutput]) -> InFlight:
+        """Prepare, run the forward and start sampling; nothing here waits for the device, unless a
+        constrained request's grammar needs the token still in flight to mask this step: then the step
+        in flight is read back (into `outputs`) once this forward is queued, and the grammars advance
+        and compute their masks while it runs, as SGLang's overlap schedule does."""
         self.stats.num_steps += 1
         prev = self._inflight
         future = None
@@ -305,6 +307,9 @@ class Scheduler:
         ]
         sampled = [batch.reqs[i] for i in sampled_idx]
         rows = logits if len(sampled_idx) == len(batch.reqs) else logits[sampled_idx]
+        if prev is not None and any(r.grammar is not None and r.num_inflight for r in sampled):
+            self._finish_inflight(outputs)
+            future = None
         handle = self.runner.sample_async(rows, sampled, future)
         for req in sampled:
             req.num_inflight += 1
