@@ -1,5 +1,6 @@
 """The NATS front door ({p}.v1.generate, {p}.v1.abort) with a plain nats-py client, as docs/API.md shows
-it: streamed chunks to the reply inbox, an explicit final, errors as finals, abort, malformed
+it: streamed chunks to the reply inbox, an explicit final, errors as finals (a grammar that cannot
+compile among them), abort, malformed
 messages, and the queue group that gives each request to exactly one of several gateways.
 Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real nats-server."""
 
@@ -89,6 +90,17 @@ def test_chat_template_kwargs_reach_the_tokenizer(
     assert next(r for r in pipeline.requests if r.rid == "n-kw").chat_template_kwargs == {"enable_thinking": False}
     bad = run_in_new_loop(generate(nats_server.url, request(text="x", chat_template_kwargs={"enable_thinking": False})))
     assert bad[-1].error == "400: chat_template_kwargs apply to chat messages only"
+
+
+def test_a_grammar_reaches_the_worker_and_a_bad_one_is_an_error_final(
+    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    chunks = run_in_new_loop(generate(nats_server.url, request(text="x", rid="n-json", sampling=Sampling(json_schema=schema))))
+    assert chunks[-1].error is None
+    assert next(r for r in pipeline.requests if r.rid == "n-json").sampling.json_schema == schema
+    bad = run_in_new_loop(generate(nats_server.url, request(text="x", sampling=Sampling(regex="(a"))))
+    assert bad[-1].final and bad[-1].error.startswith("400: regex cannot be compiled")
 
 
 def test_unstreamed_request_gets_one_final_with_the_whole_text(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
