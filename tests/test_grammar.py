@@ -7,7 +7,8 @@ References:
 - Python's `re` and `json` on what comes out of sampled requests (temperature 1, many seeds): every
   output is a whole sentence of its grammar.
 A constrained request in a batch leaves its neighbours' tokens as they are alone, with and without the
-overlap schedule and with speculative decoding on. Bad grammars are ValueErrors naming the field.
+overlap schedule and with speculative decoding on; retraction (its matcher kept), chunked prefill and
+mixed steps under overlap give the tokens of a plain run. Bad grammars are ValueErrors naming the field.
 """
 
 from __future__ import annotations
@@ -122,6 +123,36 @@ def test_greedy_constrained_tokens_match_transformers_with_a_masking_processor(q
 def engine_free_texts(path: Path, prompts: list[list[int]]) -> list[dict]:
     with Engine(str(path)) as engine:
         return engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 40})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_total_tokens": 120}, {"chunked_prefill_size": 5}, {"enable_mixed_chunk": True, "chunked_prefill_size": 8}],
+    ids=["retracting", "chunked", "mixed"],
+)
+def test_constrained_tokens_survive_retraction_chunking_and_mixed_steps_with_overlap(
+    qwen3_path: Path, options: dict
+) -> None:
+    """Sixteen requests, three in four constrained: a small pool (retracted requests keep their matchers
+    and resume), chunked prefill and mixed steps, with the overlap schedule, give the tokens of an
+    ample pool without overlap."""
+    prompts = random_prompts(16, 10, 20, seed=41)
+    params = [
+        {"temperature": 0, "max_new_tokens": 60, **CONSTRAINTS[i % 4]} if i % 4 < 3
+        else {"temperature": 0, "max_new_tokens": 60, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    runs = []
+    for overlap, extra in ((False, {}), (True, options)):
+        with Engine(str(qwen3_path), disable_overlap_schedule=not overlap, **extra) as engine:
+            runs.append(engine.generate(input_ids=prompts, sampling_params=params))
+            stats = engine.get_server_info()["stats"]
+    assert output_ids(runs[1]) == output_ids(runs[0])
+    if "max_total_tokens" in options:
+        assert stats["num_retractions"] > 0
+    for i, result in enumerate(runs[1]):
+        if i % 4 < 3:
+            assert fits(CONSTRAINTS[i % 4], result["text"]), result["text"]
 
 
 def test_sampled_outputs_are_sentences_of_their_grammar(qwen3_path: Path) -> None:
