@@ -106,12 +106,15 @@ class SchedulerLoop:
         )
         self.runner = ModelRunner(config, model_config, device)
         tokenizer = load_tokenizer(config.model_path)
+        grammar = GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None
+        if grammar is not None:
+            grammar.prebuild()
         self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
         self.scheduler = Scheduler(
             config,
             self.runner,
             decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
-            grammar=GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None,
+            grammar=grammar,
         )
 
     def info(self) -> dict[str, Any]:

@@ -28,7 +28,9 @@ that with llguidance's own `"x-guidance"` key, e.g. {"x-guidance": {"whitespace_
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,21 +109,33 @@ class GrammarBackend:
     """llguidance's view of one model's vocabulary, and the matchers of its constrained requests.
 
     `tokenizer` is the checkpoint's transformers tokenizer (a fast one); `vocab_size` the model's
-    logits width (it may exceed the tokenizer's: padding rows are never allowed)."""
+    logits width (it may exceed the tokenizer's: padding rows are never allowed). Building the
+    vocabulary index takes ~0.4 s for 49k tokens (~1 s for Qwen3's 151k); `prebuild()` starts it on a
+    thread so that the first constrained request does not hold the scheduler that long."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def prebuild(self) -> None:
+        """Build the vocabulary index on a daemon thread now (errors surface at the first use)."""
+        threading.Thread(target=self._try_build, name="grammar-vocab", daemon=True).start()
+
+    def _try_build(self) -> None:
+        with contextlib.suppress(Exception):
+            self._lltokenizer()
 
     def _lltokenizer(self) -> Any:
-        if self._tokenizer is None:
-            if self._hf_tokenizer is None:
-                raise ValueError("constrained decoding needs a tokenizer; this checkpoint has none")
-            from llguidance.hf import from_tokenizer
+        with self._lock:  # a request that comes during prebuild() waits for it
+            if self._tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise ValueError("constrained decoding needs a tokenizer; this checkpoint has none")
+                from llguidance.hf import from_tokenizer
 
-            self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
-        return self._tokenizer
+                self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
+            return self._tokenizer
 
     def matcher(self, params: SamplingParams) -> Any | None:
         """A fresh matcher for the request's grammar (None without one); ValueError if it cannot be
