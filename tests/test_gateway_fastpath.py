@@ -80,7 +80,7 @@ def test_a_valid_body_is_served_by_the_route_function() -> None:
     ("method", "path", "body", "content_type"),
     [
         ("POST", "/generate", b'{"text": "hi", "sampling_params": {"top_k": 1.5}}', b"application/json"),
-        ("POST", "/generate", b'{"text": "hi", "sampling_params": {"regex": "a+"}}', b"application/json"),
+        ("POST", "/generate", b'{"text": "hi", "sampling_params": {"structural_tag": "x"}}', b"application/json"),
         ("POST", "/generate", b'{"text": "hi",', b"application/json"),
         ("POST", "/generate", b'["hi"]', b"application/json"),
         ("POST", "/generate", b"\xff\xfe", b"application/json"),
@@ -159,7 +159,8 @@ def blank(value: Any) -> Any:
         {"text": "hi", "rid": ["a", "b"]},
         {"text": "hi", "sampling_params": {"top_k": 1.5}},
         {"text": "hi", "sampling_params": {"temperature": -1}},
-        {"text": "hi", "sampling_params": {"regex": "a+"}},
+        {"text": "hi", "sampling_params": {"structural_tag": "x"}},
+        {"text": "hi", "sampling_params": {"regex": "("}},
         {"input_ids": [[1], 2]},
     ],
 )
