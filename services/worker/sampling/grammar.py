@@ -8,8 +8,8 @@ output a prefix of some sentence of the grammar. Here:
   spec_of(params)           the request's one grammar as (field, llguidance grammar text), or None
   check_grammar(params)     ValueError naming the field for a grammar that cannot compile (no tokenizer
                             needed: the gateway and the Engine refuse bad ones before they queue)
-  GrammarBackend            per scheduler: the tokenizer as llguidance reads it (built at the first
-                            constrained request, ~0.3 s for a 49k vocabulary) and a matcher per request
+  GrammarBackend            per scheduler: the tokenizer as llguidance reads it (built on a thread when
+                            the scheduler starts, ~0.4 s for a 49k vocabulary) and a matcher per request
   MaskBuffers               per runner: the constrained rows' next-token bitmasks, computed by
                             llguidance into reused (pinned) host memory and copied to the device
                             (ModelRunner.sample_async)
@@ -148,7 +148,6 @@ class GrammarBackend:
         if matcher.is_error():
             raise ValueError(f"{field} cannot be compiled: {_short(matcher.get_error())}")
         return matcher
-
 
 
 class MaskBuffers:
