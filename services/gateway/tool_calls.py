@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.reasoning import held_suffix
+from services.worker.sampling.grammar import JSON_DEFAULTS
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "qwen3")  # one format: Qwen's templates use Hermes' tags
@@ -122,8 +123,7 @@ def forced_call_grammar(tools: list[dict[str, Any]], name: str | None, parallel:
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
-    schema = {"anyOf": bodies, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ",
-                                              "key_separator": ": "}}
+    schema = {"anyOf": bodies, "x-guidance": JSON_DEFAULTS}  # the JSON form response_format gets
     call = f'call: "{START}\\n" %json {json.dumps(schema)} "\\n{END}"'
     start = 'start: call ("\\n" call)*' if parallel and name is None else "start: call"
     return f"{start}\n{call}\n"
