@@ -29,6 +29,7 @@ that with llguidance's own `"x-guidance"` key, e.g. {"x-guidance": {"whitespace_
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 from typing import TYPE_CHECKING, Any
@@ -94,9 +95,17 @@ def check_grammar(params: SamplingParams) -> None:
     if spec is None:
         return
     field, grammar = spec
-    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    error = _grammar_error(grammar)
     if error:
         raise ValueError(f"{field} cannot be compiled: {_short(error)}")
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(grammar: str) -> str:
+    """llguidance's verdict on a grammar ('' when it compiles). One request's grammar is checked at
+    each door it passes (the gateway's OpenAI layer, then each of its n choices, the tokenizer, the
+    worker), and clients repeat schemas: each process compiles a given grammar once."""
+    return _llguidance().LLMatcher.validate_grammar(grammar)
 
 
 def _short(message: str) -> str:
