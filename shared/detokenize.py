@@ -49,6 +49,13 @@ class IncrementalDetokenizer:
         self.text += full[len(prefix_text) :]
         self._prefix, self._read = self._read, len(self.ids)
 
+    def resume(self, token_ids: list[int], sent_chars: int) -> None:
+        """Continue a request whose first `token_ids` were detokenized elsewhere (it moved from a lost
+        worker) and whose client has seen `sent_chars` characters of their text: the next delta
+        starts after those."""
+        self.add(token_ids)
+        self.sent = max(0, min(sent_chars, len(self.text)))
+
     def _stop_cut(self) -> int | None:
         """Index in self.text where the first stop string begins, if one has appeared."""
         hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]

@@ -141,6 +141,11 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     # False: the client wants the whole answer only, so the worker sends the first token and the final
     # (with every other token), not every step.
     stream: bool = True
+    # Migration from a lost worker: the tokens its client has already received, which the new worker
+    # treats as generated (they count against max_new_tokens, penalties and stop checks), and how many
+    # characters of their text the client has already seen (the detokenizer continues from there).
+    resume_ids: list[int] | None = None
+    resume_chars: int = 0
 
 
 class TextTokenize(msgspec.Struct, tag="text_tokenize", omit_defaults=True):
@@ -179,6 +184,8 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
     top_logprobs_num: int = 0
     priority: int = 0
     stream: bool = True  # as on TokenizeRequest
+    resume_ids: list[int] | None = None  # as on TokenizeRequest
+    resume_chars: int = 0
 
 
 # ---- worker -> detokenizer -> gateway -----------------------------------------------------------
@@ -205,6 +212,10 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     first: bool = False
     stop: list[str] | None = None
     skip_special_tokens: bool = True
+    # On the first item of a migrated request: the tokens (and characters of text) its client already
+    # has, so the detokenizer continues the text instead of starting it again.
+    resume_ids: list[int] | None = None
+    resume_chars: int = 0
 
 
 class BatchTokenOut(msgspec.Struct, tag="batch_token_out"):
@@ -249,7 +260,9 @@ class BatchStreamOut(msgspec.Struct, tag="batch_stream_out"):
 
 
 class ControlRequest(msgspec.Struct, tag="control", omit_defaults=True):
-    """command: 'abort' (rid required), 'flush_cache', 'get_info'."""
+    """command: 'abort' (rid required), 'flush_cache', 'get_info', 'ping' (answered by the worker's
+    event loop at once, without the scheduler: the reply's message is the worker's instance id) or
+    'status' (rid required: ok when the worker holds that request)."""
 
     v: int
     command: str
@@ -281,7 +294,12 @@ class ControlReply(msgspec.Struct, tag="control_reply", omit_defaults=True):
 
 
 class WorkerLoad(msgspec.Struct, tag="worker_load"):
-    """Published every second by each worker; gateways route on it and forget silent workers."""
+    """Published every `interval` seconds by each worker's event loop, never waiting for its scheduler
+    (the figures are the latest the scheduler gave). Gateways route on it; a worker silent for a while
+    is probed on its control subject, and only a worker whose subscription is gone (process or
+    connection dead) loses its requests (services/gateway/liveness.py). `instance` changes when the
+    worker process restarts under the same id; `steps` counts the scheduler steps it has published, so
+    a gateway can tell a worker that is making progress from one that is not."""
 
     v: int
     worker_id: str
@@ -293,6 +311,9 @@ class WorkerLoad(msgspec.Struct, tag="worker_load"):
     max_total_tokens: int
     context_len: int
     timestamp: float
+    instance: str = ""
+    steps: int = 0
+    interval: float = 1.0
 
 
 # ---- the NATS front door ------------------------------------------------------------------------

@@ -126,6 +126,7 @@ class FakePipeline:
         self.running: dict[str, dict[str, FakeRequest]] = {wid: {} for wid in workers}
         self.seen_prompts: set[str] = set()
         self.refuse_flush = False
+        self.subscriptions: dict[str, list[Any]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.thread = LoopThread("fake-pipeline")
         self.thread.run(self._start())
@@ -137,8 +138,10 @@ class FakePipeline:
                 self.bus.subjects.tokenize, (TokenizeRequest,), self._on_tokenize, queue="tokenizer"
             )
         for wid in self.alive:
-            await self.bus.subscribe(self.bus.subjects.worker_control(wid), (ControlRequest,), self._control_handler(wid))
-            await self.bus.subscribe(self.bus.subjects.worker_requests(wid), (GenerateRequest,), self._generate_handler(wid))
+            self.subscriptions[wid] = [
+                await self.bus.subscribe(self.bus.subjects.worker_control(wid), (ControlRequest,), self._control_handler(wid)),
+                await self.bus.subscribe(self.bus.subjects.worker_requests(wid), (GenerateRequest,), self._generate_handler(wid)),
+            ]
         self._loads = asyncio.create_task(self._publish_loads())
         await self._publish_loads_once()
 
@@ -153,7 +156,19 @@ class FakePipeline:
         self.thread.close()
 
     def kill_worker(self, worker_id: str) -> None:
-        """The worker stops reporting and stepping, without finals (as a crashed process)."""
+        """The worker stops reporting and stepping, without finals, and its subscriptions go (as a
+        crashed process's do when its connection closes)."""
+        self.alive[worker_id] = False
+
+        async def unsubscribe() -> None:
+            for sub in self.subscriptions.pop(worker_id, []):
+                await sub.unsubscribe()
+            await self.bus.nc.flush()
+
+        self.thread.run(unsubscribe())
+
+    def stall_worker(self, worker_id: str) -> None:
+        """The worker stops reporting, stepping and answering, but its process lives (a wedged loop)."""
         self.alive[worker_id] = False
 
     def in_flight(self, worker_id: str) -> list[str]:

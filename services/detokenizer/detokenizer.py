@@ -2,7 +2,7 @@
 so the standalone service and a worker's in-process detokenizer share it).
 
 Each request keeps an IncrementalDetokenizer (shared/detokenize.py) from its first TokenOut, which
-carries its stop strings and skip_special_tokens, to its final, when the state is freed. The final's
+carries its stop strings and skip_special_tokens (and a migrated request's tokens so far), to its final, when the state is freed. The final's
 usage and speculation metrics (spec_accept_length, spec_accept_rate) pass through unchanged. The text
 rules are the offline Engine's: never broken UTF-8, never part of a stop string mid-stream, text cut
 where a stop string begins, and a matched stop token id kept in token_ids but left out of the text.
@@ -74,6 +74,8 @@ class Detokenizer:
                 # (the worker still stops on them; only the text's hold-back is lost).
                 logger.warning("request %s joined mid-stream; detokenizing without its stop strings", item.rid)
             stream = _Stream(IncrementalDetokenizer(self.tokenizer, item.skip_special_tokens, item.stop), worker_id)
+            if item.resume_ids:
+                stream.text.resume(item.resume_ids, item.resume_chars)
             self._streams[item.rid] = stream
         final = item.finish is not None
         stream.text.add(visible_token_ids(item))

@@ -48,7 +48,14 @@ class GatewayConfig(ServiceConfig):
     enable_grpc: bool = _help("serve the gRPC API", True)
     enable_nats_frontdoor: bool = _help("serve {prefix}.v1.generate and {prefix}.v1.abort on NATS", True)
     worker_ttl: float = _help("seconds: route only to workers heard on {prefix}.workers.load this recently", 3.0)
-    worker_dead_after: float = _help("seconds: a worker silent this long is dead and its requests end in an error", 5.0)
+    worker_dead_after: float = _help(
+        "seconds: a worker that sends no report and answers no probe this long (its NATS connection still open) "
+        "is given up: its requests are aborted there and moved. A worker whose connection is gone is caught "
+        "within ~2 s whatever this is; a slow step never silences a worker", 30.0,
+    )
+    max_migrations: int = _help(
+        "times a request may move to another worker when its worker is lost (0: never; the client gets a 503)", 1
+    )
     api_key: str = _help(
         "comma-separated API keys every HTTP request (but /health, /metrics, docs) must bring as a Bearer token",
         "",
@@ -130,6 +137,8 @@ class GatewayConfig(ServiceConfig):
                 "balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1, got "
                 f"{self.balance_abs_threshold} and {self.balance_rel_threshold}"
             )
+        if not 0 <= self.max_migrations <= 16:
+            raise ValueError(f"max_migrations must be in [0, 16], got {self.max_migrations}")
         if self.wait_for_worker < 0:
             raise ValueError(f"wait_for_worker must be >= 0, got {self.wait_for_worker}")
         if self.max_request_bytes < 0:

@@ -7,13 +7,15 @@ size) -> the front door reads the stream. A prompt given as token ids
 has nothing to tokenize: its GenerateRequest goes straight to the worker, which checks the ids against
 its model (the tokenizer service would have made the same checks) and refuses bad ones with the same
 error final. A client that goes away releases its request, which
-aborts it on its worker (freeing its KV). A watchdog forgets silent workers and ends their requests.
+aborts it on its worker (freeing its KV). The watchdog (liveness.py) tells gone workers from busy
+ones; a gone worker's requests migrate: each goes to a live worker with its prompt and the tokens its
+client already has, and its stream goes on with no repeat and no gap (at most --max-migrations times,
+then a clean 503).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -22,18 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+import msgspec
 import nats.errors
 
 from services.gateway.auth import ApiKey, KeyStore, StoreUnavailable, current_key
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import (
-    GATEWAY_TIMEOUT,
     NOT_FOUND,
     PAYLOAD_TOO_LARGE,
     SERVICE_UNAVAILABLE,
     GatewayError,
     bad_request,
 )
+from services.gateway.liveness import Watchdog
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
@@ -65,7 +68,6 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = 0.5
 # Any id is valid at the gateway; the worker checks ids against the real vocabulary.
 _ANY_VOCAB = 2**31 - 1
 
@@ -88,6 +90,7 @@ class GenerateSpec:
     # False when the client reads the whole answer only: the worker then sends the first token and the
     # final, not every step (services/worker/output_batcher.py).
     stream: bool = True
+    timeout: float | None = None  # seconds the whole request may take before it is aborted (504)
 
     def validate(self) -> None:
         """GatewayError 400, naming the field, for anything no worker could run."""
@@ -100,6 +103,8 @@ class GenerateSpec:
             raise bad_request("the prompt is empty (input_ids has no tokens)", "input_ids")
         if self.messages is not None and not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        if self.timeout is not None and not 0 < self.timeout <= 86_400:
+            raise bad_request(f"timeout must be in (0, 86400] seconds, got {self.timeout}", "timeout")
         if self.top_logprobs_num < 0:
             raise bad_request(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
         validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
@@ -195,7 +200,7 @@ class Dispatcher:
         self.keys = KeyStore(keys, config.redis_url, config.subject_prefix)
         self.hub.on_usage = self._record_usage
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._watchdog: asyncio.Task[None] | None = None
+        self.watchdog = Watchdog(bus, config, self.registry, self.hub, metrics, self)
 
     @property
     def gateway_id(self) -> str:
@@ -211,13 +216,10 @@ class Dispatcher:
                         "" if limit is None else f" up to {limit} characters (longer ones: the tokenizer service)")
         await self.hub.start()
         await self.bus.subscribe(self.bus.subjects.workers_load, (WorkerLoad,), self._on_load)
-        self._watchdog = asyncio.create_task(self._watch(), name="gateway-watchdog")
+        self.watchdog.start()
 
     async def stop(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        await self.watchdog.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.control_timeout)
         await self.keys.close()
@@ -242,6 +244,9 @@ class Dispatcher:
         trace.mark(rid, "gateway.submit")
         stream = self.hub.open(rid, worker.load.worker_id)
         stream.api_key = current_key.get()
+        stream.instance, stream.model = worker.load.instance, spec.model
+        if spec.timeout is not None:
+            stream.deadline = stream.started + spec.timeout
         msg = TokenizeRequest(
             v=PROTOCOL_VERSION,
             rid=rid,
@@ -258,15 +263,9 @@ class Dispatcher:
             top_logprobs_num=spec.top_logprobs_num,
             stream=spec.stream,
         )
+        stream.request = msg
         try:
-            if self.tokenizes_for(worker) and self.tokenizes_here(msg):
-                await self._publish_tokenized(msg)
-            elif msg.input_ids is not None:
-                # One NATS hop and one process fewer on the way to the first token.
-                out = generate_request(msg, msg.input_ids)
-                await self.bus.publish(self.bus.subjects.worker_requests(msg.worker_id), out)
-            else:
-                await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
+            await self._publish(stream, msg, worker)
         except PayloadTooLarge as exc:
             self.hub.close(stream)
             raise GatewayError(PAYLOAD_TOO_LARGE, f"the request is too large: {exc}") from None
@@ -278,6 +277,18 @@ class Dispatcher:
             raise
         trace.mark(rid, "gateway.published")
         return stream
+
+    async def _publish(self, stream: RequestStream, msg: TokenizeRequest, worker: WorkerEntry) -> None:
+        """Send a request on its way to `worker`: tokenized here, straight to the worker (token ids),
+        or through the tokenizer service."""
+        if self.tokenizes_for(worker) and self.tokenizes_here(msg):
+            await self._publish_tokenized(msg)
+        elif msg.input_ids is not None:
+            # One NATS hop and one process fewer on the way to the first token.
+            out = generate_request(msg, msg.input_ids)
+            await self.bus.publish(self.bus.subjects.worker_requests(msg.worker_id), out)
+        else:
+            await self.bus.publish(self.bus.subjects.tokenize, msg, reply=self.hub.reply_subject(stream))
 
     def tokenizes_for(self, worker: WorkerEntry) -> bool:
         """Whether this gateway tokenizes requests for `worker` itself (its --local-tokenizer model is
@@ -447,19 +458,64 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _on_load(self, load: WorkerLoad, raw: object) -> None:
-        self.registry.observe(load)
+        old_instance = self.registry.observe(load)
+        if old_instance is not None:
+            self.worker_lost(load.worker_id, f"worker {load.worker_id} restarted", instance=old_instance)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            for worker_id in self.registry.prune_dead():
-                failed = self.hub.fail_worker(
-                    worker_id,
-                    f"worker {worker_id} stopped responding (no load report for {self.config.worker_dead_after:g} s)",
-                )
-                logger.warning("worker %s is gone; %d in-flight request(s) ended with an error", worker_id, failed)
-            self.hub.fail_silent(self.config.first_output_timeout, GATEWAY_TIMEOUT)
-            self.metrics.live_workers.set(len(self.registry.live()))
+    # ---- lost workers and requests that stopped (called by the watchdog, liveness.py) ------------
+
+    def worker_lost(self, worker_id: str, reason: str, instance: str | None = None, abort: bool = False) -> None:
+        """`worker_id` (or, with `instance`, that process of it) is gone: each of its requests here
+        moves to a live worker or ends with a 503. `abort`: the worker may still run them (it stopped
+        answering, not existing), so they are aborted there first."""
+        if instance is None:
+            self.registry.forget(worker_id)
+        lost = [s for s in self.hub.in_flight() if s.worker_id == worker_id and (instance is None or s.instance == instance)]
+        logger.warning("%s; %d in-flight request(s) here", reason, len(lost))
+        for stream in lost:
+            if abort:
+                self._spawn(self._send_abort(worker_id, stream.rid))
+            self._spawn(self._migrate(stream, reason))
+
+    async def _migrate(self, stream: RequestStream, reason: str) -> None:
+        """Send a lost worker's request to a live one, with the tokens its client already has; past
+        --max-migrations, or with no live worker for its model, a clean 503."""
+        if stream.finished:
+            return
+        if stream.request is None or stream.migrations >= self.config.max_migrations:
+            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason} (request {stream.rid} not moved: "
+                       f"{stream.migrations} of --max-migrations {self.config.max_migrations} used)")
+            return
+        worker = self.registry.choose(stream.model, self.hub.per_worker())
+        if worker is None:
+            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason}; no other live worker serves this request's model")
+            return
+        msg = msgspec.structs.replace(
+            stream.request, worker_id=worker.load.worker_id,
+            resume_ids=list(stream.delivered_ids) or None, resume_chars=stream.delivered_chars,
+        )
+        stream.worker_id, stream.instance = worker.load.worker_id, worker.load.instance
+        stream.migrations += 1
+        stream.checked_at = None
+        try:
+            await self._publish(stream, msg, worker)
+        except Exception as exc:  # noqa: BLE001 - the client gets the error; the gateway goes on
+            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason}; moving request {stream.rid} failed: {exc}")
+            return
+        self.metrics.migrations.inc()
+        logger.info("request %s moved to worker %s after %d token(s) (%s)", stream.rid, worker.load.worker_id,
+                    len(stream.delivered_ids), reason)
+
+    def give_up(self, stream: RequestStream, status: int, message: str) -> None:
+        """End a request that took too long with an error, and abort it on its worker."""
+        if stream.finished:
+            return
+        self._fail(stream, status, message)
+        self._spawn(self._send_abort(stream.worker_id, stream.rid))
+
+    def _fail(self, stream: RequestStream, status: int, message: str) -> None:
+        stream.fail(status, message)
+        self.hub.close(stream)
 
 
 async def collect(stream: RequestStream) -> Completion:

@@ -68,6 +68,9 @@ class GatewayMetrics:
         )
         self.cached_tokens = Counter("rs_gateway_cached_tokens", "prompt tokens served from the prefix cache", registry=r)
         self.in_flight = Gauge("rs_gateway_requests_in_flight", "requests waiting for their final output", registry=r)
+        self.migrations = Counter(
+            "rs_gateway_migrations", "requests moved to another worker after theirs was lost", registry=r
+        )
         self.live_workers = Gauge("rs_gateway_live_workers", "workers heard from within the TTL", registry=r)
 
     def count(self, endpoint: str, status: int) -> None:

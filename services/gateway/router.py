@@ -1,5 +1,5 @@
-"""The worker registry: which workers are alive (heard on `{p}.workers.load` recently), which model each
-serves, and the choice among them: cache-aware (SGLang router's rule) or least loaded.
+"""The worker registry: which workers are live (heard on `{p}.workers.load` recently, so routable), which
+model each serves, and the choice among them: cache-aware (SGLang router's rule) or least loaded.
 
 Cache-aware routing: while the live workers' queues are balanced, a request goes to the worker that
 was sent the longest prefix of its prompt (services/gateway/prefix_index.py), if that prefix is at
@@ -34,6 +34,8 @@ class WorkerEntry:
     load: WorkerLoad
     last_seen: float  # time.monotonic() of the last report
     sent_since_report: int = 0
+    progress_at: float = 0.0  # time.monotonic() when its published step count last moved
+    answered_at: float | None = None  # when it last answered a liveness probe (liveness.py)
 
     def queued(self, in_flight_here: int = 0) -> int:
         return max(self.load.num_running + self.load.num_waiting + self.sent_since_report, in_flight_here)
@@ -69,11 +71,38 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerEntry] = {}
         self._changed = asyncio.Event()
 
-    def observe(self, load: WorkerLoad, now: float | None = None) -> None:
-        """Record a WorkerLoad report."""
-        self._workers[load.worker_id] = WorkerEntry(load, time.monotonic() if now is None else now)
+    def observe(self, load: WorkerLoad, now: float | None = None) -> str | None:
+        """Record a WorkerLoad report. Returns the previous instance id when the report comes from a
+        new process under a known worker id (the old one's requests are lost), else None."""
+        now = time.monotonic() if now is None else now
+        previous = self._workers.get(load.worker_id)
+        entry = WorkerEntry(load, now, progress_at=now)
+        restarted = None
+        if previous is not None:
+            if previous.load.instance != load.instance:
+                restarted = previous.load.instance
+            else:
+                entry.answered_at = previous.answered_at
+                if previous.load.steps == load.steps:
+                    entry.progress_at = previous.progress_at
+        self._workers[load.worker_id] = entry
         self._changed.set()
         self._changed = asyncio.Event()
+        return restarted
+
+    def progress_at(self, worker_id: str) -> float | None:
+        """When `worker_id` last published a step (None for a worker not known here)."""
+        entry = self._workers.get(worker_id)
+        return entry.progress_at if entry is not None else None
+
+    def all(self) -> list[WorkerEntry]:
+        """Every worker known here, live or silent."""
+        return list(self._workers.values())
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a worker that is gone (and the prefixes routed to it)."""
+        self._workers.pop(worker_id, None)
+        self.prefixes.forget(worker_id)
 
     def live(self, model: str | None = None, now: float | None = None) -> list[WorkerEntry]:
         """Workers heard within the TTL (serving `model`, if given)."""
@@ -122,13 +151,17 @@ class WorkerRegistry:
         best.sent_since_report += 1
         return best
 
-    def prune_dead(self, now: float | None = None) -> list[str]:
-        """Forget workers silent for longer than dead_s; return their ids."""
+    def prune_dead(self, now: float | None = None, since: float = 0.0) -> list[str]:
+        """Forget workers that have been silent, and have not answered a probe, for longer than dead_s
+        (counting from `since` at the earliest: when this gateway's own connection came back); return
+        their ids. A worker whose NATS connection is gone is caught sooner by liveness.py's probe."""
         now = time.monotonic() if now is None else now
-        dead = [wid for wid, w in self._workers.items() if now - w.last_seen > self.dead_s]
+        dead = [
+            wid for wid, w in self._workers.items()
+            if now - max(w.last_seen, w.answered_at or 0.0, since) > self.dead_s
+        ]
         for wid in dead:
-            del self._workers[wid]
-            self.prefixes.forget(wid)
+            self.forget(wid)
         return dead
 
     async def wait_for_worker(self, timeout: float) -> bool:

@@ -23,7 +23,7 @@ from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayErr
 from services.gateway.metrics import GatewayMetrics, observe_many
 from shared import trace
 from shared.bus import Bus
-from shared.protocol import BatchStreamOut, Finish, StreamOut
+from shared.protocol import BatchStreamOut, Finish, StreamOut, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,25 @@ class RequestStream:
         self.finished = False  # the final (real or made here) has been queued
         self.error_status = BAD_REQUEST  # status of an error final from the pipeline (bad input)
         self.api_key: ApiKey | None = None  # the HTTP request's key, when keys are required
+        # What migration needs (dispatch.py): the request as published, the worker process it went to,
+        # the model asked for, and what the client has received so far.
+        self.request: TokenizeRequest | None = None
+        self.instance = ""
+        self.model: str | None = None
+        self.migrations = 0
+        self.delivered_ids: list[int] = []
+        self.delivered_chars = 0
+        self.deadline: float | None = None  # the request's own `timeout`, as a time.monotonic()
+        self.checked_at: float | None = None  # when its worker last said it holds it (no output yet)
         self._queue: asyncio.Queue[StreamOut] = asyncio.Queue()
 
     def deliver(self, out: StreamOut) -> None:
         if self.finished:
             return
         self.finished = out.finish is not None
+        if not is_error(out):
+            self.delivered_ids.extend(out.token_ids)
+            self.delivered_chars += len(out.text)
         self._queue.put_nowait(out)
 
     def fail(self, status: int, message: str) -> None:
@@ -132,22 +145,19 @@ class StreamHub:
         self._by_reply.pop(stream.reply_token, None)
         self.metrics.in_flight.set(len(self._streams))
 
-    def fail_worker(self, worker_id: str, message: str) -> int:
-        """Give every request on `worker_id` an error final; return how many."""
-        victims = [s for s in self._streams.values() if s.worker_id == worker_id]
-        for stream in victims:
-            stream.fail(SERVICE_UNAVAILABLE, message)
-            self.close(stream)
-        return len(victims)
-
-    def fail_silent(self, timeout_s: float, status: int, now: float | None = None) -> int:
-        """Give an error final to requests that have had no output at all for `timeout_s`."""
+    def silent(self, timeout_s: float, now: float | None = None) -> list[RequestStream]:
+        """Requests with no output at all for `timeout_s` (counted from their start, or from when their
+        worker last said it holds them)."""
         now = time.monotonic() if now is None else now
-        victims = [s for s in self._streams.values() if s.first_output_at is None and now - s.started > timeout_s]
-        for stream in victims:
-            stream.fail(status, f"no output for request {stream.rid} after {timeout_s:.0f} s")
-            self.close(stream)
-        return len(victims)
+        return [
+            s for s in self._streams.values()
+            if s.first_output_at is None and now - (s.checked_at or s.started) > timeout_s
+        ]
+
+    def expired(self, now: float | None = None) -> list[RequestStream]:
+        """Requests past their own `timeout`."""
+        now = time.monotonic() if now is None else now
+        return [s for s in self._streams.values() if s.deadline is not None and now > s.deadline]
 
     async def _on_batch(self, batch: BatchStreamOut, raw: Msg) -> None:
         now = time.monotonic()

@@ -181,4 +181,6 @@ def generate_request(req: TokenizeRequest, ids: list[int]) -> GenerateRequest:
         top_logprobs_num=req.top_logprobs_num,
         priority=req.priority,
         stream=req.stream,
+        resume_ids=req.resume_ids,
+        resume_chars=req.resume_chars,
     )

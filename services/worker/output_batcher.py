@@ -11,7 +11,8 @@ flight, and which of its tokens go out in which message.
   tokens of those steps in one item), so a publisher slower than the scheduler falls behind by one
   round at most instead of by a growing queue of steps, and NATS arrivals are never stuck behind it.
 
-A request's first item carries its stop strings and skip_special_tokens, so a detokenizer needs no
+A request's first item carries its stop strings and skip_special_tokens (and, for a request migrated
+from a lost worker, the tokens and characters its client already has), so a detokenizer needs no
 other channel; its final item carries the finish, usage and speculation figures.
 """
 
@@ -36,6 +37,8 @@ class Flight:
     skip_special_tokens: bool
     stream: bool = True
     first: bool = True
+    resume_ids: list[int] | None = None  # a migrated request's tokens its client already has
+    resume_chars: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
@@ -91,6 +94,8 @@ class OutputBatcher:
             item.first, flight.first = True, False
             item.stop = flight.stop or None
             item.skip_special_tokens = flight.skip_special_tokens
+            if flight.resume_ids:
+                item.resume_ids, item.resume_chars = flight.resume_ids, flight.resume_chars
         if final is not None:
             reason = final.finished_reason
             assert reason is not None

@@ -293,12 +293,22 @@ class SchedulerClient:
         return_logprob: bool = False,
         top_logprobs_num: Any = 0,
         priority: int = 0,
+        resume_ids: list[int] | None = None,
     ) -> list[Req]:
         """Validate one prompt's token ids and sampling settings (ValueError naming the field) and
         build its `n` Reqs; without `rid` each gets a fresh id, with n > 1 ids get a `-i` suffix.
-        Requests without a seed get one from this client's RNG (`random_seed`)."""
+        Requests without a seed get one from this client's RNG (`random_seed`). `resume_ids`: tokens
+        a request migrated from a lost worker has already generated; they are its first outputs here,
+        so max_new_tokens, penalties and stop checks go on as if it had never moved."""
         mc = self.model_config
+        resume = list(resume_ids or [])
         validate_input_ids(input_ids, mc.vocab_size, mc.context_len, self.server_info["max_total_tokens"])
+        if resume:
+            try:
+                validate_input_ids(list(input_ids) + resume, mc.vocab_size, mc.context_len,
+                                   self.server_info["max_total_tokens"])
+            except ValueError as exc:
+                raise ValueError(f"`resume_ids`: {exc}") from None
         params = SamplingParams.from_dict(sampling, defaults=mc.generation_defaults)
         params.verify(mc.vocab_size)
         params.normalize()
@@ -326,6 +336,7 @@ class SchedulerClient:
                     top_logprobs_num=top_logprobs_num,
                     priority=priority,
                     eos_token_ids=frozenset(mc.eos_token_ids),
+                    output_ids=resume,
                 )
             )
         return reqs

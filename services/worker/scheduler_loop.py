@@ -93,6 +93,20 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+FAULT_STALL_ENV = "RS_FAULT_STALL"
+
+
+def _fault_stall(spec: str) -> tuple[int, float] | None:
+    """RS_FAULT_STALL's 'N:S' (block S seconds after the N-th step with outputs), or None when unset."""
+    if not spec:
+        return None
+    try:
+        after, seconds = spec.split(":")
+        return int(after), float(seconds)
+    except ValueError:
+        raise ValueError(f"{FAULT_STALL_ENV} must be 'N:S' (steps, seconds), got {spec!r}") from None
+
+
 class SchedulerLoop:
     """Owns one rank's Scheduler and feeds it."""
 
@@ -110,12 +124,25 @@ class SchedulerLoop:
         if grammar is not None:
             grammar.prebuild()
         self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
+        self._stall = _fault_stall(os.environ.get(FAULT_STALL_ENV, ""))
+        self._steps_with_outputs = 0
         self.scheduler = Scheduler(
             config,
             self.runner,
             decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
             grammar=grammar,
         )
+
+    def _stall_once(self) -> None:
+        """Fault injection (RS_FAULT_STALL=N:S): after the N-th step with outputs, block S seconds once,
+        as a step that long would (tests use it to show a slow worker keeps its requests)."""
+        assert self._stall is not None
+        after, seconds = self._stall
+        self._steps_with_outputs += 1
+        if self._steps_with_outputs == after:
+            logger.warning("fault injection: the scheduler blocks for %g s", seconds)
+            time.sleep(seconds)
+            self._stall = None
 
     def info(self) -> dict[str, Any]:
         s = self.scheduler
@@ -177,6 +204,8 @@ class SchedulerLoop:
                     return
             t1 = clock()
             outputs = self.scheduler.step()
+            if outputs and self._stall is not None:
+                self._stall_once()
             t2 = clock()
             if outputs and outbox is not None:
                 if trace.TRACE_DIR is not None:

@@ -7,13 +7,15 @@ to NATS; with tp_size > 1 the ranks are its child processes.
                                     has something to send), steps that queued meanwhile as one
     {p}.gateway.{gid}.stream   out  error finals for requests refused here; with --with-detokenizer,
                                     every stream message (the detokenizer runs in this process)
-    {p}.workers.load           out  WorkerLoad every load_interval seconds
+    {p}.workers.load           out  WorkerLoad every load_interval seconds: the heartbeat, sent by the
+                                    event loop with the scheduler's latest figures, never waiting for it
 
 Which tokens go out in which message (every step for a streamed request; the first token and the final
 for one whose client wants the whole answer) is services/worker/output_batcher.py's. A scheduler thread
 computing on the CPU starts no step until the loop has written the message of a step that gave some
 request its first token (at most FIRST_TOKEN_WAIT_S): its compute threads would otherwise hold every
-core, and it the GIL, while that token is on its way to the client. An abort for a request not (yet) here is remembered for a minute: a request whose abort
+core, and it the GIL, while that token is on its way to the client. A worker refuses to start under an id that a live worker of its namespace serves (its control subject
+has a responder). An abort for a request not (yet) here is remembered for a minute: a request whose abort
 overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker stops its WorkerLoad (gateways stop routing to it), refuses new
 requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
 an 'abort' final) and drains NATS.
@@ -34,7 +36,9 @@ import logging
 import queue
 import threading
 import time
+import uuid
 
+import nats.errors
 from nats.aio.msg import Msg
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -70,6 +74,13 @@ EARLY_ABORT_MAX = 10_000
 # first token, for the event loop to write that step's message before it starts the next step: its
 # compute threads would otherwise hold every core (and it the GIL) while the token is on its way out.
 FIRST_TOKEN_WAIT_S = 0.005
+# How long a starting worker waits for a live worker already holding its id to answer.
+CLAIM_TIMEOUT_S = 2.0
+
+
+def _log_refresh_failure(task: asyncio.Task[WorkerInfo]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("the scheduler's figures were not refreshed: %s", task.exception())
 
 
 def accept_length_buckets(num_draft_tokens: int) -> list[float]:
@@ -128,6 +139,10 @@ class WorkerService(Service):
         self.stream: StreamPublisher | None = None
         self.metrics = WorkerMetrics(config.engine.speculative_num_draft_tokens)
         self.batcher = OutputBatcher(self.worker_id, self.metrics)
+        # This process's id: a worker restarted under the same worker id has a new one, so gateways
+        # know the requests they sent to the old process are lost.
+        self.instance = uuid.uuid4().hex[:12]
+        self._info_cache: WorkerInfo | None = None
         self._flights = self.batcher.flights
         self._early_aborts: dict[str, float] = {}  # rid -> when its abort came, oldest first
         self._draining = False
@@ -146,6 +161,7 @@ class WorkerService(Service):
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
+        await self._claim_id()
         logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
         self._loop_thread = threading.get_ident()
         # A scheduler thread hands its outputs over itself (outputs_inline); a scheduler process's
@@ -162,6 +178,7 @@ class WorkerService(Service):
                 raise ValueError("--with-detokenizer needs a tokenizer; this checkpoint has none")
             self.stream = StreamPublisher(self.bus, self.client.tokenizer)
         subjects = self.bus.subjects
+        self._info_cache = await self._info()
         self._step_task = asyncio.create_task(self._publish_steps())
         await self.bus.subscribe(subjects.worker_requests(self.worker_id), (GenerateRequest,), self._on_generate)
         await self.bus.subscribe(subjects.worker_control(self.worker_id), (ControlRequest,), self._on_control)
@@ -295,12 +312,44 @@ class WorkerService(Service):
             for item in batch.items:
                 await self.bus.publish(subject, BatchTokenOut(v=batch.v, worker_id=batch.worker_id, step=batch.step, items=[item]))
 
-    async def _publish_load(self) -> None:
+    async def _claim_id(self) -> None:
+        """Refuse to start under a worker id that a live worker of this namespace already serves: two
+        processes on one id would both take its requests. NATS answers "no responders" at once when
+        nobody subscribes to the id's control subject; any other outcome (a reply, or a busy worker
+        that does not answer in time) means the id is taken."""
         assert self.bus is not None
+        subject = self.bus.subjects.worker_control(self.worker_id)
+        try:
+            await self.bus.request(subject, ControlRequest(v=PROTOCOL_VERSION, command="ping"), (ControlReply,),
+                                   timeout=CLAIM_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            return
+        except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            pass
+        raise ValueError(
+            f"worker id {self.worker_id!r} is already served by a live worker in namespace "
+            f"{self.bus.subjects.prefix!r} (it subscribes to {subject}); give this worker another --worker-id"
+        )
+
+    async def _publish_load(self) -> None:
+        """The worker's heartbeat: a WorkerLoad every load_interval seconds from this event loop, with
+        the latest figures the scheduler gave. It never waits for the scheduler (a long step would
+        otherwise silence it and gateways would take a busy worker for a dead one); the figures are
+        refreshed by a get_info that runs beside it, one at a time."""
+        assert self.bus is not None
+        refresh: asyncio.Task[WorkerInfo] | None = None
         while True:
             started = time.monotonic()
+            if refresh is not None and refresh.done():
+                with contextlib.suppress(Exception):  # logged below on the next failure
+                    self._info_cache = refresh.result()
+                refresh = None
+            if refresh is None:
+                refresh = asyncio.create_task(self._info())
+                refresh.add_done_callback(_log_refresh_failure)
+            info = self._info_cache
+            assert info is not None  # fetched in start()
             try:
-                info = await self._info()
                 await self.bus.publish(
                     self.bus.subjects.workers_load,
                     WorkerLoad(
@@ -308,13 +357,19 @@ class WorkerService(Service):
                         num_running=info.num_running, num_waiting=info.num_waiting,
                         kv_usage=info.kv_in_use / max(1, info.max_total_tokens), cache_hit_rate=info.cache_hit_rate,
                         max_total_tokens=info.max_total_tokens, context_len=info.context_len, timestamp=time.time(),
+                        instance=self.instance, steps=self.batcher.step, interval=self.config.load_interval,
                     ),
                 )
             except asyncio.CancelledError:
+                refresh.cancel()
                 raise
-            except Exception as exc:  # noqa: BLE001 - NATS down or scheduler busy: try next period
+            except Exception as exc:  # noqa: BLE001 - NATS down: try next period
                 logger.warning("worker %s: no WorkerLoad this period: %s", self.worker_id, exc)
-            await asyncio.sleep(max(0.0, self.config.load_interval - (time.monotonic() - started)))
+            try:
+                await asyncio.sleep(max(0.0, self.config.load_interval - (time.monotonic() - started)))
+            except asyncio.CancelledError:
+                refresh.cancel()
+                raise
 
     async def _info(self) -> WorkerInfo:
         assert self.client is not None
@@ -366,26 +421,33 @@ class WorkerService(Service):
         try:
             (req,) = self.client.build_reqs(
                 msg.input_ids, msg.sampling.to_dict(), rid=msg.rid, return_logprob=msg.return_logprob,
-                top_logprobs_num=msg.top_logprobs_num, priority=msg.priority,
+                top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, resume_ids=msg.resume_ids,
             )
         except ValueError as exc:
             logger.info("worker %s refused request %s: %s", self.worker_id, msg.rid, exc)
             await self._refuse(msg.gateway_id, msg.rid, str(exc))
             return
         params = req.sampling_params
-        self._flights[req.rid] = Flight(msg.gateway_id, params.stop_strings(), params.skip_special_tokens, msg.stream)
+        self._flights[req.rid] = Flight(
+            msg.gateway_id, params.stop_strings(), params.skip_special_tokens, msg.stream,
+            resume_ids=msg.resume_ids or None, resume_chars=msg.resume_chars,
+        )
         self.metrics.prompt_tokens.inc(len(msg.input_ids))
         if self._early_aborts.pop(req.rid, None) is not None:
             self._finish_unscheduled(req.rid, FinishReason("abort", message="aborted by request"), len(msg.input_ids))
-        elif params.max_new_tokens == 0:
-            self._finish_unscheduled(req.rid, FinishReason("length", 0), len(msg.input_ids))
+        elif req.remaining_new_tokens() == 0:  # max_new_tokens 0, or a migrated request already done
+            self._finish_unscheduled(
+                req.rid, FinishReason("length", params.max_new_tokens), len(msg.input_ids), len(req.output_ids)
+            )
         else:
             self.client.add(req)
             trace.mark(req.rid, "worker.queued")
 
-    def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int) -> None:
+    def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int = 0) -> None:
         """A request that ends before the scheduler sees it: its final goes out as a step of its own."""
-        self._steps.put_nowait([ReqOutput(rid, [], finished_reason=reason, prompt_tokens=prompt_tokens)])
+        self._steps.put_nowait([ReqOutput(
+            rid, [], finished_reason=reason, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        )])
 
     def _remember_early_abort(self, rid: str) -> None:
         now = time.monotonic()
@@ -423,7 +485,13 @@ class WorkerService(Service):
             return self._reply(False, "requests are in flight; the cache was not flushed")
         if msg.command == "get_info":
             return ControlReply(v=PROTOCOL_VERSION, ok=True, info=await self._info())
-        return self._reply(False, f"unknown command {msg.command!r}; expected abort, flush_cache or get_info")
+        if msg.command == "ping":
+            return self._reply(True, self.instance)
+        if msg.command == "status":
+            if msg.rid in self._flights:
+                return self._reply(True)
+            return self._reply(False, f"request {msg.rid!r} is not in flight on worker {self.worker_id}")
+        return self._reply(False, f"unknown command {msg.command!r}; expected abort, flush_cache, get_info, ping or status")
 
     @staticmethod
     def _reply(ok: bool, message: str | None = None) -> ControlReply:

@@ -51,6 +51,7 @@ class Req:
         top_logprobs_num: int = 0,
         priority: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        output_ids: list[int] | None = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -63,7 +64,8 @@ class Req:
             frozenset() if sampling_params.ignore_eos else eos_token_ids
         )
 
-        self.output_ids: list[int] = []
+        # Non-empty at the start only for a request migrated from a lost worker (its tokens so far).
+        self.output_ids: list[int] = list(output_ids or [])
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.finished_reason: FinishReason | None = None

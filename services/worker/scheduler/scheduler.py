@@ -212,6 +212,10 @@ class Scheduler:
                 if self.grammar is None:
                     raise ValueError("this scheduler has no grammar backend (no tokenizer)")
                 req.grammar = self.grammar.matcher(req.sampling_params)
+                # A migrated request's tokens so far: its grammar resumes where it was.
+                for token in req.output_ids:
+                    if not req.grammar.consume_token(token):
+                        raise ValueError("the migrated tokens left the grammar")
             except ValueError as exc:
                 # Checked before it queued (SamplingParams.verify); this is a grammar that compiles
                 # alone but not against this vocabulary.
