@@ -58,11 +58,13 @@ class ServiceProcess:
         self.log_path = log_path
 
     @classmethod
-    def start(cls, service: str, args: list[str], log_dir: Path, label: str | None = None) -> ServiceProcess:
+    def start(
+        cls, service: str, args: list[str], log_dir: Path, label: str | None = None, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
         log_path = log_dir / f"{label or service}.log"
         # One compute thread each: test machines are small and shared, and OpenMP threads that spin
         # on an oversubscribed CPU slow every process down many times over.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", service, *args],
