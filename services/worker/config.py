@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,12 @@ class EngineConfig:
     )
     device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)
     dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
+    cpu_threads: int | None = _help(
+        "CPU: compute threads per rank; default: OMP_NUM_THREADS when set, else every usable core but one (at "
+        "least 1), leaving a core to the event loop, the other services and the host, so a loaded host slows "
+        "the steps instead of stalling them (vLLM's CPU build keeps one too)",
+        None,
+    )
     context_length: int | None = _help("override the model's max positions", None)
     attention_backend: str | None = _help(
         "torch, triton or flashinfer (CUDA, optional package); default: torch on CPU, triton on CUDA", None
@@ -102,6 +109,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
+            raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.radix_eviction_policy not in EVICTION_POLICIES:
@@ -161,6 +170,15 @@ class EngineConfig:
                 f"speculative_draft_model_path {draft!r} has a vocabulary of {draft_vocab} tokens; the target "
                 f"model has {target_vocab}: a draft must share the target's vocabulary"
             )
+
+    def compute_threads(self) -> int | None:
+        """Threads a CPU rank computes with (None: leave torch's setting, as OMP_NUM_THREADS gave it)."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        if os.environ.get("OMP_NUM_THREADS"):
+            return None
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, usable - 1)
 
     def scheduler_in_process(self) -> bool:
         """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""

@@ -114,6 +114,10 @@ class SchedulerLoop:
         self.config = config
         self.rank = rank
         device = resolve_device(config, rank)
+        threads = config.compute_threads() if device.type == "cpu" else None
+        if threads is not None:
+            torch.set_num_threads(threads)
+            logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
         distributed.init_tp(rank, config.tp_size, init_method, device)
         model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
