@@ -50,7 +50,13 @@ class GatewayConfig(ServiceConfig):
     worker_ttl: float = _help("seconds: route only to workers heard on {prefix}.workers.load this recently", 3.0)
     worker_dead_after: float = _help("seconds: a worker silent this long is dead and its requests end in an error", 5.0)
     api_key: str = _help(
-        "comma-separated API keys every HTTP request (but /health, /metrics, docs) must bring as a Bearer token",
+        "comma-separated API keys (scope user) every request on HTTP (but /health, /metrics, docs), gRPC and the "
+        "NATS front door must bring as a Bearer token",
+        "",
+    )
+    admin_api_key: str = _help(
+        "comma-separated API keys of scope admin: they may also flush caches, abort all requests and abort other "
+        "keys' requests",
         "",
     )
     redis_url: str = _help(
