@@ -333,6 +333,7 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     spec_accept_length: float | None = None  # as on StreamOut, on a final with speculative decoding
     spec_accept_rate: float | None = None
     error: str | None = None
+    retry_after: int | None = None  # on a "429: ..." error: seconds until the API key's limit admits again
 
 
 class NatsAbort(msgspec.Struct, tag="nats_abort"):
