@@ -69,7 +69,7 @@ def gateways(nats: NatsServer, prefix: str, pipeline: FakePipeline) -> Iterator[
                          redis_url=REDIS_URL) for _ in range(2)]
     try:
         for gw in gws:
-            wait_for_workers(gw.url, 1, )
+            wait_for_workers(gw.url, 1)
         yield gws
     finally:
         for gw in gws:
@@ -93,7 +93,8 @@ def generate(gw: GatewayThread, key: str, rid: str, text: str) -> dict:
 
 
 @contextlib.contextmanager
-def running(gw: GatewayThread, pipeline: FakePipeline, key: str, text: str) -> Iterator[tuple[str, concurrent.futures.Future]]:
+def running(gw: GatewayThread, pipeline: FakePipeline, key: str,
+            text: str) -> Iterator[tuple[str, concurrent.futures.Future]]:
     """A request of `key` on `gw`, yielded once the worker runs it (its rid and its future answer)."""
     rid = f"r-{uuid.uuid4().hex[:8]}"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -202,16 +203,27 @@ def test_an_admin_may_abort_a_tenants_request_on_another_replica(gateways: list[
         assert finish_of(answer) == "abort"
 
 
+def grpc_abort(gw: GatewayThread, rid: str, key: str) -> bool:
+    with grpc.insecure_channel(gw.grpc_target) as channel:
+        stub = radixserve_pb2_grpc.RadixServeStub(channel)
+        reply = stub.Abort(radixserve_pb2.AbortRequest(rid=rid), timeout=5, metadata=[("authorization", f"Bearer {key}")])
+        return bool(reply.found)
+
+
 def test_grpc_abort_of_another_tenants_request_is_permission_denied(
         gateways: list[GatewayThread], tenants: dict[str, str], pipeline: FakePipeline) -> None:
     with running(gateways[0], pipeline, tenants["bob"], "HANG " + LONG) as (rid, answer):
-        with grpc.insecure_channel(gateways[0].grpc_target) as channel:
-            stub = radixserve_pb2_grpc.RadixServeStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                stub.Abort(radixserve_pb2.AbortRequest(rid=rid), timeout=5, metadata=[("authorization", f"Bearer {tenants['alice']}")])
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert "made with another API key" in refused.value.details()
-            assert not [a for a in pipeline.aborts if a[1] == rid]
-            found = stub.Abort(radixserve_pb2.AbortRequest(rid=rid), timeout=5, metadata=[("authorization", f"Bearer {tenants['bob']}")])
-            assert found.found
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_abort(gateways[0], rid, tenants["alice"])
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "made with another API key" in refused.value.details()
+        assert not [a for a in pipeline.aborts if a[1] == rid]
+        post(gateways[0], "/abort_request", ADMIN, {"rid": rid})  # the hanging request ends here
+        assert finish_of(answer) == "abort"
+
+
+def test_grpc_abort_by_the_requests_own_key_aborts_it(gateways: list[GatewayThread], tenants: dict[str, str],
+                                                     pipeline: FakePipeline) -> None:
+    with running(gateways[0], pipeline, tenants["bob"], "HANG " + LONG) as (rid, answer):
+        assert grpc_abort(gateways[0], rid, tenants["bob"]) is True
         assert finish_of(answer) == "abort"

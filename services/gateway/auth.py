@@ -36,13 +36,15 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.gateway.config import GatewayConfig
 from services.gateway.errors import FORBIDDEN, GatewayError
+
+if TYPE_CHECKING:
+    from services.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,8 @@ class KeyStore:
     ) -> None:
         self.static = {key_hash(k): ApiKey(key_hash(k), f"static-{i}") for i, k in enumerate(static_keys)}
         # A key given as both stays an admin.
-        self.static |= {key_hash(k): ApiKey(key_hash(k), f"admin-{i}", scope=ADMIN) for i, k in enumerate(admin_keys or [])}
+        admins = enumerate(admin_keys or [])
+        self.static |= {key_hash(k): ApiKey(key_hash(k), f"admin-{i}", scope=ADMIN) for i, k in admins}
         self.redis: Any = None
         self.prefix = f"radixserve:{namespace}:"
         if redis_url:
@@ -172,7 +175,8 @@ class KeyStore:
         digest = key_hash(key)
         if not await self._call(self.redis.hsetnx(self.prefix + "apikey_names", name, digest)):
             raise ValueError(f"a key named {name!r} exists already")
-        await self._call(self.redis.hset(self.prefix + "apikeys", digest, json.dumps({"name": name, "rpm": rpm, "scope": ADMIN if admin else USER})))
+        entry = {"name": name, "rpm": rpm, "scope": ADMIN if admin else USER}
+        await self._call(self.redis.hset(self.prefix + "apikeys", digest, json.dumps(entry)))
         return key
 
     async def revoke(self, name: str) -> bool:

@@ -3,8 +3,8 @@
 Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
 statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED; with API keys 401 UNAUTHENTICATED, 403 PERMISSION_DENIED for a
-user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED). A cancelled call (client gone, deadline) aborts its request on
-the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
+user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED). A cancelled call (client gone,
+deadline) aborts its request on the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
 also needs a live worker.
 """
 
