@@ -11,6 +11,8 @@ Subjects (prefix `rs` by default, configurable so deployments can share one NATS
   {p}.v1.generate                NATS clients -> gateway (queue group "gateway"), request with a reply
                                  inbox: NatsGenerateRequest; replies NatsGenerateChunk ... final=True
   {p}.v1.abort                   NATS clients -> every gateway (no queue group): NatsAbort
+  {p}.gateway.abort              gateway -> every gateway: GatewayAbort (a user key's abort of an rid
+                                 the sending gateway does not hold)
 Every message carries `v` (PROTOCOL_VERSION); a receiver drops (and logs) a message of another version
 or one that does not decode. Hot-path messages are batched per scheduler step: token streaming costs
 O(steps) messages, not O(tokens); a request that is not streamed (TokenizeRequest.stream) costs two
@@ -39,6 +41,7 @@ class Subjects:
         self.workers_load = f"{prefix}.workers.load"
         self.v1_generate = f"{prefix}.v1.generate"
         self.v1_abort = f"{prefix}.v1.abort"
+        self.gateway_abort = f"{prefix}.gateway.abort"
 
     def worker_requests(self, worker_id: str) -> str:
         return f"{self.prefix}.worker.{worker_id}.requests"
@@ -351,6 +354,7 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     spec_accept_length: float | None = None  # as on StreamOut, on a final with speculative decoding
     spec_accept_rate: float | None = None
     error: str | None = None
+    retry_after: int | None = None  # on a "429: ..." error: seconds until the API key's limit admits again
 
 
 class NatsAbort(msgspec.Struct, tag="nats_abort"):
@@ -358,6 +362,16 @@ class NatsAbort(msgspec.Struct, tag="nats_abort"):
 
     v: int
     rid: str
+
+
+class GatewayAbort(msgspec.Struct, tag="gateway_abort"):
+    """A user key's abort of `rid`, passed on by the gateway that got it (`gateway_id`) to the others:
+    the one holding the request aborts it if `key_id` (the key's hash) made it."""
+
+    v: int
+    rid: str
+    key_id: str
+    gateway_id: str
 
 
 _encoder = msgspec.msgpack.Encoder()

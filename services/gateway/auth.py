@@ -1,18 +1,27 @@
-"""API keys for the gateway's HTTP API: static keys (`--api-key`, as vLLM has) and, with `--redis-url`,
-keys kept in Redis with per-key request-rate limits and usage counters that every gateway replica
-shares (Redis is the control plane, never the data plane: DESIGN.md §2).
+"""API keys for every front door of the gateway: static keys (`--api-key`, `--admin-api-key`, as vLLM
+has) and, with `--redis-url`, keys kept in Redis with per-key request-rate limits and usage counters
+that every gateway replica shares (Redis is the control plane, never the data plane: DESIGN.md §2).
 
 A request to any route but the open ones (/health, /metrics, the API docs, the playground page) must carry
 `Authorization: Bearer <key>`: a missing or unknown key is a 401, a key over its requests-per-minute
-limit a 429 with Retry-After, an unreachable Redis a 503. Keys are stored hashed (SHA-256): Redis
-never holds a usable key. Redis layout under `radixserve:{subject_prefix}:`
-  apikeys           hash   key hash -> JSON {"name", "rpm"}
+limit a 429 with Retry-After, an unreachable Redis a 503. gRPC calls bring the key as `authorization`
+metadata (UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE); NATS front-door messages bring it as an
+`Authorization` message header (an error final "401: ...", "429: ..." with retry_after, "503: ...").
+All three go through `authorize`, so a key's limit and usage are the same whatever door it uses.
+
+A key has a scope, `user` or `admin`. Admin-only: /flush_cache, /abort_request with abort_all, and
+aborting a request that another key made (services/gateway/aborts.py); a user key gets 403
+(`permission_error`, gRPC PERMISSION_DENIED). With no keys configured the server is open and everything
+is allowed, as in vLLM. Key management (`radixserve keys`) talks to Redis itself: whoever can write to
+Redis manages keys.
+
+Keys are stored hashed (SHA-256): Redis never holds a usable key. Redis layout under
+`radixserve:{subject_prefix}:`
+  apikeys           hash   key hash -> JSON {"name", "rpm", "scope"}
   apikey_names      hash   name -> key hash
   rl:{hash}:{minute} string requests counted in that minute (expires after two minutes)
   usage:{hash}      hash   requests, prompt_tokens, completion_tokens
-`radixserve keys create|list|revoke` manages them. gRPC calls bring the key as `authorization`
-metadata (UNAUTHENTICATED / RESOURCE_EXHAUSTED / UNAVAILABLE); the NATS front door is not covered:
-secure it with NATS accounts.
+`radixserve keys create|list|revoke` manages them.
 """
 
 from __future__ import annotations
@@ -27,10 +36,15 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from services.gateway.errors import FORBIDDEN, GatewayError
+
+if TYPE_CHECKING:
+    from services.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +57,7 @@ OPEN_PATHS = frozenset({
     "/playground", "/playground/playground.js",
 })
 RATE_WINDOW_S = 60
+ADMIN, USER = "admin", "user"
 
 def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
@@ -50,11 +65,17 @@ def key_hash(key: str) -> str:
 
 @dataclass(frozen=True)
 class ApiKey:
-    """A known key: its hash (its id everywhere), its name, and its requests-per-minute limit (0: none)."""
+    """A known key: its hash (its id everywhere), its name, its requests-per-minute limit (0: none)
+    and its scope (ADMIN or USER)."""
 
     key_id: str
     name: str
     rpm: int = 0
+    scope: str = USER
+
+    @property
+    def is_admin(self) -> bool:
+        return self.scope == ADMIN
 
 
 # The key of the request being handled (set by the middleware, read when the request is submitted).
@@ -68,14 +89,26 @@ class StoreUnavailable(Exception):
 class KeyStore:
     """Static keys and, optionally, Redis-held ones."""
 
-    def __init__(self, static_keys: list[str], redis_url: str = "", namespace: str = "rs") -> None:
+    def __init__(
+        self, static_keys: list[str], redis_url: str = "", namespace: str = "rs", admin_keys: list[str] | None = None
+    ) -> None:
         self.static = {key_hash(k): ApiKey(key_hash(k), f"static-{i}") for i, k in enumerate(static_keys)}
+        # A key given as both stays an admin.
+        admins = enumerate(admin_keys or [])
+        self.static |= {key_hash(k): ApiKey(key_hash(k), f"admin-{i}", scope=ADMIN) for i, k in admins}
         self.redis: Any = None
         self.prefix = f"radixserve:{namespace}:"
         if redis_url:
             import redis.asyncio as aioredis
 
             self.redis = aioredis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=2)
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig) -> KeyStore:
+        def split(keys: str) -> list[str]:
+            return [k.strip() for k in keys.split(",") if k.strip()]
+
+        return cls(split(config.api_key), config.redis_url, config.subject_prefix, split(config.admin_api_key))
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +137,7 @@ class KeyStore:
         if raw is None:
             return None
         entry = json.loads(raw)
-        return ApiKey(digest, entry["name"], int(entry.get("rpm", 0)))
+        return ApiKey(digest, entry["name"], int(entry.get("rpm", 0)), ADMIN if entry.get("scope") == ADMIN else USER)
 
     async def admit(self, key: ApiKey, now: float | None = None) -> float | None:
         """Count one request against the key's limit: None when admitted, else seconds to wait."""
@@ -133,16 +166,17 @@ class KeyStore:
 
     # ---- management (radixserve keys ...) --------------------------------------------------------
 
-    async def create(self, name: str, rpm: int = 0) -> str:
-        """A new key named `name` (unique) with a requests-per-minute limit; returns the key itself,
-        which is shown once and stored only hashed."""
+    async def create(self, name: str, rpm: int = 0, admin: bool = False) -> str:
+        """A new key named `name` (unique) with a requests-per-minute limit and a scope; returns the
+        key itself, which is shown once and stored only hashed."""
         if not name or rpm < 0:
             raise ValueError(f"a key needs a name and rpm >= 0, got {name!r} and {rpm}")
         key = "rs-" + secrets.token_urlsafe(24)
         digest = key_hash(key)
         if not await self._call(self.redis.hsetnx(self.prefix + "apikey_names", name, digest)):
             raise ValueError(f"a key named {name!r} exists already")
-        await self._call(self.redis.hset(self.prefix + "apikeys", digest, json.dumps({"name": name, "rpm": rpm})))
+        entry = {"name": name, "rpm": rpm, "scope": ADMIN if admin else USER}
+        await self._call(self.redis.hset(self.prefix + "apikeys", digest, json.dumps(entry)))
         return key
 
     async def revoke(self, name: str) -> bool:
@@ -165,6 +199,7 @@ class KeyStore:
             out.append({
                 "name": name.decode(),
                 "rpm": int(entry.get("rpm", 0)),
+                "scope": ADMIN if entry.get("scope") == ADMIN else USER,
                 **{k.decode(): int(v) for k, v in usage.items()},
             })
         return out
@@ -176,6 +211,14 @@ class KeyStore:
             return await awaitable
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             raise StoreUnavailable(str(exc)) from None
+
+
+def require_admin(store: KeyStore, key: ApiKey | None, action: str) -> None:
+    """GatewayError 403 unless `key` may do what only admins may (with no keys configured, anyone may)."""
+    if not store.enabled or (key is not None and key.is_admin):
+        return
+    name = f"key {key.name!r} has scope user" if key is not None else "this request has no key"
+    raise GatewayError(FORBIDDEN, f"{action} needs an admin key; {name}")
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -253,9 +296,10 @@ def add_keys_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     create = sub.add_parser("create", help="create a key and print it (shown once)")
     create.add_argument("name")
     create.add_argument("--rpm", type=int, default=0, help="requests per minute (0: no limit)")
+    create.add_argument("--admin", action="store_true", help="scope admin: may flush caches and abort any request")
     revoke = sub.add_parser("revoke", help="revoke a key by name")
     revoke.add_argument("name")
-    sub.add_parser("list", help="names, limits and usage")
+    sub.add_parser("list", help="names, limits, scopes and usage")
     keys.set_defaults(handler=run_keys)
 
 
@@ -270,7 +314,7 @@ def run_keys(args: argparse.Namespace) -> int:
         try:
             await store.check()
             if args.keys_command == "create":
-                print(await store.create(args.name, args.rpm))
+                print(await store.create(args.name, args.rpm, args.admin))
             elif args.keys_command == "revoke":
                 if not await store.revoke(args.name):
                     print(f"no key named {args.name!r}")

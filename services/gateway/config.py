@@ -57,7 +57,13 @@ class GatewayConfig(ServiceConfig):
         "times a request may move to another worker when its worker is lost (0: never; the client gets a 503)", 1
     )
     api_key: str = _help(
-        "comma-separated API keys every HTTP request (but /health, /metrics, docs) must bring as a Bearer token",
+        "comma-separated API keys (scope user) every request on HTTP (but /health, /metrics, docs), gRPC and the "
+        "NATS front door must bring as a Bearer token",
+        "",
+    )
+    admin_api_key: str = _help(
+        "comma-separated API keys of scope admin: they may also flush caches, abort all requests and abort other "
+        "keys' requests",
         "",
     )
     redis_url: str = _help(

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import nats.errors
 
+from services.gateway.aborts import Aborts
 from services.gateway.auth import ApiKey, KeyStore, StoreUnavailable, current_key
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import (
@@ -196,8 +197,8 @@ class Dispatcher:
         )
         self.hub = StreamHub(bus, config.gateway_id, metrics)
         self.local_tokenizer: PromptTokenizer | None = None
-        keys = [k.strip() for k in config.api_key.split(",") if k.strip()]
-        self.keys = KeyStore(keys, config.redis_url, config.subject_prefix)
+        self.keys = KeyStore.from_config(config)
+        self.aborts = Aborts(self)  # aborts on behalf of a key: scope rules and other replicas
         self.hub.on_usage = self._record_usage
         self._tasks: set[asyncio.Task[Any]] = set()
         self.watchdog = Watchdog(bus, config, self.registry, self.hub, metrics, self)
@@ -215,6 +216,7 @@ class Dispatcher:
             logger.info("gateway %s tokenizes prompts for %s itself%s", self.gateway_id, PurePath(path).name,
                         "" if limit is None else f" up to {limit} characters (longer ones: the tokenizer service)")
         await self.hub.start()
+        await self.aborts.start()
         await self.bus.subscribe(self.bus.subjects.workers_load, (WorkerLoad,), self._on_load)
         self.watchdog.start()
 

@@ -2,8 +2,9 @@
 
 Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
 statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
-503 UNAVAILABLE, 504 DEADLINE_EXCEEDED). A cancelled call (client gone, deadline) aborts its request on
-the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
+503 UNAVAILABLE, 504 DEADLINE_EXCEEDED; with API keys 401 UNAUTHENTICATED, 403 PERMISSION_DENIED for a
+user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED). A cancelled call (client gone,
+deadline) aborts its request on the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
 also needs a live worker.
 """
 
@@ -27,6 +28,7 @@ WATCH_INTERVAL_S = 1.0
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -130,7 +132,11 @@ class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignor
         await self._authorize(context, "grpc.Abort")
         if not request.rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rid: must not be empty")
-        found = await self.dispatcher.abort(request.rid)
+        try:
+            found = await self.dispatcher.aborts.abort(request.rid, current_key.get())
+        except GatewayError as exc:
+            self.dispatcher.metrics.count("grpc.Abort", exc.status)
+            await context.abort(status_code(exc.status), exc.message)
         return radixserve_pb2.AbortResponse(found=found)
 
     async def ModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field
 
+from services.gateway.auth import current_key, require_admin
 from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec, validate_template_kwargs
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
@@ -306,8 +307,11 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> JSONResponse:
-    """Empty every live worker's prefix cache; 400 if a worker refuses (it has requests in flight)."""
-    replies = await dispatcher_of(request).control_all("flush_cache")
+    """Empty every live worker's prefix cache (admin keys only); 400 if a worker refuses (it has
+    requests in flight)."""
+    dispatcher = dispatcher_of(request)
+    require_admin(dispatcher.keys, current_key.get(), "flush_cache")
+    replies = await dispatcher.control_all("flush_cache")
     results = {wid: {"ok": r.ok, "message": r.message} for wid, r in replies.items()}
     ok = all(r.ok for r in replies.values())
     return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 400)
@@ -324,15 +328,18 @@ class AbortBody(StrictModel):
 
 @router.post("/abort_request")
 async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
-    """Abort a request by id (this gateway's or another's), or every request of this gateway."""
+    """Abort a request by id (this gateway's or another's; a user key only its own: 403 otherwise), or
+    every request of this gateway (admin keys only)."""
     dispatcher = dispatcher_of(request)
+    key = current_key.get()
     if body.abort_all:
+        require_admin(dispatcher.keys, key, "abort_all")
         rids = [s.rid for s in dispatcher.hub.in_flight()]
     elif body.rid:
         rids = [body.rid]
     else:
         raise bad_request("give rid or abort_all: true", "rid")
-    found = await asyncio.gather(*(dispatcher.abort(rid) for rid in rids))
+    found = await asyncio.gather(*(dispatcher.aborts.abort(rid, key) for rid in rids))
     return {"success": True, "aborted": rids, "in_flight_here": sum(found)}
 
 

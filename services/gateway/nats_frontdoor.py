@@ -7,6 +7,13 @@ spec_accept_rate), or `error` (with the HTTP-style status in its text).
 `{p}.v1.abort` (every gateway hears it, no queue group; the one that holds the request aborts it):
 NatsAbort(rid). A message that does not decode is logged and answered with an error final when it
 has a reply inbox; the front door keeps serving.
+
+With API keys configured, both carry `Authorization: Bearer <key>` as a NATS message header, checked
+by the same code as HTTP and gRPC (services/gateway/auth.py): a refused generate gets an error final
+("401: ...", "503: ...", or "429: ..." with retry_after); its tokens count as the key's usage. An
+abort is checked only by the gateway that holds the request (so it counts once against the key's
+limit), and a user key may abort only its own requests (services/gateway/aborts.py); a refused abort
+is logged and dropped, as aborts have no reply.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from services.gateway.auth import Verdict, authorize, current_key
 from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
 from services.gateway.errors import GatewayError
 from services.gateway.streams import RequestStream
@@ -65,9 +73,25 @@ class NatsFrontDoor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _authorize(self, raw: Msg) -> Verdict:
+        """The message's Authorization header checked and counted against its key's limit; with no
+        keys configured every message is admitted (without a key)."""
+        if not self.dispatcher.keys.enabled:
+            return Verdict(None)
+        value = next((v for k, v in (raw.headers or {}).items() if k.lower() == "authorization"), "")
+        return await authorize(self.dispatcher.keys, value)
+
     async def _on_abort(self, msg: NatsAbort, raw: Msg) -> None:
-        if msg.rid in self.dispatcher.hub:
-            await self.dispatcher.abort(msg.rid)
+        if msg.rid not in self.dispatcher.hub:
+            return
+        verdict = await self._authorize(raw)
+        if verdict.status != 200:
+            logger.warning("abort of %s on %s refused: %d %s", msg.rid, raw.subject, verdict.status, verdict.message)
+            return
+        try:
+            await self.dispatcher.aborts.abort_held(msg.rid, verdict.key)
+        except GatewayError as exc:
+            logger.warning("abort of %s on %s refused: %d %s", msg.rid, raw.subject, exc.status, exc.message)
 
     async def _reply(self, raw: Msg, chunk: NatsGenerateChunk) -> None:
         try:
@@ -76,6 +100,14 @@ class NatsFrontDoor:
             await self.bus.respond(raw, _error(chunk.rid, 413, str(exc)))
 
     async def _serve(self, raw: Msg) -> None:
+        # Checked before the body is read, as the HTTP middleware does.
+        verdict = await self._authorize(raw)
+        if verdict.status != 200:
+            self.dispatcher.metrics.count(ENDPOINT, verdict.status)
+            await self._reply(raw, _error("", verdict.status, verdict.message, verdict.retry_after))
+            return
+        # This task's own context: the stream records the key, and its usage counts against it.
+        current_key.set(verdict.key)
         try:
             request = self._decode_request.decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -151,5 +183,5 @@ def _spec(request: NatsGenerateRequest) -> GenerateSpec:
     )
 
 
-def _error(rid: str, status: int, message: str) -> NatsGenerateChunk:
-    return NatsGenerateChunk(v=PROTOCOL_VERSION, rid=rid, final=True, error=f"{status}: {message}")
+def _error(rid: str, status: int, message: str, retry_after: int | None = None) -> NatsGenerateChunk:
+    return NatsGenerateChunk(v=PROTOCOL_VERSION, rid=rid, final=True, error=f"{status}: {message}", retry_after=retry_after)
