@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -114,6 +115,7 @@ class FakePipeline:
         prefix: str = "rs",
         step_s: float = 0.01,
         with_tokenizer: bool = True,
+        progress: bool = False,
     ) -> None:
         self.nats_url = nats_url
         self.with_tokenizer = with_tokenizer
@@ -127,6 +129,10 @@ class FakePipeline:
         self.seen_prompts: set[str] = set()
         self.refuse_flush = False
         self.subscriptions: dict[str, list[Any]] = {}
+        # Each worker's process id, and whether its reports show its step count moving.
+        self.instances = {wid: "first" for wid in workers}
+        self.progress = progress
+        self.steps = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.thread = LoopThread("fake-pipeline")
         self.thread.run(self._start())
@@ -167,6 +173,11 @@ class FakePipeline:
 
         self.thread.run(unsubscribe())
 
+    def restart_worker(self, worker_id: str) -> None:
+        """A new process under the same id: it reports a new instance and knows no old request."""
+        self.instances[worker_id] = uuid.uuid4().hex[:8]
+        self.running[worker_id].clear()
+
     def stall_worker(self, worker_id: str) -> None:
         """The worker stops reporting, stepping and answering, but its process lives (a wedged loop)."""
         self.alive[worker_id] = False
@@ -184,12 +195,13 @@ class FakePipeline:
     # ---- NATS side ------------------------------------------------------------------------------
 
     async def _publish_loads_once(self) -> None:
+        self.steps += self.progress
         for wid, alive in self.alive.items():
             if alive:
                 load = WorkerLoad(
                     v=PROTOCOL_VERSION, worker_id=wid, model=FAKE_MODEL, num_running=len(self.running[wid]),
                     num_waiting=0, kv_usage=0.0, cache_hit_rate=0.0, max_total_tokens=1000,
-                    context_len=FAKE_CONTEXT, timestamp=time.time(),
+                    context_len=FAKE_CONTEXT, timestamp=time.time(), instance=self.instances[wid], steps=self.steps,
                 )
                 await self.bus.publish(self.bus.subjects.workers_load, load)
 
@@ -212,6 +224,11 @@ class FakePipeline:
                     request.aborted.set()
                 else:
                     reply = ControlReply(v=PROTOCOL_VERSION, ok=False, message=f"no request {msg.rid}")
+            elif msg.command == "status":
+                if msg.rid not in self.running[wid]:
+                    reply = ControlReply(v=PROTOCOL_VERSION, ok=False, message=f"request {msg.rid!r} is not in flight on worker {wid}")
+            elif msg.command == "ping":
+                reply = ControlReply(v=PROTOCOL_VERSION, ok=True, message=self.instances[wid])
             elif msg.command == "flush_cache":
                 reply = ControlReply(v=PROTOCOL_VERSION, ok=not self.refuse_flush)
             elif msg.command == "get_info":
@@ -246,6 +263,8 @@ class FakePipeline:
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
                 type="error", message="the prompt has 9999 tokens; the model's context is 64 (`input_ids` too long)")))
             return
+        if prompt.startswith("LOST"):
+            return  # dropped on the way: no worker ever holds it
         request = FakeRequest(msg, prompt.split())
         self.running[msg.worker_id][msg.rid] = request
         if prompt.startswith("SILENT"):

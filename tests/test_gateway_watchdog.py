@@ -1,0 +1,114 @@
+"""The gateway's watchdog (services/gateway/liveness.py) against a scripted pipeline on a real nats-server:
+which silences end a request, which do not, and that every request it ends is aborted on its worker.
+
+- A request queued on a worker that is making progress is not "no output": it is kept past
+  --first-output-timeout (its worker says it holds it).
+- A request its worker does not hold (lost on the way) ends with a 504 naming that, and is aborted.
+- A request on a worker that is publishing no steps ends with a 504 and is aborted there.
+- A worker that stops reporting and answering but keeps its subscriptions (a wedged process) keeps its
+  requests until --worker-dead-after, then they are aborted there and end with a 503.
+- A worker restarted under its id (a new instance) loses the requests sent to the old process: 503.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from shared.natsd import NatsServer, start_nats_server
+from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+
+
+@pytest.fixture(scope="module")
+def nats() -> Iterator[NatsServer]:
+    with start_nats_server() as server:
+        yield server
+
+
+def gateway_for(nats: NatsServer, prefix: str, workers: tuple[str, ...], progress: bool = False,
+                **overrides: object) -> tuple[FakePipeline, GatewayThread]:
+    fake = FakePipeline(nats.url, workers=workers, prefix=prefix, progress=progress)
+    gw = GatewayThread(nats.url, subject_prefix=prefix, **overrides)
+    wait_for_workers(gw.url, len(workers))
+    return fake, gw
+
+
+def error_message(response: httpx.Response) -> str:
+    return response.json()["error"]["message"]
+
+
+def test_a_request_queued_on_a_progressing_worker_is_kept_past_the_first_output_timeout(nats: NatsServer) -> None:
+    fake, gw = gateway_for(nats, "queued", ("q1",), progress=True, first_output_timeout=1.0)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{gw.url}/generate", json={"text": "SILENT in the queue", "rid": "queued-1"}, timeout=3.5)
+        # The client gave up (and so aborted it); until then the watchdog asked and kept it.
+        assert ("q1", "status") in fake.controls
+        fake.wait_until(lambda: ("q1", "queued-1") in fake.aborts)
+    finally:
+        gw.close()
+        fake.close()
+
+
+def test_a_request_its_progressing_worker_does_not_hold_ends_with_504(nats: NatsServer) -> None:
+    fake, gw = gateway_for(nats, "lost", ("l1",), progress=True, first_output_timeout=1.0)
+    try:
+        response = httpx.post(f"{gw.url}/generate", json={"text": "LOST on the way", "rid": "lost-1"}, timeout=10)
+        fake.wait_until(lambda: ("l1", "lost-1") in fake.aborts)
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 504
+    assert "worker l1 does not hold it" in error_message(response)
+
+
+def test_a_silent_request_on_a_worker_without_progress_is_aborted_with_504(nats: NatsServer) -> None:
+    fake, gw = gateway_for(nats, "still", ("s1",), first_output_timeout=1.0)
+    try:
+        response = httpx.post(f"{gw.url}/generate", json={"text": "SILENT forever", "rid": "still-1"}, timeout=10)
+        fake.wait_until(lambda: ("s1", "still-1") in fake.aborts)
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 504
+    assert "no output for request still-1" in error_message(response)
+
+
+def test_a_wedged_worker_keeps_its_requests_until_worker_dead_after_then_they_are_aborted(nats: NatsServer) -> None:
+    fake, gw = gateway_for(nats, "wedged", ("x1",), worker_ttl=1.0, worker_dead_after=4.0, max_migrations=0)
+    try:
+        with httpx.Client(base_url=gw.url, timeout=15) as http:
+            with http.stream("POST", "/generate", json={"text": "HANG on", "rid": "wedged-1", "stream": True}) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data: ")
+                fake.stall_worker("x1")
+                stalled_at = time.monotonic()
+                rest = [line for line in lines if line.startswith("data: ")]
+                ended_after = time.monotonic() - stalled_at
+    finally:
+        gw.close()
+        fake.close()
+    assert "stopped responding" in rest[-2]
+    # Silent from the stall on: not given up before worker_dead_after, and soon after it.
+    assert 4.0 <= ended_after < 7.0
+
+
+def test_a_worker_restarted_under_its_id_loses_the_old_processs_requests(nats: NatsServer) -> None:
+    fake, gw = gateway_for(nats, "restart", ("r1",), max_migrations=0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{gw.url}/generate", json={"text": "SILENT until restart"}, timeout=10)
+            fake.wait_until(lambda: fake.in_flight("r1"))
+            fake.restart_worker("r1")
+            response = pending.result()
+        after = httpx.post(f"{gw.url}/generate", json={"text": "a b c"}, timeout=10)
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 503
+    assert "worker r1 restarted" in error_message(response)
+    assert after.status_code == 200 and after.json()["text"] == "a b c "
