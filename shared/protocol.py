@@ -336,6 +336,7 @@ class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=Tru
     top_logprobs_num: int = 0
     stream: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra chat template variables
+    timeout: float | None = None  # seconds the request may take; past it, it is aborted (error 504)
 
 
 class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):

@@ -147,3 +147,14 @@ def test_malformed_message_is_answered_and_the_door_keeps_serving(
     assert broken[-1].final and broken[-1].error.startswith("400: malformed")
     again = run_in_new_loop(generate(nats_server.url, request(text="still here")))
     assert "".join(c.text for c in again) == "still here "
+
+
+def test_a_request_past_its_own_timeout_is_aborted_with_a_504_final(
+    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    chunks = run_in_new_loop(generate(nats_server.url, request(text="HANG on", rid="n-timeout", timeout=1.0)))
+    assert chunks[0].text == "HANG "
+    assert chunks[-1].final and chunks[-1].error.startswith("504: ") and "timed out" in chunks[-1].error
+    pipeline.wait_until(lambda: ("w1", "n-timeout") in pipeline.aborts)
+    bad = run_in_new_loop(generate(nats_server.url, request(text="x", timeout=-1.0)))
+    assert bad[-1].error.startswith("400: timeout")

@@ -180,6 +180,7 @@ def _spec(request: NatsGenerateRequest) -> GenerateSpec:
         top_logprobs_num=request.top_logprobs_num,
         stream=request.stream,
         chat_template_kwargs=request.chat_template_kwargs,
+        timeout=request.timeout,
     )
 
 
