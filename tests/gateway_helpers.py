@@ -252,6 +252,7 @@ class FakePipeline:
                     v=msg.v, rid=msg.rid, gateway_id=msg.gateway_id, worker_id=wid, sampling=msg.sampling,
                     input_ids=msg.input_ids, return_logprob=msg.return_logprob,
                     top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, stream=msg.stream,
+                    resume_ids=msg.resume_ids, resume_chars=msg.resume_chars,
                 ), raw)
 
         return handle
@@ -283,9 +284,12 @@ class FakePipeline:
         stops = msg.sampling.stop or []
         hang = request.words[0] == "HANG"
         usage = {"prompt_tokens": len(request.words), "cached_tokens": len(request.words) - 1 if cached else 0}
-        produced = 0
+        # A migrated request goes on after the words its client has (one token per word).
+        produced = len(msg.resume_ids or [])
         try:
             for i, word in enumerate(request.words):
+                if i < produced:
+                    continue
                 await asyncio.sleep(self.step_s)
                 if not self.alive[wid]:
                     return

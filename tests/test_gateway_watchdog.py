@@ -13,6 +13,7 @@ which silences end a request, which do not, and that every request it ends is ab
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 
@@ -112,3 +113,38 @@ def test_a_worker_restarted_under_its_id_loses_the_old_processs_requests(nats: N
     assert response.status_code == 503
     assert "worker r1 restarted" in error_message(response)
     assert after.status_code == 200 and after.json()["text"] == "a b c "
+
+
+def test_a_killed_workers_stream_moves_once_with_no_repeat_and_no_gap_then_a_second_loss_is_a_503(
+    nats: NatsServer,
+) -> None:
+    fake = FakePipeline(nats.url, workers=("m1", "m2"), prefix="move", step_s=0.25)
+    gw = GatewayThread(nats.url, subject_prefix="move")
+    words = [f"w{i}" for i in range(14)]
+    try:
+        wait_for_workers(gw.url, 2)
+        with httpx.Client(base_url=gw.url, timeout=15) as http:
+            body = {"text": " ".join(words), "rid": "moving", "stream": True}
+            with http.stream("POST", "/generate", json=body) as response:
+                texts, killed = [], []
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        error = event["error"]["message"]
+                        break
+                    texts.append(event["text"])
+                    if len(texts) in (2, 8):
+                        (victim,) = {s.worker_id for s in gw.service.dispatcher.hub.in_flight()}
+                        fake.kill_worker(victim)
+                        killed.append(victim)
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
+    finally:
+        gw.close()
+        fake.close()
+    assert sorted(killed) == ["m1", "m2"]  # the second kill hit the worker it had moved to
+    # Native /generate streams the whole text so far: every word once, in order, up to the second loss.
+    assert texts == ["".join(f"{w} " for w in words[:n]) for n in range(1, 9)]
+    assert "not moved: 1 of --max-migrations 1 used" in error
+    assert "rs_gateway_migrations_total 1.0" in metrics

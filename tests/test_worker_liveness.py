@@ -1,8 +1,9 @@
 """Liveness is not load, and a lost worker's requests move on: real worker processes serving the default
 model behind a real gateway, on a real nats-server.
 
-- A scheduler blocked for longer than --worker-dead-after (fault injection: RS_FAULT_STALL) keeps every
-  request: its heartbeat does not wait for the scheduler, and each answer equals the offline Engine's.
+- A scheduler blocked for longer than --worker-dead-after (fault injection: RS_FAULT_STALL), on a host
+  loaded on purpose (two processes spinning), keeps every request: its heartbeat does not wait for the
+  scheduler, and each answer equals the offline Engine's.
 - A SIGKILLed worker is detected within seconds; its streamed request continues on the other worker
   with no repeat and no gap, and the whole answer equals an uninterrupted greedy run.
 - With --max-migrations 0 the same loss is a clean 503 error event, not a hang.
@@ -13,7 +14,10 @@ model behind a real gateway, on a real nats-server.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +28,7 @@ import pytest
 
 from services.worker.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
+from shared.service import die_with_parent
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess, metric_value
 
@@ -78,6 +83,18 @@ def pair(nats: NatsServer, default_model_path: Path, tmp_path_factory: pytest.Te
             worker.kill()
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """Load the host on purpose: `count` processes spinning on a core each."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def greedy_chat(engine: Engine, max_tokens: int) -> dict[str, object]:
     prompt = engine.apply_chat_template(QUESTION)
     return engine.generate(prompt, {"temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True})
@@ -104,7 +121,7 @@ def test_a_scheduler_blocked_past_worker_dead_after_keeps_every_request(
             return httpx.post(f"{url}/v1/chat/completions", json=chat_body(default_model_path, 12, False), timeout=120)
 
         started = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with cpu_hogs(2), concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(ask, range(4)))
         took = time.monotonic() - started
     finally:
