@@ -317,6 +317,7 @@ class WorkerLoad(msgspec.Struct, tag="worker_load"):
     instance: str = ""
     steps: int = 0
     interval: float = 1.0
+    draining: bool = False  # sent once on SIGTERM: route nothing new here, its requests still finish
 
 
 # ---- the NATS front door ------------------------------------------------------------------------

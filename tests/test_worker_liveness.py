@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -215,3 +216,18 @@ def test_without_migration_a_killed_worker_ends_its_stream_with_a_503_event(
     assert events[-1] == "[DONE]"
     assert "worker solo is gone" in json.loads(events[-2])["error"]["message"]
     assert took < 5.0
+
+
+def test_a_draining_worker_leaves_the_gateways_routing_at_once(pair: Deployment, default_model_path: Path) -> None:
+    extra = start_worker(pair.nats.url, default_model_path, "c", pair.log_dir, "pair")
+    extra.wait_ready()
+    registry = pair.gateway.service.dispatcher.registry
+    wait_for_workers(pair.gateway.url, 3, timeout=30)
+    extra.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 1.0  # well inside the 3 s TTL that silence alone would take
+    while "c" in {w.load.worker_id for w in registry.live()}:
+        assert time.monotonic() < deadline, "the draining worker is still routed to"
+        time.sleep(0.02)
+    assert extra.proc.wait(timeout=60) == 0
+    answer = httpx.post(f"{pair.gateway.url}/v1/chat/completions", json=chat_body(default_model_path, 4, False), timeout=60)
+    assert answer.status_code == 200, answer.text

@@ -105,12 +105,13 @@ class WorkerRegistry:
         self.prefixes.forget(worker_id)
 
     def live(self, model: str | None = None, now: float | None = None) -> list[WorkerEntry]:
-        """Workers heard within the TTL (serving `model`, if given)."""
+        """Workers heard within the TTL and not draining (serving `model`, if given)."""
         now = time.monotonic() if now is None else now
         return [
             w
             for w in self._workers.values()
-            if now - w.last_seen <= self.ttl_s and (model is None or model_matches(model, w.load.model))
+            if now - w.last_seen <= self.ttl_s and not w.load.draining
+            and (model is None or model_matches(model, w.load.model))
         ]
 
     def models(self, now: float | None = None) -> list[str]:

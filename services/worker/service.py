@@ -16,7 +16,7 @@ computing on the CPU starts no step until the loop has written the message of a 
 request its first token (at most FIRST_TOKEN_WAIT_S): its compute threads would otherwise hold every
 core, and it the GIL, while that token is on its way to the client. A worker refuses to start under an id that a live worker of its namespace serves (its control subject
 has a responder). An abort for a request not (yet) here is remembered for a minute: a request whose abort
-overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker stops its WorkerLoad (gateways stop routing to it), refuses new
+overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker sends a last WorkerLoad marked draining (gateways stop routing to it at once), refuses new
 requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
 an 'abort' final) and drains NATS.
 
@@ -198,6 +198,7 @@ class WorkerService(Service):
         self._draining = True
         if self._load_task is not None:
             self._load_task.cancel()
+            await self._announce_draining()
         if self.client is not None:
             if self._flights:
                 logger.info("waiting up to %.0f s for %d request(s)", self.config.drain_timeout, len(self._flights))
@@ -216,6 +217,25 @@ class WorkerService(Service):
             await asyncio.to_thread(self.client.shutdown)
         if self._metrics_server is not None:
             self._metrics_server.stop()
+
+    async def _announce_draining(self) -> None:
+        """One last WorkerLoad saying so: gateways stop routing here at once (its requests go on)."""
+        assert self.bus is not None and self._info_cache is not None
+        load = self._load(self._info_cache)
+        load.draining = True
+        try:
+            await self.bus.publish(self.bus.subjects.workers_load, load)
+        except Exception as exc:  # noqa: BLE001 - NATS down: gateways stop routing here after the TTL
+            logger.warning("worker %s: could not announce draining: %s", self.worker_id, exc)
+
+    def _load(self, info: WorkerInfo) -> WorkerLoad:
+        return WorkerLoad(
+            v=PROTOCOL_VERSION, worker_id=self.worker_id, model=info.model,
+            num_running=info.num_running, num_waiting=info.num_waiting,
+            kv_usage=info.kv_in_use / max(1, info.max_total_tokens), cache_hit_rate=info.cache_hit_rate,
+            max_total_tokens=info.max_total_tokens, context_len=info.context_len, timestamp=time.time(),
+            instance=self.instance, steps=self.batcher.step, interval=self.config.load_interval,
+        )
 
     async def _wait_for_flights(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -350,16 +370,7 @@ class WorkerService(Service):
             info = self._info_cache
             assert info is not None  # fetched in start()
             try:
-                await self.bus.publish(
-                    self.bus.subjects.workers_load,
-                    WorkerLoad(
-                        v=PROTOCOL_VERSION, worker_id=self.worker_id, model=info.model,
-                        num_running=info.num_running, num_waiting=info.num_waiting,
-                        kv_usage=info.kv_in_use / max(1, info.max_total_tokens), cache_hit_rate=info.cache_hit_rate,
-                        max_total_tokens=info.max_total_tokens, context_len=info.context_len, timestamp=time.time(),
-                        instance=self.instance, steps=self.batcher.step, interval=self.config.load_interval,
-                    ),
-                )
+                await self.bus.publish(self.bus.subjects.workers_load, self._load(info))
             except asyncio.CancelledError:
                 refresh.cancel()
                 raise
