@@ -15,19 +15,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 def gateway_for(nats: NatsServer, prefix: str, workers: tuple[str, ...], progress: bool = False,
@@ -55,28 +48,25 @@ def test_a_request_queued_on_a_progressing_worker_is_kept_past_the_first_output_
         fake.close()
 
 
-def test_a_request_its_progressing_worker_does_not_hold_ends_with_504(nats: NatsServer) -> None:
-    fake, gw = gateway_for(nats, "lost", ("l1",), progress=True, first_output_timeout=1.0)
+@pytest.mark.parametrize(
+    ("progress", "prompt", "reason"),
+    [
+        (True, "LOST on the way", "worker w9 does not hold it"),  # its worker is busy with others
+        (False, "SILENT forever", "no output for request"),  # its worker publishes no steps
+    ],
+)
+def test_a_request_that_will_not_answer_is_aborted_with_504(
+    nats: NatsServer, progress: bool, prompt: str, reason: str
+) -> None:
+    fake, gw = gateway_for(nats, f"quiet{int(progress)}", ("w9",), progress=progress, first_output_timeout=1.0)
     try:
-        response = httpx.post(f"{gw.url}/generate", json={"text": "LOST on the way", "rid": "lost-1"}, timeout=10)
-        fake.wait_until(lambda: ("l1", "lost-1") in fake.aborts)
+        response = httpx.post(f"{gw.url}/generate", json={"text": prompt, "rid": "quiet-1"}, timeout=10)
+        fake.wait_until(lambda: ("w9", "quiet-1") in fake.aborts)
     finally:
         gw.close()
         fake.close()
     assert response.status_code == 504
-    assert "worker l1 does not hold it" in error_message(response)
-
-
-def test_a_silent_request_on_a_worker_without_progress_is_aborted_with_504(nats: NatsServer) -> None:
-    fake, gw = gateway_for(nats, "still", ("s1",), first_output_timeout=1.0)
-    try:
-        response = httpx.post(f"{gw.url}/generate", json={"text": "SILENT forever", "rid": "still-1"}, timeout=10)
-        fake.wait_until(lambda: ("s1", "still-1") in fake.aborts)
-    finally:
-        gw.close()
-        fake.close()
-    assert response.status_code == 504
-    assert "no output for request still-1" in error_message(response)
+    assert reason in error_message(response)
 
 
 def test_a_wedged_worker_keeps_its_requests_until_worker_dead_after_then_they_are_aborted(nats: NatsServer) -> None:

@@ -9,26 +9,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from services.gateway.auth import KeyStore
 from services.worker.engine import Engine
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess
 
 REDIS_URL = "redis://127.0.0.1:6379"
 PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is", "Bees make"]
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 def test_two_namespaces_on_one_nats_answer_as_if_alone(

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from services.worker.engine import Engine
-from shared.natsd import NatsServer, start_nats_server
+from shared.natsd import NatsServer
 from shared.service import die_with_parent
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess, metric_value
@@ -51,12 +51,6 @@ def start_worker(nats_url: str, model: Path, wid: str, log_dir: Path, prefix: st
     args = ["--nats-url", nats_url, "--subject-prefix", prefix, "--metrics-port", "0", "--model-path", str(model), "--worker-id", wid,
             "--with-detokenizer", "--max-total-tokens", "4096"]
     return ServiceProcess.start("worker", args, log_dir, label=label or wid, env=env)
-
-
-@pytest.fixture(scope="module")
-def nats() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
