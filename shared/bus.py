@@ -49,10 +49,12 @@ class Bus:
 
     @classmethod
     async def connect(
-        cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0, **options: Any
+        cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0,
+        errors: list[Exception] | None = None, **options: Any,
     ) -> Bus:
         """Connect (failing after connect_timeout if NATS is unreachable, NatsAuthError at once if it
         refuses our credentials); later losses reconnect forever, each loss and recovery logged once.
+        Every connection error is appended to `errors` (to say why a connect that timed out failed).
         `options` go to nats-py's connect: credentials, tls, inbox_prefix (NatsConnection.connect_options)."""
         refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
@@ -65,6 +67,8 @@ class Bus:
             logger.warning("%s: reconnected to NATS at %s", name, url)
 
         async def error(exc: Exception) -> None:
+            if errors is not None:
+                errors.append(exc)
             text = str(exc).lower()
             if ("authorization" in text or "authentication" in text) and not refused.done():
                 refused.set_result(exc)

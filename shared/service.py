@@ -83,9 +83,10 @@ async def publish_error(bus: Bus, gateway_id: str, rid: str, message: str) -> No
 async def connect_bus(config: ServiceConfig, name: str) -> Bus:
     """Bus.connect bounded by config.nats_connect_timeout (an unreachable NATS would otherwise be
     retried for ever); ConnectionError naming the URL."""
+    errors: list[Exception] = []
     try:
         bus = await asyncio.wait_for(
-            Bus.connect(config.nats_url, name, config.subject_prefix, **config.connect_options()),
+            Bus.connect(config.nats_url, name, config.subject_prefix, errors=errors, **config.connect_options()),
             timeout=config.nats_connect_timeout,
         )
     except NatsAuthError as exc:  # before OSError: it is one
@@ -94,8 +95,9 @@ async def connect_bus(config: ServiceConfig, name: str) -> Bus:
             "--nats-password, --nats-token, --nats-creds, --nats-nkey-seed)"
         ) from exc
     except (asyncio.TimeoutError, OSError) as exc:
+        last = f"; last error: {errors[-1]}" if errors else ""  # a refused connection, a TLS certificate...
         raise ConnectionError(
-            f"{name}: NATS at {config.nats_url} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s)"
+            f"{name}: NATS at {config.nats_url} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s{last})"
         ) from exc
     bus.poller = BusyPoll(config.busy_poll_ms / 1000)
     if bus.poller.enabled:

@@ -215,3 +215,49 @@ def test_a_service_logs_in_with_an_nkey_seed(tmp_path: Path) -> None:
             return connected
 
         assert asyncio.run(main())
+
+
+def make_certificates(directory: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, both signed by the CA."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=radixserve test CA")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", "-extfile", "san.ext")
+    return {name: str(directory / name) for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, dict[str, str]]]:
+    files = make_certificates(tmp_path_factory.mktemp("tls"))
+    tls = {"cert_file": files["server.pem"], "key_file": files["server.key"], "ca_file": files["ca.pem"], "verify": True}
+    with start_nats_server(tls=tls) as server:
+        yield server, files
+
+
+def test_a_service_reaches_a_tls_nats_with_its_ca_and_client_certificate(tls_server: tuple[NatsServer, dict[str, str]]) -> None:
+    server, files = tls_server
+    config = ServiceConfig(nats_url=server.url, nats_tls_ca=files["ca.pem"], nats_tls_cert=files["client.pem"],
+                           nats_tls_key=files["client.key"])
+
+    async def main() -> bool:
+        bus = await connect_bus(config, "tls")
+        connected = bus.nc.is_connected
+        await bus.nc.close()
+        return connected
+
+    assert asyncio.run(main())
+
+
+def test_a_service_without_the_ca_does_not_trust_a_tls_nats(tls_server: tuple[NatsServer, dict[str, str]]) -> None:
+    server, files = tls_server
+    config = ServiceConfig(nats_url=server.url, nats_tls_cert=files["client.pem"], nats_tls_key=files["client.key"],
+                           nats_connect_timeout=2)
+    with pytest.raises(ConnectionError, match="unreachable .*last error: .*CERTIFICATE_VERIFY_FAILED"):
+        asyncio.run(connect_bus(config, "untrusting"))
