@@ -110,11 +110,13 @@ def start_nats_server(
     timeout: float = START_TIMEOUT_S,
     users: Sequence[Mapping[str, Any]] = (),
     tls: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> NatsServer:
     """Start nats-server on `port` (None: any free port) with `max_payload` bytes, and wait until it
     accepts clients. `users` (nats-server's `authorization { users }` entries: user/password or nkey,
     with permissions) turns authorization on; `tls` is nats-server's `tls {}` block (cert_file, key_file,
-    ca_file, verify). NatsServerError (with the server's log) if it does not start."""
+    ca_file, verify); `settings` are more top-level nats.conf settings (operator mode's `operator`,
+    `resolver`, `resolver_preload`, for one). NatsServerError (with the server's log) if it does not start."""
     workdir = Path(tempfile.mkdtemp(prefix="radixserve-nats-"))  # mode 0700
     config = workdir / "nats.conf"
     # nats-server reads JSON as its own config syntax, which quotes every password safely.
@@ -123,6 +125,7 @@ def start_nats_server(
         lines.append(f"authorization: {json.dumps({'users': list(users)})}")
     if tls is not None:
         lines.append(f"tls: {json.dumps(dict(tls))}")
+    lines += [f"{key}: {json.dumps(value)}" for key, value in (settings or {}).items()]
     with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
         out.write("\n".join(lines) + "\n")
     log = (workdir / "nats-server.log").open("wb")

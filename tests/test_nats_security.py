@@ -261,3 +261,54 @@ def test_a_service_without_the_ca_does_not_trust_a_tls_nats(tls_server: tuple[Na
                            nats_connect_timeout=2)
     with pytest.raises(ConnectionError, match="unreachable .*last error: .*CERTIFICATE_VERIFY_FAILED"):
         asyncio.run(connect_bus(config, "untrusting"))
+
+
+def test_services_log_in_with_creds_files_in_operator_mode(tmp_path: Path) -> None:
+    """An operator's NATS in accounts mode (docs/OPERATIONS.md): each role a user JWT of one account,
+    with its role's permissions; a worker's .creds reports load, a client's .creds cannot."""
+    import nkeys
+
+    from shared.nats_roles import role_permissions
+    from tests.nats_jwt import NKey, operator_settings, write_creds
+
+    account = NKey.new(nkeys.PREFIX_BYTE_ACCOUNT)
+    settings = operator_settings(NKey.new(nkeys.PREFIX_BYTE_OPERATOR), account)
+    for role in ("gateway", "worker", "client"):
+        write_creds(tmp_path / f"{role}.creds", account, role_permissions(role, NS), role)
+    with start_nats_server(settings=settings) as server:
+
+        async def main() -> tuple[list[bytes], list[str]]:
+            def config(role: str) -> ServiceConfig:
+                return ServiceConfig(nats_url=server.url, subject_prefix=NS, nats_creds=str(tmp_path / f"{role}.creds"))
+
+            gateway, worker = await connect_bus(config("gateway"), "gateway"), await connect_bus(config("worker"), "worker")
+            errors: list[str] = []
+            client = await Bus.connect(server.url, "client", NS, errors=errors, **config("client").connect_options())
+            got: list[bytes] = []
+            arrived = asyncio.Event()
+
+            async def on_load(msg: object) -> None:
+                got.append(msg.data)  # type: ignore[attr-defined]
+                arrived.set()
+
+            await gateway.nc.subscribe(f"{NS}.workers.load", cb=on_load)
+            await gateway.nc.flush()
+            await client.nc.publish(f"{NS}.workers.load", b"forged")
+            await client.nc.flush()
+            for _ in range(RETRIES):
+                await worker.nc.publish(f"{NS}.workers.load", b"real")
+                await worker.nc.flush()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(arrived.wait(), RETRY_S)
+                if arrived.is_set():
+                    break
+            await asyncio.sleep(0.05)
+            for bus in (gateway, worker, client):
+                await bus.nc.close()
+            with pytest.raises(NatsAuthError):  # no creds, no entry
+                await Bus.connect(server.url, "anonymous")
+            return got, [str(e).lower() for e in errors]
+
+        got, errors = asyncio.run(main())
+    assert got and set(got) == {b"real"}
+    assert denied("publish", f"{NS}.workers.load") in errors
