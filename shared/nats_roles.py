@@ -5,7 +5,8 @@ its role's credentials; docs/OPERATIONS.md shows the same table as a config for 
 
     role         publishes                                          subscribes
     gateway      {p}.tokenize(.text), {p}.worker.*.requests,        {p}.workers.load, {p}.gateway.*.stream,
-                 {p}.worker.*.control, _INBOX.> (front-door replies) {p}.v1.generate, {p}.v1.abort, {p}._INBOX.>
+                 {p}.worker.*.control, _INBOX.> and _R_.>            {p}.v1.generate, {p}.v1.abort, {p}._INBOX.>
+                 (front-door replies)
     tokenizer    {p}.worker.*.requests, {p}.gateway.*.stream,       {p}.tokenize, {p}.tokenize.text
                  {p}._INBOX.> (replies)
     worker       {p}.workers.load, {p}.detok.*, {p}.gateway.*.stream, {p}.worker.*.requests,
@@ -17,6 +18,9 @@ So only a worker can report load (no forged worker draws requests), only a gatew
 control a worker, and an external client reaches the front door and its own replies and nothing else:
 not another user's stream, prompt or cache. Services' own request/reply inboxes are `{p}._INBOX.>`
 (shared/nats_connection.py), out of the clients' `_INBOX.>`.
+
+accounts_layout() puts the same users in an account of their own that exports only the front door, and
+external clients in another account that imports it: there a client cannot even name another subject.
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ def role_permissions(role: str, prefix: str = "rs") -> Permissions:
     streams = f"{p}.gateway.*.stream"
     table = {
         "gateway": Permissions(
+            # Front-door replies go to the client's inbox, or to `_R_.>` when the client is in another
+            # account that imports the front door (accounts_layout).
             publish=(f"{p}.tokenize", f"{p}.tokenize.text", f"{p}.worker.*.requests", f"{p}.worker.*.control",
-                     CLIENT_INBOX),
+                     CLIENT_INBOX, "_R_.>"),
             subscribe=(f"{p}.workers.load", streams, f"{p}.v1.generate", f"{p}.v1.abort", inbox),
         ),
         "tokenizer": Permissions(
@@ -107,3 +113,20 @@ def write_client_credentials(path: Path, url: str, prefix: str, client: RoleUser
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
         json.dump(data, out, indent=2)
         out.write("\n")
+
+
+def accounts_layout(users: dict[str, RoleUser], prefix: str, clients: list[dict[str, Any]]) -> dict[str, Any]:
+    """nats-server's `accounts` block: the service roles in account RADIXSERVE, which exports
+    {prefix}.v1.generate (streamed replies) and {prefix}.v1.abort; `clients` (user entries) in account
+    CLIENTS, which imports those two and nothing else."""
+    front_door = [f"{prefix}.v1.generate", f"{prefix}.v1.abort"]
+    return {
+        "RADIXSERVE": {
+            "users": [users[role].server_entry(prefix) for role in SERVICE_ROLES if role in users],
+            "exports": [{"service": front_door[0], "response_type": "stream"}, {"service": front_door[1]}],
+        },
+        "CLIENTS": {
+            "users": clients,
+            "imports": [{"service": {"account": "RADIXSERVE", "subject": subject}} for subject in front_door],
+        },
+    }

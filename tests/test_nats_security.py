@@ -312,3 +312,54 @@ def test_services_log_in_with_creds_files_in_operator_mode(tmp_path: Path) -> No
         got, errors = asyncio.run(main())
     assert got and set(got) == {b"real"}
     assert denied("publish", f"{NS}.workers.load") in errors
+
+
+def test_a_client_account_reaches_only_the_imported_front_door(users: dict[str, RoleUser]) -> None:
+    """docs/OPERATIONS.md's accounts layout: streamed front-door replies cross into the CLIENTS
+    account; load reports published there reach no gateway, and a client (even one without
+    permissions of its own) sees no service subject."""
+    from shared.nats_roles import accounts_layout
+
+    app = {"user": "app", "password": "app-password"}
+    with start_nats_server(settings={"accounts": accounts_layout(users, NS, [app])}) as server:
+
+        async def main() -> tuple[list[bytes], list[bytes], list[bytes], list[str]]:
+            errors: list[str] = []
+            gateway = await login(server.url, users["gateway"], errors)
+            worker = await login(server.url, users["worker"], errors)
+            client = await nats.connect(server.url, user="app", password="app-password", allow_reconnect=False)
+            loads: list[bytes] = []
+            seen: list[bytes] = []
+
+            async def serve(msg: object) -> None:
+                for i in range(3):  # a streamed answer: three replies to one request
+                    await gateway.publish(msg.reply, f"chunk {i}".encode())  # type: ignore[attr-defined]
+
+            async def on_load(msg: object) -> None:
+                loads.append(msg.data)  # type: ignore[attr-defined]
+
+            async def spy(msg: object) -> None:
+                seen.append(msg.data)  # type: ignore[attr-defined]
+
+            await gateway.subscribe(f"{NS}.v1.generate", queue="gateway", cb=serve)
+            await gateway.subscribe(f"{NS}.workers.load", cb=on_load)
+            await gateway.flush()
+            await client.subscribe(f"{NS}.>", cb=spy)
+            inbox = client.new_inbox()
+            replies = await client.subscribe(inbox)
+            await client.publish(f"{NS}.workers.load", b"forged")
+            await client.publish(f"{NS}.v1.generate", b"request", reply=inbox)
+            chunks = [(await replies.next_msg(timeout=5)).data for _ in range(3)]
+            await worker.publish(f"{NS}.detok.w0", b"tokens")
+            await worker.flush()
+            await asyncio.sleep(WAIT_S)
+            for nc in (client, worker, gateway):
+                await nc.close()
+            return chunks, loads, seen, errors
+
+        chunks, loads, seen, errors = asyncio.run(main())
+    assert chunks == [b"chunk 0", b"chunk 1", b"chunk 2"]
+    assert loads == [] and errors == []
+    # Only what was published in its own account (its own messages): nothing of the services'. Clients
+    # of one account see each other's requests unless each also gets the client role's permissions.
+    assert sorted(seen) == [b"forged", b"request"]
