@@ -2,7 +2,8 @@
 in as its role's generated user, the pipeline works end to end under those permissions, and NATS
 listens on loopback and lets in nobody without credentials. The front door's `client` user (its
 credentials in the run directory, readable by their owner only) gets answers on NS.v1.generate but
-cannot forge a worker's load report. One `up` run serves the whole module."""
+cannot forge a worker's load report. One `up` run serves those tests; a second one shows that `up` on a
+NATS that already answers passes the credentials it was given to every child."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import nats
 import openai
 import pytest
 
+from shared.natsd import start_nats_server
 from shared.protocol import (
     PROTOCOL_VERSION,
     NatsGenerateChunk,
@@ -188,3 +190,32 @@ def test_a_forged_worker_load_draws_no_requests(up: Up) -> None:
         reply = httpx.post(f"{up.url}/v1/completions", timeout=120,
                            json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
         assert reply.status_code == 200, reply.text
+
+
+def test_up_on_an_existing_nats_passes_its_credentials_to_every_child(default_model_path: Path, tmp_path: Path) -> None:
+    with start_nats_server(users=[{"user": "ops", "password": "ops-password"}]) as server:
+        env = {**os.environ, "RS_NATS_URL": server.url, "RS_NATS_USER": "ops", "RS_NATS_PASSWORD": "ops-password",
+               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        port = free_port()
+        log = tmp_path / "up.out"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", "up", "--namespace", "green", "--port", str(port),
+                 "--grpc-port", str(free_port()), "--max-total-tokens", "8192",
+                 "--model-path", str(default_model_path), "--run-dir", str(tmp_path / "run")],
+                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )
+        try:
+            deadline = time.monotonic() + 300
+            while "radixserve is up" not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.5)
+            assert f"using NATS at {server.url} as user 'ops'" in log.read_text()
+            assert not (tmp_path / "run" / "nats-client.json").exists()  # nothing generated: not its NATS
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                               json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2})
+            assert reply.status_code == 200, reply.text
+            assert "prefix 'green'" in (tmp_path / "run" / "gateway.log").read_text()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0
