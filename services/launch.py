@@ -201,8 +201,8 @@ def run_up(args: argparse.Namespace) -> int:
         logger.info("started nats-server at %s (max_payload 8 MB; a user per role; client credentials in %s)",
                     nats_server.url, client_file)
     else:
-        logger.info("using NATS at %s as %s", connection.nats_url, connection.nats_identity)
-    nats_url = connection.nats_url
+        logger.info("using NATS at %s as %s", connection.nats_url_for_logs, connection.nats_identity)
+    nats_url = connection.nats_url_for_logs
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_MODEL_PATH": str(model_path),
            "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}", **connection.env()}

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.busy_poll import BusyPoll
+from shared.nats_connection import redact_url
 from shared.protocol import PROTOCOL_VERSION, Subjects, decoder, encode
 
 logger = logging.getLogger(__name__)
@@ -57,14 +58,15 @@ class Bus:
         Every connection error is appended to `errors` (to say why a connect that timed out failed).
         `options` go to nats-py's connect: credentials, tls, inbox_prefix (NatsConnection.connect_options)."""
         refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+        shown = redact_url(url)
 
         async def disconnected() -> None:
             if nc.is_closed or nc.is_draining:
                 return  # our own drain or close, not a loss
-            logger.warning("%s: lost the NATS connection to %s; reconnecting", name, url)
+            logger.warning("%s: lost the NATS connection to %s; reconnecting", name, shown)
 
         async def reconnected() -> None:
-            logger.warning("%s: reconnected to NATS at %s", name, url)
+            logger.warning("%s: reconnected to NATS at %s", name, shown)
 
         async def error(exc: Exception) -> None:
             if errors is not None:

@@ -19,6 +19,7 @@ import ssl
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 # The inbox of services' own request/reply lives under the namespace ({p}._INBOX.>), apart from the
@@ -42,6 +43,16 @@ def _secret(text: str) -> Any:
 def is_subject_token(value: str) -> bool:
     """Whether `value` can be one token of a NATS subject (worker and gateway ids are)."""
     return bool(value) and not any(c in value for c in " \t\r\n.*>")
+
+
+def redact_url(url: str) -> str:
+    """`url` fit for a log line: a password or token in it (nats://user:secret@host) shown as ***."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user = userinfo.split(":", 1)[0] + ":***" if ":" in userinfo else "***"
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
 
 
 def _flag(name: str) -> str:
@@ -83,6 +94,10 @@ class NatsConnection:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{_flag(name)} (RS_{name.upper()}): no such file: {path}")
+
+    @property
+    def nats_url_for_logs(self) -> str:
+        return redact_url(self.nats_url)
 
     @property
     def nats_identity(self) -> str:

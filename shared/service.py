@@ -91,13 +91,13 @@ async def connect_bus(config: ServiceConfig, name: str) -> Bus:
         )
     except NatsAuthError as exc:  # before OSError: it is one
         raise ConnectionError(
-            f"{name}: NATS at {config.nats_url} refused {config.nats_identity}: {exc} (see --nats-user, "
+            f"{name}: NATS at {config.nats_url_for_logs} refused {config.nats_identity}: {exc} (see --nats-user, "
             "--nats-password, --nats-token, --nats-creds, --nats-nkey-seed)"
         ) from exc
     except (asyncio.TimeoutError, OSError) as exc:
         last = f"; last error: {errors[-1]}" if errors else ""  # a refused connection, a TLS certificate...
         raise ConnectionError(
-            f"{name}: NATS at {config.nats_url} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s{last})"
+            f"{name}: NATS at {config.nats_url_for_logs} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s{last})"
         ) from exc
     bus.poller = BusyPoll(config.busy_poll_ms / 1000)
     if bus.poller.enabled:

@@ -246,3 +246,28 @@ def test_up_refuses_bad_nats_options_before_starting_anything(qwen3_path: Path, 
     ):
         assert run_up(parser.parse_args(argv)) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://ops:s3cret@10.0.0.1:4222", "nats://ops:***@10.0.0.1:4222"),
+        ("tls://t0ken@nats.internal:4222", "tls://***@nats.internal:4222"),
+        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+    ],
+)
+def test_credentials_in_a_nats_url_are_hidden_in_logs(url: str, shown: str) -> None:
+    from shared.nats_connection import redact_url
+
+    assert redact_url(url) == shown
+
+
+def test_an_unreachable_nats_is_named_without_its_password() -> None:
+    import asyncio
+
+    from shared.service import ServiceConfig, connect_bus
+
+    config = ServiceConfig(nats_url="nats://ops:s3cret@127.0.0.1:1", nats_connect_timeout=1)
+    with pytest.raises(ConnectionError, match=r"NATS at nats://ops:\*\*\*@127.0.0.1:1 is unreachable") as caught:
+        asyncio.run(connect_bus(config, "tokenizer"))
+    assert "s3cret" not in str(caught.value)
