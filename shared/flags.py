@@ -4,6 +4,8 @@ A field `metrics_port: int | None = _help("...", 9402)` becomes `--metrics-port`
 a flag beats the variable, the variable beats the default. `none` spells None for optional fields;
 booleans take `--flag/--no-flag` on the command line and 1/0, true/false, yes/no in the environment.
 Help text comes from the field's `metadata["help"]`, so a default and its explanation sit together.
+A field may have other spellings (`metadata["aliases"]`: `namespace` for `subject_prefix` gives
+`--namespace` and `RS_NAMESPACE` too); two spellings given with different values are a ValueError.
 """
 
 from __future__ import annotations
@@ -57,8 +59,13 @@ def parse_value(text: str, hint: Any, name: str) -> Any:
         raise ValueError(f"{name}: cannot read {text!r} as {base.__name__}") from None
 
 
+def _spellings(f: dataclasses.Field[Any]) -> tuple[str, ...]:
+    """A field's name and then its aliases (each one a flag and a variable)."""
+    return (f.name, *f.metadata.get("aliases", ()))
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Iterable[str] = ()) -> None:
-    """One flag per field of dataclass `cls`; unset flags stay absent from the namespace."""
+    """One flag per field of dataclass `cls` (and one per alias); unset flags stay absent from the namespace."""
     hints = typing.get_type_hints(cls)
     skip = set(exclude)
     for f in dataclasses.fields(cls):
@@ -67,18 +74,29 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Iterable[
         hint = hints[f.name]
         base, _ = _base_type(hint)
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f"{f.metadata.get('help', '')} (env {env_name(f.name)}; default {default!r})"
-        if base is bool:
-            parser.add_argument(
-                flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS, help=help_text,
-            )
-        else:
-            parser.add_argument(
-                flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, help=help_text,
-                type=lambda text, hint=hint, name=f.name: parse_value(text, hint, flag_name(name)),
-                metavar=base.__name__.upper(),
-            )
+        for spelling in _spellings(f):
+            text = f.metadata.get("help", "") if spelling == f.name else f"alias of {flag_name(f.name)}"
+            help_text = f"{text} (env {env_name(spelling)}; default {default!r})"
+            if base is bool:
+                parser.add_argument(
+                    flag_name(spelling), dest=spelling, action=argparse.BooleanOptionalAction,
+                    default=argparse.SUPPRESS, help=help_text,
+                )
+            else:
+                parser.add_argument(
+                    flag_name(spelling), dest=spelling, default=argparse.SUPPRESS, help=help_text,
+                    type=lambda text, hint=hint, name=spelling: parse_value(text, hint, flag_name(name)),
+                    metavar=base.__name__.upper(),
+                )
+
+
+def _one_of(given: dict[str, Any]) -> Any:
+    """The value of a field given under one or more spellings; ValueError when they disagree."""
+    values = list(given.values())
+    if any(value != values[0] for value in values[1:]):
+        spelled = " and ".join(f"{name} {value!r}" for name, value in given.items())
+        raise ValueError(f"{spelled} are two spellings of one setting with different values: give one")
+    return values[0]
 
 
 def values_from(
@@ -87,7 +105,8 @@ def values_from(
     env: Mapping[str, str] | None = None,
     exclude: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """The fields of `cls` given as flags (in `args`) or as RS_* variables (in `env`)."""
+    """The fields of `cls` given as flags (in `args`) or as RS_* variables (in `env`), under any of
+    their spellings."""
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
     skip = set(exclude)
@@ -95,10 +114,13 @@ def values_from(
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue
-        if args is not None and hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
-        elif env.get(env_name(f.name), "") != "":
-            values[f.name] = parse_value(env[env_name(f.name)], hints[f.name], env_name(f.name))
+        spellings = _spellings(f)
+        given = {flag_name(s): getattr(args, s) for s in spellings if args is not None and hasattr(args, s)}
+        if not given:
+            given = {env_name(s): parse_value(env[env_name(s)], hints[f.name], env_name(s))
+                     for s in spellings if env.get(env_name(s), "") != ""}
+        if given:
+            values[f.name] = _one_of(given)
     return values
 
 

@@ -5,19 +5,25 @@
 
 The server picks its own port (`-p -1`) and reports it through a ports file, so two servers started
 at once never race for a port; it counts as ready once a client connection gets its INFO line.
+With `users` it lets in only those users, each with its permissions (shared/nats_roles.py builds them
+for `radixserve up`); with `tls` it speaks TLS. Its config file, secrets and all, is readable by its
+owner only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import urlparse
 
 from shared.service import die_with_parent
@@ -102,12 +108,26 @@ def start_nats_server(
     port: int | None = None,
     max_payload: int = DEFAULT_MAX_PAYLOAD,
     timeout: float = START_TIMEOUT_S,
+    users: Sequence[Mapping[str, Any]] = (),
+    tls: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> NatsServer:
     """Start nats-server on `port` (None: any free port) with `max_payload` bytes, and wait until it
-    accepts clients. NatsServerError (with the server's log) if it does not."""
-    workdir = Path(tempfile.mkdtemp(prefix="radixserve-nats-"))
+    accepts clients. `users` (nats-server's `authorization { users }` entries: user/password or nkey,
+    with permissions) turns authorization on; `tls` is nats-server's `tls {}` block (cert_file, key_file,
+    ca_file, verify); `settings` are more top-level nats.conf settings (operator mode's `operator`,
+    `resolver`, `resolver_preload`, for one). NatsServerError (with the server's log) if it does not start."""
+    workdir = Path(tempfile.mkdtemp(prefix="radixserve-nats-"))  # mode 0700
     config = workdir / "nats.conf"
-    config.write_text(f"max_payload: {int(max_payload)}\n")
+    # nats-server reads JSON as its own config syntax, which quotes every password safely.
+    lines = [f"max_payload: {int(max_payload)}"]
+    if users:
+        lines.append(f"authorization: {json.dumps({'users': list(users)})}")
+    if tls is not None:
+        lines.append(f"tls: {json.dumps(dict(tls))}")
+    lines += [f"{key}: {json.dumps(value)}" for key, value in (settings or {}).items()]
+    with os.fdopen(os.open(config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+        out.write("\n".join(lines) + "\n")
     log = (workdir / "nats-server.log").open("wb")
     cmd = [
         str(nats_server_binary()), "-a", host, "-p", str(-1 if port is None else port),

@@ -21,31 +21,26 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shared.bus import Bus, PayloadTooLarge
+from shared.bus import Bus, NatsAuthError, PayloadTooLarge
 from shared.busy_poll import BusyPoll
+from shared.nats_connection import DEFAULT_NATS_URL, NatsConnection, is_subject_token
 from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _PR_SET_PDEATHSIG = 1
+__all__ = ["DEFAULT_NATS_URL", "ServiceConfig", "is_subject_token"]
 
 
 def _help(text: str, default: object) -> object:
     return field(default=default, metadata={"help": text})
 
 
-def is_subject_token(value: str) -> bool:
-    """Whether `value` can be one token of a NATS subject (worker and gateway ids are)."""
-    return bool(value) and not any(c in value for c in " \t\r\n.*>")
-
-
 @dataclass(frozen=True)
-class ServiceConfig:
-    """Settings every service has; each service's config extends it (and may change a default)."""
+class ServiceConfig(NatsConnection):
+    """Settings every service has (its NATS connection among them, shared/nats_connection.py); each
+    service's config extends it (and may change a default)."""
 
-    nats_url: str = _help("NATS server URL", DEFAULT_NATS_URL)
-    subject_prefix: str = _help("NATS subject prefix, so deployments can share one NATS", "rs")
     metrics_host: str = _help("address the Prometheus metrics server binds", "0.0.0.0")
     metrics_port: int | None = _help("Prometheus metrics port (0: any free port; none: no metrics)", None)
     nats_connect_timeout: float = _help("seconds to reach NATS at start before giving up (exit 1)", 10.0)
@@ -56,8 +51,7 @@ class ServiceConfig:
                                 "core while it polls; 0: off)", 0.0)
 
     def __post_init__(self) -> None:
-        if not all(is_subject_token(part) for part in self.subject_prefix.split(".")):
-            raise ValueError(f"subject_prefix must be dot-separated NATS tokens (no spaces, * or >), got {self.subject_prefix!r}")
+        super().__post_init__()
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] or none, got {self.metrics_port}")
         if self.nats_connect_timeout <= 0:
@@ -89,13 +83,21 @@ async def publish_error(bus: Bus, gateway_id: str, rid: str, message: str) -> No
 async def connect_bus(config: ServiceConfig, name: str) -> Bus:
     """Bus.connect bounded by config.nats_connect_timeout (an unreachable NATS would otherwise be
     retried for ever); ConnectionError naming the URL."""
+    errors: list[Exception] = []
     try:
         bus = await asyncio.wait_for(
-            Bus.connect(config.nats_url, name, config.subject_prefix), timeout=config.nats_connect_timeout
+            Bus.connect(config.nats_url, name, config.subject_prefix, errors=errors, **config.connect_options()),
+            timeout=config.nats_connect_timeout,
         )
-    except (asyncio.TimeoutError, OSError) as exc:
+    except NatsAuthError as exc:  # before OSError: it is one
         raise ConnectionError(
-            f"{name}: NATS at {config.nats_url} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s)"
+            f"{name}: NATS at {config.nats_url_for_logs} refused {config.nats_identity}: {exc} (see --nats-user, "
+            "--nats-password, --nats-token, --nats-creds, --nats-nkey-seed)"
+        ) from exc
+    except (asyncio.TimeoutError, OSError) as exc:
+        last = f"; last error: {errors[-1]}" if errors else ""  # a refused connection, a TLS certificate...
+        raise ConnectionError(
+            f"{name}: NATS at {config.nats_url_for_logs} is unreachable (nats_url; waited {config.nats_connect_timeout:g} s{last})"
         ) from exc
     bus.poller = BusyPoll(config.busy_poll_ms / 1000)
     if bus.poller.enabled:

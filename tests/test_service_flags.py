@@ -146,3 +146,128 @@ def test_the_gateway_parses_http_with_httptools_unless_told_otherwise(monkeypatc
 
     monkeypatch.setattr(builtins, "__import__", without_httptools)
     assert http_impl("auto") == "h11"
+
+
+# ---- namespace and NATS credentials (shared/nats_connection.py) -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--namespace", "blue"], {}),
+        (["--subject-prefix", "blue"], {}),
+        ([], {"RS_NAMESPACE": "blue"}),
+        ([], {"RS_SUBJECT_PREFIX": "blue"}),
+        (["--namespace", "blue", "--subject-prefix", "blue"], {}),
+        (["--namespace", "blue"], {"RS_SUBJECT_PREFIX": "red"}),  # a flag beats a variable
+    ],
+)
+def test_namespace_is_an_alias_of_subject_prefix(argv: list[str], env: dict[str, str]) -> None:
+    for cls in (TokenizerConfig, DetokenizerConfig):
+        assert flags.build(cls, parse(cls, argv), env).subject_prefix == "blue"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--namespace", "blue", "--subject-prefix", "red"], {},
+         "--subject-prefix 'red' and --namespace 'blue' are two spellings of one setting"),
+        ([], {"RS_NAMESPACE": "blue", "RS_SUBJECT_PREFIX": "red"},
+         "RS_SUBJECT_PREFIX 'red' and RS_NAMESPACE 'blue' are two spellings of one setting"),
+        (["--namespace", "a.*"], {}, r"subject_prefix \(--namespace\) must be dot-separated NATS tokens"),
+    ],
+)
+def test_two_different_namespaces_or_a_bad_one_are_refused(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        flags.build(TokenizerConfig, parse(TokenizerConfig, argv), env)
+
+
+def test_nats_credentials_come_from_flags_or_variables(tmp_path: Path) -> None:
+    creds = tmp_path / "svc.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    config = flags.build(TokenizerConfig, parse(TokenizerConfig, ["--nats-user", "tok"]), {"RS_NATS_PASSWORD": "s3cret"})
+    assert config.connect_options()["user"] == "tok" and config.connect_options()["password"] == "s3cret"
+    assert config.connect_options()["inbox_prefix"] == "rs._INBOX"
+    from_creds = flags.build(TokenizerConfig, parse(TokenizerConfig, []), {"RS_NATS_CREDS": str(creds)})
+    assert from_creds.connect_options()["user_credentials"] == str(creds)
+
+
+def test_a_nats_password_never_shows_in_a_config_repr() -> None:
+    config = flags.build(TokenizerConfig, parse(TokenizerConfig, []), {"RS_NATS_USER": "tok", "RS_NATS_PASSWORD": "s3cret",
+                                                                         "RS_NAMESPACE": "blue"})
+    assert "s3cret" not in repr(config)
+    assert config.nats_identity == "user 'tok'"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nats-user", "tok"], "--nats-user and --nats-password"),
+        (["--nats-password", "pw"], "--nats-user and --nats-password"),
+        (["--nats-token", "t", "--nats-user", "u", "--nats-password", "p"],
+         "give one way to authenticate to NATS, not --nats-user and --nats-token"),
+        (["--nats-creds", "/nonexistent/svc.creds"], r"--nats-creds \(RS_NATS_CREDS\): no such file: /nonexistent/svc.creds"),
+        (["--nats-nkey-seed", "/nonexistent/u.nk"], r"--nats-nkey-seed \(RS_NATS_NKEY_SEED\): no such file"),
+        (["--nats-tls-ca", "/nonexistent/ca.pem"], r"--nats-tls-ca \(RS_NATS_TLS_CA\): no such file"),
+        (["--nats-tls-key", "/nonexistent/key.pem"], "--nats-tls-key needs --nats-tls-cert"),
+    ],
+)
+def test_bad_nats_credentials_are_refused_naming_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        flags.build(TokenizerConfig, parse(TokenizerConfig, argv), {})
+
+
+def test_a_service_with_bad_nats_credentials_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    assert main(["detokenizer", "--nats-creds", "/nonexistent/svc.creds"]) == 2
+    assert "--nats-creds (RS_NATS_CREDS): no such file" in capsys.readouterr().err
+
+
+def test_keys_cli_takes_the_namespace_under_either_name(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.cli import main
+
+    monkeypatch.setenv("RS_NAMESPACE", "blue")
+    monkeypatch.setenv("RS_SUBJECT_PREFIX", "red")
+    assert main(["keys", "--redis-url", "redis://127.0.0.1:1", "list"]) == 2
+    assert "RS_SUBJECT_PREFIX 'red' and RS_NAMESPACE 'blue'" in capsys.readouterr().out
+
+
+def test_up_refuses_bad_nats_options_before_starting_anything(qwen3_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.launch import add_up_commands, run_up
+
+    parser = argparse.ArgumentParser()
+    add_up_commands(parser.add_subparsers())
+    model = ["--model-path", str(qwen3_path)]
+    for argv, message in (
+        (["up", "--namespace", "a", "--subject-prefix", "b", *model], "two spellings of one setting"),
+        (["up", "--nats-user", "u", *model], "--nats-user and --nats-password"),
+    ):
+        assert run_up(parser.parse_args(argv)) == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://ops:s3cret@10.0.0.1:4222", "nats://ops:***@10.0.0.1:4222"),
+        ("tls://t0ken@nats.internal:4222", "tls://***@nats.internal:4222"),
+        ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+    ],
+)
+def test_credentials_in_a_nats_url_are_hidden_in_logs(url: str, shown: str) -> None:
+    from shared.nats_connection import redact_url
+
+    assert redact_url(url) == shown
+
+
+def test_an_unreachable_nats_is_named_without_its_password() -> None:
+    import asyncio
+
+    from shared.service import ServiceConfig, connect_bus
+
+    config = ServiceConfig(nats_url="nats://ops:s3cret@127.0.0.1:1", nats_connect_timeout=1)
+    with pytest.raises(ConnectionError, match=r"NATS at nats://ops:\*\*\*@127.0.0.1:1 is unreachable") as caught:
+        asyncio.run(connect_bus(config, "tokenizer"))
+    assert "s3cret" not in str(caught.value)

@@ -291,7 +291,8 @@ class ApiKeyAuth:
 def add_keys_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = subparsers.add_parser("keys", help="manage the gateway's API keys in Redis")
     keys.add_argument("--redis-url", default=None, help="Redis URL (env RS_REDIS_URL; default redis://127.0.0.1:6379)")
-    keys.add_argument("--subject-prefix", default=None, help="the deployment's subject prefix (env RS_SUBJECT_PREFIX)")
+    keys.add_argument("--subject-prefix", "--namespace", dest="subject_prefix", default=None,
+                      help="the deployment's namespace (env RS_SUBJECT_PREFIX or RS_NAMESPACE; default rs)")
     sub = keys.add_subparsers(dest="keys_command", required=True)
     create = sub.add_parser("create", help="create a key and print it (shown once)")
     create.add_argument("name")
@@ -307,7 +308,18 @@ def run_keys(args: argparse.Namespace) -> int:
     import os
 
     url = args.redis_url or os.environ.get("RS_REDIS_URL") or "redis://127.0.0.1:6379"
-    prefix = args.subject_prefix or os.environ.get("RS_SUBJECT_PREFIX") or "rs"
+    from shared.flags import values_from
+    from shared.nats_connection import NatsConnection
+
+    try:
+        # Either spelling, as every service reads it (two different values are an error).
+        prefix = args.subject_prefix or values_from(
+            NatsConnection, exclude=set(NatsConnection.__dataclass_fields__) - {"subject_prefix"}
+        ).get("subject_prefix", "rs")
+        NatsConnection(subject_prefix=prefix)
+    except ValueError as exc:
+        print(f"radixserve keys: {exc}")
+        return 2
 
     async def main() -> int:
         store = KeyStore([], url, prefix)

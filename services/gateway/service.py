@@ -117,7 +117,7 @@ class GatewayService(Service):
             self.http_impl,
             f"on {cfg.host}:{self.grpc_port}" if self.grpc else "off",
             f"on {self.bus.subjects.v1_generate}" if self.frontdoor else "off",
-            cfg.nats_url,
+            cfg.nats_url_for_logs,
             cfg.subject_prefix,
         )
 
