@@ -5,12 +5,13 @@ its role's credentials; docs/OPERATIONS.md shows the same table as a config for 
 
     role         publishes                                          subscribes
     gateway      {p}.tokenize(.text), {p}.worker.*.requests,        {p}.workers.load, {p}.gateway.*.stream,
-                 {p}.worker.*.control, _INBOX.> and _R_.>            {p}.v1.generate, {p}.v1.abort, {p}._INBOX.>
-                 (front-door replies)
+                 {p}.worker.*.control, {p}.gateway.abort,            {p}.v1.generate, {p}.v1.abort,
+                 _INBOX.> and _R_.> (front-door replies)             {p}.gateway.abort, {p}._INBOX.>
     tokenizer    {p}.worker.*.requests, {p}.gateway.*.stream,       {p}.tokenize, {p}.tokenize.text
                  {p}._INBOX.> (replies)
     worker       {p}.workers.load, {p}.detok.*, {p}.gateway.*.stream, {p}.worker.*.requests,
-                 {p}._INBOX.> (control replies)                     {p}.worker.*.control
+                 {p}.worker.*.control (its start-up id check),      {p}.worker.*.control, {p}._INBOX.>
+                 {p}._INBOX.> (control replies)
     detokenizer  {p}.gateway.*.stream                               {p}.detok.*
     client       {p}.v1.generate, {p}.v1.abort                      _INBOX.>
 
@@ -62,16 +63,19 @@ def role_permissions(role: str, prefix: str = "rs") -> Permissions:
             # Front-door replies go to the client's inbox, or to `_R_.>` when the client is in another
             # account that imports the front door (accounts_layout).
             publish=(f"{p}.tokenize", f"{p}.tokenize.text", f"{p}.worker.*.requests", f"{p}.worker.*.control",
-                     CLIENT_INBOX, "_R_.>"),
-            subscribe=(f"{p}.workers.load", streams, f"{p}.v1.generate", f"{p}.v1.abort", inbox),
+                     f"{p}.gateway.abort", CLIENT_INBOX, "_R_.>"),
+            subscribe=(f"{p}.workers.load", streams, f"{p}.v1.generate", f"{p}.v1.abort", f"{p}.gateway.abort",
+                       inbox),
         ),
         "tokenizer": Permissions(
             publish=(f"{p}.worker.*.requests", streams, inbox),
             subscribe=(f"{p}.tokenize", f"{p}.tokenize.text"),
         ),
         "worker": Permissions(
-            publish=(f"{p}.workers.load", f"{p}.detok.*", streams, inbox),
-            subscribe=(f"{p}.worker.*.requests", f"{p}.worker.*.control"),
+            # worker.*.control: at start a worker pings its own id to refuse a live worker's (the reply
+            # comes to its inbox); NATS cannot narrow a shared role to "its own id".
+            publish=(f"{p}.workers.load", f"{p}.detok.*", streams, f"{p}.worker.*.control", inbox),
+            subscribe=(f"{p}.worker.*.requests", f"{p}.worker.*.control", inbox),
         ),
         "detokenizer": Permissions(publish=(streams,), subscribe=(f"{p}.detok.*",)),
         CLIENT_ROLE: Permissions(publish=(f"{p}.v1.generate", f"{p}.v1.abort"), subscribe=(CLIENT_INBOX,)),

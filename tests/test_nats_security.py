@@ -38,6 +38,9 @@ FLOWS = [
     ("tokenizer", "worker", f"{NS}.worker.w0.requests"),
     ("gateway", "worker", f"{NS}.worker.w0.requests"),
     ("gateway", "worker", f"{NS}.worker.w0.control"),
+    ("worker", "worker", f"{NS}.worker.w0.control"),  # a starting worker checks its id is free
+    ("worker", "worker", f"{NS}._INBOX.abc.3"),  # the live holder's reply to that check
+    ("gateway", "gateway", f"{NS}.gateway.abort"),  # a user key's abort of another replica's request
     ("worker", "gateway", f"{NS}._INBOX.abc.1"),  # a control reply
     ("tokenizer", "gateway", f"{NS}._INBOX.abc.2"),  # a /tokenize reply
     ("worker", "detokenizer", f"{NS}.detok.w0"),
