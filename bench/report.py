@@ -264,7 +264,7 @@ def plot(per_area: dict[str, tuple[str, list[Row]]]) -> set[Path]:
         strips = [r for r in rows if (r.judged is not None and r.bound is not None) or r.value_num is not None]
         if not strips:
             continue
-        fig, axes = plt.subplots(len(strips), 1, figsize=(10, 0.62 * len(strips) + 0.9), squeeze=False)
+        fig, axes = plt.subplots(len(strips), 1, figsize=(13, 0.62 * len(strips) + 0.9), squeeze=False)
         for ax, r in zip(axes[:, 0], strips):
             if r.judged is not None and r.bound is not None:
                 met = r.verdict == "**met**"
@@ -285,6 +285,7 @@ def plot(per_area: dict[str, tuple[str, list[Row]]]) -> set[Path]:
             ax.text(1.01, 0.5, caption.replace("**", ""), transform=ax.transAxes, fontsize=6.5, va="center")
         fig.suptitle(f"{title} — bench/RESULTS.md", fontsize=9)
         fig.tight_layout()
+        fig.subplots_adjust(left=0.36, right=0.72)  # room for the figure names and the captions
         path = PLOTS / f"{key}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
