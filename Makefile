@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench-cpu fetch-model clean
+.PHONY: setup run test lint bench-cpu bench report fetch-model clean
 
 # One stamp per input: re-installs only when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -41,9 +41,45 @@ test: setup
 lint: setup
 	@$(VENV)/bin/ruff check services shared kernels tests bench
 
+# The figures of bench/RESULTS.md. Each script prints its figures and writes JSON; a run becomes a
+# current figure once its JSON is copied to bench/results/<benchmark>_<date>_<letter>.json and its row
+# in bench/current.py points at it (bench/report.py then rewrites the page and the plots).
 bench-cpu: fetch-model
 	@$(PY) bench/cpu_scheduler.py
 	@$(PY) bench/cpu_decode.py
+	@$(PY) bench/cpu_spec.py
+	@$(PY) bench/grammar.py
+	@$(PY) bench/pipeline_overhead.py
+	@$(PY) bench/report.py
+
+# GPU figures: on a host with a CUDA device the GPU scripts run here (JSON in bench/out/); elsewhere it
+# says how to run them on the device. Then the page from the recorded JSON either way.
+GPU_OUT ?= bench/out
+bench: setup
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+	  mkdir -p $(GPU_OUT) && export OUT=$(GPU_OUT) && set -e; \
+	  $(PY) bench/gpu_engine.py --models 0.6b,8b --skip-hf; \
+	  $(PY) bench/gpu_cuda_graph.py; \
+	  $(PY) bench/gpu_kernels.py; \
+	  $(PY) -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)"; \
+	  $(PY) bench/gpu_serving.py --figures p3,p4,p5,p6; \
+	  $(PY) bench/gpu_spec.py --k 3 --eps 0.1,0.06,0.045,0.03,0.025,0.02; \
+	  $(PY) bench/gpu_pipeline.py --gateways 4 --repeats 2 --ttft-runs 60 --text-runs 30; \
+	  if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then $(PY) bench/gpu_tp.py; fi; \
+	else \
+	  echo "No CUDA device here. On the device machine, one call per few steps (each call <= 600 s):"; \
+	  echo "  bash bench/gpu_session.sh engine graphs kernels     (.whl/ carried)"; \
+	  echo "  FIGURES=p3,p4,p5,p6 bash bench/gpu_session.sh serving"; \
+	  echo "  SPEC_K=3 SPEC_ARGS='--eps 0.1,0.06,0.045,0.03,0.025,0.02' bash bench/gpu_session.sh spec"; \
+	  echo "  PIPELINE_ARGS='--gateways 4 --repeats 2 --ttft-runs 60 --text-runs 30' bash bench/gpu_session.sh pipeline  (.whl-pipeline/ too)"; \
+	  echo "  bash bench/gpu_session.sh tp                        (nvidia-h200-x2)"; \
+	  echo "then copy the JSON it returns into bench/results/ by benchmark and date and point bench/current.py at it."; \
+	fi
+	@$(PY) bench/report.py
+
+# bench/RESULTS.md and bench/plots/ from bench/current.py and the JSON in bench/results/.
+report: setup
+	@$(PY) bench/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -12,7 +12,8 @@ generated tokens / wall time of one generate call (prefill included). The accept
 (tokens gained per verify step, the target's own token included) and bounds the speedup: a verify
 forward over k + 1 tokens costs at least one decode step, so speedup <= accept length (the ceiling
 printed beside each figure). Greedy output must be identical with and without speculation.
-A table closes the output; a JSON copy goes to bench/results/cpu_spec.json.
+A table closes the output; a JSON copy goes to bench/out/cpu_spec.json (recorded runs live in
+bench/results/, named by benchmark and date).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from shared.model_path import resolve_model_path  # noqa: E402
 
 NEW_TOKENS = 200
 DRAFT_TOKENS = (4, 8)
-OUT = Path(__file__).resolve().parent / "results" / "cpu_spec.json"
+OUT = Path(__file__).resolve().parent / "out" / "cpu_spec.json"
 INSTRUCTION = "Rewrite the following passage, fixing typos. Answer with the corrected passage only.\n\n"
 PASSAGES = {
     "lighthouse": (

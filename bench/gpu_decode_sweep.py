@@ -75,7 +75,8 @@ def p3_pool(seq_lens: list[int], prompt_lens: list[int]):
 
 def variants() -> dict[str, tuple[DecodeTiles | None, int, int]]:
     """name -> (tiles, min tokens per split, factor on the default split bound). "default" is what
-    decode_attention picks (tiles_for), "old" the launch shape before the sixth session."""
+    decode_attention picks (tiles_for), "old" the launch shape before 2026-11-29's change
+    (bench/HISTORY.md, "GPU, sixth session")."""
     d = MIN_TOKENS_PER_SPLIT
     out = {
         "default": (None, d, 1),

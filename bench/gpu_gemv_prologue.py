@@ -1,6 +1,7 @@
 """The GEMV prologues on the GPU: a decode step's norms, activations and projections at batch 1, with the
 elementwise kernels separate or folded into the products (kernels/gemv.py), in a CUDA graph.
-(The seventh session's run also timed a one-pass norm variant, since removed: bench/RESULTS.md.)
+(The run of bench/results/gpu_gemv_prologue_2026-11-30_a.json also timed a one-pass norm variant, since
+removed: bench/HISTORY.md, "GPU, seventh session".)
 
     python bench/gpu_gemv_prologue.py [--models 0.6b,8b]
 

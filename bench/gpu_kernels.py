@@ -541,7 +541,7 @@ def main() -> int:
     print_table("launch-shape variants (Qwen3-8B)", VARIANT_ROWS)
     print_table("default configuration", ROWS)
     if os.environ.get("OUT"):
-        # The device machine's output folder: keep every figure for bench/RESULTS.md.
+        # The device machine's output folder: keep every figure (recorded runs go to bench/results/).
         with open(os.path.join(os.environ["OUT"], "gpu_kernels.json"), "w") as f:
             json.dump({"copy_gbps": copy_gbps, "matmul_tflops": mm_tflops,
                        "rows": [asdict(r) for r in ROWS], "variants": [asdict(r) for r in VARIANT_ROWS]}, f, indent=1)  # fmt: skip

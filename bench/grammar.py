@@ -14,7 +14,8 @@ vocabulary (100x the time per mask on this CPU). Each batch size runs free, cons
 prefix cache is flushed before each run); throughput = generated tokens / wall time of one generate
 call, prefill included (the same on both sides). Mask time: the constrained outputs replayed through a
 fresh matcher, timing each step's mask (llguidance, host side); median and p90 in microseconds.
-A table closes the output; JSON goes to --out (default bench/results/grammar_<device>.json).
+A table closes the output; JSON goes to --out (default bench/out/grammar_<device>.json; recorded runs
+live in bench/results/, named by benchmark and date).
 
 --profile SCHEMA: instead, the scheduler of the largest batch stepped on this thread under cProfile,
 free and then constrained (64 decode steps each after the prefill), printing where the host time goes.
@@ -49,7 +50,7 @@ SCHEMAS = {
     }
     for name, extra in (("plain", {}), ("bounded", {"maxLength": 40}))
 }
-RESULTS = Path(__file__).resolve().parent / "results"
+OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
 def run(engine: Engine, prompt: list[int], batch: int, schema: dict | None) -> tuple[float, list[list[int]]]:
@@ -171,7 +172,7 @@ def main() -> None:
                            "count": len(times)}
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"device": device, "new_tokens": NEW_TOKENS, "rows": rows, "mask": masks, "sample_output": samples}
-    out = Path(args.out) if args.out else RESULTS / f"grammar_{args.device.split(':')[0]}.json"
+    out = Path(args.out) if args.out else OUT_DIR / f"grammar_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for name, text in samples.items():

@@ -51,7 +51,7 @@ class DecodeTiles:
     k_rows: bool = True
 
 
-# Measured on the H200 (bench/gpu_decode_sweep.py, bench/RESULTS.md, sixth session), P3's batch of 256 with
+# Measured on the H200 (bench/results/gpu_decode_sweep_2026-11-29_a.json), P3's batch of 256 with
 # 100..2048-token contexts read the pool at 0.71 of copy bandwidth with (request, kv_head) order and K
 # addressed by columns, 0.85 with both switches above and 0.95 adding 128-key tiles; batch 64 at 1-4k
 # tokens 0.75 -> 0.86. Batch 1 is unchanged by the switches and slower with 128-key tiles.

@@ -3,7 +3,7 @@ each piece of work, so the next message or request finds it awake.
 
 A process idle in epoll sleeps on a halted CPU; the message that wakes it pays the wake-up (on the
 H200's 16-vCPU KVM guest ~0.15-0.2 ms per process after a few ms idle, more after 20 ms:
-bench/pipeline_hops.py, bench/RESULTS.md), and a request on its way to its first token wakes the
+bench/results/pipeline_hops_gpu_2026-11-30_a.json), and a request on its way to its first token wakes the
 gateway, the worker and the gateway again. `touch()` (called for every NATS message, HTTP request and
 batch of scheduler outputs) opens a window of `window_s`; while it is open one task yields to the loop
 (`asyncio.sleep(0)`, a non-blocking poll per turn), so the loop never blocks. It holds one core for

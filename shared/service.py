@@ -192,7 +192,7 @@ class Service(abc.ABC):
             self.exit_code = 1
             await self.drain()
             return 1
-        # Which loop serves, since uvloop is optional and shortens every NATS hop (bench/RESULTS.md).
+        # Which loop serves, since uvloop is optional and shortens every NATS hop (bench/HISTORY.md, CPU pipeline).
         logger.info("%s runs on the %s event loop", self.name, type(loop).__module__.split(".")[0])
         logger.info(ready_line(self.name))
         await self._stop.wait()

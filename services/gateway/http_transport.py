@@ -12,7 +12,8 @@ Waiting for the turn to end would make a first event wait for the rest of its ta
 of the loop, so the writes also leave at once where the app knows it is done for now: a finished
 response is written when uvicorn completes it, and an app calls `flush_writes(scope)` after a streamed
 response's first event (http_streaming.SseResponse does). On the 2-vCPU host the traced last stretch
-did not move beyond its run-to-run spread either way (bench/RESULTS.md, eleventh session).
+did not move beyond its run-to-run spread either way (bench/results/pipeline_cpu_2026-11-30_l_stages.json
+against _k_stages.json; bench/HISTORY.md, the CPU pipeline's eleventh-session notes).
 """
 
 from __future__ import annotations

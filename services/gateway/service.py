@@ -35,7 +35,7 @@ HTTP_START_TIMEOUT_S = 30.0
 def http_impl(choice: str) -> str:
     """uvicorn's HTTP protocol for GatewayConfig.http: auto is httptools (a C parser, installed with the
     project) where it imports, else h11. httptools costs a gateway ~0.35 ms less CPU per streamed request
-    on a 2-vCPU host (bench/RESULTS.md)."""
+    on a 2-vCPU host (bench/HISTORY.md, the CPU pipeline's tenth-session notes)."""
     if choice != "auto":
         return choice
     try:

@@ -95,7 +95,7 @@ class EngineConfig:
         "(a small model); None: off. Speculation turns the overlap schedule off",
         None,
     )
-    # 3 as SGLang's default draft steps: on the H200 (bench/RESULTS.md, fifth session) k=3 gave 1.59x at an
+    # 3 as SGLang's default draft steps: on the H200 (bench/results/gpu_spec_2026-11-29_f.json) k=3 gave 1.59x at an
     # accepted length of 2.65 where k=4 gave 1.35x at 2.49; a draft that agrees more often wants more.
     speculative_num_draft_tokens: int = _help("tokens proposed per request and decode step (k)", 3)
     speculative_draft_model_path: str | None = _help(

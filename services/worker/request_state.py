@@ -91,7 +91,8 @@ class RequestState:
             else:
                 # Nobody reads this request's text before it ends, so it is decoded once, at the end:
                 # detokenizing every token of every request as it came (~35 us each) held P3's 256
-                # requests to the caller's pace, half the scheduler's (bench/RESULTS.md, sixth session).
+                # requests to the caller's pace, half the scheduler's (bench/results/gpu_serving_2026-11-29_e.json
+                # against _f.json, which has this change).
                 self._undecoded.extend(visible)
                 if self.finished is not None:
                     self.detok.add(self._undecoded)

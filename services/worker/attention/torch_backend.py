@@ -5,7 +5,7 @@ kernels are checked against).
 Decode (one query per request) is batched: every request's keys are padded to the longest sequence in
 the batch (padding is masked out) and each KV head's group of query heads attends in one
 scaled_dot_product_attention call (on CPU a fused kernel: in bfloat16 a fifth of the time of the two
-batched matmuls and softmax it replaced at batch 1, see bench/RESULTS.md). The keys come from dense
+batched matmuls and softmax it replaced at batch 1, see bench/HISTORY.md). The keys come from dense
 blocks kept across decode steps (attention/dense_kv.py: only each step's new K/V is copied in), from
 a view of the pool for a lone request whose slots are consecutive, or else gathered from the pool per
 KV head. All index and mask tensors are built once per step in `init_forward_metadata`, so a layer

@@ -81,7 +81,8 @@ class SchedulePolicy:
 
 
 # How much slower the extend-attention kernel is than a dense matmul per FLOP: on the H200 the Triton
-# extend kernel ran at 200-300 TFLOP/s against a 770 TFLOP/s bf16 matmul (bench/RESULTS.md).
+# extend kernel ran at 200-300 TFLOP/s against a 770 TFLOP/s bf16 matmul (bench/HISTORY.md, "GPU, third
+# session", P3; today's extend figure is in bench/RESULTS.md).
 ATTENTION_SLOWDOWN = 3.0
 
 

@@ -1,0 +1,369 @@
+"""The registry of current figures: which recorded run (bench/results/*.json) is today's figure for
+each area, how to read its value and its ceiling or peer, and the target it is held to.
+
+bench/report.py turns this into bench/RESULTS.md and bench/plots/*.png. When a new run replaces a
+figure, copy its JSON into bench/results/ as <benchmark>_<YYYY-MM-DD>_<letter>.json and point the
+entry here at it; the session-by-session story goes to bench/HISTORY.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Read = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    op: str  # ">=" or "<=" (or "==" for a value that must equal `bound`)
+    bound: Any
+    text: str  # as the page shows it, with its unit
+    on: str = "ratio"  # "ratio": the derived column is judged; "value": the value itself
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    file: str  # under bench/results/
+    value: Read
+    value_fmt: str  # str.format pattern, unit included
+    peer: Read | None = None
+    peer_label: str = ""  # what the peer is: "ceiling", "Engine", "transformers", ...
+    peer_fmt: str = ""  # defaults to value_fmt
+    # The derived column: a ratio or a difference. None with a peer: value / peer.
+    ratio: Read | None = None
+    ratio_fmt: str = "{:.3f}"
+    target: Target | None = None
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Area:
+    key: str  # plot file name: bench/plots/<key>.png
+    title: str
+    machine: str
+    figures: tuple[Figure, ...]
+    note: str = ""
+
+
+def no_ratio(_: Any) -> None:
+    """For a figure whose peer is context, not a denominator."""
+    return None
+
+
+def _row(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
+    """The one row of a JSON list whose fields equal `match`."""
+    found = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} rows match {match}")
+    return found[0]
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run whose ours/transformers ratio is the median one (the figure HISTORY.md quotes)."""
+    ranked = sorted(runs, key=lambda r: r["ours_tok_s"] / r["hf_tok_s"])
+    return ranked[len(ranked) // 2]
+
+
+def _trace_own_ms(stages: dict[str, Any], kind: str, side: str) -> float:
+    """Sum of one side's stretch medians from the client's send to its first event, the prefill left
+    out (bench/pipeline_trace.py's stage medians in µs; "total" and "pairs" are not stretches)."""
+    part = stages[kind][side]
+    skip = {"total", "pairs", "scheduler.added -> scheduler.outputs"}
+    return sum(v for k, v in part.items() if k not in skip) / 1000.0
+
+
+def _kernel_checks(d: dict[str, Any]) -> tuple[int, int]:
+    every = d["rows"] + d["variants"]
+    return sum(1 for r in every if r["err"] <= 1e-2), len(every)
+
+
+H200 = "one NVIDIA H200 (`nvidia-h200`: 16 vCPUs), random-init Qwen3-shaped bf16 checkpoints, torch 2.11, triton 3.6"
+CPU_AMD = "2-vCPU AMD EPYC (Zen 4, KVM guest, AVX-512), torch 2.13.0+cpu, the embedded SmolLM2-135M-Instruct"
+PIPE_GPU = "python bench/gpu_pipeline.py --gateways 4 --repeats 2 --ttft-runs 60 --text-runs 30"
+PIPE_GPU_HEAVY = "python bench/gpu_pipeline.py --gateways 4 --batch 256 --new-tokens 512 --repeats 3 --ttft-runs 10 --text-runs 0"
+PIPE_CPU = ".venv/bin/python bench/pipeline_overhead.py --repeats 5 --ttft-runs 60 --text-runs 60"
+PIPE_CPU_TRACED = ("RS_TRACE_DIR=/tmp/t .venv/bin/python bench/pipeline_overhead.py --repeats 1 --ttft-runs 60 "
+                   "--text-runs 60 && .venv/bin/python bench/pipeline_trace.py /tmp/t")
+LOSS = Target("<=", 0.05, "≤ 5 %")
+TTFT = Target("<=", 2.0, "≤ 2 ms")
+
+
+def _loss(d: dict[str, Any]) -> float:
+    return d["throughput"]["loss_median"]
+
+
+def _pipeline(file: str, label: str, command: str, text: bool = True, floor: bool = True) -> tuple[Figure, ...]:
+    """Throughput loss, added TTFT (ids, text) and the added floor of one bench/gpu_pipeline.py or
+    bench/pipeline_overhead.py run: the pipeline's figure beside the in-process Engine's, same run."""
+    ms = "{:.2f} ms"
+    figures = [
+        Figure(f"throughput loss, {label}", file, lambda d: d["throughput"]["gateway_tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: d["throughput"]["engine_tok_s"], peer_label="Engine",
+               ratio=_loss, ratio_fmt="{:+.1%} loss", target=LOSS, command=command),
+        Figure(f"TTFT, token-id prompts, {label}", file, lambda d: d["ttft"]["gateway_median_ms"], ms,
+               peer=lambda d: d["ttft"]["engine_median_ms"], peer_label="Engine",
+               ratio=lambda d: d["ttft"]["added_median_ms"], ratio_fmt="{:+.2f} ms added (pair median)",
+               target=TTFT, command=command),
+    ]
+    if text:
+        figures.append(
+            Figure(f"TTFT, text prompts, {label}", file, lambda d: d["ttft_text"]["gateway_median_ms"], ms,
+                   peer=lambda d: d["ttft_text"]["engine_median_ms"], peer_label="Engine",
+                   ratio=lambda d: d["ttft_text"]["added_median_ms"], ratio_fmt="{:+.2f} ms added (pair median)",
+                   target=TTFT, command=command))
+    if floor:
+        figures.append(
+            Figure(f"floor (0 new tokens), {label}", file, lambda d: d["floor"]["gateway_median_ms"], ms,
+                   peer=lambda d: d["floor"]["engine_median_ms"], peer_label="Engine",
+                   ratio=lambda d: d["floor"]["added_median_ms"], ratio_fmt="{:+.2f} ms added", command=command))
+    return tuple(figures)
+
+
+GPU_ENGINE = Area(
+    "gpu_engine", "GPU engine (P1–P6, speculative decoding, CUDA graphs, kernels)", H200,
+    (
+        Figure("P1 batch-1 decode, Qwen3-8B", "gpu_engine_2026-11-30_b.json",
+               lambda d: d["results"]["8b"]["tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: d["results"]["8b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
+               target=Target(">=", 0.85, "≥ 0.85 of the ceiling"),
+               command="python bench/gpu_engine.py --models 0.6b,8b --skip-hf"),
+        Figure("P1 peer: transformers static cache + torch.compile, Qwen3-8B", "gpu_engine_2026-11-29_f.json",
+               lambda d: d["results"]["8b"]["hf_compile_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: d["results"]["8b"]["tok_s"], peer_label="radixserve",
+               command="python bench/gpu_engine.py --hf-compile"),
+        Figure("P2 batch-1 decode, Qwen3-0.6B", "gpu_engine_2026-11-30_b.json",
+               lambda d: d["results"]["0.6b"]["tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: d["results"]["0.6b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
+               target=Target(">=", 0.6, "≥ 0.6 of the ceiling"),
+               command="python bench/gpu_engine.py --models 0.6b,8b --skip-hf"),
+        Figure("P3 offline throughput, nano-vllm recipe (256 requests), 0.6B", "gpu_serving_2026-11-29_f.json",
+               lambda d: d["p3"]["tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: d["p3"]["ceiling_tok_s"], peer_label="ceiling: workload bytes and FLOPs",
+               target=Target(">=", 0.6, "≥ 0.6 of the ceiling"),
+               command="python bench/gpu_serving.py --figures p3"),
+        Figure("P4 prefix cache, 64 groups × 16 prompts sharing 2,048 tokens", "gpu_serving_2026-11-29_g.json",
+               lambda d: d["p4"]["cache_on"]["tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: d["p4"]["cache_off"]["tok_s"], peer_label="cache off",
+               ratio_fmt="{:.2f}×", target=Target(">=", 2.0, "≥ 2×"),
+               command="python bench/gpu_serving.py --figures p4"),
+        Figure("P4 cache hit rate", "gpu_serving_2026-11-29_g.json",
+               lambda d: d["p4"]["cache_on"]["hit_rate"], "{:.2%}",
+               peer=lambda d: d["p4"]["ideal_hit_rate"], peer_label="ideal", peer_fmt="{:.2%}",
+               ratio_fmt="{:.2f} of the ideal", target=Target(">=", 0.95, "≥ 0.95 of the ideal"),
+               command="python bench/gpu_serving.py --figures p4"),
+        Figure("P5 overlap scheduling on vs off (128 requests)", "gpu_serving_2026-11-29_g.json",
+               lambda d: d["p5"]["overlap_on_tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: d["p5"]["overlap_off_tok_s"], peer_label="overlap off",
+               ratio_fmt="{:.2f}×", target=Target(">=", 1.10, "≥ 1.10×"),
+               command="python bench/gpu_serving.py --figures p5"),
+        Figure("P6 32 streams while a 32k prompt is served: p99 inter-token gap, chunked + mixed",
+               "gpu_serving_2026-11-30_a.json",
+               lambda d: d["p6"]["chunked_mixed"]["p99_ms"], "{:.1f} ms",
+               peer=lambda d: d["p6"]["chunked_mixed"]["median_ms"], peer_label="median gap",
+               ratio_fmt="{:.2f} p99 / median", target=Target("<=", 3.0, "≤ 3"),
+               command="python bench/gpu_serving.py --figures p6"),
+        Figure("P6 longest gap of a stream, chunked + mixed", "gpu_serving_2026-11-30_a.json",
+               lambda d: d["p6"]["chunked_mixed"]["max_ms"], "{:.1f} ms",
+               peer=lambda d: d["p6"]["chunked"]["max_ms"], peer_label="chunked, not mixed",
+               ratio_fmt="{:.3f}", command="python bench/gpu_serving.py --figures p6"),
+        Figure("speculative decoding, 8B, k = 3, accepted length 2.65", "gpu_spec_2026-11-29_f.json",
+               lambda d: _row(d, eps=0.025)["spec_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _row(d, eps=0.025)["plain_tok_s"], peer_label="plain decode",
+               ratio_fmt="{:.2f}×", target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)"),
+               command="python bench/gpu_spec.py --k 3 --eps 0.1,0.06,0.045,0.03,0.025,0.02"),
+        Figure("speculative decoding, 8B, k = 3, accepted length 3.10", "gpu_spec_2026-11-29_f.json",
+               lambda d: _row(d, eps=0.02)["spec_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _row(d, eps=0.02)["plain_tok_s"], peer_label="plain decode",
+               ratio_fmt="{:.2f}×", target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)"),
+               command="python bench/gpu_spec.py --k 3 --eps 0.1,0.06,0.045,0.03,0.025,0.02"),
+        Figure("CUDA graphs vs eager, batch-1 decode, 0.6B", "gpu_cuda_graph_2026-11-29_b.json",
+               lambda d: d["results"]["0.6b_graphs"]["bs1_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: d["results"]["0.6b_eager"]["bs1_tok_s"], peer_label="eager",
+               ratio_fmt="{:.1f}×", command="python bench/gpu_cuda_graph.py"),
+        Figure("CUDA graphs == eager, greedy fp32 (0.6B, small MoE)", "gpu_cuda_graph_2026-11-29_b.json",
+               lambda d: all(v["tokens_identical"] for k, v in d["results"].items() if k.startswith("check_")),
+               "{}", ratio=lambda d: max(v["max_abs_logprob_diff"] for k, v in d["results"].items()
+                                         if k.startswith("check_")),
+               ratio_fmt="max |Δ logprob| {:.1e}", target=Target("==", True, "identical tokens", on="value"),
+               command="python bench/gpu_cuda_graph.py"),
+        Figure("decode attention, 8B heads, batch 64, contexts 1k–4k", "gpu_kernels_2026-11-30_a.json",
+               lambda d: _row(d["rows"], case="qwen3-8b bs64 ctx1k-4k [default] splits<=2")["achieved"],
+               "{:,.0f} GB/s", peer=lambda d: d["copy_gbps"], peer_label="copy bandwidth",
+               command="python bench/gpu_kernels.py"),
+        Figure("extend attention, 8B heads, 4 × 844–1955 new tokens", "gpu_kernels_2026-11-30_a.json",
+               lambda d: _row(d["rows"], case="qwen3-8b 4x844-1955 new, prefix 0 [default]")["achieved"],
+               "{:,.0f} TFLOP/s", peer=lambda d: d["matmul_tflops"], peer_label="bf16 matmul",
+               command="python bench/gpu_kernels.py"),
+        Figure("extend attention layer, 8B, 4 × 844–1955 new tokens after a 2,048 prefix (eager call)",
+               "gpu_flashinfer_2026-11-30_a.json",
+               lambda d: 1000 * d["qwen3-8b extend 4x844-1955 new, prefix 2048"]["triton_ms"], "{:,.0f} µs",
+               peer=lambda d: 1000 * d["qwen3-8b extend 4x844-1955 new, prefix 2048"]["flashinfer_ms"],
+               peer_label="FlashInfer 0.6.18, FA3", ratio_fmt="{:.2f}× FlashInfer's time",
+               command="python bench/gpu_flashinfer.py"),
+        Figure("decode attention layer, 8B, batch 64, contexts 1k–4k (eager call)", "gpu_flashinfer_2026-11-30_a.json",
+               lambda d: 1000 * d["qwen3-8b decode bs64 ctx1k-4k"]["triton_ms"], "{:,.0f} µs",
+               peer=lambda d: 1000 * d["qwen3-8b decode bs64 ctx1k-4k"]["flashinfer_ms"],
+               peer_label="FlashInfer 0.6.18", ratio_fmt="{:.2f}× FlashInfer's time",
+               command="python bench/gpu_flashinfer.py"),
+        Figure("batch-1 linears of one 8B step (15.1 GB), Triton GEMV", "gpu_gemv_2026-11-29_b.json",
+               lambda d: d["step_ms"]["rows"], "{:.3f} ms", peer=lambda d: d["step_ceiling_ms"],
+               peer_label="ceiling: bytes / copy bw", ratio=lambda d: d["step_ceiling_ms"] / d["step_ms"]["rows"],
+               ratio_fmt="{:.3f} of the ceiling", command="python bench/gpu_gemv.py"),
+        Figure("the same linears through cuBLAS", "gpu_gemv_2026-11-29_b.json",
+               lambda d: d["step_ms"]["cublas"], "{:.3f} ms", peer=lambda d: d["step_ceiling_ms"],
+               peer_label="ceiling: bytes / copy bw", ratio=lambda d: d["step_ceiling_ms"] / d["step_ms"]["cublas"],
+               ratio_fmt="{:.3f} of the ceiling", command="python bench/gpu_gemv.py"),
+        Figure("GEMV's bf16 greedy log-probs vs float32, within 1.5× cuBLAS's + 0.02", "gpu_gemv_check_2026-11-30_a.json",
+               lambda d: d["pass"], "{}", ratio=lambda d: max(r["gemv_vs_fp32"] for r in d["rows"]),
+               ratio_fmt="max |Δ logprob| {:.2f}", target=Target("==", True, "pass", on="value"),
+               command="python bench/gpu_gemv_check.py"),
+        Figure("Triton kernels within 1e-2 of float32 (real shapes, bf16)", "gpu_kernels_2026-11-30_a.json",
+               lambda d: _kernel_checks(d)[0], "{} checks", peer=lambda d: _kernel_checks(d)[1],
+               peer_label="checks run", peer_fmt="{}", ratio_fmt="{:.0%}",
+               target=Target(">=", 1.0, "all"), command="python bench/gpu_kernels.py"),
+    ),
+)
+
+TP = Area(
+    "tp", "Tensor parallelism (TP=2 vs TP=1, Qwen3-8B-shaped)",
+    "two NVIDIA H200 of one host (`nvidia-h200-x2`), NCCL + symmetric-memory all-reduce, torch 2.11",
+    (
+        Figure("batch-1 decode, TP=2, bf16", "gpu_tp_2026-11-29_b.json",
+               lambda d: d["results"]["8b_bf16_tp2"]["bs1_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: d["results"]["8b_bf16_tp1"]["bs1_tok_s"], peer_label="TP=1",
+               ratio_fmt="{:.2f}×", command="python bench/gpu_tp.py"),
+        Figure("batch-64 decode, TP=2, bf16", "gpu_tp_2026-11-29_b.json",
+               lambda d: d["results"]["8b_bf16_tp2"]["bs64_tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: d["results"]["8b_bf16_tp1"]["bs64_tok_s"], peer_label="TP=1",
+               ratio_fmt="{:.2f}×", command="python bench/gpu_tp.py"),
+        Figure("greedy tokens, TP=2 == TP=1, float32 (6 prompts × 64)", "gpu_tp_2026-11-29_b.json",
+               lambda d: d["results"]["8b_fp32_tokens_identical"], "{}",
+               ratio=lambda d: d["results"]["8b_fp32_forced_max_delta"], ratio_fmt="max |Δ logprob| {:.1e}",
+               target=Target("==", True, "identical tokens", on="value"), command="python bench/gpu_tp.py"),
+        Figure("bf16 |Δ logprob| p90, TP=2 vs TP=1 (teacher-forced, 384 positions)", "gpu_tp_2026-11-29_b.json",
+               lambda d: d["results"]["8b_bf16_forced"]["tp_vs_tp1"]["p90"], "{:.3f}",
+               peer=lambda d: d["results"]["8b_bf16_forced"]["bf16_vs_fp32"]["p90"],
+               peer_label="bf16 vs float32 at TP=1", ratio_fmt="{:.2f}×",
+               target=Target("<=", 2.0, "≤ 2× the bf16 tolerance"), command="python bench/gpu_tp.py"),
+        Figure("all-reduce of one decode step's activations, [1, 4096] bf16", "gpu_tp_2026-11-29_b.json",
+               lambda d: d["results"]["allreduce"]["symm_1"], "{:.1f} µs",
+               peer=lambda d: d["results"]["allreduce"]["nccl_1"], peer_label="NCCL all_reduce",
+               ratio_fmt="{:.2f}×", command="python bench/gpu_tp.py"),
+    ),
+)
+
+PIPELINE_GPU = Area(
+    "pipeline_gpu", "NATS pipeline vs the in-process Engine, GPU host", H200 + "; 4 gateways, tokenizer service",
+    _pipeline("gpu_pipeline_2026-11-30_78.json", "light load (64 × 128 → 128)", PIPE_GPU)
+    + _pipeline("gpu_pipeline_2026-11-30_80.json", "light load, `--busy-poll-ms 100`",
+                PIPE_GPU + " --busy-poll-ms 100")
+    + _pipeline("gpu_pipeline_2026-11-30_74.json", "heavy load (256 × 128 → 512)",
+                PIPE_GPU_HEAVY,
+                text=False, floor=False),
+    note="Light load: 64 concurrent requests for throughput, one streamed request at a time for TTFT, "
+         "paired with the Engine. TTFT medians move by ±0.5 ms from host to host (bench/HISTORY.md).",
+)
+
+PIPELINE_CPU = Area(
+    "pipeline_cpu", "NATS pipeline vs the in-process Engine, CPU", CPU_AMD + "; 1 gateway, 2 compute threads a side",
+    _pipeline("pipeline_cpu_2026-11-30_r.json", "32 × 64 → 64", PIPE_CPU)
+    + (
+        Figure("TTFT less the prefill, by the trace, token-id prompts",
+               "pipeline_cpu_2026-11-30_s_stages.json", lambda d: _trace_own_ms(d, "ttft", "gateway"), "{:.2f} ms",
+               peer=lambda d: _trace_own_ms(d, "ttft", "engine"), peer_label="Engine",
+               ratio=lambda d: _trace_own_ms(d, "ttft", "gateway") - _trace_own_ms(d, "ttft", "engine"),
+               ratio_fmt="{:+.2f} ms added", target=TTFT,
+               command=PIPE_CPU_TRACED),
+        Figure("TTFT less the prefill, by the trace, text prompts",
+               "pipeline_cpu_2026-11-30_s_stages.json", lambda d: _trace_own_ms(d, "text", "gateway"), "{:.2f} ms",
+               peer=lambda d: _trace_own_ms(d, "text", "engine"), peer_label="Engine",
+               ratio=lambda d: _trace_own_ms(d, "text", "gateway") - _trace_own_ms(d, "text", "engine"),
+               ratio_fmt="{:+.2f} ms added", target=TTFT,
+               command=PIPE_CPU_TRACED),
+    ),
+    note="On two vCPUs the pair medians spread over ±6–8 ms (the ~115 ms prefill wanders), so the trace's sum "
+         "of the pipeline's own stretches is the figure to read for TTFT (bench/HISTORY.md, CPU pipeline).",
+)
+
+CPU = Area(
+    "cpu", "CPU engine vs transformers `generate`, scheduler, speculative decoding, routing", CPU_AMD,
+    (
+        Figure("batch-1 decode, float32 (whole generate call)", "cpu_decode_2026-11-29_a.json",
+               lambda d: _median_run(d["float32"]["batch1"])["ours_tok_s"], "{:.1f} tok/s",
+               peer=lambda d: _median_run(d["float32"]["batch1"])["hf_tok_s"], peer_label="transformers",
+               ratio_fmt="{:.2f}×", target=Target(">=", 1.2, "≥ 1.2×"),
+               command=".venv/bin/python bench/cpu_decode.py"),
+        Figure("batch-16 decode, float32", "cpu_decode_2026-11-29_a.json",
+               lambda d: _median_run(d["float32"]["batch16"])["ours_tok_s"], "{:.1f} tok/s",
+               peer=lambda d: _median_run(d["float32"]["batch16"])["hf_tok_s"], peer_label="transformers",
+               ratio_fmt="{:.2f}×", target=Target(">=", 3.0, "≥ 3×"),
+               command=".venv/bin/python bench/cpu_decode.py"),
+        Figure("batch-1 decode, bfloat16", "cpu_decode_2026-11-29_a.json",
+               lambda d: d["bfloat16"]["batch1"][0]["ours_tok_s"], "{:.1f} tok/s",
+               peer=lambda d: d["bfloat16"]["batch1"][0]["hf_tok_s"], peer_label="transformers",
+               ratio_fmt="{:.2f}×", target=Target(">=", 1.2, "≥ 1.2×"),
+               command=".venv/bin/python bench/cpu_decode.py --dtype bfloat16"),
+        Figure("batch-16 decode, bfloat16", "cpu_decode_2026-11-29_a.json",
+               lambda d: d["bfloat16"]["batch16"][0]["ours_tok_s"], "{:.1f} tok/s",
+               peer=lambda d: d["bfloat16"]["batch16"][0]["hf_tok_s"], peer_label="transformers",
+               ratio_fmt="{:.2f}×", target=Target(">=", 3.0, "≥ 3×"),
+               command=".venv/bin/python bench/cpu_decode.py --dtype bfloat16"),
+        Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
+               lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
+               command=".venv/bin/python bench/cpu_scheduler.py"),
+        Figure("radix cache `match_prefix`, 1,000 sequences of 1–4k tokens", "cpu_scheduler_2026-11-29_a.json",
+               lambda d: d["radix_match_mtok_s"], "{:.1f} M tokens/s",
+               command=".venv/bin/python bench/cpu_scheduler.py"),
+        Figure("n-gram speculation, k = 4, rewrite prompts (median of 3)", "cpu_spec_2026-11-29_a.json",
+               lambda d: d["summary"]["ngram k=4"]["speedup_median"], "{:.2f}×",
+               peer=lambda d: d["summary"]["ngram k=4"]["accept_length_mean"], peer_label="mean accepted length",
+               peer_fmt="{:.2f}", ratio=no_ratio,
+               target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)", on="value"),
+               command=".venv/bin/python bench/cpu_spec.py"),
+        Figure("n-gram speculation, k = 8", "cpu_spec_2026-11-29_a.json",
+               lambda d: d["summary"]["ngram k=8"]["speedup_median"], "{:.2f}×",
+               peer=lambda d: d["summary"]["ngram k=8"]["accept_length_mean"], peer_label="mean accepted length",
+               peer_fmt="{:.2f}", ratio=no_ratio,
+               target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)", on="value"),
+               command=".venv/bin/python bench/cpu_spec.py"),
+        Figure("cache-aware routing over 2 workers, hit rate (6 × 6 prompts)", "routing_cpu_2026-11-29_a.json",
+               lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="cache_aware")["hit_rate"], "{:.3f}",
+               peer=lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="cache_aware")["ideal"],
+               peer_label="ideal", command=".venv/bin/python bench/routing_cpu.py"),
+        Figure("least-loaded routing, hit rate (the same workload)", "routing_cpu_2026-11-29_a.json",
+               lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="least_loaded")["hit_rate"], "{:.3f}",
+               peer=lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="cache_aware")["ideal"],
+               peer_label="ideal", command=".venv/bin/python bench/routing_cpu.py"),
+    ),
+    note="The speculative and routing rows ran on other 2-vCPU machines of the same sessions (an AMD EPYC "
+         "under load, an Intel Xeon); each JSON names its machine.",
+)
+
+
+def _grammar(file: str, schema: str, batch: int, command: str) -> Figure:
+    return Figure(f"`{schema}` schema, batch {batch}", file,
+                  lambda d: _row(d["rows"], schema=schema, batch=batch)["constrained_tok_s"], "{:,.1f} tok/s",
+                  peer=lambda d: _row(d["rows"], schema=schema, batch=batch)["free_tok_s"], peer_label="free",
+                  ratio_fmt="{:.2f} of free", command=command)
+
+
+GRAMMAR_GPU_CMD = "python bench/grammar.py --device cuda --model-path <0.6B-shaped Qwen3> --batches 1,32,128"
+GRAMMAR_GPU = Area(
+    "grammar_gpu", "Constrained decoding (JSON schema) vs free decoding, GPU", H200,
+    tuple(_grammar("grammar_cuda_2026-11-30_b.json", s, b, GRAMMAR_GPU_CMD)
+          for s in ("plain", "bounded") for b in (1, 32, 128)),
+    note="No target is set for this figure; the masks' host time is what is left (bench/HISTORY.md).",
+)
+GRAMMAR_CPU = Area(
+    "grammar_cpu", "Constrained decoding (JSON schema) vs free decoding, CPU", CPU_AMD,
+    tuple(_grammar("grammar_cpu_2026-11-30_a.json", s, b, ".venv/bin/python bench/grammar.py")
+          for s in ("plain", "bounded") for b in (1, 8)),
+)
+
+AREAS: tuple[Area, ...] = (GPU_ENGINE, TP, PIPELINE_GPU, PIPELINE_CPU, CPU, GRAMMAR_GPU, GRAMMAR_CPU)
+
+# Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
+SOAK_GLOB = "soak_cpu_*.json"
