@@ -114,6 +114,23 @@ class ServiceProcess:
         self.proc.wait()
 
 
+def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = READY_TIMEOUT_S * 2) -> subprocess.Popen[bytes]:
+    """`radixserve up *args` with `env`, its output in `log`; returns once it says it is up
+    (AssertionError with its output if it exits first or takes longer than `timeout`)."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", *args],
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout
+    while "radixserve is up" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"up did not come up (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    return proc
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float:
     """A sample's value from Prometheus text format (`labels` as written, e.g. 'status="ok"')."""
     wanted = f"{name}{{{labels}}}" if labels else name

@@ -9,9 +9,7 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import time
-import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -25,18 +23,12 @@ from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2,
 from services.gateway.service import GatewayService
 from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
-
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
+from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
 
 
 @pytest.fixture(scope="module")
 def prefix() -> Iterator[str]:
-    """A subject prefix of this module's own, which is also its Redis namespace; cleaned up after."""
-    name = f"auth{uuid.uuid4().hex[:8]}"
-    yield name
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"radixserve:{name}:*"):
-        client.delete(key)
+    yield from redis_namespace("auth")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +37,6 @@ def pipeline(nats: NatsServer, prefix: str) -> Iterator[FakePipeline]:
     yield fake
     fake.close()
 
-
-def keys_cli(prefix: str, *args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(["keys", "--redis-url", REDIS_URL, "--subject-prefix", prefix, *args])
-    return code, out.getvalue().strip()
 
 
 def complete(url: str, key: str | None, prompt: str = "one two three") -> httpx.Response:

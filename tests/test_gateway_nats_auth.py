@@ -7,9 +7,6 @@ at REDIS_URL (and, for the outage, a redis-server of the test's own)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import socket
 import subprocess
 import time
@@ -21,13 +18,12 @@ import nats
 import pytest
 import redis
 
-from services.cli import main as cli_main
 from services.gateway.auth import key_hash
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest
 from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, wait_for_workers
+from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 ADMIN = "admin-secret"
 CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
 # 40 words at 50 ms a step: a stream that is still running 2 s after it starts, unless aborted.
@@ -36,20 +32,13 @@ LONG = " ".join(f"w{i}" for i in range(40))
 
 @pytest.fixture(scope="module")
 def prefix() -> Iterator[str]:
-    """A subject prefix of this module's own, which is also its Redis namespace; cleaned up after."""
-    name = f"natsauth{uuid.uuid4().hex[:8]}"
-    yield name
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"radixserve:{name}:*"):
-        client.delete(key)
+    yield from redis_namespace("natsauth")
 
 
 def create_key(redis_url: str, prefix: str, *args: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(["keys", "--redis-url", redis_url, "--subject-prefix", prefix, "create", *args])
-    assert code == 0, out.getvalue()
-    return out.getvalue().strip()
+    code, key = keys_cli(prefix, "create", *args, redis_url=redis_url)
+    assert code == 0, key
+    return key
 
 
 @pytest.fixture(scope="module")

@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import io
 import json
-import os
 import uuid
 from collections.abc import Iterator
 
 import grpc
 import httpx
 import pytest
-import redis
 
-from services.cli import main as cli_main
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.natsd import NatsServer
 from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
 
-REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379")
 ADMIN = "admin-secret"
 # 60 words at 50 ms a step: a stream that is still running 3 s after it starts, unless aborted.
 LONG = " ".join(f"w{i}" for i in range(60))
@@ -31,19 +27,8 @@ LONG = " ".join(f"w{i}" for i in range(60))
 
 @pytest.fixture(scope="module")
 def prefix() -> Iterator[str]:
-    """A subject prefix of this module's own, which is also its Redis namespace; cleaned up after."""
-    name = f"scope{uuid.uuid4().hex[:8]}"
-    yield name
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"radixserve:{name}:*"):
-        client.delete(key)
+    yield from redis_namespace("scope")
 
-
-def keys_cli(prefix: str, *args: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(["keys", "--redis-url", REDIS_URL, "--subject-prefix", prefix, *args])
-    return code, out.getvalue().strip()
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.services_helpers import start_up
 
 
 def free_port() -> int:
@@ -55,17 +53,9 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
     # An address nothing answers on: `up` must start its own nats-server.
     env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "up.out"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-             "--gateways", "2", "--run-dir", str(tmp_path / "run")],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+    proc = start_up(["--port", str(port), "--grpc-port", str(grpc_port),
+             "--gateways", "2", "--run-dir", str(tmp_path / "run")], env, log)
     try:
-        deadline = time.monotonic() + 300
-        while "radixserve is up" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.5)
         text = log.read_text()
         assert "started nats-server" in text
         url = re.search(r"radixserve is up: (http://\S+)", text).group(1)

@@ -15,7 +15,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,8 +36,8 @@ from shared.protocol import (
     decoder,
     encode,
 )
+from tests.services_helpers import start_up
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 NS = "blue"
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -72,18 +71,10 @@ def up(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RS_SUBJECT_PREFIX", None)
     log = tmp / "up.out"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--namespace", NS, "--port", str(port),
+    proc = start_up(["--namespace", NS, "--port", str(port),
              "--grpc-port", str(free_port()), "--gateway-tokenizes", "none", "--max-total-tokens", "8192",
-             "--model-path", str(default_model_path), "--run-dir", str(tmp / "run")],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+             "--model-path", str(default_model_path), "--run-dir", str(tmp / "run")], env, log)
     try:
-        deadline = time.monotonic() + 300
-        while "radixserve is up" not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.5)
         text = log.read_text()
         nats_url = re.search(r"NATS: (\S+)", text)
         assert nats_url, text
@@ -198,18 +189,10 @@ def test_up_on_an_existing_nats_passes_its_credentials_to_every_child(default_mo
                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         port = free_port()
         log = tmp_path / "up.out"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", "up", "--namespace", "green", "--port", str(port),
+        proc = start_up(["--namespace", "green", "--port", str(port),
                  "--grpc-port", str(free_port()), "--max-total-tokens", "8192",
-                 "--model-path", str(default_model_path), "--run-dir", str(tmp_path / "run")],
-                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )
+                 "--model-path", str(default_model_path), "--run-dir", str(tmp_path / "run")], env, log)
         try:
-            deadline = time.monotonic() + 300
-            while "radixserve is up" not in log.read_text() and time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()
-                time.sleep(0.5)
             assert f"using NATS at {server.url} as user 'ops'" in log.read_text()
             assert not (tmp_path / "run" / "nats-client.json").exists()  # nothing generated: not its NATS
             reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
