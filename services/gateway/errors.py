@@ -5,6 +5,7 @@ from __future__ import annotations
 
 BAD_REQUEST = 400
 NOT_FOUND = 404
+METHOD_NOT_ALLOWED = 405
 PAYLOAD_TOO_LARGE = 413
 CLIENT_CLOSED = 499  # nginx's convention: the client left before the answer (counted, never seen)
 INTERNAL_ERROR = 500
@@ -14,6 +15,7 @@ GATEWAY_TIMEOUT = 504
 _ERROR_TYPES = {
     BAD_REQUEST: "invalid_request_error",
     NOT_FOUND: "not_found_error",
+    METHOD_NOT_ALLOWED: "invalid_request_error",
     PAYLOAD_TOO_LARGE: "invalid_request_error",
     SERVICE_UNAVAILABLE: "service_unavailable",
     GATEWAY_TIMEOUT: "timeout",

@@ -11,21 +11,67 @@ OpenAI's SDKs send fields a server may not know.
 from __future__ import annotations
 
 import json
-from typing import Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from services.gateway.dispatch import GenerateSpec
+from services.gateway.dispatch import (
+    INT32_MAX,
+    MAX_N,
+    MAX_TOKEN_ID,
+    MAX_TOP_LOGPROBS,
+    GenerateSpec,
+    check_token_ids,
+)
 from services.gateway.errors import bad_request
 from services.gateway.tool_calls import forced_call_grammar
+from services.tokenizer.prompt_tokenizer import RESERVED_TEMPLATE_KWARGS
 from services.worker.sampling.grammar import check_grammar
-from services.worker.sampling.sampling_params import SamplingParams, token_key
+from services.worker.sampling.sampling_params import SamplingParams
 from shared.protocol import ChatMessage, Sampling
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
+__all__ = ["MAX_N", "MAX_TOP_LOGPROBS"]
+
 # What OpenAI's completions endpoint generates when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# logit_bias keys are token ids written in decimal; 9 digits hold every real vocabulary.
+JSON_SAFE_INT = 2**53 - 1
+_BIAS_KEY = re.compile(r"[0-9]{1,9}")
+
+
+def documented(**extra: Any) -> Any:
+    """What the OpenAPI document adds to a value's schema, where the check itself is done elsewhere
+    (SamplingParams.verify, the request's own methods) with a message of its own."""
+    return Field(json_schema_extra=extra)
+
+
+# Value types, as documented; the ranges are SamplingParams.verify's (which checks them for every door).
+Text = Annotated[str, documented(minLength=1)]
+TokenId = Annotated[int, documented(minimum=0, maximum=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], documented(minItems=1)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# JSON's safe integers: beyond 2**53 most JSON libraries (and JSON Schema validators) lose precision, so
+# a bound there could not be stated exactly. NATS and gRPC clients may use all of int64.
+Seed = Annotated[int, Field(ge=-JSON_SAFE_INT, le=JSON_SAFE_INT)]
+Temperature = Annotated[float, documented(minimum=0)]
+TopP = Annotated[float, documented(exclusiveMinimum=0, maximum=1)]
+TopK = Annotated[int, WithJsonSchema({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": INT32_MAX}],
+                                      "description": "-1: off"})]
+MinP = Annotated[float, documented(minimum=0, maximum=1)]
+Penalty = Annotated[float, documented(minimum=-2, maximum=2)]
+RepetitionPenalty = Annotated[float, documented(exclusiveMinimum=0)]
+StopStrings = Annotated[str | list[str], WithJsonSchema(
+    {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}}]})]
+LogitBias = Annotated[dict[str, float], WithJsonSchema({
+    "type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "description": "token id (decimal, at most 9 digits) -> bias in [-100, 100] added to its logit before sampling",
+})]
+TemplateKwargs = Annotated[dict[str, Any], WithJsonSchema({
+    "type": "object", "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_KWARGS)}},
+    "description": "extra chat template variables (chat messages only), e.g. {\"enable_thinking\": false} for Qwen3",
+})]
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -33,47 +79,166 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     logit_bias for a key that is not one. Ranges are checked with the rest of the sampling values."""
     if not bias:
         return None
-    ids = {token_key(key): value for key, value in bias.items()}
-    for key in ids:
-        if not isinstance(key, int):
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-    return ids  # type: ignore[return-value]
+    for key in bias:
+        if not _BIAS_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r} (decimal, at most 9 digits)",
+                              "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def not_null(value: object) -> object:
+    """A field that may be left out but not sent as null (exactly-one-of fields: null is ambiguous)."""
+    if value is None:
+        raise ValueError("must not be null (leave it out instead)")
+    return value
+
+
+# OpenAI's three forms (a json_schema's schema must also compile, which JSON Schema cannot say).
+RESPONSE_FORMAT: dict[str, Any] = {
+    "description": "{\"type\": \"text\" | \"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}",
+    "properties": {"type": {"enum": ["text", "json_object", "json_schema", None]}},
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"properties": {"json_schema": {"type": "object", "properties": {"schema": {"type": "object"}},
+                                            "required": ["schema"]}}, "required": ["json_schema"]},
+}
+
+
+TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+NAMED: dict[str, Any] = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}
+TOOL: dict[str, Any] = {"type": "object", "properties": {"type": {"const": "function"}, "function": NAMED},
+                        "required": ["type", "function"]}
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class RequestBody(StrictModel):
+    """A whole request body.
+
+    - An integer written as a whole float (`2.0`) is an integer in JSON Schema, so the document's
+      `integer` fields take it too; the strict models do not, so a body they refuse is validated once
+      more with every whole float as an int (only then: a body that validates pays nothing).
+    - What JSON can say and msgpack cannot carry, in any field the body keeps (free-form ones too:
+      tools, chat_template_kwargs), is made encodable or refused (`encodable`): a lone surrogate
+      (JSON's `\\ud800` escape) is a 400 naming the field (GatewayError, which pydantic lets through)."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _whole_numbers(cls, data: Any, handler: Any) -> Any:
+        try:
+            body = handler(data)
+        except ValidationError:
+            whole = _whole_floats(data)
+            if whole == data and _same_types(whole, data):
+                raise
+            body = handler(whole)
+        for name in type(body).model_fields:
+            old = getattr(body, name)
+            new = encodable(old, name)
+            if new is not old:
+                setattr(body, name, new)
+        return body
+
+
+_INT_LOW, _INT_HIGH = -(2**63), 2**64 - 1  # msgpack's integers
+
+
+def encodable(value: Any, path: str) -> Any:
+    """`value` as msgpack can carry it: a string with a lone surrogate is a GatewayError 400 naming it;
+    an integer beyond 64 bits in free-form JSON becomes the nearest float (JSON has one number type,
+    and most JSON parsers read such a number so), a 400 only past a float's range. Typed integer
+    fields have bounds of their own (checked before this). Returns `value` itself when nothing changed;
+    a list of ints (token ids) is looked at by min/max, in C."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                raise bad_request(f"{path}: invalid Unicode (a lone surrogate at character {exc.start})", path) from None
+        return value
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        if _INT_LOW <= value <= _INT_HIGH:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            raise bad_request(f"{path}: the number {value} is beyond what a float holds", path) from None
+    if isinstance(value, list):
+        if value and type(value[0]) is int:
+            try:
+                if _INT_LOW <= min(value) and max(value) <= _INT_HIGH:
+                    return value
+            except TypeError:  # not all ints: look at each
+                pass
+        items = [encodable(item, f"{path}.{i}") for i, item in enumerate(value)]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    if isinstance(value, dict):
+        pairs = [(encodable(k, path), encodable(v, f"{path}.{k}")) for k, v in value.items()]
+        return value if all(v is value[k] for k, v in pairs) else dict(pairs)
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            old = getattr(value, name)
+            new = encodable(old, f"{path}.{name}")
+            if new is not old:
+                setattr(value, name, new)
+    return value
+
+
+def _whole_floats(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_floats(v) for v in value]
+    return value
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return all(_same_types(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return all(_same_types(x, y) for x, y in zip(a, b))
+    return True
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """The sampling knobs both endpoints take (OpenAI's, plus SGLang's top_k/min_p/... extensions)."""
 
     model: str | None = Field(None, description="a model a live worker serves (GET /v1/models); None: any")
     n: int = Field(1, ge=1, le=MAX_N, description="choices to generate (each its own request, seeds seed+i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = Field(
-        None, description="token id -> bias in [-100, 100] added to its logit before sampling")
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop: StopStrings | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: Count | None = Field(None, description="at most max_tokens (or max_completion_tokens)")
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
     user: str | None = None
-    response_format: dict[str, object] | None = Field(
-        None, description="{\"type\": \"text\" | \"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
+    response_format: dict[str, object] | None = Field(None, json_schema_extra=RESPONSE_FORMAT)
     regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
     ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
 
@@ -143,8 +308,12 @@ class SamplingFields(StrictModel):
 
 
 class ContentPart(StrictModel):
-    type: str
-    text: str | None = None
+    """Text only (the check, with its message, is ChatMessageIn.text's)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"required": ["type", "text"]})
+
+    type: str = Field(json_schema_extra={"const": "text"})
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessageIn(StrictModel):
@@ -177,23 +346,37 @@ class ChatMessageIn(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    # Conditions between fields, as JSON Schema states them (the checks are in specs()).
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                "required": ["tool_choice"]},
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+    ]})
+
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: Count | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs: true")
+    tools: list[dict[str, object]] | None = Field(None, json_schema_extra={"items": TOOL}, description=(
+        "function tools, for a gateway started with --tool-call-parser (else a 400 unless tool_choice is none)"))
+    tool_choice: str | dict[str, object] | None = Field(None, json_schema_extra={"anyOf": [
+        {"enum": ["auto", "none", "required"]},
+        {"type": "object", "properties": {"type": {"const": "function"}, "function": NAMED}, "required": ["type", "function"]},
+        {"type": "null"}]}, description="a named function must be among the tools")
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, object]] | None = None  # the deprecated form of tools
-    function_call: str | dict[str, object] | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, object] | None = None
+    # Not supported: only their empty forms are accepted.
+    functions: list[dict[str, object]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    function_call: str | dict[str, object] | None = Field(None, json_schema_extra={"anyOf": [{"const": "none"},
+                                                                                              {"type": "null"}]})
+    modalities: list[str] | None = Field(None, json_schema_extra={"items": {"const": "text"}, "maxItems": 1})
+    audio: Annotated[dict[str, object] | None, WithJsonSchema({"type": "null"})] = None
     add_generation_prompt: bool = True
     separate_reasoning: bool = Field(
         True, description="with the gateway's --reasoning-parser: reasoning in reasoning_content (false: all in content)")
-    chat_template_kwargs: dict[str, object] | None = Field(
-        None, description="extra chat template variables, e.g. {\"enable_thinking\": false} for Qwen3")
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def uses_tools(self) -> bool:
         """Whether the model gets the tools (and its answer is parsed for calls)."""
@@ -232,14 +415,12 @@ class ChatCompletionRequest(SamplingFields):
         """One GenerateSpec per choice. Without max_tokens the answer may fill the context
         (`default_max_tokens`, which the worker clips to what the prompt leaves). Tools need the
         gateway's tool_parser to read the calls back."""
-        if self.uses_tools():
-            if tool_parser is None:
-                raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
-            for i, tool in enumerate(self.tools or []):
-                function = tool.get("function")
-                if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
-                    raise bad_request("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                                      f"tools.{i}")
+        if self.uses_tools() and tool_parser is None:
+            raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not _is_name(function.get("name")):
+                raise bad_request("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}", f"tools.{i}")
         if self.functions:
             raise bad_request("functions are not supported", "functions")
         if self.function_call not in (None, "none"):
@@ -279,14 +460,24 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of them; a
     list is a batch: choice `p * n + i` is the i-th of prompt p."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+        "then": {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
+    })
 
-    def prompts(self) -> list[str | list[int]]:
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "x-batch": True},
+        {"type": "array", "items": TOKEN_ID, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1, "x-batch": True},
+    ], "description": "a prompt, or a batch of them (at most the gateway's --max-batch-size): text or token ids"})]
+    max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
+    echo: bool = Field(False, description="text prompts only")
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0}, description="not supported")
+    best_of: int | None = Field(None, ge=1, description="1 or n only: each choice is its own generation")
+
+    def prompts(self, max_batch: int | None = None) -> list[str | list[int]]:
         p = self.prompt
         prompts: list[str | list[int]]
         if isinstance(p, str):
@@ -297,15 +488,20 @@ class CompletionRequest(SamplingFields):
             prompts = list(p)  # type: ignore[arg-type]
         if not prompts or not all(prompts):
             raise bad_request("prompt must not be empty", "prompt")
+        if max_batch is not None and len(prompts) > max_batch:
+            raise bad_request(f"prompt: a batch of {len(prompts)} prompts; the limit is {max_batch}", "prompt")
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                check_token_ids(prompt, "prompt")
         return prompts
 
-    def specs(self) -> list[GenerateSpec]:
+    def specs(self, max_batch: int | None = None) -> list[GenerateSpec]:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise bad_request(f"best_of is not supported (ask for n choices instead), got best_of {self.best_of} "
                               f"with n {self.n}", "best_of")
-        prompts = self.prompts()
+        prompts = self.prompts(max_batch)
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
         constraint = self.constraint()
