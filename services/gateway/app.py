@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -282,8 +283,7 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
         headers = exc.headers
         if exc.status_code == 405:
             # Starlette names the first matching route's methods; a path may have several routes.
-            allowed = {m for r in app.routes if getattr(r, "path_regex", None) and r.path_regex.match(request.url.path)
-                       for m in getattr(r, "methods", None) or ()}
+            allowed = {m for r in routes if r.path_regex.match(request.url.path) for m in r.methods or ()}
             headers = {"Allow": ", ".join(sorted(allowed))}
         return JSONResponse(error.body(), status_code=exc.status_code, headers=headers)
 
@@ -298,7 +298,8 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    app.include_router(openai_api.router)
-    app.include_router(native_api.router)
-    app.include_router(playground_router)
+    routers = (openai_api.router, native_api.router, playground_router)
+    for router in routers:
+        app.include_router(router)
+    routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     return app
