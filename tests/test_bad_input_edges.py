@@ -201,6 +201,18 @@ def test_grpc_answers_such_input_with_invalid_argument(gateway: GatewayThread, f
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_grpc_answers_a_request_that_does_not_parse_with_invalid_argument(gateway: GatewayThread) -> None:
+    field = radixserve_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["text"].number
+    bad_utf8 = bytes([field << 3 | 2, 3]) + "\ud800".encode("utf-8", "surrogatepass")
+    with grpc.insecure_channel(gateway.grpc_target) as channel:
+        generate = channel.unary_stream("/radixserve.v1.RadixServe/Generate", request_serializer=bytes,
+                                        response_deserializer=bytes)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(generate(bad_utf8, timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in str(caught.value.details())
+
+
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
