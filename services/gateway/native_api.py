@@ -30,9 +30,10 @@ from services.gateway.dispatch import (
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_protocol import (
+from services.gateway.openai_protocol import ChatMessageIn
+from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, responses
+from services.gateway.request_body import (
     TOKEN_ID,
-    ChatMessageIn,
     Count,
     LogitBias,
     MinP,
@@ -50,7 +51,6 @@ from services.gateway.openai_protocol import (
     logit_bias_ids,
     not_null,
 )
-from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, responses
 from services.gateway.streams import RequestStream
 from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
 
