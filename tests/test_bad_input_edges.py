@@ -236,3 +236,18 @@ def test_the_openapi_document_has_the_limits(http: httpx.Client) -> None:
     batches = [o for o in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"] if "maxItems" in o]
     assert [o["maxItems"] for o in batches] == [MAX_BATCH, MAX_BATCH]
     assert '"x-batch"' not in json.dumps(schemas)  # the marker document() replaces
+
+
+def test_an_unexpected_exception_on_the_nats_front_door_is_a_500_final(nats: NatsServer, gateway: GatewayThread) -> None:
+    dispatcher = gateway.service.dispatcher
+
+    async def broken(spec: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    dispatcher.submit = broken  # type: ignore[method-assign]
+    try:
+        (final,) = nats_generate(nats.url, NatsGenerateRequest(v=PROTOCOL_VERSION, text="a", rid="bug"), timeout=10)
+    finally:
+        del dispatcher.submit
+    assert (final.final, final.rid) == (True, "bug")
+    assert final.error is not None and final.error.startswith("500: ") and "a bug" not in final.error
