@@ -31,9 +31,10 @@ from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_reque
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_protocol import ChatMessageIn
-from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, responses
+from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, responses
 from services.gateway.request_body import (
-    TOKEN_ID,
+    ID_PROMPTS,
+    TEXT_PROMPTS,
     Count,
     LogitBias,
     MinP,
@@ -106,13 +107,8 @@ class GenerateBody(RequestBody):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
 
-    text: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "x-batch": True}]})] = None
-    input_ids: Annotated[list[int] | list[list[int]] | None, WithJsonSchema({"anyOf": [
-        {"type": "array", "items": TOKEN_ID, "minItems": 1},
-        {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1, "x-batch": True},
-    ]})] = None
+    text: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": TEXT_PROMPTS})] = None
+    input_ids: Annotated[list[int] | list[list[int]] | None, WithJsonSchema({"anyOf": ID_PROMPTS})] = None
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     return_logprob: bool = False
@@ -358,10 +354,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     }
 
 
-_FLUSH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **responses(*GUARDED),
-    400: {"description": "A worker refused (it has requests in flight): success false, each worker's answer"},
-}
+_FLUSH_RESPONSES = {**responses(*GUARDED), 400: {"description": "A worker refused: success false, each's answer"}}
 
 
 @router.post("/flush_cache", responses=_FLUSH_RESPONSES)
@@ -383,7 +376,6 @@ class AbortBody(RequestBody):
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"anyOf": [
         {"properties": {"rid": {"type": "string", "minLength": 1}}, "required": ["rid"]},
         {"properties": {"abort_all": {"const": True}}, "required": ["abort_all"]}]})
-
     rid: str | None = None
     abort_all: bool = False
 
@@ -402,9 +394,7 @@ async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
     return {"success": True, "aborted": rids, "in_flight_here": sum(found)}
 
 
-@router.get("/metrics", response_class=Response, responses={
-    200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
-    **responses(500)})
+@router.get("/metrics", response_class=Response, responses=plain_text(CONTENT_TYPE, "Prometheus text format"))
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of this gateway."""
     return Response(dispatcher_of(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -18,7 +18,8 @@ from pydantic import ConfigDict, Field, WithJsonSchema
 from services.gateway.dispatch import MAX_N, MAX_TOP_LOGPROBS, GenerateSpec, check_token_ids
 from services.gateway.errors import bad_request
 from services.gateway.request_body import (
-    TOKEN_ID,
+    ID_PROMPTS,
+    TEXT_PROMPTS,
     Count,
     LogitBias,
     MinP,
@@ -316,11 +317,7 @@ class CompletionRequest(SamplingFields):
     })
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "x-batch": True},
-        {"type": "array", "items": TOKEN_ID, "minItems": 1},
-        {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1, "x-batch": True},
-    ], "description": "a prompt, or a batch of them (at most the gateway's --max-batch-size): text or token ids"})]
+        *TEXT_PROMPTS, *ID_PROMPTS], "description": "a prompt, or a batch of them (at most the gateway's --max-batch-size): text or token ids"})]
     max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
     echo: bool = Field(False, description="text prompts only")

@@ -63,6 +63,12 @@ def responses(*statuses: int, stream: bool = False) -> dict[int | str, dict[str,
     return out
 
 
+def plain_text(content_type: str, description: str) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for a route whose 200 is text in `content_type` (and the last-resort 500)."""
+    return {200: {"description": description, "content": {content_type: {"schema": {"type": "string"}}}},
+            **responses(500)}
+
+
 def document(schema: dict[str, Any], max_batch_size: int) -> dict[str, Any]:
     """The generated document, corrected: no 422 anywhere; prompt lists state `max_batch_size`."""
     for path in schema.get("paths", {}).values():

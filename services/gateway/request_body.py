@@ -74,6 +74,14 @@ def not_null(value: object) -> object:
 
 
 TOKEN_ID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+# A prompt as text or as token ids, one or a batch ("x-batch": openapi.document() states the gateway's
+# --max-batch-size there).
+TEXT_PROMPTS: list[dict[str, Any]] = [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "x-batch": True}]
+ID_PROMPTS: list[dict[str, Any]] = [
+    {"type": "array", "items": TOKEN_ID, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1, "x-batch": True}]
 
 
 class StrictModel(BaseModel):
