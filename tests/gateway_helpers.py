@@ -282,8 +282,8 @@ class FakePipeline:
         msg, wid = request.msg, request.msg.worker_id
         limit = msg.sampling.max_new_tokens if msg.sampling.max_new_tokens is not None else 128
         stops = msg.sampling.stop or []
-        hang = request.words[0] == "HANG"
-        usage = {"prompt_tokens": len(request.words), "cached_tokens": len(request.words) - 1 if cached else 0}
+        hang = request.words[:1] == ["HANG"]  # a prompt of white space alone has no words
+        usage = {"prompt_tokens": len(request.words), "cached_tokens": max(len(request.words) - 1, 0) if cached else 0}
         # A migrated request goes on after the words its client has (one token per word).
         produced = len(msg.resume_ids or [])
         try:

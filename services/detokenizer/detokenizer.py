@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.detokenize import IncrementalDetokenizer
-from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut, StreamOut, TokenOut
+from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut, Finish, StreamOut, TokenOut
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,10 @@ class Detokenizer:
         self._last_seen[batch.worker_id] = time.monotonic() if now is None else now
         per_gateway: dict[str, list[StreamOut]] = {}
         for item in batch.items:
-            out = self._advance(item, batch.worker_id)
+            try:
+                out = self._advance(item, batch.worker_id)
+            except Exception as exc:  # noqa: BLE001 - one item that cannot be decoded must not lose the others
+                out = self._failed(item, exc)
             if out is not None:
                 per_gateway.setdefault(item.gateway_id, []).append(out)
         return {gid: BatchStreamOut(v=PROTOCOL_VERSION, items=items) for gid, items in per_gateway.items()}
@@ -102,6 +105,14 @@ class Detokenizer:
         if item.top_logprobs is not None:
             out.top_logprob_texts = [[self.token_text(c.token_id) for c in step] for step in item.top_logprobs]
         return out
+
+    def _failed(self, item: TokenOut, exc: Exception) -> StreamOut:
+        """An item whose tokens cannot be decoded (ids the tokenizer does not have: only a worker that
+        is not ours sends them): its request ends with an error final."""
+        logger.warning("request %s cannot be detokenized: %s: %s", item.rid, type(exc).__name__, exc)
+        self._streams.pop(item.rid, None)
+        message = f"the worker sent tokens that cannot be detokenized ({type(exc).__name__}: {exc})"
+        return StreamOut(rid=item.rid, text="", token_ids=[], finish=Finish(type="error", message=message))
 
     def token_text(self, token_id: int) -> str:
         """One token's text on its own (special tokens included), as logprobs name it."""

@@ -5,7 +5,12 @@ mapping every route shares.
   (FastAPI's 422 is turned into 400, in OpenAI's error shape);
 - GatewayError: its status (404 unknown model, 413 too large, 503 no worker, ...);
 - a body over the size limit: 413 before it is read in full (the limit defaults to NATS max_payload,
-  since a larger request could never be published).
+  since a larger request could never be published);
+- a string that is not valid Unicode (a lone surrogate, which JSON's `\\ud800` escapes can spell) or
+  an integer beyond 64 bits, anywhere in a body's fields (free-form ones too): 400 naming the field
+  (openai_protocol.RequestBody), since nothing downstream could encode it;
+- an unknown route or method: 404 / 405, and anything unexpected: 500 (logged with its traceback),
+  all in the same OpenAI error shape (LastResort, and FastAPI's handlers).
 Every answered request is counted in /metrics by route and final status (an SSE stream that ends in an
 error event counts with that error's status).
 
@@ -17,6 +22,7 @@ machinery; every other request, and any body that would be an error, goes throug
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -24,18 +30,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway import native_api, openai_api
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.dispatch import Dispatcher
-from services.gateway.errors import BAD_REQUEST, PAYLOAD_TOO_LARGE, GatewayError, bad_request
+from services.gateway.errors import BAD_REQUEST, INTERNAL_ERROR, PAYLOAD_TOO_LARGE, GatewayError, bad_request
 from services.gateway.http_streaming import GATEWAY_HEADER
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openapi import document
 from services.gateway.playground_routes import router as playground_router
 from shared import trace
+
+logger = logging.getLogger(__name__)
 
 # Loc entries pydantic adds for the member of a union it tried; not part of the field's path.
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
@@ -157,6 +168,38 @@ class JsonFastPath:
         await response(scope, receive, send)
 
 
+def internal_error() -> JSONResponse:
+    error = GatewayError(INTERNAL_ERROR, "internal error in the gateway (its log has the traceback)")
+    return error_response(error)
+
+
+class LastResort:
+    """Any exception no route handled: logged with its traceback and answered with a 500 in the
+    OpenAI error shape (if the response has not started; else the connection ends). FastAPI answers
+    its own routes' exceptions (on_unexpected) and raises them on, to be logged here."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watching_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception:
+            logger.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if not started:
+                await internal_error()(scope, receive, send)
+
+
 def _too_large(limit: int, size: int) -> JSONResponse:
     error = GatewayError(PAYLOAD_TOO_LARGE, f"the body has {size} bytes or more; the limit is {limit} bytes", "body")
     return JSONResponse(error.body(), status_code=error.status)
@@ -211,7 +254,7 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> ASGIApp:
     app = BodyLimit(app, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
     if dispatcher.keys.enabled:
         app = ApiKeyAuth(app, store=dispatcher.keys)  # inside CountRequests: 401/429 are counted
-    return CountRequests(app, dispatcher=dispatcher)
+    return CountRequests(LastResort(app), dispatcher=dispatcher)
 
 
 def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
@@ -233,7 +276,30 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
     async def on_gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
         return error_response(exc)
 
-    app.include_router(openai_api.router)
-    app.include_router(native_api.router)
-    app.include_router(playground_router)
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own: an unknown route (404), a method the route does not take (405, with Allow).
+        error = GatewayError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        headers = exc.headers
+        if exc.status_code == 405:
+            # Starlette names the first matching route's methods; a path may have several routes.
+            allowed = {m for r in routes if r.path_regex.match(request.url.path) for m in r.methods or ()}
+            headers = {"Allow": ", ".join(sorted(allowed))}
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return internal_error()
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(FastAPI.openapi(app), dispatcher.config.max_batch_size)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    routers = (openai_api.router, native_api.router, playground_router)
+    for router in routers:
+        app.include_router(router)
+    routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]
     return app

@@ -104,6 +104,10 @@ class GatewayConfig(ServiceConfig):
     first_output_timeout: float = _help("seconds: a request with no output at all by then ends with a 504", 300.0)
     control_timeout: float = _help("seconds to wait for a worker's reply to abort, flush_cache or get_info", 5.0)
     max_request_bytes: int = _help("largest HTTP body accepted (0: the NATS server's max_payload)", 0)
+    max_batch_size: int = _help(
+        "most prompts in one batch (a list in /generate's text or input_ids, or /v1/completions' prompt); each "
+        "prompt's n choices are generations of their own", 128,
+    )
     drain_timeout: float = _help("seconds in-flight requests may take to finish on SIGTERM", 30.0)
 
     def __post_init__(self) -> None:
@@ -147,5 +151,7 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"max_migrations must be in [0, 16], got {self.max_migrations}")
         if self.wait_for_worker < 0:
             raise ValueError(f"wait_for_worker must be >= 0, got {self.wait_for_worker}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_request_bytes < 0:
             raise ValueError(f"max_request_bytes must be >= 0, got {self.max_request_bytes}")

@@ -69,8 +69,19 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 
-# Any id is valid at the gateway; the worker checks ids against the real vocabulary.
-_ANY_VOCAB = 2**31 - 1
+# Bounds every front door checks before anything is routed or encoded (the HTTP models state the same
+# ones in the OpenAPI document). Integers travel as msgpack (64 bits at most) and token ids as C ints
+# (prefix_index) and int32 (gRPC), so an integer beyond these is a 400, never an OverflowError.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The gateway does not know the vocabulary: any id in [0, MAX_TOKEN_ID] passes here and the worker
+# refuses ids its model does not have (a 400 from the pipeline).
+MAX_TOKEN_ID = INT32_MAX
+# Top log-probs per token: OpenAI's own cap (and vLLM's default --max-logprobs); every door.
+MAX_TOP_LOGPROBS = 20
+# Choices per request (n); each is its own generation.
+MAX_N = 128
+_INT32_SAMPLING = ("max_new_tokens", "min_new_tokens", "top_k")
 
 
 @dataclass
@@ -106,13 +117,36 @@ class GenerateSpec:
             raise bad_request("messages must not be empty", "messages")
         if self.timeout is not None and not 0 < self.timeout <= 86_400:
             raise bad_request(f"timeout must be in (0, 86400] seconds, got {self.timeout}", "timeout")
-        if self.top_logprobs_num < 0:
-            raise bad_request(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}", "top_logprobs_num")
+        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
+                              "top_logprobs_num")
+        if self.input_ids is not None:
+            check_token_ids(self.input_ids, "input_ids")
+        check_sampling_ints(self.sampling)
         validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
         try:
-            SamplingParams.from_dict(self.sampling.to_dict()).verify(_ANY_VOCAB)
+            SamplingParams.from_dict(self.sampling.to_dict()).verify(MAX_TOKEN_ID + 1)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), _field_of(str(exc))) from None
+
+
+def check_token_ids(ids: list[int], param: str) -> None:
+    """GatewayError 400 naming `param` unless every id is in [0, MAX_TOKEN_ID] (min/max run in C:
+    cheap on a long prompt)."""
+    if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
+        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
+        raise bad_request(f"{param}: entry {i} ({bad}) is not a token id in [0, {MAX_TOKEN_ID}]", param)
+
+
+def check_sampling_ints(sampling: Sampling) -> None:
+    """GatewayError 400 naming the field for an integer no worker could carry: counts and top_k beyond
+    int32, a seed beyond int64 (vLLM's bound; seed + i of n choices still fits msgpack's 64 bits)."""
+    for name in _INT32_SAMPLING:
+        value = getattr(sampling, name)
+        if value is not None and value > INT32_MAX:
+            raise bad_request(f"{name} must be <= {INT32_MAX}, got {value}", name)
+    if sampling.seed is not None and not INT64_MIN <= sampling.seed <= INT64_MAX:
+        raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {sampling.seed}", "seed")
 
 
 def validate_template_kwargs(kwargs: dict[str, Any] | None, has_messages: bool) -> None:

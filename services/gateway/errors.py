@@ -6,6 +6,7 @@ from __future__ import annotations
 BAD_REQUEST = 400
 FORBIDDEN = 403  # a key without the scope the action needs (services/gateway/auth.py)
 NOT_FOUND = 404
+METHOD_NOT_ALLOWED = 405
 PAYLOAD_TOO_LARGE = 413
 CLIENT_CLOSED = 499  # nginx's convention: the client left before the answer (counted, never seen)
 INTERNAL_ERROR = 500
@@ -16,6 +17,7 @@ _ERROR_TYPES = {
     BAD_REQUEST: "invalid_request_error",
     FORBIDDEN: "permission_error",
     NOT_FOUND: "not_found_error",
+    METHOD_NOT_ALLOWED: "invalid_request_error",
     PAYLOAD_TOO_LARGE: "invalid_request_error",
     SERVICE_UNAVAILABLE: "service_unavailable",
     GATEWAY_TIMEOUT: "timeout",

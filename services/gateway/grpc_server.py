@@ -3,18 +3,19 @@
 Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
 statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED; with API keys 401 UNAUTHENTICATED, 403 PERMISSION_DENIED for a
-user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED). A cancelled call (client gone,
-deadline) aborts its request on the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
+user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED); a request that does not parse (bad
+UTF-8 in a string) is INVALID_ARGUMENT too. A cancelled call (client gone, deadline) aborts its request on the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
 also needs a live worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.gateway.auth import authorize, current_key
 from services.gateway.dispatch import Dispatcher, GenerateSpec
@@ -188,10 +189,59 @@ class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             await asyncio.sleep(WATCH_INTERVAL_S)
 
 
+class _Undecodable:
+    """What a request that does not parse (bad UTF-8 in a string, a truncated message) becomes, so the
+    call can answer INVALID_ARGUMENT rather than grpc's UNKNOWN for a deserializer's exception."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.message = f"the request does not parse: {error}"
+
+
+class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Every method's request deserializer made lenient (-> _Undecodable) and its behaviour made to
+    answer an _Undecodable with INVALID_ARGUMENT."""
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except DecodeError as exc:
+                return _Undecodable(exc)
+
+        if handler.unary_stream is not None:
+            streamed = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                async for response in streamed(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=lenient, response_serializer=handler.response_serializer)
+        unary = handler.unary_unary
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            call, request_deserializer=lenient, response_serializer=handler.response_serializer)
+
+
 async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server on host:port (0: a free port); returns it and the bound port."""
     limit = dispatcher.bus.max_payload + 64 * 1024  # room for protobuf framing around a maximal request
     server = grpc.aio.server(
+        interceptors=[RefuseUndecodable()],
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     )
     radixserve_pb2_grpc.add_RadixServeServicer_to_server(RadixServeServicer(dispatcher), server)

@@ -11,19 +11,48 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from services.gateway.auth import current_key, require_admin
-from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec, validate_template_kwargs
+from services.gateway.dispatch import (
+    MAX_N,
+    MAX_TOP_LOGPROBS,
+    Completion,
+    Dispatcher,
+    GenerateSpec,
+    check_token_ids,
+    validate_template_kwargs,
+)
 from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_protocol import MAX_N, ChatMessageIn, StrictModel, logit_bias_ids
+from services.gateway.openai_protocol import ChatMessageIn
+from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, responses
+from services.gateway.request_body import (
+    ID_PROMPTS,
+    TEXT_PROMPTS,
+    Count,
+    LogitBias,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    RequestBody,
+    Seed,
+    StopStrings,
+    StrictModel,
+    Temperature,
+    TemplateKwargs,
+    TokenId,
+    TopK,
+    TopP,
+    logit_bias_ids,
+    not_null,
+)
 from services.gateway.streams import RequestStream
 from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
 
@@ -42,21 +71,21 @@ class NativeSampling(StrictModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: Count | None = None
+    min_new_tokens: Count | None = Field(None, description="at most max_new_tokens")
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
     # Constrained decoding (one of): a JSON schema (JSON text, as SGLang takes it, or an object), a
     # regular expression, an EBNF grammar (GBNF or Lark).
     json_schema: str | dict[str, Any] | None = None
@@ -73,17 +102,22 @@ class NativeSampling(StrictModel):
                         json_schema=schema)
 
 
-class GenerateBody(StrictModel):
+class GenerateBody(RequestBody):
     """POST /generate: `text` or `input_ids` (one prompt, or a list of them: a batch)."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+
+    text: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": TEXT_PROMPTS})] = None
+    input_ids: Annotated[list[int] | list[list[int]] | None, WithJsonSchema({"anyOf": ID_PROMPTS})] = None
     sampling_params: NativeSampling = Field(default_factory=NativeSampling)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0)
-    rid: str | list[str] | None = None
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    rid: str | list[str] | None = Field(None, description="one per prompt of a batch")
     model: str | None = None
+
+    _present = field_validator("text", "input_ids", mode="before")(not_null)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """The prompts and whether the body held a single one."""
@@ -99,10 +133,16 @@ class GenerateBody(StrictModel):
             return [list(ids)], True  # type: ignore[arg-type]
         return list(ids), False  # type: ignore[arg-type]
 
-    def specs(self) -> tuple[list[GenerateSpec], bool]:
+    def specs(self, max_batch: int | None = None) -> tuple[list[GenerateSpec], bool]:
         prompts, single = self.prompts()
+        field = "text" if self.text is not None else "input_ids"
         if not prompts:
-            raise bad_request("the batch is empty", "text" if self.text is not None else "input_ids")
+            raise bad_request("the batch is empty", field)
+        if max_batch is not None and len(prompts) > max_batch:
+            raise bad_request(f"{field}: a batch of {len(prompts)} prompts; the limit is {max_batch}", field)
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                check_token_ids(prompt, "input_ids")
         n = self.sampling_params.n
         rids = [self.rid] if isinstance(self.rid, str) else self.rid
         if rids is not None and len(rids) != len(prompts):
@@ -144,11 +184,11 @@ def meta_info(c: Completion, started: float, finished: bool, return_logprob: boo
     return meta
 
 
-@router.post("/generate", response_model=None)
+@router.post("/generate", response_model=None, responses=responses(*GENERATION, stream=True))
 async def generate(body: GenerateBody, request: Request) -> JSONResponse | StreamingResponse:
     """Generate from text or token ids, SGLang's way."""
     dispatcher = dispatcher_of(request)
-    specs, single = body.specs()
+    specs, single = body.specs(dispatcher.config.max_batch_size)
     for spec in specs:
         spec.stream = body.stream
     streams = await dispatcher.submit_all(specs)
@@ -181,26 +221,35 @@ async def _chunks(streams: list[RequestStream], single: bool, want_lp: bool, out
         yield sse(item)
 
 
-class TokenizeBody(StrictModel):
+class TokenizeBody(RequestBody):
     """POST /tokenize (vLLM's shape): a `prompt` or chat `messages`."""
 
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+        "if": {"properties": {"chat_template_kwargs": {"type": "object", "minProperties": 1}},
+               "required": ["chat_template_kwargs"]},
+        "then": {"required": ["messages"]}})
+
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessageIn] | None = None
+    prompt: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
+    messages: Annotated[list[ChatMessageIn] | None, WithJsonSchema(
+        {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessageIn"}, "minItems": 1})] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     tools: list[dict[str, Any]] | None = None
 
+    _present = field_validator("prompt", "messages", mode="before")(not_null)
 
-class DetokenizeBody(StrictModel):
+
+class DetokenizeBody(RequestBody):
     """POST /detokenize: token ids back to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=responses(*WITH_BODY, 404))
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     """The ids the model gets for a prompt, or for chat messages through its chat template."""
     if (body.prompt is None) == (body.messages is None):
@@ -219,14 +268,15 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     return {"count": len(ids), "max_model_len": answer.context_len, "tokens": ids}
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=responses(*WITH_BODY, 404))
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
     """The text of token ids (special tokens included)."""
+    check_token_ids(body.tokens, "tokens")
     answer = await dispatcher_of(request).tokenize_text(body.model, TextTokenize(v=PROTOCOL_VERSION, input_ids=body.tokens))
     return {"prompt": answer.text or ""}
 
 
-@router.get("/health")
+@router.get("/health", responses=responses(500, 503))
 async def health(request: Request) -> JSONResponse:
     """200 while this gateway is connected to NATS (whether or not a worker is up)."""
     dispatcher = dispatcher_of(request)
@@ -236,7 +286,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "workers": workers})
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", responses=responses(*GUARDED, 504))
 async def health_generate(request: Request) -> JSONResponse:
     """200 once a one-token generation went through the whole pipeline; 503 otherwise."""
     dispatcher = dispatcher_of(request)
@@ -250,7 +300,7 @@ async def health_generate(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "worker_id": stream.worker_id, "output_ids": done.token_ids})
 
 
-@router.get("/get_model_info")
+@router.get("/get_model_info", responses=responses(*GUARDED))
 async def get_model_info(request: Request) -> dict[str, Any]:
     """The served model (the first, if workers serve several) and all models with their workers."""
     dispatcher = dispatcher_of(request)
@@ -277,7 +327,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/get_server_info")
+@router.get("/get_server_info", responses=responses(*GUARDED))
 async def get_server_info(request: Request) -> dict[str, Any]:
     """This gateway, and each live worker's load, KV usage and cache stats (its get_info reply)."""
     dispatcher = dispatcher_of(request)
@@ -305,7 +355,10 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/flush_cache")
+_FLUSH_RESPONSES = {**responses(*GUARDED), 400: {"description": "A worker refused: success false, each's answer"}}
+
+
+@router.post("/flush_cache", responses=_FLUSH_RESPONSES)
 async def flush_cache(request: Request) -> JSONResponse:
     """Empty every live worker's prefix cache (admin keys only); 400 if a worker refuses (it has
     requests in flight)."""
@@ -317,16 +370,21 @@ async def flush_cache(request: Request) -> JSONResponse:
     return JSONResponse({"success": ok, "workers": results}, status_code=200 if ok else 400)
 
 
-# SGLang also takes GET; one documented operation is enough.
-router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False)
+# SGLang takes GET too.
+router.add_api_route("/flush_cache", flush_cache, methods=["GET"], responses=_FLUSH_RESPONSES)
 
 
-class AbortBody(StrictModel):
+class AbortBody(RequestBody):
+    """A request id, or abort_all: true."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"anyOf": [
+        {"properties": {"rid": {"type": "string", "minLength": 1}}, "required": ["rid"]},
+        {"properties": {"abort_all": {"const": True}}, "required": ["abort_all"]}]})
     rid: str | None = None
     abort_all: bool = False
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", responses=responses(*WITH_BODY))
 async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
     """Abort a request by id (this gateway's or another's; a user key only its own: 403 otherwise), or
     every request of this gateway (admin keys only)."""
@@ -343,7 +401,7 @@ async def abort_request(body: AbortBody, request: Request) -> dict[str, Any]:
     return {"success": True, "aborted": rids, "in_flight_here": sum(found)}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses=plain_text(CONTENT_TYPE, "Prometheus text format"))
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of this gateway."""
     return Response(dispatcher_of(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -131,6 +131,11 @@ class NatsFrontDoor:
             status = exc.status
             rid = stream.rid if stream is not None else request.rid or ""
             await self._reply(raw, _error(rid, exc.status, exc.message))
+        except Exception:  # noqa: BLE001 - a bug must still answer the client, never leave it waiting
+            logger.exception("request on %s failed", raw.subject)
+            status = 500
+            rid = stream.rid if stream is not None else request.rid or ""
+            await self._reply(raw, _error(rid, status, "internal error in the gateway (its log has the traceback)"))
         finally:
             if stream is not None:
                 self.dispatcher.release(stream)

@@ -18,6 +18,7 @@ from services.gateway.dispatch import Completion, Dispatcher, token_texts, top_l
 from services.gateway.errors import NOT_FOUND, GatewayError
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.openapi import GENERATION, GUARDED, responses
 from services.gateway.reasoning import ReasoningSplitter
 from services.gateway.router import model_matches
 from services.gateway.streams import RequestStream
@@ -44,7 +45,7 @@ def _model_card(dispatcher: Dispatcher, model: str, created: int) -> dict[str, A
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=responses(*GUARDED))
 async def list_models(request: Request) -> dict[str, Any]:
     """The models live workers serve."""
     dispatcher = dispatcher_of(request)
@@ -52,7 +53,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [_model_card(dispatcher, m, created) for m in dispatcher.registry.models()]}
 
 
-@router.get("/v1/models/{model:path}")
+@router.get("/v1/models/{model:path}", responses=responses(*GUARDED, 404))
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     dispatcher = dispatcher_of(request)
     for served in dispatcher.registry.models():
@@ -132,7 +133,7 @@ async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequ
             await dispatcher.registry.wait_for_worker(dispatcher.config.wait_for_worker)
         specs = body.specs(dispatcher.context_len(body.model), dispatcher.config.tool_call_parser)
     else:
-        specs = body.specs()
+        specs = body.specs(dispatcher.config.max_batch_size)
     for spec in specs:
         spec.stream = body.stream
     return await dispatcher.submit_all(specs)
@@ -151,7 +152,7 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Compl
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=responses(*GENERATION, stream=True))
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     """Chat: the messages go through the model's chat template (in the tokenizer service)."""
     dispatcher = dispatcher_of(request)
@@ -264,7 +265,7 @@ async def _chat_chunks(
 # ---- /v1/completions ----------------------------------------------------------------------------
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=responses(*GENERATION, stream=True))
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     """Text completion of a prompt (or a batch of prompts; token-id prompts too)."""
     dispatcher = dispatcher_of(request)
@@ -272,7 +273,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     rid, created = streams[0].rid, int(time.time())
     model = body.model or dispatcher.served_model(streams[0])
     header = {"id": f"cmpl-{rid}", "created": created, "model": model}
-    prompts = body.prompts()
+    prompts = body.prompts(dispatcher.config.max_batch_size)
     echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
     if body.stream:
         return await start_stream(

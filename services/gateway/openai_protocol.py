@@ -11,69 +11,85 @@ OpenAI's SDKs send fields a server may not know.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, WithJsonSchema
 
-from services.gateway.dispatch import GenerateSpec
+from services.gateway.dispatch import MAX_N, MAX_TOP_LOGPROBS, GenerateSpec, check_token_ids
 from services.gateway.errors import bad_request
+from services.gateway.request_body import (
+    ID_PROMPTS,
+    TEXT_PROMPTS,
+    Count,
+    LogitBias,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    RequestBody,
+    Seed,
+    StopStrings,
+    StrictModel,
+    Temperature,
+    TemplateKwargs,
+    TokenId,
+    TopK,
+    TopP,
+    logit_bias_ids,
+)
 from services.gateway.tool_calls import forced_call_grammar
 from services.worker.sampling.grammar import check_grammar
-from services.worker.sampling.sampling_params import SamplingParams, token_key
+from services.worker.sampling.sampling_params import SamplingParams
 from shared.protocol import ChatMessage, Sampling
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 # What OpenAI's completions endpoint generates when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI's three forms (a json_schema's schema must also compile, which JSON Schema cannot say).
+RESPONSE_FORMAT: dict[str, Any] = {
+    "description": "{\"type\": \"text\" | \"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}",
+    "properties": {"type": {"enum": ["text", "json_object", "json_schema", None]}},
+    "if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+    "then": {"properties": {"json_schema": {"type": "object", "properties": {"schema": {"type": "object"}},
+                                            "required": ["schema"]}}, "required": ["json_schema"]},
+}
 
 
-def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias (JSON keys are strings: {"1234": -100}) keyed by token id; 400 naming
-    logit_bias for a key that is not one. Ranges are checked with the rest of the sampling values."""
-    if not bias:
-        return None
-    ids = {token_key(key): value for key, value in bias.items()}
-    for key in ids:
-        if not isinstance(key, int):
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-    return ids  # type: ignore[return-value]
+NAMED: dict[str, Any] = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1}}, "required": ["name"]}
+TOOL: dict[str, Any] = {"type": "object", "properties": {"type": {"const": "function"}, "function": NAMED},
+                        "required": ["type", "function"]}
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """The sampling knobs both endpoints take (OpenAI's, plus SGLang's top_k/min_p/... extensions)."""
 
     model: str | None = Field(None, description="a model a live worker serves (GET /v1/models); None: any")
     n: int = Field(1, ge=1, le=MAX_N, description="choices to generate (each its own request, seeds seed+i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = Field(
-        None, description="token id -> bias in [-100, 100] added to its logit before sampling")
-    min_tokens: int | None = Field(None, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop: StopStrings | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    min_tokens: Count | None = Field(None, description="at most max_tokens (or max_completion_tokens)")
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
     user: str | None = None
-    response_format: dict[str, object] | None = Field(
-        None, description="{\"type\": \"text\" | \"json_object\" | \"json_schema\", \"json_schema\": {\"name\", \"schema\"}}")
+    response_format: dict[str, object] | None = Field(None, json_schema_extra=RESPONSE_FORMAT)
     regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
     ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
 
@@ -143,8 +159,12 @@ class SamplingFields(StrictModel):
 
 
 class ContentPart(StrictModel):
-    type: str
-    text: str | None = None
+    """Text only (the check, with its message, is ChatMessageIn.text's)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"required": ["type", "text"]})
+
+    type: str = Field(json_schema_extra={"const": "text"})
+    text: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessageIn(StrictModel):
@@ -177,23 +197,37 @@ class ChatMessageIn(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    # Conditions between fields, as JSON Schema states them (the checks are in specs()).
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}},
+        {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                "required": ["tool_choice"]},
+         "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+    ]})
+
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, description="deprecated by OpenAI for max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: Count | None = Field(None, description="deprecated by OpenAI for max_completion_tokens")
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="needs logprobs: true")
+    tools: list[dict[str, object]] | None = Field(None, json_schema_extra={"items": TOOL}, description=(
+        "function tools, for a gateway started with --tool-call-parser (else a 400 unless tool_choice is none)"))
+    tool_choice: str | dict[str, object] | None = Field(None, json_schema_extra={"anyOf": [
+        {"enum": ["auto", "none", "required"]},
+        {"type": "object", "properties": {"type": {"const": "function"}, "function": NAMED}, "required": ["type", "function"]},
+        {"type": "null"}]}, description="a named function must be among the tools")
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, object]] | None = None  # the deprecated form of tools
-    function_call: str | dict[str, object] | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, object] | None = None
+    # Not supported: only their empty forms are accepted.
+    functions: list[dict[str, object]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    function_call: str | dict[str, object] | None = Field(None, json_schema_extra={"anyOf": [{"const": "none"},
+                                                                                              {"type": "null"}]})
+    modalities: list[str] | None = Field(None, json_schema_extra={"items": {"const": "text"}, "maxItems": 1})
+    audio: Annotated[dict[str, object] | None, WithJsonSchema({"type": "null"})] = None
     add_generation_prompt: bool = True
     separate_reasoning: bool = Field(
         True, description="with the gateway's --reasoning-parser: reasoning in reasoning_content (false: all in content)")
-    chat_template_kwargs: dict[str, object] | None = Field(
-        None, description="extra chat template variables, e.g. {\"enable_thinking\": false} for Qwen3")
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def uses_tools(self) -> bool:
         """Whether the model gets the tools (and its answer is parsed for calls)."""
@@ -232,14 +266,12 @@ class ChatCompletionRequest(SamplingFields):
         """One GenerateSpec per choice. Without max_tokens the answer may fill the context
         (`default_max_tokens`, which the worker clips to what the prompt leaves). Tools need the
         gateway's tool_parser to read the calls back."""
-        if self.uses_tools():
-            if tool_parser is None:
-                raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
-            for i, tool in enumerate(self.tools or []):
-                function = tool.get("function")
-                if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
-                    raise bad_request("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                                      f"tools.{i}")
+        if self.uses_tools() and tool_parser is None:
+            raise bad_request("tools need a gateway started with --tool-call-parser", "tools")
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not _is_name(function.get("name")):
+                raise bad_request("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}", f"tools.{i}")
         if self.functions:
             raise bad_request("functions are not supported", "functions")
         if self.function_call not in (None, "none"):
@@ -279,14 +311,20 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of them; a
     list is a batch: choice `p * n + i` is the i-th of prompt p."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
+        "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+        "then": {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
+    })
 
-    def prompts(self) -> list[str | list[int]]:
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
+        *TEXT_PROMPTS, *ID_PROMPTS], "description": "a prompt, or a batch of them (at most the gateway's --max-batch-size): text or token ids"})]
+    max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
+    echo: bool = Field(False, description="text prompts only")
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0}, description="not supported")
+    best_of: int | None = Field(None, ge=1, description="1 or n only: each choice is its own generation")
+
+    def prompts(self, max_batch: int | None = None) -> list[str | list[int]]:
         p = self.prompt
         prompts: list[str | list[int]]
         if isinstance(p, str):
@@ -297,15 +335,20 @@ class CompletionRequest(SamplingFields):
             prompts = list(p)  # type: ignore[arg-type]
         if not prompts or not all(prompts):
             raise bad_request("prompt must not be empty", "prompt")
+        if max_batch is not None and len(prompts) > max_batch:
+            raise bad_request(f"prompt: a batch of {len(prompts)} prompts; the limit is {max_batch}", "prompt")
+        for prompt in prompts:
+            if isinstance(prompt, list):
+                check_token_ids(prompt, "prompt")
         return prompts
 
-    def specs(self) -> list[GenerateSpec]:
+    def specs(self, max_batch: int | None = None) -> list[GenerateSpec]:
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of not in (1, self.n):
             raise bad_request(f"best_of is not supported (ask for n choices instead), got best_of {self.best_of} "
                               f"with n {self.n}", "best_of")
-        prompts = self.prompts()
+        prompts = self.prompts(max_batch)
         if self.echo and any(not isinstance(p, str) for p in prompts):
             raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
         constraint = self.constraint()
