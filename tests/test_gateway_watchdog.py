@@ -138,3 +138,21 @@ def test_a_killed_workers_stream_moves_once_with_no_repeat_and_no_gap_then_a_sec
     assert texts == ["".join(f"{w} " for w in words[:n]) for n in range(1, 9)]
     assert "not moved: 1 of --max-migrations 1 used" in error
     assert "rs_gateway_migrations_total 1.0" in metrics
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_request_past_its_own_timeout_is_aborted_with_504(nats: NatsServer, path: str) -> None:
+    fake, gw = gateway_for(nats, "deadline", ("d1",))
+    body = {"text": "HANG here", "rid": "late-1"} if path == "/generate" else {"prompt": "HANG here", "rid": "late-1"}
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"{gw.url}{path}", json=body | {"timeout": 1.0}, timeout=10)
+        took = time.monotonic() - started
+        fake.wait_until(lambda: ("d1", "late-1") in fake.aborts)
+        bad = httpx.post(f"{gw.url}{path}", json=body | {"timeout": 0}, timeout=10)
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 504 and "timed out" in error_message(response)
+    assert 1.0 <= took < 3.0
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"

@@ -35,6 +35,7 @@ from services.gateway.openai_protocol import ChatMessageIn
 from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, responses
 from services.gateway.request_body import (
     ID_PROMPTS,
+    REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
     LogitBias,
@@ -116,6 +117,7 @@ class GenerateBody(RequestBody):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     rid: str | list[str] | None = Field(None, description="one per prompt of a batch")
     model: str | None = None
+    timeout: float | None = Field(None, gt=0, le=86_400, description=REQUEST_TIMEOUT)
 
     _present = field_validator("text", "input_ids", mode="before")(not_null)
 
@@ -160,6 +162,7 @@ class GenerateBody(RequestBody):
                         rid=rid,
                         return_logprob=self.return_logprob,
                         top_logprobs_num=self.top_logprobs_num,
+                        timeout=self.timeout,
                     )
                 )
         return specs, single and n == 1

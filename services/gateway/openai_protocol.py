@@ -19,6 +19,7 @@ from services.gateway.dispatch import MAX_N, MAX_TOP_LOGPROBS, GenerateSpec, che
 from services.gateway.errors import bad_request
 from services.gateway.request_body import (
     ID_PROMPTS,
+    REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
     LogitBias,
@@ -92,6 +93,7 @@ class SamplingFields(RequestBody):
     response_format: dict[str, object] | None = Field(None, json_schema_extra=RESPONSE_FORMAT)
     regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
     ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
+    timeout: float | None = Field(None, gt=0, le=86_400, description=REQUEST_TIMEOUT)
 
     @property
     def include_usage(self) -> bool:
@@ -302,6 +304,7 @@ class ChatCompletionRequest(SamplingFields):
                 add_generation_prompt=self.add_generation_prompt,
                 chat_template_kwargs=self.chat_template_kwargs,
                 tools=self.tools if self.uses_tools() else None,
+                timeout=self.timeout,
             )
             for i in range(self.n)
         ]
@@ -364,6 +367,7 @@ class CompletionRequest(SamplingFields):
                         rid=self.choice_rid(p_index, i, len(prompts)),
                         return_logprob=self.logprobs is not None,
                         top_logprobs_num=self.logprobs or 0,
+                        timeout=self.timeout,
                     )
                 )
         return specs

@@ -88,6 +88,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+REQUEST_TIMEOUT = (
+    "seconds the whole request may take (queue included); past it, it is aborted on its worker and ends "
+    "with a 504 (an error event once streaming has begun)"
+)
+
+
 class RequestBody(StrictModel):
     """A whole request body.
 
