@@ -407,7 +407,7 @@ def test_two_gateways_and_two_workers_serve_concurrent_requests(stack: Stack, en
     assert {worker for _, worker in answers} == set(WORKERS), answers
 
 
-def test_worker_killed_mid_stream_errors_within_10_s_and_spares_the_other(stack: Stack) -> None:
+def test_a_killed_workers_stream_moves_to_the_other_within_5_s_and_spares_the_others_stream(stack: Stack) -> None:
     url = stack.gateways[0].url
     _wait_for_idle_load_reports(url)  # then two requests in a row go to different workers
     body = {"model": stack.model, "prompt": "Count to ten thousand:", "stream": True, "max_tokens": 2000, "ignore_eos": True}
@@ -421,10 +421,14 @@ def test_worker_killed_mid_stream_errors_within_10_s_and_spares_the_other(stack:
             doomed_lines = doomed.iter_lines()
             next(line for line in doomed_lines if line.startswith("data: "))
             stack.workers[victim].kill()
-            # a's read timeout (10 s) bounds how long the error event may take.
-            events = [line[6:] for line in doomed_lines if line.startswith("data: ")]
-            assert events[-1] == "[DONE]"
-            assert "stopped responding" in json.loads(events[-2])["error"]["message"]
+            killed_at = time.monotonic()
+            # The stream goes on from the other worker: text again within 5 s, and no error event.
+            while True:
+                event = json.loads(next(line for line in doomed_lines if line.startswith("data: "))[6:])
+                assert "error" not in event, event
+                if event["choices"][0]["text"] and time.monotonic() - killed_at > 0.5:
+                    break
+            assert time.monotonic() - killed_at < 5.0
             rest = [json.loads(line[6:]) for line in spared.iter_lines() if line.startswith("data: {")]
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
     deadline = time.monotonic() + 10
@@ -432,6 +436,7 @@ def test_worker_killed_mid_stream_errors_within_10_s_and_spares_the_other(stack:
         time.sleep(0.1)
     after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
     assert after.status_code == 200 and after.headers["x-radixserve-worker"] == survivor
+    assert "rs_gateway_migrations_total 1.0" in httpx.get(f"{url}/metrics", timeout=5).text
 
 
 def test_sigterm_lets_a_running_stream_finish_and_the_gateway_exits_0(stack: Stack) -> None:

@@ -18,8 +18,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from services.gateway.auth import authorize, current_key
-from services.gateway.dispatch import Dispatcher, GenerateSpec
+from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError, bad_request
+from services.gateway.generate_spec import GenerateSpec
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
 from shared.protocol import ChatMessage, Sampling, StreamOut
 

@@ -19,16 +19,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 
 from services.gateway.auth import current_key, require_admin
-from services.gateway.dispatch import (
+from services.gateway.completion import Completion
+from services.gateway.dispatch import Dispatcher
+from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
+from services.gateway.generate_spec import (
     MAX_N,
     MAX_TOP_LOGPROBS,
-    Completion,
-    Dispatcher,
     GenerateSpec,
     check_token_ids,
     validate_template_kwargs,
 )
-from services.gateway.errors import SERVICE_UNAVAILABLE, GatewayError, bad_request
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_protocol import ChatMessageIn

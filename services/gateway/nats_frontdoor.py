@@ -27,8 +27,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.gateway.auth import Verdict, authorize, current_key
-from services.gateway.dispatch import Completion, Dispatcher, GenerateSpec
+from services.gateway.completion import Completion
+from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError
+from services.gateway.generate_spec import GenerateSpec
 from services.gateway.streams import RequestStream
 from shared.bus import PayloadTooLarge
 from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, decoder

@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.gateway.dispatch import Completion, Dispatcher, token_texts, top_logprob_texts
+from services.gateway.completion import Completion, token_texts, top_logprob_texts
+from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import NOT_FOUND, GatewayError
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest

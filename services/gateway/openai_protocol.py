@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, WithJsonSchema
 
-from services.gateway.dispatch import MAX_N, MAX_TOP_LOGPROBS, GenerateSpec, check_token_ids
 from services.gateway.errors import bad_request
+from services.gateway.generate_spec import MAX_N, MAX_TOP_LOGPROBS, GenerateSpec, check_token_ids
 from services.gateway.request_body import (
     ID_PROMPTS,
     REQUEST_TIMEOUT,

@@ -1,0 +1,67 @@
+"""A request's outputs accumulated from its stream: what a front door that answers whole (not
+streamed) builds its reply from, and the token names logprobs carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.gateway.streams import RequestStream
+from shared.protocol import Finish, StreamOut, TopLogprob
+
+
+@dataclass
+class Completion:
+    """A request's outputs accumulated: the whole text, ids, logprobs, finish and usage."""
+
+    rid: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    top_logprob_texts: list[list[str]] = field(default_factory=list)
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+
+    def add(self, out: StreamOut) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.top_logprobs.extend(out.top_logprobs or [])
+        self.token_texts.extend(token_texts(out))
+        self.top_logprob_texts.extend(top_logprob_texts(out))
+        if out.finish is not None:
+            self.finish = out.finish
+            self.prompt_tokens = out.prompt_tokens
+            self.completion_tokens = out.completion_tokens or len(self.token_ids)
+            self.cached_tokens = out.cached_tokens
+            self.spec_accept_length = out.spec_accept_length
+            self.spec_accept_rate = out.spec_accept_rate
+
+
+def token_texts(out: StreamOut) -> list[str]:
+    """Each output token's text, as the detokenizer sent it, else `token_id:<id>`."""
+    if out.token_texts is not None and len(out.token_texts) == len(out.token_ids):
+        return list(out.token_texts)
+    return [f"token_id:{t}" for t in out.token_ids]
+
+
+def top_logprob_texts(out: StreamOut) -> list[list[str]]:
+    """Each top-logprob candidate's text, as the detokenizer sent it, else `token_id:<id>`."""
+    tops = out.top_logprobs or []
+    sent = out.top_logprob_texts
+    if sent is not None and [len(s) for s in sent] == [len(t) for t in tops]:
+        return [list(s) for s in sent]
+    return [[f"token_id:{c.token_id}" for c in step] for step in tops]
+
+
+async def collect(stream: RequestStream) -> Completion:
+    """Read a stream to its final (GatewayError on an error final)."""
+    completion = Completion(stream.rid)
+    async for out in stream.outputs():
+        completion.add(out)
+    return completion
