@@ -186,9 +186,10 @@ class StreamHub:
             stream.first_output_at = now
         if out.finish is not None and not is_error(out):
             self.metrics.e2e.observe(now - stream.started)
-            self.metrics.prompt_tokens.inc(out.prompt_tokens)
-            self.metrics.generation_tokens.inc(out.completion_tokens)
-            self.metrics.cached_tokens.inc(out.cached_tokens)
+            # Counters only go up: a malformed final's negative count must not stop the batch.
+            self.metrics.prompt_tokens.inc(max(0, out.prompt_tokens))
+            self.metrics.generation_tokens.inc(max(0, out.completion_tokens))
+            self.metrics.cached_tokens.inc(max(0, out.cached_tokens))
             if self.on_usage is not None:
                 self.on_usage(stream, out)
 
