@@ -6,6 +6,7 @@ Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real nats-
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from shared.natsd import NatsServer, start_nats_server
+from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 MB = 1024 * 1024
@@ -286,3 +288,25 @@ def test_a_service_without_nats_exits_1_naming_the_url(service: str) -> None:
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NATS at nats://127.0.0.1:1 is unreachable" in done.stdout + done.stderr
+
+
+def test_a_final_with_negative_counts_ends_its_request_and_spares_the_rest_of_its_batch(
+    gateway: GatewayThread, pipeline: FakePipeline
+) -> None:
+    """A malformed stream message (a final with negative token counts) beside a good item: both
+    requests end as their items say; nothing in the gateway raises."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        odd = pool.submit(httpx.post, f"{gateway.url}/generate", json={"text": "HANG odd", "rid": "neg-1"}, timeout=10)
+        fine = pool.submit(httpx.post, f"{gateway.url}/generate", json={"text": "HANG fine", "rid": "neg-2"}, timeout=10)
+        pipeline.wait_until(lambda: {"neg-1", "neg-2"} <= set(pipeline.in_flight("w1")))
+        forged = BatchStreamOut(v=PROTOCOL_VERSION, items=[
+            StreamOut(rid="neg-1", text="", token_ids=[], finish=Finish(type="stop"), prompt_tokens=-5,
+                      completion_tokens=-7, cached_tokens=-1),
+            StreamOut(rid="neg-2", text="", token_ids=[], finish=Finish(type="stop"), prompt_tokens=2, completion_tokens=1),
+        ])
+        pipeline.thread.run(pipeline.bus.publish(pipeline.bus.subjects.gateway_stream(gateway.config.gateway_id), forged))
+        answers = [odd.result(), fine.result()]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert [a.json()["meta_info"]["finish_reason"]["type"] for a in answers] == ["stop", "stop"]
+    for rid in ("neg-1", "neg-2"):
+        httpx.post(f"{gateway.url}/abort_request", json={"rid": rid}, timeout=5)
