@@ -47,7 +47,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.soak_stack import ServiceStartError, SoakStack, rss_mb  # noqa: E402
-from bench.soak_traffic import FAILED, KINDS, OUTCOMES, Client, Outcome, run_one  # noqa: E402
+from bench.soak_traffic import CLEAN_ERROR, FAILED, KINDS, OUTCOMES, Client, Outcome, run_one  # noqa: E402
 from shared.model_fetch import fetch_default_model  # noqa: E402
 from shared.protocol import WorkerInfo  # noqa: E402
 
@@ -82,10 +82,12 @@ class SoakReport:
     outcomes: dict[str, int]
     by_kind: dict[str, dict[str, int]]
     failures: list[dict[str, Any]]
+    server_errors: list[dict[str, Any]]  # the clean 5xx answers (each near a worker kill or restart)
     migrations: float
     restarts: list[dict[str, Any]]
     rss: dict[str, dict[str, Any]]
     invariant: dict[str, dict[str, Any]]
+    settle_s: float  # seconds after the traffic until the invariant held and no gateway had a request
     gateways_in_flight: list[float]
     tracebacks: dict[str, int]
     traffic_s: float
@@ -260,7 +262,7 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     # A thread still inside a request past its timeout plus 30 s: that request hung.
     done += [Outcome("unknown", FAILED, 0, 0, "never returned") for _ in range(sent_total - len(done))]
 
-    invariant, in_flight = _settle(stack)
+    invariant, in_flight, settle_s = _settle(stack)
     rss.sample(stack, traffic_started)
     rss_report = rss.report(set(stack.services()))
     migrations = sum(metric(url, "rs_gateway_migrations_total") for url in stack.gateway_urls)
@@ -269,8 +271,12 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
 
     by_kind = {kind: dict(Counter(o.outcome for o in done if o.kind == kind)) for kind in sorted({o.kind for o in done})}
     counts = Counter(o.outcome for o in done)
-    failures = [{"kind": o.kind, "at_s": round(o.started - traffic_started, 1), "took_s": round(o.ended - o.started, 1),
-                 "status": o.status, "detail": o.detail} for o in done if o.outcome == FAILED]
+    def row(o: Outcome) -> dict[str, Any]:
+        return {"kind": o.kind, "at_s": round(o.started - traffic_started, 1), "took_s": round(o.ended - o.started, 1),
+                "status": o.status, "detail": o.detail}
+
+    failures = [row(o) for o in done if o.outcome == FAILED]
+    server_errors = [row(o) for o in done if o.outcome == CLEAN_ERROR and (o.status or 0) >= 500]
     reasons = []
     if failures:
         reasons.append(f"{len(failures)} request(s) failed")
@@ -283,8 +289,10 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     reasons += [f"restart of {r['worker']} failed: {r['error']}" for r in restarts if r["error"]]
     return SoakReport(
         config=asdict(config), passed=not reasons, reasons=reasons, sent=sent_total,
-        outcomes={k: counts[k] for k in OUTCOMES}, by_kind=by_kind, failures=failures[:50], migrations=migrations,
-        restarts=restarts, rss=rss_report, invariant=invariant, gateways_in_flight=in_flight, tracebacks=tracebacks,
+        outcomes={k: counts[k] for k in OUTCOMES}, by_kind=by_kind, failures=failures[:50],
+        server_errors=server_errors[:50], migrations=migrations,
+        restarts=restarts, rss=rss_report, invariant=invariant, settle_s=settle_s, gateways_in_flight=in_flight,
+        tracebacks=tracebacks,
         traffic_s=round(traffic_s, 1), startup_s=round(startup_s, 1), log_dir=str(stack.log_dir),
         machine={"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
                  "python": platform.python_version(), "loadavg_end": os.getloadavg()},
@@ -292,16 +300,17 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     )
 
 
-def _settle(stack: SoakStack) -> tuple[dict[str, dict[str, Any]], list[float]]:
-    """The KV invariant per worker and the gateways' in-flight counts, once they hold (aborts and
-    migrations finish asynchronously) or SETTLE_S has passed."""
-    deadline = time.monotonic() + SETTLE_S
+def _settle(stack: SoakStack) -> tuple[dict[str, dict[str, Any]], list[float], float]:
+    """The KV invariant per worker, the gateways' in-flight counts, and the seconds until both held
+    (aborts and migrations finish asynchronously; at most SETTLE_S)."""
+    began = time.monotonic()
+    deadline = began + SETTLE_S
     while True:
         invariant = {wid: kv_invariant(info) for wid, info in stack.worker_info().items()}
         in_flight = [metric(url, "rs_gateway_requests_in_flight") for url in stack.gateway_urls]
         settled = all(row["holds"] for row in invariant.values()) and not any(in_flight)
         if settled or time.monotonic() > deadline:
-            return invariant, in_flight
+            return invariant, in_flight, round(time.monotonic() - began, 1)
         time.sleep(1.0)
 
 
