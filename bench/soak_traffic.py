@@ -7,7 +7,8 @@ Every request is one kind (KINDS) and ends in exactly one outcome:
   `data: [DONE]`; a bad request must get exactly its expected 4xx, and a 5xx counts as clean only when a
   worker was killed or restarted while the request was in flight (or up to RESTART_GRACE_S before it
   started), and only as 502/503;
-- aborted: ended as the client asked (a stream it closed, or an abort by rid it sent);
+- aborted: ended as the client asked (a stream it closed, or an abort by rid it sent; that stream must
+  end within ABORT_WITHIN_S of the abort's answer);
 - failed: anything else: no answer within the client timeout, a connection dropped without a final, a
   malformed body, an unexplained 5xx, an abort nobody asked for.
 """
@@ -28,6 +29,7 @@ import openai
 OK, CLEAN_ERROR, ABORTED, FAILED = "ok", "clean_error", "aborted", "failed"
 OUTCOMES = (OK, CLEAN_ERROR, ABORTED, FAILED)
 RESTART_GRACE_S = 15.0  # how long after a kill a gateway may still route to the dead worker and 503
+ABORT_WITHIN_S = 10.0  # a stream aborted by rid ends this soon after the abort's answer (kills included)
 FINISHED = ("stop", "length")
 ERROR_KEYS = {"message", "type", "param", "code"}
 TOPICS = ("the tides", "a lighthouse keeper", "prime numbers", "the Roman roads", "bread baking", "owls",
@@ -228,33 +230,44 @@ def chat_stream(c: Client) -> Verdict:
 
 
 def native_abort(c: Client) -> Verdict:
-    """A native /generate stream with a rid, aborted by POST /abort_request after its first chunk."""
+    """A native /generate stream with a rid, aborted by POST /abort_request after its first chunk: it
+    must end within ABORT_WITHIN_S of the abort's answer, even when its worker is lost meanwhile."""
     rid = f"soak-{uuid.uuid4().hex}"
     body = {"text": f"Write about {c.rng.choice(TOPICS)}.", "rid": rid, "stream": True,
             "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}
     finals: list[dict[str, Any]] = []
-    asked: list[int] = []
+    asked: list[float] = []
 
     def on_event(event: dict[str, Any]) -> None:
         if not asked:
             answer = c.http.post("/abort_request", json={"rid": rid})
             if answer.status_code != 200 or answer.json().get("success") is not True:
                 raise Verdict(FAILED, f"/abort_request answered {answer.status_code}: {answer.text[:200]}")
-            asked.append(answer.status_code)
+            asked.append(time.monotonic())
         if event["meta_info"]["finish_reason"] is not None:
             finals.append(event["meta_info"]["finish_reason"])
 
-    with c.http.stream("POST", "/generate", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise error_verdict(response.status_code, _json(response))
-        sse_events(response, on_event)
+    try:
+        with c.http.stream("POST", "/generate", json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise error_verdict(response.status_code, _json(response))
+            sse_events(response, on_event)
+    except Verdict as verdict:
+        _aborted_in_time(asked, verdict.detail)
+        raise
+    _aborted_in_time(asked, f"finish {finals}")
     if len(finals) != 1:
         raise Verdict(FAILED, f"native stream gave {len(finals)} finals")
     if finals[0]["type"] == "abort":
         return Verdict(ABORTED, "aborted by rid")
     _finished(finals[0]["type"], "native stream")  # it finished before the abort reached its worker
     return Verdict(OK)
+
+
+def _aborted_in_time(asked: list[float], how: str) -> None:
+    if asked and (late := time.monotonic() - asked[0]) > ABORT_WITHIN_S:
+        raise Verdict(FAILED, f"aborted by rid, yet the stream went on {late:.1f} s ({how})")
 
 
 def _bad(path: str, body: dict[str, Any], expected: int) -> Callable[[Client], Verdict]:
