@@ -290,6 +290,7 @@ class Dispatcher:
         does not know is sent to every live worker (it may belong to another gateway)."""
         stream = self.hub.get(rid)
         if stream is not None:
+            stream.abort_asked = True
             await self._send_abort(stream.worker_id, rid)
             return True
         await asyncio.gather(*(self._send_abort(w.load.worker_id, rid) for w in self.registry.live()))
@@ -367,6 +368,13 @@ class Dispatcher:
         """Send a lost worker's request to a live one, with the tokens its client already has; past
         --max-migrations, or with no live worker for its model, a clean 503."""
         if stream.finished:
+            return
+        if stream.abort_asked:
+            # Its worker may have taken the abort and died before sending the final: end it as that
+            # final would have, rather than run it again elsewhere.
+            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], completion_tokens=len(stream.delivered_ids),
+                                     finish=Finish(type="abort", message="aborted by request")))
+            self.hub.close(stream)
             return
         if stream.request is None or stream.migrations >= self.config.max_migrations:
             self._fail(stream, SERVICE_UNAVAILABLE, f"{reason} (request {stream.rid} not moved: "

@@ -53,6 +53,7 @@ class RequestStream:
         self.instance = ""
         self.model: str | None = None
         self.migrations = 0
+        self.abort_asked = False  # a client asked to abort it: it must not move to another worker
         self.delivered_ids: list[int] = []
         self.delivered_chars = 0
         self.deadline: float | None = None  # the request's own `timeout`, as a time.monotonic()
