@@ -55,6 +55,7 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     ControlReply,
     ControlRequest,
+    Finish,
     StreamOut,
     TextTokenize,
     TextTokenized,
@@ -63,6 +64,7 @@ from shared.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
 
 class Dispatcher:
     """Routes requests to workers over NATS and follows their streams."""
