@@ -43,10 +43,10 @@ from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, Token
 from services.worker.mem.radix_cache import RadixCache  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.sampling.sampler import Sampler  # noqa: E402
-from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from services.worker.scheduler.scheduler import Scheduler  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 BATCH = 256
 VOCAB = 512

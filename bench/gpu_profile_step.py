@@ -24,10 +24,10 @@ if __package__ in (None, ""):
 
 from services.worker.config import EngineConfig  # noqa: E402
 from services.worker.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 
 def sync() -> None:

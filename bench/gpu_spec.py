@@ -32,10 +32,10 @@ from safetensors.torch import save_file  # noqa: E402
 
 from bench.gpu_common import OUT, build_checkpoint  # noqa: E402
 from services.worker.config import EngineConfig  # noqa: E402
-from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.scheduler import Scheduler  # noqa: E402
 from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 POOL = 65536
 EPSILONS = (1.0, 0.1, 0.06, 0.045, 0.03, 0.01, 0.0)

@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 
 from services.worker.engine import Engine  # noqa: E402
 from services.worker.sampling.grammar import GrammarBackend  # noqa: E402
-from services.worker.sampling.sampling_params import SamplingParams  # noqa: E402
+from shared.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 128
 SCHEMAS = {

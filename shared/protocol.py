@@ -61,7 +61,7 @@ class Subjects:
 
 class Sampling(msgspec.Struct, omit_defaults=True):
     """A request's sampling settings as sent; None means "unset" (model defaults apply). Same names
-    and meanings as services.worker.sampling.sampling_params.SamplingParams."""
+    and meanings as shared.sampling_params.SamplingParams."""
 
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None

@@ -25,8 +25,9 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from services.worker.engine import Engine
-from services.worker.sampling.grammar import spec_of, unpack_bitmask
-from services.worker.sampling.sampling_params import SamplingParams
+from services.worker.sampling.grammar import unpack_bitmask
+from shared.grammar_spec import spec_of
+from shared.sampling_params import SamplingParams
 from tests.engine_helpers import hf_model, output_ids, random_prompts
 
 SCHEMA = {

@@ -92,8 +92,8 @@ def test_a_queued_request_crosses_without_its_empty_prefix_tensor() -> None:
 
     import torch
 
-    from services.worker.sampling.sampling_params import SamplingParams
     from services.worker.scheduler.req import _EMPTY, Req
+    from shared.sampling_params import SamplingParams
 
     params = SamplingParams.from_dict({"temperature": 0.0, "max_new_tokens": 4})
     params.normalize()

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.worker.request_state import RequestState
-from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.scheduler import ReqOutput
+from shared.sampling_params import SamplingParams
 from tests.checkpoints import IM_END_ID
 
 TEXT = "naïve café — 東京 🚀 done."

@@ -19,7 +19,7 @@ from services.worker.sampling.sampler import (
     penalized_logits,
     processed_logits,
 )
-from services.worker.sampling.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 # Chi-square critical values at p = 0.001, by degrees of freedom.
 CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515}

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.sampling.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 VOCAB = 100
 

@@ -15,12 +15,12 @@ import torch
 from services.worker.config import EngineConfig
 from services.worker.engine import Engine
 from services.worker.forward_batch import ForwardMode
-from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.schedule_batch import ScheduleBatch
 from services.worker.scheduler_loop import SchedulerLoop
 from services.worker.spec.ngram import ngram_lookup
 from services.worker.spec.verify import verify, verify_greedy
+from shared.sampling_params import SamplingParams
 from tests.checkpoints import tiny_llama_config, tiny_qwen3_config, write_checkpoint
 from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from services.gateway.errors import bad_request
 from services.tokenizer.prompt_tokenizer import check_chat_template_kwargs
-from services.worker.sampling.sampling_params import SamplingParams
 from shared.protocol import ChatMessage, Sampling
+from shared.sampling_params import SamplingParams
 
 # Bounds every front door checks before anything is routed or encoded (the HTTP models state the same
 # ones in the OpenAPI document). Integers travel as msgpack (64 bits at most) and token ids as C ints

@@ -38,9 +38,9 @@ from services.gateway.request_body import (
     logit_bias_ids,
 )
 from services.gateway.tool_calls import forced_call_grammar
-from services.worker.sampling.grammar import check_grammar
-from services.worker.sampling.sampling_params import SamplingParams
+from shared.grammar_spec import check_grammar
 from shared.protocol import ChatMessage, Sampling
+from shared.sampling_params import SamplingParams
 
 # What OpenAI's completions endpoint generates when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

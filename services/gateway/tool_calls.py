@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.reasoning import held_suffix
-from services.worker.sampling.grammar import JSON_DEFAULTS
+from shared.grammar_spec import JSON_DEFAULTS
 
 START, END = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "qwen3")  # one format: Qwen's templates use Hermes' tags

@@ -15,8 +15,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from services.worker.request_state import validate_input_ids
-from services.worker.sampling.sampling_params import SamplingParams
+from shared.input_ids import validate_input_ids
 from shared.model_path import resolve_model_path
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -26,6 +25,7 @@ from shared.protocol import (
     TextTokenized,
     TokenizeRequest,
 )
+from shared.sampling_params import SamplingParams
 
 # Token ids, and prompts up to this many characters, are encoded on the tokenizer service's event loop:
 # handing them to a thread costs more than they do (a short chat's template and encoding ~0.12 ms, the

@@ -28,9 +28,6 @@ from typing import Any
 from services.worker.config import EngineConfig
 from services.worker.ipc import PipeChannel
 from services.worker.model_config import ModelConfig
-from services.worker.request_state import validate_input_ids
-from services.worker.sampling.grammar import GRAMMAR_FIELDS
-from services.worker.sampling.sampling_params import SamplingParams
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from services.worker.scheduler_loop import (
@@ -44,6 +41,9 @@ from services.worker.scheduler_loop import (
     load_tokenizer,
     run_scheduler_loop,
 )
+from shared.grammar_spec import GRAMMAR_FIELDS
+from shared.input_ids import validate_input_ids
+from shared.sampling_params import SamplingParams
 from shared.service import die_with_parent
 
 START_TIMEOUT_S = 600.0

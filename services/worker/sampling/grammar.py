@@ -5,9 +5,8 @@ The grammar engine is llguidance (a Rust library that vLLM and SGLang also offer
 grammar and the tokenizer's vocabulary it computes, before each step, the set of tokens that keep the
 output a prefix of some sentence of the grammar. Here:
 
-  spec_of(params)           the request's one grammar as (field, llguidance grammar text), or None
-  check_grammar(params)     ValueError naming the field for a grammar that cannot compile (no tokenizer
-                            needed: the gateway and the Engine refuse bad ones before they queue)
+  spec_of, check_grammar    shared/grammar_spec.py: the request's grammar, and the torch-free check that
+                            it compiles (the gateway and the Engine refuse bad ones before they queue)
   GrammarBackend            per scheduler: the tokenizer as llguidance reads it (built on a thread when
                             the scheduler starts, ~0.4 s for a 49k vocabulary) and a matcher per request
   MaskBuffers               per runner: the constrained rows' next-token bitmasks, computed by
@@ -20,98 +19,25 @@ A matcher advances with each token the request gains (Scheduler._add_tokens). Wh
 no further the request finishes with reason 'stop' (no EOS step is spent); a token the grammar refuses,
 which the mask makes impossible unless min_new_tokens bans the grammar's only way out, ends the request
 as 'abort' with the matcher's reason.
-
-JSON schemas compile with fixed separators (", " and ": ") and no free whitespace, the form `json.dumps`
-writes: a small model given free whitespace can spend its whole budget on newlines. A schema may change
-that with llguidance's own `"x-guidance"` key, e.g. {"x-guidance": {"whitespace_flexible": true}}.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import json
 import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:
-    from services.worker.sampling.sampling_params import SamplingParams
+from shared.grammar_spec import llguidance, short_error, spec_of
 
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Grammar errors can quote the whole grammar; a client gets the start of the first lines.
-MAX_ERROR_CHARS = 400
+if TYPE_CHECKING:
+    from shared.sampling_params import SamplingParams
+
 # From this many constrained rows a CUDA step computes their masks on llguidance's thread pool. Fewer
 # rows, or a CPU step (whose compute threads hold the cores), compute them one after another: a mask
 # takes 1-10 us for typical grammars, less than handing work to the pool.
 PARALLEL_MIN_ROWS = 16
-
-
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError as exc:  # pragma: no cover - a project dependency
-        raise ValueError("constrained decoding needs the llguidance package (pip install llguidance)") from exc
-    return llguidance
-
-
-def spec_of(params: SamplingParams) -> tuple[str, str] | None:
-    """(field, llguidance grammar) for the request's grammar, None without one; ValueError naming the
-    field when more than one is set or the value is not text (a JSON schema may be an object)."""
-    given = [name for name in GRAMMAR_FIELDS if getattr(params, name) is not None]
-    if not given:
-        return None
-    if len(given) > 1:
-        raise ValueError(f"{given[0]} and {given[1]} cannot be combined: give one of {', '.join(GRAMMAR_FIELDS)}")
-    field = given[0]
-    value = getattr(params, field)
-    LLMatcher = _llguidance().LLMatcher
-    if field == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-        if not isinstance(value, (dict, bool)):
-            raise ValueError(f"json_schema must be a JSON schema (an object), got {type(value).__name__}")
-        if value is True or value == {}:
-            value = {"type": "object"}  # "any JSON", which OpenAI's json_object means by an object
-        return field, LLMatcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{field} must be a non-empty string, got {value!r}")
-    if field == "regex":
-        return field, LLMatcher.grammar_from_regex(value)
-    try:
-        return field, _llguidance().grammar_from("ebnf", value)
-    except ValueError as exc:  # the GBNF -> Lark converter's message
-        raise ValueError(f"ebnf is not a grammar llguidance can read: {_short(str(exc))}") from None
-
-
-def check_grammar(params: SamplingParams) -> None:
-    """ValueError naming the field unless the request's grammar (if any) compiles."""
-    spec = spec_of(params)
-    if spec is None:
-        return
-    field, grammar = spec
-    error = _grammar_error(grammar)
-    if error:
-        raise ValueError(f"{field} cannot be compiled: {_short(error)}")
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar_error(grammar: str) -> str:
-    """llguidance's verdict on a grammar ('' when it compiles). One request's grammar is checked at
-    each door it passes (the gateway's OpenAI layer, then each of its n choices, the tokenizer, the
-    worker), and clients repeat schemas: each process compiles a given grammar once."""
-    return _llguidance().LLMatcher.validate_grammar(grammar)
-
-
-def _short(message: str) -> str:
-    """llguidance's message on one line, without its echo of the grammar, and bounded."""
-    message = " ".join(message.split("\n   1 | ", 1)[0].split())
-    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."
 
 
 class GrammarBackend:
@@ -153,9 +79,9 @@ class GrammarBackend:
         if spec is None:
             return None
         field, grammar = spec
-        matcher = _llguidance().LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        matcher = llguidance().LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{field} cannot be compiled: {_short(matcher.get_error())}")
+            raise ValueError(f"{field} cannot be compiled: {short_error(matcher.get_error())}")
         return matcher
 
 
@@ -193,7 +119,7 @@ class MaskBuffers:
                 matcher.unsafe_compute_mask_ptr(host[i].data_ptr(), self.words * 4)
         else:
             if self._executor is None:
-                self._executor = _llguidance().LLExecutor()
+                self._executor = llguidance().LLExecutor()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, i) for i, m in enumerate(matchers)], host.data_ptr(), self.words * 4, len(matchers)
             )

@@ -27,7 +27,7 @@ import torch
 
 from services.worker.sampling.grammar import apply_bitmask
 from services.worker.sampling.penalties import PenaltyState, TokenIds, row_token_pairs, to_device_async
-from services.worker.sampling.sampling_params import SAMPLING_EPS, SamplingParams
+from shared.sampling_params import SAMPLING_EPS, SamplingParams
 
 
 def _signed64(x: int) -> int:

@@ -14,7 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.worker.mem.radix_cache import TreeNode
-    from services.worker.sampling.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from shared.grammar_spec import check_grammar
+
 # Below this temperature a request is greedy: dividing by it would only overflow.
 SAMPLING_EPS = 1e-5
 
@@ -142,8 +144,6 @@ class SamplingParams:
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias for token {tid} must be a number in [-100, 100], got {bias!r}")
         if self.is_constrained:
-            from services.worker.sampling.grammar import check_grammar
-
             check_grammar(self)
 
     def normalize(self) -> SamplingParams:
