@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from shared.natsd import NatsServer
-from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+from shared.protocol import PROTOCOL_VERSION, WorkerLoad
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 
 def gateway_for(nats: NatsServer, prefix: str, workers: tuple[str, ...], progress: bool = False,
@@ -156,3 +157,27 @@ def test_a_request_past_its_own_timeout_is_aborted_with_504(nats: NatsServer, pa
     assert response.status_code == 504 and "timed out" in error_message(response)
     assert 1.0 <= took < 3.0
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "timeout"
+
+
+def test_a_report_from_another_instance_that_the_worker_denies_ends_nothing(nats: NatsServer) -> None:
+    """A WorkerLoad under a live worker's id with another instance (forged, stale, or a second process
+    on one id) is checked with a ping first: the live worker answers as itself, so it is ignored."""
+    fake, gw = gateway_for(nats, "forged", ("f1",), max_migrations=0)
+    forged = WorkerLoad(v=PROTOCOL_VERSION, worker_id="f1", model=FAKE_MODEL, num_running=0, num_waiting=0,
+                        kv_usage=0.0, cache_hit_rate=0.0, max_total_tokens=1000, context_len=64,
+                        timestamp=time.time(), instance="impostor")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{gw.url}/generate", json={"text": "HANG in there", "rid": "kept"}, timeout=10)
+            fake.wait_until(lambda: fake.in_flight("f1"))
+            for _ in range(3):
+                fake.thread.run(fake.bus.publish(fake.bus.subjects.workers_load, forged))
+                time.sleep(0.3)
+            assert gw.service.dispatcher.hub.get("kept") is not None  # still in flight, not failed
+            assert gw.service.dispatcher.registry.get("f1").load.instance == "first"
+            httpx.post(f"{gw.url}/abort_request", json={"rid": "kept"}, timeout=5)
+            response = pending.result()
+    finally:
+        gw.close()
+        fake.close()
+    assert response.status_code == 200 and response.json()["meta_info"]["finish_reason"]["type"] == "abort"

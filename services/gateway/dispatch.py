@@ -87,6 +87,7 @@ class Dispatcher:
         self.aborts = Aborts(self)  # aborts on behalf of a key: scope rules and other replicas
         self.hub.on_usage = self._record_usage
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._verifying: set[str] = set()  # worker ids whose report of a new instance is being checked
         self.watchdog = Watchdog(bus, config, self.registry, self.hub, metrics, self)
 
     @property
@@ -347,6 +348,25 @@ class Dispatcher:
         task.add_done_callback(self._tasks.discard)
 
     async def _on_load(self, load: WorkerLoad, raw: object) -> None:
+        entry = self.registry.get(load.worker_id)
+        if entry is None or entry.load.instance == load.instance:
+            self.registry.observe(load)
+        elif load.worker_id not in self._verifying:
+            self._verifying.add(load.worker_id)
+            self._spawn(self._verify_restart(load))
+
+    async def _verify_restart(self, load: WorkerLoad) -> None:
+        """A report from another process under a known worker id: a restart only if the process that
+        answers on the id's control subject is that one. Otherwise the report is stale, forged, or a
+        second process on one id, and the requests of the live process stay where they are."""
+        try:
+            reply = await self.control(load.worker_id, "ping")
+        finally:
+            self._verifying.discard(load.worker_id)
+        if not (reply.ok and reply.message == load.instance):
+            logger.warning("ignored a WorkerLoad for worker %s as instance %r: the worker answers as %r",
+                           load.worker_id, load.instance, reply.message)
+            return
         old_instance = self.registry.observe(load)
         if old_instance is not None:
             self.worker_lost(load.worker_id, f"worker {load.worker_id} restarted", instance=old_instance)
