@@ -17,6 +17,7 @@ error event counts with that error's status).
 POST /generate, /v1/completions and /v1/chat/completions with a JSON body that validates are served by
 JsonFastPath, which calls the route's own function without FastAPI's per-request routing and dependency
 machinery; every other request, and any body that would be an error, goes through FastAPI as before.
+What that saves, measured: docs/ARCHITECTURE.md, "The gateway's own ASGI layers".
 """
 
 from __future__ import annotations
@@ -135,9 +136,8 @@ JsonEndpoint = Callable[[Any, Request], Awaitable[Response]]
 class JsonFastPath:
     """POST routes whose body is one pydantic model, served without FastAPI's per-request machinery
     (matching every included router's routes, its exit-stack and exception middlewares, dependency
-    solving): ~0.1 ms a request on a 2-vCPU machine, half of the app's time to a streamed /generate's
-    first event. Only a body FastAPI would accept is served here, by the same function and the same
-    validation (json.loads, then the model); anything else (another route or method, a content type
+    solving; the measured gain is in docs/ARCHITECTURE.md). Only a body FastAPI would accept is served
+    here, by the same function and the same validation (json.loads, then the model); anything else (another route or method, a content type
     other than application/json, invalid JSON, a body that does not validate) is handed on to FastAPI
     untouched, so every 4xx keeps its status and message. Sits inside BodyLimit, which hands on the
     whole body in one message, and wraps the FastAPI app itself (create_app)."""
@@ -243,8 +243,8 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> ASGIApp:
     The gateway's own layers (counting, API keys, the body limit, JsonFastPath) wrap the FastAPI app
     rather than sit in its middleware stack, so a request JsonFastPath serves never passes through
     FastAPI's and Starlette's own layers (its error, telemetry and body-limit middlewares, the app and
-    router calls): ~40 µs of a streamed first event on a 2-vCPU host after a prefill, traced. Every
-    other request reaches FastAPI through the same layers as before, in the same order."""
+    router calls). Every other request reaches FastAPI through the same layers as before, in the same
+    order."""
     api = fastapi_app(dispatcher)
     app: ASGIApp = JsonFastPath(api, routes={
         "/generate": (native_api.GenerateBody, native_api.generate),

@@ -20,7 +20,6 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from services.gateway.dispatch import Dispatcher
-from services.gateway.http_transport import http_protocol
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.nats_frontdoor import NatsFrontDoor
 from shared.bus import Bus
@@ -134,7 +133,7 @@ class GatewayService(Service):
                 log_level=cfg.log_level.lower(),
                 access_log=False,
                 lifespan="off",
-                http=http_protocol(self.http_impl),
+                http=self.http_impl,
                 timeout_graceful_shutdown=max(int(cfg.drain_timeout), 1),
             )
         )
