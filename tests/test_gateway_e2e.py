@@ -21,8 +21,9 @@ import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from services.worker.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling

@@ -1,6 +1,7 @@
 """The gateway's gRPC API with the stubs generated from proto/ (services/gateway/protos.py): streaming
-Generate, Abort, ModelInfo, status codes, cancel -> abort, and grpc.health.v1. Against a scripted
-pipeline (tests/gateway_helpers.FakePipeline) on a real nats-server."""
+Generate, Abort, ModelInfo, status codes, cancel -> abort, grpc.health.v1 (Check, Watch, List) and
+server reflection. Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
@@ -145,3 +149,49 @@ def test_health_check_and_watch(channel: grpc.Channel) -> None:
     watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert next(watch).status == serving
     watch.cancel()
+
+
+def test_health_list_gives_every_service_its_status(channel: grpc.Channel) -> None:
+    listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
+    assert {name: response.status for name, response in listed.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING,
+        "radixserve.v1.RadixServe": health_pb2.HealthCheckResponse.SERVING,
+    }
+
+
+def test_health_watch_follows_the_workers(nats: NatsServer) -> None:
+    """With no worker the API is NOT_SERVING while the gateway itself (service "") serves; a worker
+    that starts reporting turns it SERVING, and one that dies turns it back, on the open Watch."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    gw = GatewayThread(nats.url, subject_prefix="health")
+    fake: FakePipeline | None = None
+    try:
+        with grpc.insecure_channel(gw.grpc_target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == serving
+            watch = health.Watch(health_pb2.HealthCheckRequest(service="radixserve.v1.RadixServe"), timeout=30)
+            assert next(watch).status == not_serving
+            fake = FakePipeline(nats.url, workers=("hw",), prefix="health")
+            assert next(watch).status == serving
+            fake.kill_worker("hw")
+            assert next(watch).status == not_serving
+            watch.cancel()
+    finally:
+        gw.close()
+        if fake is not None:
+            fake.close()
+
+
+def test_reflection_lists_and_describes_the_services(channel: grpc.Channel) -> None:
+    database = ProtoReflectionDescriptorDatabase(channel)
+    assert set(database.get_services()) == {
+        "radixserve.v1.RadixServe", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"
+    }
+    # The descriptors come over the wire, so a client needs no .proto to call the API.
+    service = DescriptorPool(database).FindServiceByName("radixserve.v1.RadixServe")
+    generate = service.methods_by_name["Generate"]
+    assert sorted(service.methods_by_name) == ["Abort", "Generate", "ModelInfo"]
+    assert (generate.input_type.full_name, generate.output_type.full_name) == (
+        "radixserve.v1.GenerateRequest", "radixserve.v1.GenerateResponse"
+    )
+    assert "sampling_params" in generate.input_type.fields_by_name

@@ -1,30 +1,43 @@
-"""The gateway's gRPC API (proto/radixserve.proto) and the standard grpc.health.v1 service.
+"""The gateway's gRPC API (proto/radixserve.proto), the standard grpc.health.v1 service and server
+reflection.
 
 Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
 statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED; with API keys 401 UNAUTHENTICATED, 403 PERMISSION_DENIED for a
 user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED); a request that does not parse (bad
-UTF-8 in a string) is INVALID_ARGUMENT too. A cancelled call (client gone, deadline) aborts its request on the worker. Health: "" is SERVING while the gateway is connected to NATS; "radixserve.v1.RadixServe"
-also needs a live worker.
+UTF-8 in a string) is INVALID_ARGUMENT too. A cancelled call (client gone, deadline) aborts its
+request on the worker.
+
+Health is grpcio-health-checking's servicer (Check, Watch) with List added, which that package's
+servicers leave unimplemented: "" is SERVING while the gateway is connected to NATS, and
+"radixserve.v1.RadixServe" when it also has a live worker. The statuses are read from the dispatcher
+as each Check or List is answered, and every WATCH_INTERVAL_S while a Watch is open. Reflection
+(grpcio-reflection) names the three services and serves their descriptors, so grpcurl and similar
+tools need no .proto.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 from services.gateway.auth import authorize, current_key
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.generate_spec import GenerateSpec
-from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
+from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.protocol import ChatMessage, Sampling, StreamOut
 
-SERVICE_NAME = "radixserve.v1.RadixServe"
+SERVICE_NAME = radixserve_pb2.DESCRIPTOR.services_by_name["RadixServe"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 WATCH_INTERVAL_S = 1.0
 
 _CODES = {
@@ -156,38 +169,59 @@ class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignor
         return response
 
 
-class HealthServicer(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
-    """grpc.health.v1.Health: Check and Watch."""
+class GatewayHealth(health_aio.HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1.Health with each service's status taken from the dispatcher (module docstring)."""
 
     def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
         self.dispatcher = dispatcher
+        self.statuses: dict[str, int] = {}  # what was last set, per service: what List answers
+        self._watches = 0
+        self._refresher: asyncio.Task[None] | None = None
 
-    def status(self, service: str) -> int | None:
-        """The ServingStatus of `service`, or None for a service this server does not have."""
+    def current(self) -> dict[str, int]:
+        """Every service's ServingStatus as the dispatcher stands now."""
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         connected = self.dispatcher.bus.nc.is_connected
-        if service == "":
-            return serving if connected else not_serving
-        if service == SERVICE_NAME:
-            return serving if connected and self.dispatcher.registry.live() else not_serving
-        return None
+        return {
+            "": serving if connected else not_serving,
+            SERVICE_NAME: serving if connected and self.dispatcher.registry.live() else not_serving,
+        }
+
+    async def refresh(self) -> None:
+        """Set each service whose status changed (which wakes its watchers)."""
+        for service, status in self.current().items():
+            if self.statuses.get(service) != status:
+                self.statuses[service] = status
+                await self.set(service, status)
+
+    async def _keep_current(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            await self.refresh()
 
     async def Check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
-        status = self.status(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
+        await self.refresh()
+        return await super().Check(request, context)
 
-    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        last = None
-        while True:
-            status = self.status(request.service)
-            if status is None:
-                status = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-            if status != last:
-                yield health_pb2.HealthCheckResponse(status=status)
-                last = status
-            await asyncio.sleep(WATCH_INTERVAL_S)
+    async def List(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await self.refresh()
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in self.statuses.items()}
+        )
+
+    async def Watch(self, request: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        await self.refresh()
+        self._watches += 1
+        if self._refresher is None:
+            self._refresher = asyncio.create_task(self._keep_current(), name="grpc-health")
+        try:
+            await super().Watch(request, context)
+        finally:
+            self._watches -= 1
+            if self._watches == 0 and self._refresher is not None:
+                self._refresher.cancel()
+                self._refresher = None
 
 
 class _Undecodable:
@@ -216,8 +250,8 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except DecodeError as exc:
                 return _Undecodable(exc)
 
-        if handler.unary_stream is not None:
-            streamed = handler.unary_stream
+        streamed = handler.unary_stream
+        if streamed is not None and inspect.isasyncgenfunction(streamed):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if isinstance(request, _Undecodable):
@@ -227,15 +261,16 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=lenient, response_serializer=handler.response_serializer)
-        unary = handler.unary_unary
+        # A coroutine: it returns its response, or writes its stream with context.write (health's Watch).
+        behaviour = streamed or handler.unary_unary
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            return await unary(request, context)
+            return await behaviour(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            call, request_deserializer=lenient, response_serializer=handler.response_serializer)
+        make = grpc.unary_unary_rpc_method_handler if streamed is None else grpc.unary_stream_rpc_method_handler
+        return make(call, request_deserializer=lenient, response_serializer=handler.response_serializer)
 
 
 async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tuple[grpc.aio.Server, int]:
@@ -246,7 +281,10 @@ async def start_grpc_server(dispatcher: Dispatcher, host: str, port: int) -> tup
         options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     )
     radixserve_pb2_grpc.add_RadixServeServicer_to_server(RadixServeServicer(dispatcher), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(dispatcher), server)
+    health = GatewayHealth(dispatcher)
+    await health.refresh()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC could not bind {host}:{port}")

@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = REPO_ROOT / "proto"
 OUT_DIR = Path(__file__).resolve().parent / "proto_gen"
 PACKAGE_PATH = "services/gateway/proto_gen"
-PROTOS = ("radixserve", "health")
+PROTOS = ("radixserve",)
 
 
 def _outputs(name: str) -> list[Path]:
@@ -77,5 +77,3 @@ if __name__ == "__main__" or stale():
 
 radixserve_pb2 = _load("radixserve_pb2")
 radixserve_pb2_grpc = _load("radixserve_pb2_grpc")
-health_pb2 = _load("health_pb2")
-health_pb2_grpc = _load("health_pb2_grpc")
