@@ -8,9 +8,7 @@ has nothing to tokenize: its GenerateRequest goes straight to the worker, which 
 its model (the tokenizer service would have made the same checks) and refuses bad ones with the same
 error final. A client that goes away releases its request, which
 aborts it on its worker (freeing its KV). The watchdog (liveness.py) tells gone workers from busy
-ones; a gone worker's requests migrate: each goes to a live worker with its prompt and the tokens its
-client already has, and its stream goes on with no repeat and no gap (at most --max-migrations times,
-then a clean 503).
+ones; a gone worker's requests migrate to live workers (migration.py).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from collections.abc import Coroutine
 from pathlib import PurePath
 from typing import Any
 
-import msgspec
 import nats.errors
 
 from services.gateway.aborts import Aborts
@@ -40,6 +37,7 @@ from services.gateway.errors import (
 from services.gateway.generate_spec import GenerateSpec, field_of
 from services.gateway.liveness import Watchdog
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import Migrations
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
@@ -55,7 +53,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     ControlReply,
     ControlRequest,
-    Finish,
     StreamOut,
     TextTokenize,
     TextTokenized,
@@ -88,6 +85,8 @@ class Dispatcher:
         self.hub.on_usage = self._record_usage
         self._tasks: set[asyncio.Task[Any]] = set()
         self._verifying: set[str] = set()  # worker ids whose report of a new instance is being checked
+        self.migrations = Migrations(config, self.registry, self.hub, metrics, publish=self._publish,
+                                     send_abort=self._send_abort, spawn=self._spawn)
         self.watchdog = Watchdog(bus, config, self.registry, self.hub, metrics, self)
 
     @property
@@ -374,61 +373,9 @@ class Dispatcher:
     # ---- lost workers and requests that stopped (called by the watchdog, liveness.py) ------------
 
     def worker_lost(self, worker_id: str, reason: str, instance: str | None = None, abort: bool = False) -> None:
-        """`worker_id` (or, with `instance`, that process of it) is gone: each of its requests here
-        moves to a live worker or ends with a 503. `abort`: the worker may still run them (it stopped
-        answering, not existing), so they are aborted there first."""
-        if instance is None:
-            self.registry.forget(worker_id)
-        lost = [s for s in self.hub.in_flight() if s.worker_id == worker_id and (instance is None or s.instance == instance)]
-        logger.warning("%s; %d in-flight request(s) here", reason, len(lost))
-        for stream in lost:
-            if abort:
-                self._spawn(self._send_abort(worker_id, stream.rid))
-            self._spawn(self._migrate(stream, reason))
-
-    async def _migrate(self, stream: RequestStream, reason: str) -> None:
-        """Send a lost worker's request to a live one, with the tokens its client already has; past
-        --max-migrations, or with no live worker for its model, a clean 503."""
-        if stream.finished:
-            return
-        if stream.abort_asked:
-            # Its worker may have taken the abort and died before sending the final: end it as that
-            # final would have, rather than run it again elsewhere.
-            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], completion_tokens=len(stream.delivered_ids),
-                                     finish=Finish(type="abort", message="aborted by request")))
-            self.hub.close(stream)
-            return
-        if stream.request is None or stream.migrations >= self.config.max_migrations:
-            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason} (request {stream.rid} not moved: "
-                       f"{stream.migrations} of --max-migrations {self.config.max_migrations} used)")
-            return
-        worker = self.registry.choose(stream.model, self.hub.per_worker())
-        if worker is None:
-            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason}; no other live worker serves this request's model")
-            return
-        msg = msgspec.structs.replace(
-            stream.request, worker_id=worker.load.worker_id,
-            resume_ids=list(stream.delivered_ids) or None, resume_chars=stream.delivered_chars,
-        )
-        stream.worker_id, stream.instance = worker.load.worker_id, worker.load.instance
-        stream.migrations += 1
-        stream.checked_at = None
-        try:
-            await self._publish(stream, msg, worker)
-        except Exception as exc:  # noqa: BLE001 - the client gets the error; the gateway goes on
-            self._fail(stream, SERVICE_UNAVAILABLE, f"{reason}; moving request {stream.rid} failed: {exc}")
-            return
-        self.metrics.migrations.inc()
-        logger.info("request %s moved to worker %s after %d token(s) (%s)", stream.rid, worker.load.worker_id,
-                    len(stream.delivered_ids), reason)
+        """`worker_id` (or that `instance` of it) is gone: its requests move (migration.py)."""
+        self.migrations.worker_lost(worker_id, reason, instance, abort)
 
     def give_up(self, stream: RequestStream, status: int, message: str) -> None:
         """End a request that took too long with an error, and abort it on its worker."""
-        if stream.finished:
-            return
-        self._fail(stream, status, message)
-        self._spawn(self._send_abort(stream.worker_id, stream.rid))
-
-    def _fail(self, stream: RequestStream, status: int, message: str) -> None:
-        stream.fail(status, message)
-        self.hub.close(stream)
+        self.migrations.give_up(stream, status, message)

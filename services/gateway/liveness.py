@@ -6,7 +6,7 @@ killed, its host gone, or its loop starved) is probed every tick with a `ping` o
 
 - NATS answers "no responders" at once when nobody subscribes there: the process or its connection is
   gone (a killed process's socket closes; a lost host's is dropped by the server's own pings). Its
-  requests move to a live worker (dispatch.py's migration), or end with a clean 503.
+  requests move to a live worker (migration.py), or end with a clean 503.
 - A reply means it lives: nothing happens, whatever its silence. A new instance id in the reply (or in a
   report) means it restarted under the same id, and the requests sent to the old process are lost.
 - No answer within the probe timeout means it is busy or wedged: its requests stay. Only a worker that

@@ -47,7 +47,7 @@ class RequestStream:
         self.finished = False  # the final (real or made here) has been queued
         self.error_status = BAD_REQUEST  # status of an error final from the pipeline (bad input)
         self.api_key: ApiKey | None = None  # the HTTP request's key, when keys are required
-        # What migration needs (dispatch.py): the request as published, the worker process it went to,
+        # What migration needs (migration.py): the request as published, the worker process it went to,
         # the model asked for, and what the client has received so far.
         self.request: TokenizeRequest | None = None
         self.instance = ""
