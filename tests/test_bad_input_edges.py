@@ -213,6 +213,24 @@ def test_grpc_answers_a_request_that_does_not_parse_with_invalid_argument(gatewa
     assert "does not parse" in str(caught.value.details())
 
 
+@pytest.mark.parametrize("method", ["Check", "Watch"])
+def test_grpc_health_answers_a_request_that_does_not_parse_with_invalid_argument(
+    gateway: GatewayThread, method: str
+) -> None:
+    """Watch writes its stream with context.write rather than yielding it, and is refused all the same."""
+    bad_utf8 = bytes([1 << 3 | 2, 3]) + "\ud800".encode("utf-8", "surrogatepass")  # HealthCheckRequest.service
+    with grpc.insecure_channel(gateway.grpc_target) as channel:
+        path = f"/grpc.health.v1.Health/{method}"
+        call = (channel.unary_unary if method == "Check" else channel.unary_stream)(
+            path, request_serializer=bytes, response_deserializer=bytes)
+        with pytest.raises(grpc.RpcError) as caught:
+            answer = call(bad_utf8, timeout=10)
+            if method == "Watch":
+                next(answer)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in str(caught.value.details())
+
+
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
