@@ -29,7 +29,7 @@ from bench.gpu_common import OUT, SHAPES, copy_bandwidth  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import GemvTiles, gemv, rmsnorm_gemv, silu_mul_gemv  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
-from services.worker.layers.linear import GEMV_CANDIDATES, cuda_graph_seconds  # noqa: E402
+from services.worker.runtime.layers.linear import GEMV_CANDIDATES, cuda_graph_seconds  # noqa: E402
 
 DT = torch.bfloat16
 EPS = 1e-6

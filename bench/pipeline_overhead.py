@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model_path)

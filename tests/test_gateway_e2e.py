@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling
 from tests.gateway_helpers import nats_generate, wait_for_workers

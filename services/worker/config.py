@@ -89,7 +89,7 @@ class EngineConfig:
         "True: prepare each step only after the last one's tokens are back; default: overlap on CUDA only",
         None,
     )
-    # Speculative decoding (services/worker/spec/).
+    # Speculative decoding (services/worker/scheduler/spec/).
     speculative_algorithm: str | None = _help(
         "propose tokens cheaply and verify them in one target forward: 'ngram' (prompt lookup) or 'draft' "
         "(a small model); None: off. Speculation turns the overlap schedule off",

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.config import EngineConfig
-from services.worker.forward_batch import ForwardMode
 from services.worker.mem.radix_cache import RadixCache
+from services.worker.runtime.forward_batch import ForwardMode
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
 from services.worker.scheduler.schedule_policy import (
@@ -26,10 +26,10 @@ from services.worker.scheduler.schedule_policy import (
 )
 
 if TYPE_CHECKING:
-    from services.worker.model_config import ModelConfig
-    from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
-    from services.worker.sampling.grammar import GrammarBackend
-    from services.worker.spec.spec_worker import SpecStep, SpecWorker
+    from services.worker.runtime.model_config import ModelConfig
+    from services.worker.runtime.model_runner import ModelRunner, PendingSample, SampledTokens
+    from services.worker.runtime.sampling.grammar import GrammarBackend
+    from services.worker.scheduler.spec.spec_worker import SpecStep, SpecWorker
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class Scheduler:
         self._inflight: InFlight | None = None
         self.spec: SpecWorker | None = None
         if config.speculative_algorithm is not None:
-            from services.worker.spec.spec_worker import SpecWorker
+            from services.worker.scheduler.spec.spec_worker import SpecWorker
 
             self.spec = SpecWorker(config, runner, self.mem)
             logger.info(
