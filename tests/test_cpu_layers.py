@@ -13,13 +13,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.linear import (
     ColumnParallelLinear,
-    calibrate_single_row,
     cpu_prepack_available,
     cpu_prepack_dtypes,
     linear,
     prepack_cpu_weights,
     prepack_weight,
 )
+from services.worker.runtime.layers.linear_calibration import calibrate_single_row
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
@@ -103,6 +103,7 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, m
     share of 2 threads): the first two pairs disturbed, favouring plain; the next ones clean, packed 2x
     faster."""
     import services.worker.runtime.layers.linear as linear_module
+    import services.worker.runtime.layers.linear_calibration as calibration_module
 
     model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
     prepack_cpu_weights(model)
@@ -113,7 +114,7 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, m
         fn()
         return next(script)
 
-    monkeypatch.setattr(linear_module, "_timed", timed)
+    monkeypatch.setattr(calibration_module, "_timed", timed)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     best = calibrate_single_row(model, repeats=3)
     assert best == {"plain": 0.035, "packed": 0.017, "clean_pairs": 3.0}

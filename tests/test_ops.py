@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from services.detokenizer.service import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.tokenizer.service import TokenizerMetrics
-from services.worker.frontend.service import WorkerMetrics
+from services.worker.frontend.metrics import WorkerMetrics
 
 gateway = GatewayMetrics()
 WorkerMetrics(4), TokenizerMetrics(), DetokenizerMetrics()

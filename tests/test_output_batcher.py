@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from services.detokenizer.detokenizer import Detokenizer
+from services.worker.frontend.metrics import WorkerMetrics
 from services.worker.frontend.output_batcher import Flight, OutputBatcher
-from services.worker.frontend.service import WorkerMetrics
+from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import FinishReason
-from services.worker.scheduler.scheduler import ReqOutput
 from shared.protocol import BatchTokenOut, TokenOut
 
 TEXTS = ["naïve café — 東京 🚀 done.", "The quick brown fox jumps over the lazy dog, twice!", "a"]

@@ -14,9 +14,9 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.scheduler_loop import SchedulerLoop
+from services.worker.scheduler.output import PackedOutputs, ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.schedule_policy import attention_cost, tokens_within_cost
-from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts
 

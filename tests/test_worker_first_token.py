@@ -20,7 +20,7 @@ from services.worker.frontend import service as worker_service
 from services.worker.frontend.output_batcher import Flight
 from services.worker.frontend.service import WorkerService
 from services.worker.frontend.service_config import WorkerServiceConfig
-from services.worker.scheduler.scheduler import ReqOutput
+from services.worker.scheduler.output import ReqOutput
 from shared.protocol import BatchTokenOut
 
 SEND_S = 0.2  # how long the scripted publish takes

@@ -188,6 +188,7 @@ class EngineConfig:
             return self.scheduler_process
         if self.device is not None:
             return self.device.startswith("cuda")
+        # Imported here: the config is read by processes that never load torch (the CLI's flag parsing).
         import torch
 
         return torch.cuda.is_available()

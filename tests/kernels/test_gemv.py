@@ -70,7 +70,7 @@ def test_a_linear_layer_with_gemv_tiles_sends_single_rows_to_the_gemv(gen, monke
 
 
 def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None:
-    from services.worker.runtime.layers.linear import GEMV_MIN_GAIN, choose_gemv_tiles
+    from services.worker.runtime.layers.linear_calibration import GEMV_MIN_GAIN, choose_gemv_tiles
 
     a, b = GemvTiles(8, 512), GemvTiles(16, 1024)
     # Seconds per pass by (shape, tiles); None is cuBLAS.
@@ -90,7 +90,7 @@ def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None
 
 
 def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> None:
-    from services.worker.runtime.layers.linear import choose_gemv_tiles
+    from services.worker.runtime.layers.linear_calibration import choose_gemv_tiles
 
     rows, dot = GemvTiles(8, 512), GemvTiles(16, 512, kind="dot")
     table = {
@@ -124,7 +124,8 @@ def test_decoder_projections_name_the_prologue_they_can_absorb(qwen3_moe_path) -
 
 
 def test_select_gemv_tiles_leaves_cpu_models_alone() -> None:
-    from services.worker.runtime.layers.linear import ColumnParallelLinear, select_gemv_tiles
+    from services.worker.runtime.layers.linear import ColumnParallelLinear
+    from services.worker.runtime.layers.linear_calibration import select_gemv_tiles
 
     model = torch.nn.Sequential(ColumnParallelLinear(8, [16]).to(torch.bfloat16))
     assert select_gemv_tiles(model, "triton") == {}

@@ -18,8 +18,8 @@ from typing import Any
 from services.worker.config import EngineConfig
 from services.worker.frontend.request_state import RequestState
 from services.worker.frontend.scheduler_client import SchedulerClient
+from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import Req
-from services.worker.scheduler.scheduler import ReqOutput
 from shared import trace
 from shared.model_path import resolve_model_path
 

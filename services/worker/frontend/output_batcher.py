@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.worker.scheduler.scheduler import ReqOutput
+from services.worker.scheduler.output import ReqOutput
 from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob
 
 if TYPE_CHECKING:
-    from services.worker.frontend.service import WorkerMetrics
+    from services.worker.frontend.metrics import WorkerMetrics
 
 
 @dataclass

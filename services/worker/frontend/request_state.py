@@ -10,8 +10,8 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
-from services.worker.scheduler.scheduler import ReqOutput
 from shared.detokenize import IncrementalDetokenizer
 
 _DONE = object()

@@ -39,8 +39,8 @@ from services.worker.frontend.scheduler_loop import (
     run_scheduler_loop,
 )
 from services.worker.runtime.model_config import ModelConfig
+from services.worker.scheduler.output import PackedOutputs, ReqOutput
 from services.worker.scheduler.req import Req
-from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
 from shared.grammar_spec import GRAMMAR_FIELDS
 from shared.input_ids import validate_input_ids
 from shared.sampling_params import SamplingParams

@@ -24,8 +24,9 @@ from services.worker.runtime import distributed
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
 from services.worker.runtime.sampling.grammar import GrammarBackend
+from services.worker.scheduler.output import PackedOutputs
 from services.worker.scheduler.req import Req
-from services.worker.scheduler.scheduler import PackedOutputs, Scheduler
+from services.worker.scheduler.scheduler import Scheduler
 from shared import trace
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class LoopFailed:
 
 def load_tokenizer(path: str) -> Any | None:
     """The checkpoint's tokenizer, or None when it ships none (tiny test checkpoints)."""
+    # Imported here: transformers is heavy to import, and a scheduler process needs it only now.
     from transformers import AutoTokenizer
 
     try:

@@ -37,19 +37,19 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.triton_backend import (
     EXTEND_METADATA_ROWS,
     TritonAttnBackend,
     TritonExtendMetadata,
 )
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
-
-if TYPE_CHECKING:
-    from services.worker.runtime.model_runner import ModelRunner
+from services.worker.runtime.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,24 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None = None
 
 
+class GraphTarget(Protocol):
+    """What the graphs capture: the model with its pools and attention backend on one device (the
+    ModelRunner that owns the CudaGraphRunner)."""
+
+    device: torch.device
+    model_config: ModelConfig
+    tp_size: int
+    model: Callable[[torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+    attn_backend: AttentionBackend
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+
+
 class CudaGraphRunner:
     """Captured forwards of one model runner: decode ones for the batch sizes up to max_bs, extend ones
     for the token buckets up to max_extend_tokens (0: none)."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, max_extend_tokens: int = 0) -> None:
+    def __init__(self, runner: GraphTarget, max_bs: int, max_extend_tokens: int = 0) -> None:
         self.runner = runner
         self.device = runner.device
         self.batch_sizes = capture_batch_sizes(max_bs)

@@ -54,6 +54,7 @@ class FastAllReduce:
     large sums. NVLink multicast is not used."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device, max_bytes: int) -> None:
+        # Imported here: a private torch module that only CUDA builds with symmetric memory carry.
         import torch.distributed._symmetric_memory as symm_mem
 
         self.dtype = dtype

@@ -2,19 +2,55 @@
 
 The scheduler's CPU view (ScheduleBatch) is turned into this once per step. Models and layers read
 positions and token ids from it; attention backends read the KV-slot mapping from it.
+
+The batch carries the step's attention backend, and a backend reads the batch: so the batch names the
+backend by what the model's attention layers call on it (`StepAttention`, implemented by
+attention/base.py's AttentionBackend), and a backend sees a layer only as its geometry
+(`AttentionLayer`, which layers/attention.py's RadixAttention has).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
-    from services.worker.runtime.attention.base import AttentionBackend
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.worker.runtime.layers.layernorm import RMSNorm
+from services.worker.runtime.layers.rotary import RotaryEmbedding
+
+
+class AttentionLayer(Protocol):
+    """One attention layer as a backend sees it: which KV buffer, and this rank's head geometry."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class StepAttention(Protocol):
+    """What the model's attention layers call on the step's backend (see attention/base.py)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+    def forward_with_rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        q_norm: RMSNorm | None,
+        k_norm: RMSNorm | None,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
 
 
 class ForwardMode(enum.Enum):
@@ -52,7 +88,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]  # new tokens per request; all 1 for decode
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
-    attn_backend: AttentionBackend
+    attn_backend: StepAttention
     # Logits for every token rather than the last one of each request (prefill parity tests,
     # speculative verification).
     return_all_logits: bool = False

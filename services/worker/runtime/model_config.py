@@ -16,9 +16,11 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.runtime.layers.rotary import rope_parameters
-from services.worker.runtime.models import MODEL_REGISTRY
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The `architectures` names of config.json a model class runs (model_loader.py's MODEL_REGISTRY maps
+# each to its class; a test holds the two to the same names).
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 # Sampling fields of generation_config.json that become per-request defaults.
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -128,11 +130,11 @@ class ModelConfig:
 
 
 def _pick_architecture(architectures: Any) -> str:
-    supported = ", ".join(sorted(MODEL_REGISTRY))
+    supported = ", ".join(sorted(ARCHITECTURES))
     if not architectures:
         raise ValueError(f"config.json has no 'architectures' entry; supported architectures: {supported}")
     for name in architectures:
-        if name in MODEL_REGISTRY:
+        if name in ARCHITECTURES:
             return name
     raise ValueError(
         f"config.json architectures {architectures} are not supported; supported architectures: {supported}"

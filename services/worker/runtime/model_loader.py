@@ -16,10 +16,27 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.runtime.layers.linear import LoadedWeight
-from services.worker.runtime.model_config import ModelConfig
-from services.worker.runtime.models import get_model_class
+from services.worker.runtime.model_config import ARCHITECTURES, ModelConfig
+from services.worker.runtime.models.llama import LlamaForCausalLM
+from services.worker.runtime.models.qwen3 import Qwen3ForCausalLM
+from services.worker.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
+
+# Model registry: the `architectures` name in a checkpoint's config.json -> the class that runs it.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"architectures entry {architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return MODEL_REGISTRY[architecture]
 
 
 def safetensors_files(model_path: Path) -> list[Path]:

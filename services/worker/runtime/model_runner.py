@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,13 +20,15 @@ from services.worker.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.runtime import distributed
 from services.worker.runtime.attention.base import AttentionBackend
-from services.worker.runtime.forward_batch import ForwardBatch
-from services.worker.runtime.layers.linear import (
-    calibrate_single_row,
-    cpu_prepack_available,
-    prepack_cpu_weights,
-    select_gemv_tiles,
+from services.worker.runtime.attention.flashinfer_backend import (
+    FlashInferAttnBackend,
+    check_flashinfer_target,
+    import_flashinfer,
 )
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch
+from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
+from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from services.worker.runtime.sampling.grammar import MaskBuffers
@@ -34,7 +37,7 @@ from services.worker.runtime.sampling.sampler import SampleOutput, Sampler, Samp
 
 if TYPE_CHECKING:
     from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
-    from services.worker.scheduler.req import Req
+    from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,25 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request; the scheduler's Req has these fields (the runner sees no
+    more of it, so it does not depend on the scheduler)."""
+
+    sampling_params: SamplingParams
+    seed: int
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    num_inflight: int  # tokens sampled on the device whose ids the host has not read yet
+    grammar: Any  # the llguidance matcher of a constrained request, else None
+    return_logprob: bool
+    top_logprobs_num: int
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def finished(self) -> bool: ...
 
 
 FutureTokens = tuple[torch.Tensor, dict[int, int]]  # device token ids of a step, row of each id(req)
@@ -93,16 +115,13 @@ def default_device() -> torch.device:
 
 def make_attn_backend(name: str) -> AttentionBackend:
     if name == "torch":
-        from services.worker.runtime.attention.torch_backend import TorchAttnBackend
-
         return TorchAttnBackend()
     if name == "triton":
+        # Imported here: its kernels need triton, an optional dependency (absent off Linux).
         from services.worker.runtime.attention.triton_backend import TritonAttnBackend
 
         return TritonAttnBackend()
     if name == "flashinfer":
-        from services.worker.runtime.attention.flashinfer_backend import FlashInferAttnBackend
-
         return FlashInferAttnBackend()
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
@@ -122,7 +141,7 @@ class ModelRunner:
     """Runs forwards and sampling for one TP rank."""
 
     # The last sampled batch's requests and their SamplingBatchInfo, while it can be reused.
-    _sampling_cache: tuple[list[Req], SamplingBatchInfo] | None = None
+    _sampling_cache: tuple[list[SamplingRequest], SamplingBatchInfo] | None = None
     # Constrained decoding's host bitmasks (grammar.py), made at the first constrained step.
     _masks: MaskBuffers | None = None
 
@@ -134,11 +153,6 @@ class ModelRunner:
         backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
         if backend == "flashinfer":
             # Before the weights load: a CPU or float32 run cannot use it, and the package may be missing.
-            from services.worker.runtime.attention.flashinfer_backend import (
-                check_flashinfer_target,
-                import_flashinfer,
-            )
-
             check_flashinfer_target(device, model_config.dtype)
             import_flashinfer()
         self.model = load_model(model_config, device)
@@ -194,8 +208,8 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":
             if backend == "triton":
-                # Imported here, like the triton backend itself: it needs triton, which CPU-only
-                # installs may lack.
+                # Imported here, like the triton backend itself: it needs triton, an optional
+                # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
 
                 self.graph_runner = CudaGraphRunner(
@@ -239,7 +253,7 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
-    def _reusable_sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo | None:
+    def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:
         """The last step's sampling tensors if `reqs` are the same requests and nothing in them can
         have changed (see _sampling_info), else None."""
         cached = self._sampling_cache
@@ -248,7 +262,7 @@ class ModelRunner:
         return None
 
     def _sampling_info(
-        self, reqs: list[Req], device: torch.device, pending: torch.Tensor | None
+        self, reqs: Sequence[SamplingRequest], device: torch.device, pending: torch.Tensor | None
     ) -> SamplingBatchInfo:
         """The batch's sampling tensors, built (and cached for the next step when they can be reused).
         Decode steps repeat the same requests, and without penalties or min_new_tokens bans left the
@@ -274,12 +288,12 @@ class ModelRunner:
         self._sampling_cache = (list(reqs), info) if static else None
         return info
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> SampledTokens:
         """Next token of each request (rows of `logits` in `reqs` order), with log-probs if asked."""
         return self.sample_async(logits, reqs).result()
 
     def sample_async(
-        self, logits: torch.Tensor, reqs: list[Req], future: FutureTokens | None = None
+        self, logits: torch.Tensor, reqs: Sequence[SamplingRequest], future: FutureTokens | None = None
     ) -> PendingSample:
         """Start sampling without waiting for the device. `future` holds the tokens of the step
         still in flight (device ids and each request's row): those requests' host histories lag one

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.worker.runtime.forward_batch import ForwardBatch
-    from services.worker.runtime.layers.attention import RadixAttention
+    from services.worker.runtime.forward_batch import AttentionLayer, ForwardBatch
     from services.worker.runtime.layers.layernorm import RMSNorm
     from services.worker.runtime.layers.rotary import RotaryEmbedding
 
@@ -41,7 +40,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: RadixAttention,
+        layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv_heads * head_dim].
@@ -59,7 +58,7 @@ class AttentionBackend(ABC):
         rotary_emb: RotaryEmbedding,
         q_norm: RMSNorm | None,
         k_norm: RMSNorm | None,
-        layer: RadixAttention,
+        layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """`forward` for q and k as the QKV projection gives them: each head of q and k is first
@@ -75,12 +74,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         """New tokens attend to their cached prefix plus themselves, causally."""
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         """One new token per request attends to the request's whole sequence."""

@@ -33,8 +33,7 @@ import torch
 from services.worker.runtime.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
-    from services.worker.runtime.forward_batch import ForwardBatch
-    from services.worker.runtime.layers.attention import RadixAttention
+    from services.worker.runtime.forward_batch import AttentionLayer, ForwardBatch
 
 # FlashInfer's recommended float workspace for split-K partial results.
 WORKSPACE_BYTES = 128 * 2**20
@@ -118,17 +117,17 @@ class FlashInferAttnBackend(AttentionBackend):
         )
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return self._attend(q, k, v, layer, batch, decode=True)
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         return self._attend(q, k, v, layer, batch, decode=False)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch,
         decode: bool,
     ) -> torch.Tensor:
         meta = self._metadata(batch, decode)
@@ -155,7 +154,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return meta
 
     def _store_and_cache(
-        self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' K/V, then the layer's pool as FlashInfer's NHD cache of 1-token pages."""
         pool = batch.token_to_kv_pool
@@ -163,7 +162,7 @@ class FlashInferAttnBackend(AttentionBackend):
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         return k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)
 
-    def _wrapper(self, decode: bool, layer: RadixAttention, device: torch.device) -> Any:
+    def _wrapper(self, decode: bool, layer: AttentionLayer, device: torch.device) -> Any:
         """The step's wrapper (made at first use, sharing one workspace: decode and prefill never run
         in the same step)."""
         if self._workspace is None or self._workspace.device != device:

@@ -26,8 +26,7 @@ from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.dense_kv import DenseKV, DenseStep
 
 if TYPE_CHECKING:
-    from services.worker.runtime.forward_batch import ForwardBatch
-    from services.worker.runtime.layers.attention import RadixAttention
+    from services.worker.runtime.forward_batch import AttentionLayer, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ class TorchAttnBackend(AttentionBackend):
             batch.attn_metadata = _extend_metadata(batch)
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
         if not isinstance(batch.attn_metadata, ExtendMetadata):
@@ -157,7 +156,7 @@ class TorchAttnBackend(AttentionBackend):
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         pool = batch.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)

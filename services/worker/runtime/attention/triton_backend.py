@@ -41,8 +41,7 @@ from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.sampling.penalties import to_device_async
 
 if TYPE_CHECKING:
-    from services.worker.runtime.forward_batch import ForwardBatch
-    from services.worker.runtime.layers.attention import RadixAttention
+    from services.worker.runtime.forward_batch import AttentionLayer, ForwardBatch
     from services.worker.runtime.layers.layernorm import RMSNorm
     from services.worker.runtime.layers.rotary import RotaryEmbedding
 
@@ -219,14 +218,14 @@ class TritonAttnBackend(AttentionBackend):
         buffer.copy_(rows, non_blocking=True)
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         meta = self._metadata(batch, TritonExtendMetadata)
         self._store(k, v, layer, batch)
         return self._extend(q, k, v, layer, batch, meta)
 
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
     ) -> torch.Tensor:
         meta = self._metadata(batch, TritonDecodeMetadata)
         self._store(k, v, layer, batch)
@@ -241,7 +240,7 @@ class TritonAttnBackend(AttentionBackend):
         rotary_emb: RotaryEmbedding,
         q_norm: RMSNorm | None,
         k_norm: RMSNorm | None,
-        layer: RadixAttention,
+        layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:
         """Norm (optional), rotary and the KV store in one launch that rotates q and k in place, then
@@ -282,7 +281,7 @@ class TritonAttnBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: RadixAttention,
+        layer: AttentionLayer,
         batch: ForwardBatch,
         meta: TritonExtendMetadata,
     ) -> torch.Tensor:
@@ -307,7 +306,7 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def _decode(
-        self, q: torch.Tensor, layer: RadixAttention, batch: ForwardBatch, meta: TritonDecodeMetadata
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, meta: TritonDecodeMetadata
     ) -> torch.Tensor:
         """Split-K decode attention over the pool (the new token's K/V already stored)."""
         pool = batch.token_to_kv_pool
@@ -332,7 +331,7 @@ class TritonAttnBackend(AttentionBackend):
             split_counters=self._counters_for(bs * pool.get_key_buffer(layer.layer_id).shape[1], q.device),
         )
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention, batch: ForwardBatch) -> None:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
         store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)

@@ -67,6 +67,7 @@ class GrammarBackend:
             if self._tokenizer is None:
                 if self._hf_tokenizer is None:
                     raise ValueError("constrained decoding needs a tokenizer; this checkpoint has none")
+                # Imported here: llguidance's HF bridge loads transformers, needed only once a grammar is.
                 from llguidance.hf import from_tokenizer
 
                 self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size)
@@ -131,6 +132,7 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
     """`logits` with every token the rows' bitmasks clear at -inf (the rows of `rows`); a new tensor
     on the CPU, in place on CUDA (one Triton launch)."""
     if logits.is_cuda:
+        # Imported here: triton is needed (and installed) only where CUDA runs.
         from kernels.token_bitmask import apply_token_bitmask_
 
         apply_token_bitmask_(logits, rows, bitmask)

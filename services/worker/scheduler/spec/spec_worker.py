@@ -29,6 +29,8 @@ from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.runtime.sampling.sampler import SamplingBatchInfo, processed_logits
 from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
 from services.worker.scheduler.spec import Proposal
+from services.worker.scheduler.spec.draft import DraftProposer
+from services.worker.scheduler.spec.ngram import NgramProposer
 from services.worker.scheduler.spec.verify import Verdict, verify, verify_greedy
 
 if TYPE_CHECKING:
@@ -78,13 +80,8 @@ class SpecWorker:
         self.max_verify_rows = runner.max_decode_rows()
         self.proposer: Proposer
         if config.speculative_algorithm == "ngram":
-            from services.worker.scheduler.spec.ngram import NgramProposer
-
             self.proposer = NgramProposer(config.speculative_ngram_max_match, config.speculative_ngram_min_match)
         else:
-            # Imported here: the draft proposer builds a second ModelRunner.
-            from services.worker.scheduler.spec.draft import DraftProposer
-
             self.proposer = DraftProposer(config, runner)
 
     def step(self, reqs: list[Req]) -> SpecStep | None:
