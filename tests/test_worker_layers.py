@@ -108,6 +108,9 @@ def test_the_import_graph_sees_lazy_and_type_checking_imports(tmp_path: Path) ->
     assert imported_modules("services.worker.a", probe, known) == {"services.worker.b", "services.worker.c"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert floor_of("services.worker.runtime.layers.linear") == "runtime"
+    assert floor_of("services.worker.config") == floor_of("services.worker") == "base"
+    assert floor_of("services.worker.engine") is None  # a module at the package's top has no floor
 
 
 def test_the_worker_has_no_import_circles() -> None:
