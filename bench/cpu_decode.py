@@ -111,7 +111,7 @@ class OursSide:
     """Our offline Engine, float32 (its scheduler runs in its own thread, as in any Engine)."""
 
     def __init__(self, path: str, dtype: str) -> None:
-        from services.worker.engine import Engine
+        from services.worker.frontend.engine import Engine
 
         # A KV pool for the largest case (16 x 192 tokens) plus room; the default would size it from
         # RAM (and zero gigabytes at start-up) for nothing.

@@ -36,13 +36,13 @@ if __package__ in (None, ""):
     # Run as a script: make the repository's packages importable without an install.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.worker.attention.torch_backend import TorchAttnBackend  # noqa: E402
 from services.worker.config import EngineConfig  # noqa: E402
-from services.worker.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator  # noqa: E402
 from services.worker.mem.radix_cache import RadixCache  # noqa: E402
-from services.worker.model_runner import ModelRunner  # noqa: E402
-from services.worker.sampling.sampler import Sampler  # noqa: E402
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend  # noqa: E402
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from services.worker.runtime.model_runner import ModelRunner  # noqa: E402
+from services.worker.runtime.sampling.sampler import Sampler  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from services.worker.scheduler.scheduler import Scheduler  # noqa: E402

@@ -32,7 +32,7 @@ if __package__ in (None, ""):
     # Run as a script: make the repository's packages importable without an install.
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.worker.engine import Engine  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
 
 NEW_TOKENS = 200

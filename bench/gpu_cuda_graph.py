@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 from bench import gpu_common  # noqa: E402
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
-from services.worker.engine import Engine  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
 
 POOL = 65536
 # A stuck run is killed (with every thread's traceback) before the device lease runs out.
@@ -167,7 +167,7 @@ def measure_8b(report: Report, bw: float, graph_bs: int) -> None:
 def main() -> int:
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("services.worker.cuda_graph_runner").setLevel(logging.INFO)
+    logging.getLogger("services.worker.runtime.cuda_graph_runner").setLevel(logging.INFO)
     report = Report()
     report.section("token check", lambda: check_tokens(report, "Qwen3-0.6b", build_checkpoint("0.6b", torch.float32),
                                                        151936))

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import kernels.decode_attention as decode  # noqa: E402
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
-from services.worker.engine import Engine  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:

@@ -35,9 +35,9 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.worker.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from services.worker.layers.attention import RadixAttention  # noqa: E402
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from services.worker.runtime.layers.attention import RadixAttention  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench/out"))
 DEV = torch.device("cuda")
@@ -135,8 +135,8 @@ class Case:
 
 
 def layer_level(results: dict) -> bool:
-    from services.worker.attention.flashinfer_backend import FlashInferAttnBackend
-    from services.worker.attention.triton_backend import TritonAttnBackend
+    from services.worker.runtime.attention.flashinfer_backend import FlashInferAttnBackend
+    from services.worker.runtime.attention.triton_backend import TritonAttnBackend
 
     g = torch.Generator().manual_seed(0)
     cases = [
@@ -171,7 +171,7 @@ def layer_level(results: dict) -> bool:
 
 def engine_level(results: dict) -> bool:
     from bench.gpu_common import build_checkpoint
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     path = build_checkpoint("0.6b", torch.bfloat16)
     g = torch.Generator().manual_seed(3)

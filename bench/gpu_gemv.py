@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 from bench.gpu_common import OUT, SHAPES, copy_bandwidth  # noqa: E402
 from kernels.gemv import GemvTiles, gemv  # noqa: E402
-from services.worker.layers.linear import cuda_graph_seconds  # noqa: E402
+from services.worker.runtime.layers.linear_calibration import cuda_graph_seconds  # noqa: E402
 
 
 def read_bandwidth() -> float:

@@ -24,7 +24,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_common import OUT, build_checkpoint  # noqa: E402
-from services.worker.engine import Engine  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
 
 SLACK, FLOOR = 1.5, 0.02
 

@@ -10,7 +10,7 @@ each layer with its own random weights (so reads come from memory). Two forms:
   separate    kernels/rmsnorm.py's fused_add_rmsnorm and kernels/activation.py's silu_and_mul, then gemv;
   fused       rmsnorm_gemv and silu_mul_gemv.
 Each form's outputs are checked against float32 on the first layer. Tiles: per shape the fastest of
-layers.linear.GEMV_CANDIDATES' "rows" tiles for the plain product. JSON to $OUT/gpu_gemv_prologue.json.
+layers.linear_calibration.GEMV_CANDIDATES' "rows" tiles for the plain product. JSON to $OUT/gpu_gemv_prologue.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from bench.gpu_common import OUT, SHAPES, copy_bandwidth  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.gemv import GemvTiles, gemv, rmsnorm_gemv, silu_mul_gemv  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
-from services.worker.layers.linear import GEMV_CANDIDATES, cuda_graph_seconds  # noqa: E402
+from services.worker.runtime.layers.linear_calibration import GEMV_CANDIDATES, cuda_graph_seconds  # noqa: E402
 
 DT = torch.bfloat16
 EPS = 1e-6

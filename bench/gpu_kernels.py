@@ -51,8 +51,8 @@ from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rotary import rotary_neox_  # noqa: E402
 from kernels.sampling import gumbel_argmax  # noqa: E402
 from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
-from services.worker.attention.triton_backend import extend_split_slots  # noqa: E402
-from services.worker.sampling.sampler import gumbel_noise, hashed_uniform  # noqa: E402
+from services.worker.runtime.attention.triton_backend import extend_split_slots  # noqa: E402
+from services.worker.runtime.sampling.sampler import gumbel_noise, hashed_uniform  # noqa: E402
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16

@@ -23,10 +23,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from services.worker.config import EngineConfig  # noqa: E402
-from services.worker.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from services.worker.frontend.scheduler_loop import SchedulerLoop  # noqa: E402
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
-from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -32,10 +32,10 @@ import torch  # noqa: E402
 
 from bench.gpu_common import OUT, copy_bandwidth, matmul_rate, weight_bytes  # noqa: E402
 from services.worker.config import EngineConfig  # noqa: E402
-from services.worker.engine import Engine  # noqa: E402
-from services.worker.model_config import ModelConfig  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
+from services.worker.frontend.scheduler_loop import SchedulerLoop  # noqa: E402
+from services.worker.runtime.model_config import ModelConfig  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
-from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 10, 150000

@@ -32,9 +32,9 @@ from safetensors.torch import save_file  # noqa: E402
 
 from bench.gpu_common import OUT, build_checkpoint  # noqa: E402
 from services.worker.config import EngineConfig  # noqa: E402
+from services.worker.frontend.scheduler_loop import SchedulerLoop  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.scheduler import Scheduler  # noqa: E402
-from services.worker.scheduler_loop import SchedulerLoop  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 POOL = 65536

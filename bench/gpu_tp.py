@@ -45,7 +45,7 @@ from bench.gpu_common import (  # noqa: E402
     copy_bandwidth,
     weight_bytes,
 )
-from services.worker.engine import Engine  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
 
 # The device's NCCL/PyTorch must not use NVLink multicast (KINDS.md); children inherit these.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -206,7 +206,7 @@ def _allreduce_worker(rank: int, world: int, port: int, hidden: int, batches: li
     """NCCL vs the engine's tp_all_reduce with FastAllReduce on: timings, and its sums checked against
     NCCL's on 256 back-to-back calls (fresh data each, no other collective between them, so a rank
     overwriting a buffer its peer still reads would show) and inside a CUDA graph of 2 x 36 calls."""
-    from services.worker.distributed import destroy_tp, enable_fast_all_reduce, init_tp, tp_all_reduce
+    from services.worker.runtime.distributed import destroy_tp, enable_fast_all_reduce, init_tp, tp_all_reduce
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

@@ -36,8 +36,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from services.worker.engine import Engine  # noqa: E402
-from services.worker.sampling.grammar import GrammarBackend  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
+from services.worker.runtime.sampling.grammar import GrammarBackend  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 128
@@ -89,8 +89,8 @@ def profile(args: argparse.Namespace, batch: int) -> None:
     import pstats
 
     from services.worker.config import EngineConfig
+    from services.worker.frontend.scheduler_loop import SchedulerLoop
     from services.worker.scheduler.req import Req
-    from services.worker.scheduler_loop import SchedulerLoop
 
     path = args.model_path
     kwargs = {"device": args.device, "max_total_tokens": 8192 * max(1, batch // 16)}

@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
 
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model_path)
@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     run_dir = Path(tempfile.mkdtemp(prefix="rs-pipeline-bench-"))
     # One after the other: on the CPU a model's load times its single-row products both ways and keeps
-    # the faster (layers/linear.py calibrate_single_row); a load beside another would time a disturbed
+    # the faster (layers/linear_calibration.py calibrate_single_row); a load beside another would time a disturbed
     # pass and could keep the slower product for the rest of the run (seen here: a 40 ms instead of a
     # 20 ms decode step, and 8 ms more per prefill through the LM head's single row).
     engine = Engine(str(model_path), **options)

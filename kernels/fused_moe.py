@@ -207,7 +207,7 @@ def fused_moe(
     """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights, topk_ids [T, k].
-    Same contract as services.worker.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
+    Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape

@@ -2,7 +2,7 @@
 
 cos_cache[p] = cos(p * inv_freq) and sin_cache[p] = sin(p * inv_freq) (any scaling already folded in),
 each of width rotary_dim / 2 (rotary_dim <= head_dim; the channels past it pass through), as
-services/worker/layers/rotary.py builds them. The rotation alone is the fused prologue kernel
+services/worker/runtime/layers/rotary.py builds them. The rotation alone is the fused prologue kernel
 (kernels/qk_norm_rope.py) with its norm and pool store switched off: one program per token rotates all
 of its q heads and k heads, so cos and sin are read once per token and q/k are read and written once.
 """

@@ -1,7 +1,7 @@
 """Gumbel-max sampling over the whole vocabulary in one read of the logits.
 
 For each row i it returns argmax_j scaled[i, j] + g(seeds[i], positions[i], j), where g is exactly the
-sampler's `gumbel_noise` (services/worker/sampling/sampler.py): splitmix64 on 64-bit integers with
+sampler's `gumbel_noise` (services/worker/runtime/sampling/sampler.py): splitmix64 on 64-bit integers with
 wrap-around, the top 23 bits as u = (k + 0.5) / 2**23, g = -log(-log(u)) in float32. The torch form
 builds that noise in about twenty elementwise passes over [bs, V] int64 tensors; here each program
 hashes its own tile of token ids in registers, adds the noise to the logits it loaded and keeps the

@@ -2,7 +2,7 @@
 in that row's llguidance bitmask becomes -inf in the logits, in place.
 
 Bit j of int32 word w of a row's bitmask is token 32*w + j (llguidance's layout). The torch form
-(services/worker/sampling/grammar.py `unpack_bitmask`) expands the bitmask to a [rows, V] bool tensor
+(services/worker/runtime/sampling/grammar.py `unpack_bitmask`) expands the bitmask to a [rows, V] bool tensor
 in five elementwise passes and then gathers, masks and scatters the rows; here each program loads one
 tile of one row's logits' words, and writes -inf where the bit is clear: no [rows, V] temporaries.
 """

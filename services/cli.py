@@ -55,7 +55,7 @@ def add_service_commands(subparsers: argparse._SubParsersAction[argparse.Argumen
     """
     from services.detokenizer.config import DetokenizerConfig
     from services.tokenizer.config import TokenizerConfig
-    from services.worker.service_config import WorkerServiceConfig
+    from services.worker.frontend.service_config import WorkerServiceConfig
     from shared import flags
 
     tokenizer = subparsers.add_parser("tokenizer", help="run the tokenizer service (NATS queue group)")
@@ -158,7 +158,7 @@ def _model_path(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
@@ -203,8 +203,8 @@ def _run_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from services.worker.service import WorkerService
-    from services.worker.service_config import WorkerServiceConfig
+    from services.worker.frontend.service import WorkerService
+    from services.worker.frontend.service_config import WorkerServiceConfig
 
     return _run_service(lambda: WorkerServiceConfig.from_args(args), WorkerService)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from services.gateway.reasoning import PARSERS
 from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
 from services.worker.config import EngineConfig
-from services.worker.service_config import check_busy_poll
+from services.worker.frontend.service_config import check_busy_poll
 from shared import flags
 from shared.model_path import resolve_model_path
 from shared.nats_connection import NatsConnection

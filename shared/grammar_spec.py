@@ -1,7 +1,7 @@
 """A request's grammar (constrained decoding: SGLang's `json_schema`, `regex` and `ebnf` sampling
 parameters) as llguidance reads it, and the check that it compiles: torch-free, so the gateway, the
 tokenizer and the worker refuse a bad grammar alike before anything queues. The masking itself is the
-worker's (services/worker/sampling/grammar.py).
+worker's (services/worker/runtime/sampling/grammar.py).
 
 JSON schemas compile with fixed separators (", " and ": ") and no free whitespace, the form `json.dumps`
 writes: a small model given free whitespace can spend its whole budget on newlines. A schema may change

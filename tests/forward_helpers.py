@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from services.worker.attention.torch_backend import TorchAttnBackend
-from services.worker.forward_batch import ForwardBatch, ForwardMode
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from services.worker.model_config import ModelConfig
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.model_config import ModelConfig
 
 
 class BatchDriver:

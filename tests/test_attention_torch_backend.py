@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.attention.torch_backend import DecodeMetadata, TorchAttnBackend
-from services.worker.forward_batch import ForwardBatch, ForwardMode
-from services.worker.layers.attention import RadixAttention
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.runtime.attention.torch_backend import DecodeMetadata, TorchAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.layers.attention import RadixAttention
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 

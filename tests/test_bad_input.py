@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.engine import Engine
-from services.worker.model_config import ModelConfig
+from services.worker.frontend.engine import Engine
+from services.worker.runtime.model_config import ModelConfig
 from tests.engine_helpers import GREEDY, hf_greedy
 
 

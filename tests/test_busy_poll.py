@@ -107,7 +107,7 @@ def test_busy_polling_needs_a_scheduler_process(qwen3_path: Path, capsys: pytest
     """On the CPU the scheduler is a thread of the worker unless --scheduler-process: the worker and
     `radixserve up` refuse to poll there, before anything starts."""
     from services.launch import add_up_commands, run_up
-    from services.worker.service_config import WorkerServiceConfig
+    from services.worker.frontend.service_config import WorkerServiceConfig
 
     with pytest.raises(ValueError, match="busy_poll_ms needs the scheduler in its own process"):
         WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path), "RS_DEVICE": "cpu",

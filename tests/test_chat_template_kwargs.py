@@ -91,7 +91,7 @@ def test_the_gateway_passes_them_to_the_tokenizer(served: tuple[GatewayThread, F
 
 
 def test_the_engine_takes_them_as_keywords(qwen3_path: Path, tokenizer: PromptTokenizer) -> None:
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     with Engine(str(qwen3_path), max_total_tokens=512) as engine:
         engine.tokenizer.chat_template = TEMPLATE

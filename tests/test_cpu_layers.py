@@ -10,19 +10,19 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from services.worker.layers.layernorm import RMSNorm
-from services.worker.layers.linear import (
+from services.worker.runtime.layers.layernorm import RMSNorm
+from services.worker.runtime.layers.linear import (
     ColumnParallelLinear,
-    calibrate_single_row,
     cpu_prepack_available,
     cpu_prepack_dtypes,
     linear,
     prepack_cpu_weights,
     prepack_weight,
 )
-from services.worker.layers.rotary import RotaryEmbedding
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.layers.linear_calibration import calibrate_single_row
+from services.worker.runtime.layers.rotary import RotaryEmbedding
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
 
 needs_onednn = pytest.mark.skipif(not cpu_prepack_available(), reason="this torch build has no oneDNN linear ops")
@@ -68,7 +68,7 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
     if bf16_supported and not real:
         pytest.skip("this CPU has no oneDNN bfloat16 products")
     if not bf16_supported:
-        import services.worker.layers.linear as linear_module
+        import services.worker.runtime.layers.linear as linear_module
 
         monkeypatch.setattr(linear_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
     model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
@@ -84,7 +84,7 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
 
 @needs_onednn
 def test_single_row_calibration_picks_the_faster_path(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.worker.layers.linear as linear_module
+    import services.worker.runtime.layers.linear as linear_module
 
     model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
     assert calibrate_single_row(model) == {}  # nothing prepacked yet: nothing to time, nothing changed
@@ -102,7 +102,8 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, m
     Such pairs do not count: the choice comes from undisturbed pairs. Scripted timings (seconds, CPU
     share of 2 threads): the first two pairs disturbed, favouring plain; the next ones clean, packed 2x
     faster."""
-    import services.worker.layers.linear as linear_module
+    import services.worker.runtime.layers.linear as linear_module
+    import services.worker.runtime.layers.linear_calibration as calibration_module
 
     model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
     prepack_cpu_weights(model)
@@ -113,7 +114,7 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, m
         fn()
         return next(script)
 
-    monkeypatch.setattr(linear_module, "_timed", timed)
+    monkeypatch.setattr(calibration_module, "_timed", timed)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     best = calibrate_single_row(model, repeats=3)
     assert best == {"plain": 0.035, "packed": 0.017, "clean_pairs": 3.0}
@@ -188,8 +189,8 @@ def test_rmsnorm_float32_is_bit_identical_to_hf(with_residual: bool) -> None:
 def test_the_engine_reports_its_single_row_product(llama_path) -> None:
     """get_info names the product single rows use, with the two timings that chose it (a load beside a
     busy process can choose the slower one; this is how to see it)."""
-    import services.worker.layers.linear as linear_module
-    from services.worker.engine import Engine
+    import services.worker.runtime.layers.linear as linear_module
+    from services.worker.frontend.engine import Engine
 
     with Engine(str(llama_path), dtype="float32") as engine:
         chosen = engine.get_server_info()["cpu_single_row"]

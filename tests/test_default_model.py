@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

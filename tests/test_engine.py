@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from tests.engine_helpers import GREEDY, hf_greedy, hf_model, output_ids, random_prompts
 
 
@@ -351,7 +351,7 @@ def test_a_script_without_a_main_guard_gets_a_clear_error_not_a_hang(qwen3_path:
     there cannot start its scheduler. The parent says so as soon as the process dies."""
     script = tmp_path / "unguarded.py"
     script.write_text(
-        "from services.worker.engine import Engine\n"
+        "from services.worker.frontend.engine import Engine\n"
         f"engine = Engine({str(qwen3_path)!r}, scheduler_process=True)\n"
         "print('started')\n"
     )
@@ -366,7 +366,7 @@ def test_inline_outputs_come_from_the_scheduler_thread_with_the_same_tokens(qwen
     the callback itself, no dispatcher wake-up between; the tokens are the queued path's, and control
     replies still arrive."""
     from services.worker.config import EngineConfig
-    from services.worker.scheduler_client import SchedulerClient
+    from services.worker.frontend.scheduler_client import SchedulerClient
 
     prompts = random_prompts(3, 5, 30, seed=11)
 
@@ -409,7 +409,7 @@ def test_a_scheduler_process_s_outputs_can_be_read_on_an_event_loop(qwen3_path: 
     import asyncio
 
     from services.worker.config import EngineConfig
-    from services.worker.scheduler_client import SchedulerClient
+    from services.worker.frontend.scheduler_client import SchedulerClient
 
     prompts = random_prompts(3, 5, 30, seed=12)
 

@@ -17,12 +17,12 @@ import torch
 
 from kernels import extend_attention
 from kernels.extend_attention import ExtendTiles
-from services.worker.attention import triton_backend
 from services.worker.config import EngineConfig
-from services.worker.cuda_graph_runner import CudaGraphRunner, extend_token_buckets
-from services.worker.forward_batch import ForwardBatch, ForwardMode
-from services.worker.model_config import ModelConfig
-from services.worker.model_runner import ModelRunner
+from services.worker.runtime.attention import triton_backend
+from services.worker.runtime.cuda_graph_runner import CudaGraphRunner, extend_token_buckets
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_runner import ModelRunner
 
 MAX_REQUESTS = 5
 # Extend buckets of 64 and 80 tokens, each taking up to MAX_REQUESTS requests.

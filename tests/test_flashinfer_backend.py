@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.attention.flashinfer_backend import (
+from services.worker.config import EngineConfig
+from services.worker.runtime.attention.flashinfer_backend import (
     FlashInferAttnBackend,
     check_flashinfer_target,
     kv_page_indices,
 )
-from services.worker.config import EngineConfig
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
 
 
@@ -148,7 +148,7 @@ def test_page_indices_are_each_requests_slots_in_order() -> None:
 
 
 def test_flashinfer_without_the_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.model_runner import make_attn_backend
+    from services.worker.runtime.model_runner import make_attn_backend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     with pytest.raises(ImportError, match="pip install flashinfer-python"):
@@ -168,7 +168,7 @@ def test_flashinfer_needs_cuda_and_a_half_dtype() -> None:
 
 
 def test_an_engine_on_the_cpu_refuses_the_flashinfer_backend(qwen3_path: Path) -> None:
-    from services.worker.engine import Engine
+    from services.worker.frontend.engine import Engine
 
     with pytest.raises(ValueError, match="attention_backend='flashinfer' runs on CUDA only"):
         Engine(str(qwen3_path), attention_backend="flashinfer", device="cpu")

@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling
 from tests.gateway_helpers import nats_generate, wait_for_workers

@@ -1,4 +1,4 @@
-"""Constrained decoding (services/worker/sampling/grammar.py): `json_schema`, `regex` and `ebnf`.
+"""Constrained decoding (services/worker/runtime/sampling/grammar.py): `json_schema`, `regex` and `ebnf`.
 
 References:
 - transformers' own greedy `generate` on the same checkpoint with a logits processor that masks each
@@ -24,8 +24,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from services.worker.engine import Engine
-from services.worker.sampling.grammar import unpack_bitmask
+from services.worker.frontend.engine import Engine
+from services.worker.runtime.sampling.grammar import unpack_bitmask
 from shared.grammar_spec import spec_of
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import hf_model, output_ids, random_prompts

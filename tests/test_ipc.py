@@ -1,4 +1,4 @@
-"""services/worker/ipc.py: PipeChannel, the scheduler process's inbox and outbox. Its reader is a plain
+"""services/worker/frontend/ipc.py: PipeChannel, the scheduler process's inbox and outbox. Its reader is a plain
 multiprocessing Connection, so these check what a multiprocessing.Queue would guarantee: every object
 arrives once, in each writer's order, across a spawned process, with a full pipe never blocking a put."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from services.worker.ipc import PipeChannel
+from services.worker.frontend.ipc import PipeChannel
 
 
 def test_objects_arrive_in_order_and_an_empty_channel_says_so() -> None:

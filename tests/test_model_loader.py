@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.model_config import ARCHITECTURES, ModelConfig
+from services.worker.runtime.model_loader import MODEL_REGISTRY, get_model_class, load_model
 from tests.checkpoints import ENDOFTEXT_ID, IM_END_ID, tiny_llama_config, write_checkpoint
 from tests.forward_helpers import BatchDriver
 
@@ -103,6 +103,13 @@ def test_unknown_architecture_is_a_value_error_naming_architectures(qwen3_path: 
     with pytest.raises(ValueError, match="architectures") as err:
         ModelConfig.from_path(path)
     assert "Qwen3ForCausalLM" in str(err.value)
+
+
+def test_every_accepted_architecture_has_a_model_class() -> None:
+    # ModelConfig accepts the names in ARCHITECTURES; the loader must have a class for each, no more.
+    assert set(MODEL_REGISTRY) == ARCHITECTURES
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        get_model_class("MysteryForCausalLM")
 
 
 def test_missing_config_is_a_value_error(tmp_path: Path) -> None:

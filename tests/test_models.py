@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
 
 ARCHITECTURES = ["qwen3_path", "qwen3_moe_path", "llama_path"]
@@ -137,7 +137,7 @@ def test_single_request_decode_with_consecutive_or_scattered_slots_matches_hf(
     """A lone request whose keys sit in consecutive KV slots is read through a view of the pool; one
     whose slots are scattered (another request took the slots between) is gathered. Both give HF's
     logits."""
-    from services.worker.attention import torch_backend
+    from services.worker.runtime.attention import torch_backend
 
     config, model, hf = models
     seen: list[int | None] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from services.gateway.auth import KeyStore
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess

@@ -16,7 +16,7 @@ import yaml
 from services.detokenizer.config import DetokenizerConfig
 from services.gateway.config import GatewayConfig
 from services.tokenizer.config import TokenizerConfig
-from services.worker.service_config import WorkerServiceConfig
+from services.worker.frontend.service_config import WorkerServiceConfig
 
 OPS = Path(__file__).resolve().parents[1] / "ops"
 
@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from services.detokenizer.service import DetokenizerMetrics
 from services.gateway.metrics import GatewayMetrics
 from services.tokenizer.service import TokenizerMetrics
-from services.worker.service import WorkerMetrics
+from services.worker.frontend.metrics import WorkerMetrics
 
 gateway = GatewayMetrics()
 WorkerMetrics(4), TokenizerMetrics(), DetokenizerMetrics()

@@ -1,4 +1,4 @@
-"""The worker service's output batching (services/worker/output_batcher.py), without NATS: which tokens of
+"""The worker service's output batching (services/worker/frontend/output_batcher.py), without NATS: which tokens of
 which scheduler steps go out in which BatchTokenOut. The reference is one message per step with every
 request streamed: a request that is not streamed, and steps published together, must end with the same
 token ids, log-probs, finish and text (the text also checked against the tokenizer's own decode)."""
@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from services.detokenizer.detokenizer import Detokenizer
-from services.worker.output_batcher import Flight, OutputBatcher
+from services.worker.frontend.metrics import WorkerMetrics
+from services.worker.frontend.output_batcher import Flight, OutputBatcher
+from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import FinishReason
-from services.worker.scheduler.scheduler import ReqOutput
-from services.worker.service import WorkerMetrics
 from shared.protocol import BatchTokenOut, TokenOut
 
 TEXTS = ["naïve café — 東京 🚀 done.", "The quick brown fox jumps over the lazy dog, twice!", "a"]

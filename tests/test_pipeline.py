@@ -17,7 +17,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import (
     PROTOCOL_VERSION,

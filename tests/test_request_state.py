@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.worker.request_state import RequestState
+from services.worker.frontend.request_state import RequestState
+from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
-from services.worker.scheduler.scheduler import ReqOutput
 from shared.sampling_params import SamplingParams
 from tests.checkpoints import IM_END_ID
 

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from services.worker.sampling.sampler import (
+from services.worker.runtime.sampling.sampler import (
     Sampler,
     SamplingBatchInfo,
     mix64,

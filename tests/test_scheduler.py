@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from services.worker.config import EngineConfig
+from services.worker.frontend.scheduler_loop import SchedulerLoop
+from services.worker.scheduler.output import PackedOutputs, ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.schedule_policy import attention_cost, tokens_within_cost
-from services.worker.scheduler.scheduler import PackedOutputs, ReqOutput
-from services.worker.scheduler_loop import SchedulerLoop
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import random_prompts
 
@@ -138,7 +138,7 @@ def test_a_steady_decode_step_sends_one_host_to_device_copy_when_greedy(
     (bench/RESULTS.md, P2). With overlap on, a steady greedy decode step sends only its packed batch
     inputs; a sampled one adds the positions that key its noise. The tokens are those of the step
     without overlap, which computes every input afresh."""
-    import services.worker.model_runner as model_runner
+    import services.worker.runtime.model_runner as model_runner
     import services.worker.scheduler.schedule_batch as schedule_batch
 
     copies: list[int] = []
@@ -192,7 +192,7 @@ def test_a_decode_batch_packs_its_graph_inputs_as_one_block(qwen3_path: Path) ->
 
 
 def test_only_an_all_greedy_batch_may_sample_without_positions() -> None:
-    from services.worker.sampling.sampler import Sampler, SamplingBatchInfo
+    from services.worker.runtime.sampling.sampler import Sampler, SamplingBatchInfo
 
     logits = torch.randn(2, 16)
     greedy = SamplingBatchInfo.from_params([SamplingParams(temperature=0.0)] * 2, [0, 1], vocab_size=16, device="cpu")

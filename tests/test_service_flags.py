@@ -10,7 +10,7 @@ import pytest
 
 from services.detokenizer.config import DetokenizerConfig
 from services.tokenizer.config import TokenizerConfig
-from services.worker.service_config import WorkerServiceConfig
+from services.worker.frontend.service_config import WorkerServiceConfig
 from shared import flags
 
 

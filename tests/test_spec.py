@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from services.worker.config import EngineConfig
-from services.worker.engine import Engine
-from services.worker.forward_batch import ForwardMode
+from services.worker.frontend.engine import Engine
+from services.worker.frontend.scheduler_loop import SchedulerLoop
+from services.worker.runtime.forward_batch import ForwardMode
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.schedule_batch import ScheduleBatch
-from services.worker.scheduler_loop import SchedulerLoop
-from services.worker.spec.ngram import ngram_lookup
-from services.worker.spec.verify import verify, verify_greedy
+from services.worker.scheduler.spec.ngram import ngram_lookup
+from services.worker.scheduler.spec.verify import verify, verify_greedy
 from shared.sampling_params import SamplingParams
 from tests.checkpoints import tiny_llama_config, tiny_qwen3_config, write_checkpoint
 from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
@@ -229,8 +229,8 @@ def test_draft_proposals_stay_on_the_device_until_verification(
 ) -> None:
     """The draft's proposals reach the verify forward as device tokens (placeholders on the host) and
     come back with the target's argmaxes in one read-back; the tokens are plain greedy's."""
-    from services.worker.spec import Proposal
-    from services.worker.spec.draft import DraftProposer
+    from services.worker.scheduler.spec import Proposal
+    from services.worker.scheduler.spec.draft import DraftProposer
 
     proposals: list[Proposal] = []
     propose = DraftProposer.propose

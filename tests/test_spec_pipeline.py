@@ -22,7 +22,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.detokenizer.detokenizer import Detokenizer
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import (
     PROTOCOL_VERSION,

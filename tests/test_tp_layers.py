@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from services.worker.distributed import destroy_tp, init_tp
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.distributed import destroy_tp, init_tp
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
 
 TP_SIZE = 2

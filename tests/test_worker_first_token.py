@@ -16,11 +16,11 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.worker import service as worker_service
-from services.worker.output_batcher import Flight
-from services.worker.scheduler.scheduler import ReqOutput
-from services.worker.service import WorkerService
-from services.worker.service_config import WorkerServiceConfig
+from services.worker.frontend import service as worker_service
+from services.worker.frontend.output_batcher import Flight
+from services.worker.frontend.service import WorkerService
+from services.worker.frontend.service_config import WorkerServiceConfig
+from services.worker.scheduler.output import ReqOutput
 from shared.protocol import BatchTokenOut
 
 SEND_S = 0.2  # how long the scripted publish takes

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.worker.engine import Engine
+from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer
 from shared.service import die_with_parent
 from tests.gateway_helpers import GatewayThread, wait_for_workers

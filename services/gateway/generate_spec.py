@@ -45,7 +45,7 @@ class GenerateSpec:
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (messages only)
     tools: list[dict[str, Any]] | None = None  # tool definitions for the chat template (messages only)
     # False when the client reads the whole answer only: the worker then sends the first token and the
-    # final, not every step (services/worker/output_batcher.py).
+    # final, not every step (services/worker/frontend/output_batcher.py).
     stream: bool = True
     timeout: float | None = None  # seconds the whole request may take before it is aborted (504)
 

@@ -89,7 +89,7 @@ class EngineConfig:
         "True: prepare each step only after the last one's tokens are back; default: overlap on CUDA only",
         None,
     )
-    # Speculative decoding (services/worker/spec/).
+    # Speculative decoding (services/worker/scheduler/spec/).
     speculative_algorithm: str | None = _help(
         "propose tokens cheaply and verify them in one target forward: 'ngram' (prompt lookup) or 'draft' "
         "(a small model); None: off. Speculation turns the overlap schedule off",
@@ -188,6 +188,7 @@ class EngineConfig:
             return self.scheduler_process
         if self.device is not None:
             return self.device.startswith("cuda")
+        # Imported here: the config is read by processes that never load torch (the CLI's flag parsing).
         import torch
 
         return torch.cuda.is_available()

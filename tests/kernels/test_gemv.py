@@ -45,7 +45,7 @@ def test_gemv_rejects_what_it_cannot_compute(gen) -> None:
 
 
 def test_a_linear_layer_with_gemv_tiles_sends_single_rows_to_the_gemv(gen, monkeypatch) -> None:
-    from services.worker.layers import linear as linear_mod
+    from services.worker.runtime.layers import linear as linear_mod
 
     layer = linear_mod.ReplicatedLinear(24, 40, bias=True)
     layer.weight.data.copy_(torch.randn((40, 24), generator=gen))
@@ -70,7 +70,7 @@ def test_a_linear_layer_with_gemv_tiles_sends_single_rows_to_the_gemv(gen, monke
 
 
 def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None:
-    from services.worker.layers.linear import GEMV_MIN_GAIN, choose_gemv_tiles
+    from services.worker.runtime.layers.linear_calibration import GEMV_MIN_GAIN, choose_gemv_tiles
 
     a, b = GemvTiles(8, 512), GemvTiles(16, 1024)
     # Seconds per pass by (shape, tiles); None is cuBLAS.
@@ -90,7 +90,7 @@ def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None
 
 
 def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> None:
-    from services.worker.layers.linear import choose_gemv_tiles
+    from services.worker.runtime.layers.linear_calibration import choose_gemv_tiles
 
     rows, dot = GemvTiles(8, 512), GemvTiles(16, 512, kind="dot")
     table = {
@@ -109,9 +109,9 @@ def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> N
 
 
 def test_decoder_projections_name_the_prologue_they_can_absorb(qwen3_moe_path) -> None:
-    from services.worker.model_config import ModelConfig
-    from services.worker.model_loader import load_model
-    from services.worker.models.llama import LlamaMLP
+    from services.worker.runtime.model_config import ModelConfig
+    from services.worker.runtime.model_loader import load_model
+    from services.worker.runtime.models.llama import LlamaMLP
 
     model = load_model(ModelConfig.from_path(qwen3_moe_path, dtype="float32"), "cpu")
     for layer in model.model.layers:
@@ -124,7 +124,8 @@ def test_decoder_projections_name_the_prologue_they_can_absorb(qwen3_moe_path) -
 
 
 def test_select_gemv_tiles_leaves_cpu_models_alone() -> None:
-    from services.worker.layers.linear import ColumnParallelLinear, select_gemv_tiles
+    from services.worker.runtime.layers.linear import ColumnParallelLinear
+    from services.worker.runtime.layers.linear_calibration import select_gemv_tiles
 
     model = torch.nn.Sequential(ColumnParallelLinear(8, [16]).to(torch.bfloat16))
     assert select_gemv_tiles(model, "triton") == {}
@@ -163,7 +164,7 @@ def test_gemv_dot_gives_a_row_the_same_bits_alone_and_among_others(gen) -> None:
 
 
 def test_a_dot_tiled_layer_takes_up_to_16_rows_and_no_more(gen, monkeypatch) -> None:
-    from services.worker.layers import linear as linear_mod
+    from services.worker.runtime.layers import linear as linear_mod
 
     layer = linear_mod.ReplicatedLinear(32, 24)
     layer.weight.data.copy_(torch.randn((24, 32), generator=gen))
@@ -253,10 +254,10 @@ def test_batch_one_decode_with_fused_prologues_matches_the_unfused_model(
     # two norms then run inside qkv_proj and gate_up_proj, and SiLU-and-mul inside down_proj (dense MLPs
     # only; the MoE block keeps its own norm). Logits and the residual stream must match the model
     # with no tiles (torch norms, activation and products).
-    from services.worker.layers import linear as linear_mod
-    from services.worker.model_config import ModelConfig
-    from services.worker.model_loader import load_model
-    from services.worker.models.llama import LlamaMLP
+    from services.worker.runtime.layers import linear as linear_mod
+    from services.worker.runtime.model_config import ModelConfig
+    from services.worker.runtime.model_loader import load_model
+    from services.worker.runtime.models.llama import LlamaMLP
     from tests.forward_helpers import BatchDriver
 
     config = ModelConfig.from_path(request.getfixturevalue(checkpoint), dtype="float32")

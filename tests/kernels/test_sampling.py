@@ -8,8 +8,8 @@ import torch
 
 import kernels.sampling
 from kernels.sampling import gumbel_argmax
-from services.worker.sampling import sampler
-from services.worker.sampling.sampler import Sampler, SamplingBatchInfo, gumbel_noise, hashed_uniform
+from services.worker.runtime.sampling import sampler
+from services.worker.runtime.sampling.sampler import Sampler, SamplingBatchInfo, gumbel_noise, hashed_uniform
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Chi-square critical value at p = 0.001 for 7 degrees of freedom (8 tokens).

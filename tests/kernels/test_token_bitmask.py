@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.token_bitmask import BLOCK, apply_token_bitmask_
-from services.worker.sampling.grammar import unpack_bitmask
+from services.worker.runtime.sampling.grammar import unpack_bitmask
 
 
 @pytest.mark.parametrize(("bs", "vocab", "rows"), [(4, 300, [0, 2, 3]), (3, BLOCK + 33, [1]), (2, 64, [0, 1])])

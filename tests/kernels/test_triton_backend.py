@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.attention import triton_backend
-from services.worker.attention.torch_backend import TorchAttnBackend
-from services.worker.attention.triton_backend import TritonAttnBackend
-from services.worker.forward_batch import ForwardBatch, ForwardMode
-from services.worker.layers.attention import RadixAttention
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from services.worker.model_config import ModelConfig
-from services.worker.model_loader import load_model
+from services.worker.runtime.attention import triton_backend
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend
+from services.worker.runtime.attention.triton_backend import TritonAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.layers.attention import RadixAttention
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
 from tests.kernels.conftest import rel_error
 

@@ -7,6 +7,7 @@ through `last_node`), the rest are the request's own until it is cached or freed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from services.worker.mem.radix_cache import TreeNode
+    from services.worker.runtime.sampling.grammar import GrammarBackend
     from shared.sampling_params import SamplingParams
 
 
@@ -143,6 +145,43 @@ class Req:
                 if stop and stop in tail_text:
                     self.finished_reason = FinishReason("stop", stop)
                     return
+
+    def attach_grammar(self, backend: GrammarBackend | None) -> None:
+        """Compile the request's grammar into its matcher; ValueError when it cannot be (or there is
+        no backend). A migrated request's grammar resumes after its tokens so far."""
+        if backend is None:
+            raise ValueError("this scheduler has no grammar backend (no tokenizer)")
+        self.grammar = backend.matcher(self.sampling_params)
+        for token in self.output_ids:
+            if not self.grammar.consume_token(token):
+                raise ValueError("the migrated tokens left the grammar")
+
+    def append_output_token(self, token: int, decode_tail: Callable[[list[int]], str]) -> None:
+        """Take a generated token and check for a finish (`decode_tail` detokenizes the output's tail,
+        read only when the request has stop strings)."""
+        self.output_ids.append(token)
+        tail = None
+        stops = self.sampling_params.stop_strings()
+        if stops:
+            longest = max(len(s) for s in stops)
+            tail = decode_tail(self.output_ids[-(longest + 2) :])
+        if self.grammar is not None:
+            self.advance_grammar(token)
+        self.check_finished(tail)
+
+    def advance_grammar(self, token: int) -> None:
+        """The grammar takes the request's new token: a request the grammar can take no further
+        finishes ('stop', also when the token was its last by max_new_tokens, and without spending a
+        step on EOS), one whose token it refuses (only when min_new_tokens bans the grammar's way
+        out) ends as 'abort' saying why."""
+        grammar = self.grammar
+        if not grammar.consume_token(token):
+            error = grammar.get_error().strip().splitlines()
+            self.finished_reason = FinishReason(
+                "abort", message=f"the output left its grammar: {error[0] if error else 'token refused'}"
+            )
+        elif grammar.is_stopped():
+            self.finished_reason = FinishReason("stop", token if token in self.stop_token_ids else None)
 
     def reset_for_retract(self) -> None:
         """Back to the waiting queue: the memory state is released by the caller first."""

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.forward_batch import ForwardBatch, ForwardMode
-from services.worker.sampling.penalties import to_device_async
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.scheduler.req import Req
 
 if TYPE_CHECKING:
-    from services.worker.attention.base import AttentionBackend
     from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
     from services.worker.mem.radix_cache import RadixCache
-    from services.worker.model_runner import FutureTokens
+    from services.worker.runtime.attention.base import AttentionBackend
+    from services.worker.runtime.model_runner import FutureTokens, PendingSample
 
 
 class OutOfKVSlots(RuntimeError):
@@ -235,3 +235,11 @@ class _SlotWrites:
             return empty, empty, empty
         return torch.cat(self._rows), torch.cat(self._cols), torch.cat(self._values).to(torch.int64)
 
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens are not read back yet."""
+
+    batch: ScheduleBatch
+    sampled: list[Req]  # requests that get a token from this step, in row order
+    handle: PendingSample

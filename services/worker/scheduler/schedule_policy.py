@@ -8,6 +8,7 @@ import enum
 import math
 import random
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.worker.scheduler.req import Req
@@ -15,12 +16,17 @@ from services.worker.scheduler.req import Req
 if TYPE_CHECKING:
     from services.worker.mem.memory_pool import TokenToKVPoolAllocator
     from services.worker.mem.radix_cache import RadixCache
+    from services.worker.runtime.model_config import ModelConfig
 
 # Cache-aware orders cost a prefix match per waiting request; past this many they fall back to FCFS.
 CACHE_AWARE_QUEUE_LIMIT = 128
 # A request's reservation for future decode tokens is clipped, so one huge max_new_tokens does not
 # block admission; retraction covers the rare case where the estimate is short.
 CLIP_MAX_NEW_TOKENS = 4096
+# After a retraction, assume each running request still needs this many steps.
+RETRACT_DECODE_STEPS = 20
+# Requests whose next uncached tokens agree on this many are not prefilled in the same step.
+IN_BATCH_PREFIX_TOKENS = 32
 
 
 def match_prefix(req: Req, tree_cache: RadixCache) -> None:
@@ -56,6 +62,32 @@ class SchedulePolicy:
             waiting.sort(key=lambda r: -len(r.prefix_indices))
         elif policy == "dfs-weight":
             self._sort_dfs_weight(waiting)
+
+    def admit(self, waiting: list[Req], adder: PrefillAdder) -> None:
+        """Offer the waiting requests to `adder` in this policy's order until one does not fit."""
+        self.sort(waiting)
+        admitted_keys: set[tuple[int, ...]] = set()
+        for req in list(waiting):
+            match_prefix(req, self.tree_cache)
+            req.init_next_round_input()
+            key = self._uncached_head(req)
+            if key in admitted_keys:
+                # It shares an uncached prefix with a request admitted this step: wait one step
+                # and reuse that request's KV instead of computing the prefix twice.
+                continue
+            if adder.add_one_req(req) is not AddResult.CONTINUE:
+                break
+            if key is not None:
+                admitted_keys.add(key)
+
+    def _uncached_head(self, req: Req) -> tuple[int, ...] | None:
+        """The first IN_BATCH_PREFIX_TOKENS tokens the request still has to prefill, when it has that
+        many (None without a cache: nothing could be shared)."""
+        if self.tree_cache.disable:
+            return None
+        start = len(req.prefix_indices)
+        head = req.fill_ids[start : start + IN_BATCH_PREFIX_TOKENS]
+        return tuple(head) if len(head) == IN_BATCH_PREFIX_TOKENS else None
 
     def _sort_dfs_weight(self, waiting: list[Req]) -> None:
         """Visit the radix tree depth-first, heaviest subtree (most waiting requests) first, so
@@ -122,6 +154,21 @@ def tokens_within_cost(prefix: int, budget: int, keys_per_token: float) -> int:
     while attention_cost(prefix, n + 1, keys_per_token) <= budget:
         n += 1
     return n
+
+
+def model_keys_per_token(mc: ModelConfig) -> float:
+    """attention_keys_per_token for this model: a mixed step sizes its prefill chunk by
+    what the chunk costs with its prefix, so the decodes riding in it wait about as long late in a
+    long prompt as early (P6 in bench/RESULTS.md)."""
+    hf = mc.hf_config
+    if mc.num_experts:
+        inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+        active = getattr(hf, "num_experts_per_tok", 1)
+    else:
+        inter, active = hf.intermediate_size, 1
+    return attention_keys_per_token(
+        mc.num_layers, mc.hidden_size, mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, inter, active
+    )
 
 
 class AddResult(enum.Enum):
@@ -243,3 +290,27 @@ class PrefillAdder:
             return AddResult.OTHER
         self._take(req)
         return AddResult.CONTINUE
+
+
+def retract(running: list[Req], room: Callable[[], int], tree_cache: RadixCache) -> list[Req]:
+    """Take requests out of `running` until room() holds one slot for each of the rest (or one is
+    left), those that lose least work first: fewest generated tokens, then longest prompt. Their KV
+    goes into the tree and they are reset for the waiting queue."""
+    order = sorted(running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+    retracted: list[Req] = []
+    while room() < len(running) and len(running) > 1:
+        victim = order.pop(0)
+        running.remove(victim)
+        tree_cache.cache_finished_req(victim)
+        victim.reset_for_retract()
+        retracted.append(victim)
+    return retracted
+
+
+def new_token_ratio_after_retraction(running: list[Req], ratio: float) -> float:
+    """The share of max_new_tokens admission reserves, raised after a retraction to what the running
+    requests have decoded plus RETRACT_DECODE_STEPS more each."""
+    decoded = sum(len(r.output_ids) for r in running)
+    budget = sum(r.sampling_params.max_new_tokens for r in running) or 1
+    estimate = (decoded + RETRACT_DECODE_STEPS * len(running)) / budget
+    return min(1.0, max(ratio, estimate))

@@ -9,120 +9,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.worker.config import EngineConfig
-from services.worker.forward_batch import ForwardMode
 from services.worker.mem.radix_cache import RadixCache
+from services.worker.runtime.forward_batch import ForwardMode
+from services.worker.scheduler.output import ReqOutput, final_output, sampled_output
 from services.worker.scheduler.req import FinishReason, Req
-from services.worker.scheduler.schedule_batch import MemoryContext, ScheduleBatch
+from services.worker.scheduler.schedule_batch import InFlight, MemoryContext, ScheduleBatch
 from services.worker.scheduler.schedule_policy import (
-    AddResult,
     PrefillAdder,
     SchedulePolicy,
-    attention_keys_per_token,
-    match_prefix,
+    model_keys_per_token,
+    new_token_ratio_after_retraction,
+    retract,
 )
+from services.worker.scheduler.spec.spec_worker import SpecStep, SpecWorker
 
 if TYPE_CHECKING:
-    from services.worker.model_config import ModelConfig
-    from services.worker.model_runner import ModelRunner, PendingSample, SampledTokens
-    from services.worker.sampling.grammar import GrammarBackend
-    from services.worker.spec.spec_worker import SpecStep, SpecWorker
+    from services.worker.runtime.model_runner import ModelRunner, SampledTokens
+    from services.worker.runtime.sampling.grammar import GrammarBackend
 
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-# Requests whose next uncached tokens agree on this many are not prefilled in the same step.
-IN_BATCH_PREFIX_TOKENS = 32
-# After a retraction, assume each running request still needs this many steps.
-RETRACT_DECODE_STEPS = 20
-# What a final output adds to a step's tokens.
-_FINAL_FIELDS = (
-    "finished_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "spec_accept_length",
-    "spec_accept_rate", "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens",
-)
-
-
-@dataclass
-class ReqOutput:
-    """What one request produced in one step: its new tokens (one, or several from a speculative
-    step), and the final state if done."""
-
-    rid: str
-    token_ids: list[int]
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finished_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # With speculative decoding, on the final output (Req.spec_metrics), and the counts behind them:
-    # the request's verify steps, the draft tokens proposed in them and those the target accepted.
-    spec_accept_length: float | None = None
-    spec_accept_rate: float | None = None
-    spec_verify_steps: int = 0
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-    def take_final(self, final: ReqOutput) -> None:
-        """Give this step's output the final state (finish, usage, speculation) of `final`."""
-        for name in _FINAL_FIELDS:
-            setattr(self, name, getattr(final, name))
-
-    def only_tokens(self) -> bool:
-        """True when every field but rid and token_ids has its default (a mid-stream decode step's
-        output). tests/test_scheduler.py checks this against every field of the dataclass."""
-        return (
-            self.finished_reason is None
-            and not self.logprobs
-            and not self.top_logprobs
-            and self.prompt_tokens == 0
-            and self.completion_tokens == 0
-            and self.cached_tokens == 0
-            and self.spec_accept_length is None
-            and self.spec_accept_rate is None
-            and self.spec_verify_steps == 0
-            and self.spec_proposed_tokens == 0
-            and self.spec_accepted_tokens == 0
-        )
-
-
-@dataclass(frozen=True)
-class PackedOutputs:
-    """One step's outputs as columns, for the trip from a scheduler process to its parent. Pickling
-    256 ReqOutput objects took 0.65 ms in the scheduler's process (its queue's feeder thread, holding
-    the GIL the scheduler needs) and unpickling them 1.3 ms in the parent; as two lists (rids, new
-    tokens) they take 0.08 ms and 0.44 ms with the rebuild. Outputs with more than tokens (log-probs,
-    a finish) travel whole in `full`, keyed by their index."""
-
-    rids: list[str]
-    tokens: list[list[int]]
-    full: dict[int, ReqOutput]
-
-    @classmethod
-    def pack(cls, outputs: list[ReqOutput]) -> PackedOutputs:
-        full = {i: out for i, out in enumerate(outputs) if not out.only_tokens()}
-        return cls([out.rid for out in outputs], [out.token_ids for out in outputs], full)
-
-    def unpack(self) -> list[ReqOutput]:
-        full = self.full
-        return [
-            full[i] if i in full else ReqOutput(rid, tokens)
-            for i, (rid, tokens) in enumerate(zip(self.rids, self.tokens))
-        ]
-
-
-@dataclass
-class InFlight:
-    """A launched step whose sampled tokens are not read back yet."""
-
-    batch: ScheduleBatch
-    sampled: list[Req]  # requests that get a token from this step, in row order
-    handle: PendingSample
 
 
 @dataclass
@@ -134,21 +47,6 @@ class SchedulerStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
-
-
-def _keys_per_token(mc: ModelConfig) -> float:
-    """schedule_policy.attention_keys_per_token for this model: a mixed step sizes its prefill chunk by
-    what the chunk costs with its prefix, so the decodes riding in it wait about as long late in a
-    long prompt as early (P6 in bench/RESULTS.md)."""
-    hf = mc.hf_config
-    if mc.num_experts:
-        inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
-        active = getattr(hf, "num_experts_per_tok", 1)
-    else:
-        inter, active = hf.intermediate_size, 1
-    return attention_keys_per_token(
-        mc.num_layers, mc.hidden_size, mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, inter, active
-    )
 
 
 class Scheduler:
@@ -164,10 +62,10 @@ class Scheduler:
         self.config = config
         self.grammar = grammar
         self.runner = runner
-        # Mixed steps size their chunk by its cost (see _keys_per_token); unused otherwise.
+        # Mixed steps size their chunk by its cost (see model_keys_per_token); unused otherwise.
         self._keys_per_token, self._min_mixed_chunk = 0.0, 1
         if config.enable_mixed_chunk:
-            self._keys_per_token = _keys_per_token(runner.model_config)
+            self._keys_per_token = model_keys_per_token(runner.model_config)
             self._min_mixed_chunk = runner.attn_backend.min_extend_chunk_tokens()
         self.decode_tail = decode_tail
         self.tree_cache = RadixCache(
@@ -196,8 +94,6 @@ class Scheduler:
         self._inflight: InFlight | None = None
         self.spec: SpecWorker | None = None
         if config.speculative_algorithm is not None:
-            from services.worker.spec.spec_worker import SpecWorker
-
             self.spec = SpecWorker(config, runner, self.mem)
             logger.info(
                 "speculative decoding: %s, %d draft tokens per step; the overlap schedule is off",
@@ -209,18 +105,12 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         if req.sampling_params.is_constrained and req.grammar is None:
             try:
-                if self.grammar is None:
-                    raise ValueError("this scheduler has no grammar backend (no tokenizer)")
-                req.grammar = self.grammar.matcher(req.sampling_params)
-                # A migrated request's tokens so far: its grammar resumes where it was.
-                for token in req.output_ids:
-                    if not req.grammar.consume_token(token):
-                        raise ValueError("the migrated tokens left the grammar")
+                req.attach_grammar(self.grammar)
             except ValueError as exc:
                 # Checked before it queued (SamplingParams.verify); this is a grammar that compiles
                 # alone but not against this vocabulary.
                 req.finished_reason = FinishReason("abort", message=str(exc))
-                self._pending_outputs.append(self._final_output(req))
+                self._pending_outputs.append(final_output(req))
                 return
         self.waiting.append(req)
 
@@ -230,7 +120,7 @@ class Scheduler:
             if req.rid == rid:
                 del self.waiting[i]
                 req.finished_reason = FinishReason("abort", message="aborted by request")
-                self._pending_outputs.append(self._final_output(req))
+                self._pending_outputs.append(final_output(req))
                 return True
         for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
             if req.rid == rid and not req.finished():
@@ -351,13 +241,7 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished()]
 
     def _append_token(self, req: Req, result: SampledTokens, j: int, outputs: list[ReqOutput]) -> None:
-        out = ReqOutput(rid=req.rid, token_ids=[])
-        if req.return_logprob:
-            req.output_logprobs.append(result.logprobs[j])
-            out.logprobs = [result.logprobs[j]]
-            if req.top_logprobs_num:
-                req.output_top_logprobs.append(result.top_logprobs[j])
-                out.top_logprobs = [result.top_logprobs[j]]
+        out = sampled_output(req, result, j)
         self._add_tokens(req, [result.token_ids[j]], out)
         outputs.append(out)
 
@@ -365,36 +249,13 @@ class Scheduler:
         """Append tokens to the request and to `out`, checking for a finish after each; tokens after a
         finishing one are dropped."""
         for token in tokens:
-            req.output_ids.append(token)
+            req.append_output_token(token, self.decode_tail)
             out.token_ids.append(token)
             self.stats.generated_tokens += 1
-            tail = None
-            stops = req.sampling_params.stop_strings()
-            if stops:
-                longest = max(len(s) for s in stops)
-                tail = self.decode_tail(req.output_ids[-(longest + 2) :])
-            if req.grammar is not None:
-                self._advance_grammar(req, token)
-            req.check_finished(tail)
             if req.finished():
                 self._release(req)
-                out.take_final(self._final_output(req))
+                out.take_final(final_output(req))
                 return
-
-    @staticmethod
-    def _advance_grammar(req: Req, token: int) -> None:
-        """The request's grammar takes its new token: a request the grammar can take no further
-        finishes ('stop', also when the token was its last by max_new_tokens, and without spending a
-        step on EOS), one whose token it refuses (only when min_new_tokens bans the grammar's way
-        out) ends as 'abort' saying why."""
-        grammar = req.grammar
-        if not grammar.consume_token(token):
-            error = grammar.get_error().strip().splitlines()
-            req.finished_reason = FinishReason(
-                "abort", message=f"the output left its grammar: {error[0] if error else 'token refused'}"
-            )
-        elif grammar.is_stopped():
-            req.finished_reason = FinishReason("stop", token if token in req.stop_token_ids else None)
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         """Every request this step prefilled (a chunk or all of it) puts that KV into the tree, locked,
@@ -448,20 +309,7 @@ class Scheduler:
             self.chunked_req.init_next_round_input()
             adder.add_chunked_req(self.chunked_req)
         if self.waiting and adder.new_chunked_req is None:
-            self.policy.sort(self.waiting)
-            admitted_keys: set[tuple[int, ...]] = set()
-            for req in list(self.waiting):
-                match_prefix(req, self.tree_cache)
-                req.init_next_round_input()
-                key = self._uncached_head(req)
-                if key in admitted_keys:
-                    # It shares an uncached prefix with a request admitted this step: wait one step
-                    # and reuse that request's KV instead of computing the prefix twice.
-                    continue
-                if adder.add_one_req(req) is not AddResult.CONTINUE:
-                    break
-                if key is not None:
-                    admitted_keys.add(key)
+            self.policy.admit(self.waiting, adder)
         admitted = [r for r in adder.can_run_list if r is not self.chunked_req]
         if not adder.can_run_list:
             return None
@@ -481,15 +329,6 @@ class Scheduler:
         self.stats.num_prefill_steps += 1
         return ScheduleBatch(reqs, ForwardMode.EXTEND, self.mem)
 
-    def _uncached_head(self, req: Req) -> tuple[int, ...] | None:
-        """The first IN_BATCH_PREFIX_TOKENS tokens the request still has to prefill, when it has that
-        many (None without a cache: nothing could be shared)."""
-        if self.tree_cache.disable:
-            return None
-        start = len(req.prefix_indices)
-        head = req.fill_ids[start : start + IN_BATCH_PREFIX_TOKENS]
-        return tuple(head) if len(head) == IN_BATCH_PREFIX_TOKENS else None
-
     # ---- memory --------------------------------------------------------------------------------
 
     def _ensure_decode_memory(self, outputs: list[ReqOutput]) -> None:
@@ -503,29 +342,18 @@ class Scheduler:
         self._finish_inflight(outputs)
         if not self.running or room() >= len(self.running):
             return
-        # Fewest generated tokens first, then longest prompt: least work thrown away.
-        order = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        retracted: list[Req] = []
-        while room() < len(self.running) and len(self.running) > 1:
-            victim = order.pop(0)
-            self.running.remove(victim)
-            self.tree_cache.cache_finished_req(victim)
-            victim.reset_for_retract()
-            retracted.append(victim)
+        retracted = retract(self.running, room, self.tree_cache)
         if retracted:
             self.stats.num_retractions += len(retracted)
             self.waiting[:0] = retracted
-            decoded = sum(len(r.output_ids) for r in self.running)
-            budget = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
-            estimate = (decoded + RETRACT_DECODE_STEPS * len(self.running)) / budget
-            self.new_token_ratio = min(1.0, max(self.new_token_ratio, estimate))
+            self.new_token_ratio = new_token_ratio_after_retraction(self.running, self.new_token_ratio)
             logger.info("KV pool full: retracted %d request(s)", len(retracted))
         if room() < len(self.running):
             # A single request that outgrew the whole pool cannot continue.
             req = self.running.pop()
             req.finished_reason = FinishReason("length", message="KV cache pool is too small for this request")
             self._release(req)
-            outputs.append(self._final_output(req))
+            outputs.append(final_output(req))
 
     def _release(self, req: Req) -> None:
         if req.req_pool_idx is not None:
@@ -540,24 +368,8 @@ class Scheduler:
         for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
             if req.finished():
                 self._release(req)
-                outputs.append(self._final_output(req))
+                outputs.append(final_output(req))
         self.running = [r for r in self.running if not r.finished()]
-
-    def _final_output(self, req: Req) -> ReqOutput:
-        spec = req.spec_metrics()
-        return ReqOutput(
-            rid=req.rid,
-            token_ids=[],
-            finished_reason=req.finished_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens or 0,
-            spec_accept_length=spec[0] if spec else None,
-            spec_accept_rate=spec[1] if spec else None,
-            spec_verify_steps=req.spec_verify_steps,
-            spec_proposed_tokens=req.spec_proposed_tokens,
-            spec_accepted_tokens=req.spec_accepted_tokens,
-        )
 
     # ---- invariants ----------------------------------------------------------------------------
 

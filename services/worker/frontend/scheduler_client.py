@@ -1,0 +1,361 @@
+"""SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
+
+It starts the scheduler (one spawned process per rank; at tp_size 1 on CPU a thread, see
+EngineConfig.scheduler_process), turns a validated request into `Req`s (seeds drawn here, so every
+sampled token is reproducible), sends commands, answers request/reply controls, and hands every step's
+outputs to a callback on its dispatcher thread:
+
+    client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
+    for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import pickle
+import queue
+import random
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from services.worker.config import EngineConfig
+from services.worker.frontend.ipc import PipeChannel
+from services.worker.frontend.scheduler_loop import (
+    AbortReq,
+    AddReq,
+    Control,
+    ControlReply,
+    LoopFailed,
+    Ready,
+    Shutdown,
+    load_tokenizer,
+    run_scheduler_loop,
+)
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.scheduler.output import PackedOutputs, ReqOutput
+from services.worker.scheduler.req import Req
+from shared.grammar_spec import GRAMMAR_FIELDS
+from shared.input_ids import validate_input_ids
+from shared.sampling_params import SamplingParams
+from shared.service import die_with_parent
+
+START_TIMEOUT_S = 600.0
+LOOP_READ_BATCH = 16
+# Reading a closed channel (TypeError/ValueError: its handle already released), or the torn frame of a
+# scheduler killed mid-write, is a stop too.
+_CLOSED = (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError)
+CONTROL_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_rank_process(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
+    """A TP rank's process. Ctrl-C reaches the whole process group, but draining is the parent's job
+    (it shuts the ranks down after), so ranks ignore SIGINT; they die with their parent, so a killed
+    worker leaves no rank behind."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
+    run_scheduler_loop(config, rank, init_method, inbox, outbox, own_process=True)
+
+
+class _InlineOutbox(queue.Queue):  # type: ignore[type-arg]
+    """A scheduler thread's outbox that hands each step's outputs to `on_outputs` from the scheduler
+    thread itself, without waking the dispatcher thread on the way; everything else (Ready, control
+    replies, LoopFailed) queues for the dispatcher as usual."""
+
+    def __init__(self, on_outputs: Callable[[list[ReqOutput]], None]) -> None:
+        super().__init__()
+        self._on_outputs = on_outputs
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, list):
+            self._on_outputs(item)
+        else:
+            super().put(item, block, timeout)
+
+
+class SchedulerClient:
+    """Starts one worker's scheduler and talks to it through its inbox and outbox.
+
+    `on_outputs(outputs)` receives each scheduler step's list of ReqOutput (one per request advanced)
+    and `on_failure(message)` is called once if the scheduler dies; both run on the dispatcher thread.
+    With `outputs_inline` (for an `on_outputs` that is cheap and thread-safe, such as handing the step
+    to an event loop) a scheduler that runs as a thread calls it from its own thread after each step:
+    one thread wake-up fewer between a step and its outputs going out. With `outputs_loop`, a scheduler
+    in its own process(es) has its outbox read by that asyncio loop (a reader on the pipe) instead of
+    a dispatcher thread, so `on_outputs` and `on_failure` run on the loop's thread: the step's outputs
+    wake the loop once, not a dispatcher that then wakes the loop.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: Callable[[list[ReqOutput]], None],
+        on_failure: Callable[[str], None],
+        outputs_inline: bool = False,
+        outputs_loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.config = config
+        self._outputs_inline = outputs_inline
+        self._outputs_loop = outputs_loop if config.scheduler_in_process() else None
+        self._loop_done = False  # the loop's reader has seen the last item
+        self.model_config = ModelConfig.from_path(
+            config.model_path, dtype=config.dtype, context_length=config.context_length
+        )
+        self.tokenizer = load_tokenizer(config.model_path)
+        self._on_outputs = on_outputs
+        self._on_failure = on_failure
+        self._rng = random.Random(config.random_seed)
+        self._tokens = itertools.count()
+        self._replies: dict[int, queue.Queue[Any]] = {}
+        self._replies_lock = threading.Lock()
+        self._closed = False  # shut down by the owner
+        self._dead = False  # the scheduler died
+        self._procs: list[Any] = []
+        self._start()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        init_method = self.config.dist_init_addr or f"tcp://127.0.0.1:{_free_port()}"
+        if not self.config.scheduler_in_process():
+            self._inbox: Any = queue.Queue()
+            self._outbox: Any = _InlineOutbox(self._on_outputs) if self._outputs_inline else queue.Queue()
+            self._thread = threading.Thread(
+                target=run_scheduler_loop,
+                args=(self.config, 0, init_method, self._inbox, self._outbox),
+                name="radixserve-scheduler",
+                daemon=True,
+            )
+            self._thread.start()
+        else:
+            ctx = mp.get_context("spawn")
+            # Pipes written on the caller's thread, not multiprocessing queues: no feeder thread to
+            # wake on the way to or from the scheduler (ipc.py).
+            self._inbox, self._outbox = PipeChannel(ctx), PipeChannel(ctx)
+            for rank in range(self.config.tp_size):
+                io = (self._inbox, self._outbox) if rank == 0 else (None, None)
+                proc = ctx.Process(
+                    target=_run_rank_process, args=(self.config, rank, init_method, *io), daemon=True
+                )
+                proc.start()
+                self._procs.append(proc)
+        first = self._wait_ready()
+        if isinstance(first, LoopFailed):
+            self._stop_processes()
+            if first.invalid_config is not None:
+                raise ValueError(first.invalid_config)
+            raise RuntimeError(f"the scheduler failed to start: {first.message}")
+        assert isinstance(first, Ready)
+        self.server_info: dict[str, Any] = first.info
+        if self._outputs_loop is not None:
+            self._outputs_loop.call_soon_threadsafe(self._outputs_loop.add_reader, self._outbox.fileno(), self._read_on_loop)
+            return
+        self._dispatcher = threading.Thread(target=self._dispatch, name="radixserve-outputs", daemon=True)
+        self._dispatcher.start()
+
+    def _wait_ready(self) -> Any:
+        """The scheduler's first message (Ready or LoopFailed). A rank process that dies before sending
+        it (a crash, or a script that creates an Engine outside `if __name__ == "__main__":`, which a
+        spawned process re-runs) ends the wait at once with an error that says so."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._stop_processes()
+                    raise RuntimeError(
+                        f"a scheduler process exited during start-up (exit code {dead[0].exitcode}); the "
+                        "scheduler runs in spawned processes (tp_size > 1, or on CUDA), so a script that "
+                        "creates an Engine must do it under `if __name__ == \"__main__\":` (or pass "
+                        "scheduler_process=False at tp_size 1); the process's own error is printed above"
+                    ) from None
+                if time.monotonic() > deadline:
+                    self._stop_processes()
+                    raise RuntimeError(f"the scheduler did not start within {START_TIMEOUT_S:.0f} s") from None
+
+    def shutdown(self) -> None:
+        """Stop the scheduler and the dispatcher; pending controls get None."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(Shutdown())
+        if not self.config.scheduler_in_process():
+            self._thread.join(timeout=30)
+        self._stop_processes()
+        # Wakes the dispatcher, which would otherwise wait on the outbox forever; it is joined so that
+        # it is not still reading a multiprocessing queue when the interpreter closes it.
+        self._outbox.put(Shutdown())
+        dispatcher = getattr(self, "_dispatcher", None)
+        if dispatcher is not None and threading.current_thread() is not dispatcher:
+            dispatcher.join(timeout=30)
+        self._fail_replies()
+
+    def _stop_processes(self) -> None:
+        for proc in self._procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        self._procs = []
+
+    # ---- outputs --------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: every item of the outbox, until a stop."""
+        while True:
+            try:
+                item = self._outbox.get()
+            except _CLOSED:
+                if not self._closed:
+                    self._fail("the scheduler stopped")
+                return
+            if not self._handle(item):
+                return
+
+    def _read_on_loop(self) -> None:
+        """The outbox's reader on `outputs_loop`: the whole items already there (at most
+        LOOP_READ_BATCH, so a busy scheduler cannot keep the loop from publishing), then back to the
+        loop. It never blocks: a frame still being written waits in the channel for the next call."""
+        loop = self._outputs_loop
+        assert loop is not None
+        if self._loop_done:
+            return
+        try:
+            items = self._outbox.read_available(LOOP_READ_BATCH)
+        except _CLOSED:
+            self._stop_loop_reader()
+            if not self._closed:
+                self._fail("the scheduler stopped")
+            return
+        for item in items:
+            if not self._handle(item):
+                self._stop_loop_reader()
+                return
+        if self._outbox.has_whole_frame():
+            loop.call_soon(self._read_on_loop)  # read already, so the pipe's reader will not fire for it
+
+    def _stop_loop_reader(self) -> None:
+        assert self._outputs_loop is not None
+        self._loop_done = True
+        self._outputs_loop.remove_reader(self._outbox.fileno())
+
+    def _handle(self, item: object) -> bool:
+        """One outbox item; False once nothing more is to be read."""
+        if isinstance(item, Shutdown):
+            return False
+        if isinstance(item, ControlReply):
+            with self._replies_lock:
+                box = self._replies.pop(item.token, None)
+            if box is not None:
+                box.put(item.value)
+        elif isinstance(item, LoopFailed):
+            self._fail(item.message)
+            return False
+        elif isinstance(item, PackedOutputs):
+            self._on_outputs(item.unpack())
+        else:
+            self._on_outputs(item)  # type: ignore[arg-type]
+        return not self._closed
+
+    def _fail(self, message: str) -> None:
+        with self._replies_lock:
+            self._dead = True
+        self._fail_replies()
+        self._on_failure(message)
+
+    def _fail_replies(self) -> None:
+        with self._replies_lock:
+            boxes, self._replies = list(self._replies.values()), {}
+        for box in boxes:
+            box.put(None)
+
+    # ---- requests and commands ------------------------------------------------------------------
+
+    def build_reqs(
+        self,
+        input_ids: Any,
+        sampling: dict[str, Any] | None,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: Any = 0,
+        priority: int = 0,
+        resume_ids: list[int] | None = None,
+    ) -> list[Req]:
+        """Validate one prompt's token ids and sampling settings (ValueError naming the field) and
+        build its `n` Reqs; without `rid` each gets a fresh id, with n > 1 ids get a `-i` suffix.
+        Requests without a seed get one from this client's RNG (`random_seed`). `resume_ids`: tokens
+        a request migrated from a lost worker has already generated; they are its first outputs here,
+        so max_new_tokens, penalties and stop checks go on as if it had never moved."""
+        mc = self.model_config
+        resume = list(resume_ids or [])
+        validate_input_ids(input_ids, mc.vocab_size, mc.context_len, self.server_info["max_total_tokens"])
+        if resume:
+            try:
+                validate_input_ids(list(input_ids) + resume, mc.vocab_size, mc.context_len,
+                                   self.server_info["max_total_tokens"])
+            except ValueError as exc:
+                raise ValueError(f"`resume_ids`: {exc}") from None
+        params = SamplingParams.from_dict(sampling, defaults=mc.generation_defaults)
+        params.verify(mc.vocab_size)
+        params.normalize()
+        if params.stop_strings() and self.tokenizer is None:
+            raise ValueError("`stop` strings need a tokenizer; this checkpoint has none")
+        if params.is_constrained and self.tokenizer is None:
+            field = next(f for f in GRAMMAR_FIELDS if getattr(params, f) is not None)
+            raise ValueError(f"{field} (constrained decoding) needs a tokenizer; this checkpoint has none")
+        if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {top_logprobs_num!r}")
+        params.max_new_tokens = min(params.max_new_tokens, mc.context_len - len(input_ids))
+        reqs: list[Req] = []
+        for i in range(params.n):
+            req_rid = rid or uuid.uuid4().hex
+            if params.n > 1:
+                req_rid = f"{req_rid}-{i}"
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            reqs.append(
+                Req(
+                    req_rid,
+                    list(input_ids),
+                    params,
+                    seed=seed,
+                    return_logprob=bool(return_logprob) or top_logprobs_num > 0,
+                    top_logprobs_num=top_logprobs_num,
+                    priority=priority,
+                    eos_token_ids=frozenset(mc.eos_token_ids),
+                    output_ids=resume,
+                )
+            )
+        return reqs
+
+    def add(self, req: Req) -> None:
+        self._inbox.put(AddReq(req))
+
+    def abort(self, rid: str) -> None:
+        """Abort a waiting or running request; its final output (type 'abort') comes with the next step."""
+        self._inbox.put(AbortReq(rid))
+
+    def control(self, name: str, timeout: float = CONTROL_TIMEOUT_S) -> Any:
+        """'flush_cache' (bool) or 'get_info' (dict), answered between two steps; None once the
+        scheduler has stopped. queue.Empty after `timeout` seconds."""
+        token = next(self._tokens)
+        box: queue.Queue[Any] = queue.Queue()
+        with self._replies_lock:
+            if self._closed or self._dead:
+                return None
+            self._replies[token] = box
+        self._inbox.put(Control(name, token))
+        return box.get(timeout=timeout)

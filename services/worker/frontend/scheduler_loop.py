@@ -1,0 +1,253 @@
+"""The scheduler's event loop for one TP rank: commands in, per-step outputs out.
+
+Rank 0 takes commands from its inbox (blocking only when idle) and, with TP, broadcasts them so
+every rank applies the same commands before the same step. With tp_size 1 the loop runs in a thread
+of the Engine's process; with TP every rank is its own process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import logging
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.worker.config import EngineConfig
+from services.worker.runtime import distributed
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_runner import ModelRunner, default_device
+from services.worker.runtime.sampling.grammar import GrammarBackend
+from services.worker.scheduler.output import PackedOutputs
+from services.worker.scheduler.req import Req
+from services.worker.scheduler.scheduler import Scheduler
+from shared import trace
+
+logger = logging.getLogger(__name__)
+CLEANUP_TRACE_S = 10.0
+
+
+@dataclass
+class AddReq:
+    req: Req
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class Control:
+    """A request/reply command: 'flush_cache' or 'get_info'; the reply carries the same token."""
+
+    name: str
+    token: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+@dataclass
+class ControlReply:
+    token: int
+    value: Any
+
+
+@dataclass
+class Ready:
+    info: dict[str, Any]
+
+
+@dataclass
+class LoopFailed:
+    message: str
+    # The loop raised ValueError (bad configuration: a backend the device cannot run, a model that does
+    # not fit): the caller re-raises it as one, without the traceback.
+    invalid_config: str | None = None
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The checkpoint's tokenizer, or None when it ships none (tiny test checkpoints)."""
+    # Imported here: transformers is heavy to import, and a scheduler process needs it only now.
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    device = torch.device(config.device) if config.device else default_device()
+    if device.type == "cuda":
+        index = (device.index or 0) + rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return device
+
+
+FAULT_STALL_ENV = "RS_FAULT_STALL"
+
+
+def _fault_stall(spec: str) -> tuple[int, float] | None:
+    """RS_FAULT_STALL's 'N:S' (block S seconds after the N-th step with outputs), or None when unset."""
+    if not spec:
+        return None
+    try:
+        after, seconds = spec.split(":")
+        return int(after), float(seconds)
+    except ValueError:
+        raise ValueError(f"{FAULT_STALL_ENV} must be 'N:S' (steps, seconds), got {spec!r}") from None
+
+
+class SchedulerLoop:
+    """Owns one rank's Scheduler and feeds it."""
+
+    def __init__(self, config: EngineConfig, rank: int, init_method: str) -> None:
+        self.config = config
+        self.rank = rank
+        device = resolve_device(config, rank)
+        threads = config.compute_threads() if device.type == "cpu" else None
+        if threads is not None:
+            torch.set_num_threads(threads)
+            logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
+        distributed.init_tp(rank, config.tp_size, init_method, device)
+        model_config = ModelConfig.from_path(
+            config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
+        )
+        self.runner = ModelRunner(config, model_config, device)
+        tokenizer = load_tokenizer(config.model_path)
+        grammar = GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None
+        if grammar is not None:
+            grammar.prebuild()
+        self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
+        self._stall = _fault_stall(os.environ.get(FAULT_STALL_ENV, ""))
+        self._steps_with_outputs = 0
+        self.scheduler = Scheduler(
+            config,
+            self.runner,
+            decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
+            grammar=grammar,
+        )
+
+    def _stall_once(self) -> None:
+        """Fault injection (RS_FAULT_STALL=N:S): after the N-th step with outputs, block S seconds once,
+        as a step that long would (tests use it to show a slow worker keeps its requests)."""
+        assert self._stall is not None
+        after, seconds = self._stall
+        self._steps_with_outputs += 1
+        if self._steps_with_outputs == after:
+            logger.warning("fault injection: the scheduler blocks for %g s", seconds)
+            time.sleep(seconds)
+            self._stall = None
+
+    def info(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": s.max_running,
+            "num_running": s.num_running(),
+            "num_waiting": len(s.waiting),
+            "kv_free": self.runner.allocator.available_size(),
+            "kv_cached": s.tree_cache.total_size(),
+            "kv_in_use": s.tree_cache.protected_size() + s.kv_slots_in_use_by_requests(),
+            "stats": vars(s.stats).copy(),
+            "device": str(self.runner.device),
+            "cpu_single_row": self.runner.single_row,
+            "loop_seconds": dict(self.loop_seconds),
+            "scheduler_pid": os.getpid(),
+        }
+
+    def _apply(self, cmd: object, outbox: Any) -> bool:
+        """Apply one command; False on shutdown."""
+        if isinstance(cmd, AddReq):
+            trace.mark(cmd.req.rid, "scheduler.added")
+            self.scheduler.add_request(cmd.req)
+        elif isinstance(cmd, AbortReq):
+            self.scheduler.abort_request(cmd.rid)
+        elif isinstance(cmd, Control):
+            value = self.scheduler.flush_cache() if cmd.name == "flush_cache" else self.info()
+            if outbox is not None:
+                outbox.put(ControlReply(cmd.token, value))
+        elif isinstance(cmd, Shutdown):
+            return False
+        return True
+
+    def _take_commands(self, inbox: Any) -> list[object]:
+        cmds: list[object] = []
+        if self.rank == 0:
+            if not self.scheduler.has_work():
+                cmds.append(inbox.get())
+            while True:
+                try:
+                    cmds.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+        if self.config.tp_size > 1:
+            cmds = distributed.tp_broadcast_object(cmds)  # type: ignore[assignment]
+        return cmds
+
+    def run(self, inbox: Any, outbox: Any, pack: bool = False) -> None:
+        """Serve commands and steps until Shutdown. `pack`: the outbox crosses processes, so each
+        step's outputs go as PackedOutputs (columns) rather than a list of objects to pickle.
+        `loop_seconds` (in info()) splits the loop's wall time into waiting for and applying commands,
+        scheduler steps, and handing outputs over."""
+        clock = time.perf_counter
+        spent = self.loop_seconds
+        while True:
+            t0 = clock()
+            for cmd in self._take_commands(inbox):
+                if not self._apply(cmd, outbox):
+                    return
+            t1 = clock()
+            outputs = self.scheduler.step()
+            if outputs and self._stall is not None:
+                self._stall_once()
+            t2 = clock()
+            if outputs and outbox is not None:
+                if trace.TRACE_DIR is not None:
+                    for out in outputs:
+                        trace.mark(out.rid, "scheduler.outputs")
+                outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
+            t3 = clock()
+            spent["commands"] += t1 - t0
+            spent["step"] += t2 - t1
+            spent["hand_off"] += t3 - t2
+
+
+def run_scheduler_loop(
+    config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any, own_process: bool = False
+) -> None:
+    """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox. In its own
+    process, a clean-up that takes over CLEANUP_TRACE_S prints every thread's stack to stderr (the
+    parent kills a rank that has not exited 30 s after shutdown; this says where it was)."""
+    loop = None
+    try:
+        loop = SchedulerLoop(config, rank, init_method)
+        if outbox is not None:
+            outbox.put(Ready(loop.info()))
+        loop.run(inbox, outbox, pack=own_process)
+    except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
+        logger.exception("scheduler loop of rank %d failed", rank)
+        if outbox is not None:
+            invalid = str(exc) if isinstance(exc, ValueError) else None
+            outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", invalid))
+    finally:
+        if own_process:
+            faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
+        distributed.destroy_tp(exiting=own_process)
+        # Give the device memory back (pool, weights, graph pools): a later Engine in the same
+        # process sizes its pool from what is free.
+        del loop
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()

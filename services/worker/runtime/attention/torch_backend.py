@@ -1,0 +1,187 @@
+"""The `torch` attention backend: store the new K/V in the pool, then attend over each request's whole
+sequence read through req_to_token. Runs anywhere (it is the CPU backend and the reference the GPU
+kernels are checked against).
+
+Decode (one query per request) is batched: every request's keys are padded to the longest sequence in
+the batch (padding is masked out) and each KV head's group of query heads attends in one
+scaled_dot_product_attention call (on CPU a fused kernel: in bfloat16 a fifth of the time of the two
+batched matmuls and softmax it replaced at batch 1, see bench/HISTORY.md). The keys come from dense
+blocks kept across decode steps (attention/dense_kv.py: only each step's new K/V is copied in), from
+a view of the pool for a lone request whose slots are consecutive, or else gathered from the pool per
+KV head. All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
+costs a handful of tensor ops whatever the batch size.
+Extend keeps a per-request SDPA loop: prefill is matmul-bound, and the loop keeps the causal
+bookkeeping of mixed prefix lengths obvious.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.runtime.attention.base import AttentionBackend
+from services.worker.runtime.attention.dense_kv import DenseKV, DenseStep
+
+if TYPE_CHECKING:
+    from services.worker.runtime.forward_batch import AttentionLayer, ForwardBatch
+
+
+@dataclass(frozen=True)
+class ExtendMetadata:
+    """Per request: its KV slots for positions 0..seq_len-1, the row of its first new token in the
+    batch, its new-token count, and its causal mask (None for a single new token, which sees all)."""
+
+    kv_slots: list[torch.Tensor]
+    q_starts: list[int]
+    q_lens: list[int]
+    masks: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """The batch's keys as one padded block [bs, max_len]: `slots` holds each request's KV slots
+    (entries past its length read slot 0, the padding row); `mask` is True for real keys and False
+    for padding, shaped [bs, 1, 1, max_len], None when every request has the same length.
+
+    Exactly one way of reading them is set: `first_slot`, `dense`, or `head_rows`."""
+
+    slots: torch.Tensor  # [bs, max_len] int64
+    max_len: int
+    mask: torch.Tensor | None
+    # A single request whose keys sit in consecutive slots (the usual case for one request on a
+    # fresh pool: slots are handed out in order): its first slot. Attention then reads the pool
+    # through a view instead of gathering 2 x layers copies of its K/V every step.
+    first_slot: int | None = None
+    # Several requests: the dense blocks (DenseKV) this step appends to, or fills.
+    dense: DenseStep | None = None
+    # Otherwise row (b * kv_heads + h) * max_len + i of the gather reads KV head h of request b's slot
+    # at position i, the pool viewed as [slots * kv_heads, head_dim].
+    head_rows: torch.Tensor | None = None  # [bs * kv_heads * max_len] int64
+
+
+def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
+    table = batch.req_to_token_pool.req_to_token
+    rows = batch.req_pool_indices.tolist()
+    kv_slots = [table[row, :seq_len].to(torch.int64) for row, seq_len in zip(rows, batch.seq_lens_cpu)]
+    q_lens = list(batch.extend_seq_lens_cpu)
+    q_starts = [0] * len(q_lens)
+    for i in range(1, len(q_lens)):
+        q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
+    device = batch.input_ids.device
+    masks: list[torch.Tensor | None] = []
+    for seq_len, prefix, q_len in zip(batch.seq_lens_cpu, batch.extend_prefix_lens_cpu, q_lens):
+        if q_len == 1:
+            masks.append(None)
+            continue
+        # New token j sits at position prefix + j and sees keys 0 .. prefix + j.
+        key_pos = torch.arange(seq_len, device=device)
+        query_pos = torch.arange(prefix, prefix + q_len, device=device)
+        masks.append(key_pos[None, :] <= query_pos[:, None])
+    return ExtendMetadata(kv_slots, q_starts, q_lens, masks)
+
+
+def _decode_metadata(batch: ForwardBatch) -> DecodeMetadata:
+    """The step's slots and mask, and `first_slot` for a lone request whose slots are consecutive
+    (the backend picks how the others read their keys)."""
+    seq_lens = batch.seq_lens_cpu
+    max_len = max(seq_lens)
+    table = batch.req_to_token_pool.req_to_token
+    slots = table.index_select(0, batch.req_pool_indices)[:, :max_len].to(torch.int64)
+    mask = None
+    if min(seq_lens) != max_len:
+        key_pos = torch.arange(max_len, device=slots.device)
+        real = key_pos[None, :] < batch.seq_lens[:, None]
+        # Entries past a request's length may hold stale slots: read the padding row instead.
+        slots = slots.masked_fill(~real, 0)
+        mask = real[:, None, None, :]
+    if len(seq_lens) == 1:
+        first = int(slots[0, 0])
+        if int(slots[0, -1]) - first == max_len - 1 and torch.equal(
+            slots[0], torch.arange(first, first + max_len, device=slots.device)
+        ):
+            return DecodeMetadata(slots, max_len, mask, first_slot=first)
+    return DecodeMetadata(slots, max_len, mask)
+
+
+def _head_rows(slots: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Rows of the pool viewed as [slots * kv_heads, head_dim] holding KV head h of each slot, in
+    (request, head, position) order: [bs * kv_heads * len]."""
+    heads = torch.arange(kv_heads, device=slots.device)
+    return (slots[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+
+
+class TorchAttnBackend(AttentionBackend):
+    """One SDPA call over the batch for decode, per-request SDPA for extend."""
+
+    def __init__(self) -> None:
+        self.dense = DenseKV()
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.forward_mode.is_decode():
+            meta = _decode_metadata(batch)
+            if meta.first_slot is not None:
+                self.dense.drop()
+            elif (step := self.dense.plan(batch, meta.slots)) is not None:
+                meta = replace(meta, dense=step)
+            else:
+                meta = replace(meta, head_rows=_head_rows(meta.slots, batch.token_to_kv_pool.num_kv_heads))
+            batch.attn_metadata = meta
+        else:
+            self.dense.drop()
+            batch.attn_metadata = _extend_metadata(batch)
+
+    def forward_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        if not isinstance(batch.attn_metadata, ExtendMetadata):
+            self.init_forward_metadata(batch)
+        meta: ExtendMetadata = batch.attn_metadata  # type: ignore[assignment]
+        k_buffer = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        gqa = layer.num_heads != layer.num_kv_heads
+        for slots, start, q_len, mask in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.masks):
+            qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
+            ki = k_buffer[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            vi = v_buffer[slots].to(q.dtype).transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa
+            )
+            out[start : start + q_len] = oi.transpose(0, 1)
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def forward_decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = batch.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, batch.out_cache_loc, k, v)
+        if not isinstance(batch.attn_metadata, DecodeMetadata):
+            self.init_forward_metadata(batch)
+        meta: DecodeMetadata = batch.attn_metadata  # type: ignore[assignment]
+        bs, kv_heads, head_dim = batch.batch_size, layer.num_kv_heads, layer.head_dim
+        group = layer.num_heads // kv_heads
+        # Query head h * group + j attends with KV head h (HF's repeat_interleave order): the group's
+        # queries are the "query positions" of KV head h.
+        qg = q.reshape(bs, kv_heads, group, head_dim)
+        k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if meta.dense is not None:
+            keys, values = meta.dense.store(layer.layer_id, k, v, pool, meta.max_len)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        elif meta.first_slot is not None:
+            span = slice(meta.first_slot, meta.first_slot + meta.max_len)
+            # [max_len, kv_heads, head_dim] slots -> [1, kv_heads, max_len, head_dim], a strided view.
+            keys = k_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+            values = v_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
+        else:
+            assert meta.head_rows is not None
+            keys = k_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
+            values = v_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
+            keys = keys.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
+            values = values.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask, scale=layer.scaling)
+        return out.reshape(bs, layer.num_heads * head_dim)

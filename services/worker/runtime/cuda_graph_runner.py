@@ -1,0 +1,286 @@
+"""CUDA graphs for decode and extend steps: capture one forward per padded size once, then replay it.
+
+A step of a small batch is a few hundred short kernels; launching them one by one from Python costs
+far more than running them (an eager extend step of a 0.6B model spends ~17 ms launching whatever its
+size). A CUDA graph records the launches of one forward and replays them with a single call, so the
+host cost of a step no longer grows with the number of layers.
+
+A graph replays the exact kernels and addresses it saw, so:
+- the inputs live in static buffers sized for the largest graph; a step copies its batch into them and
+  pads the rest: padded tokens take id 0 at position 0 and write their KV to pool slot 0 (the padding
+  slot); padded requests take request row 0, length 0, no new tokens and prefix 0;
+- decode graphs, one per batch size (capture_batch_sizes): a batch of bs requests replays the smallest
+  size >= bs. The decode attention metadata (splits per request) is computed on the device from the
+  static seq_lens inside the graph, and the backend's decode buffers are reserved up front so they never
+  move; decode attention gives a length-0 row zeros and reads nothing;
+- extend graphs (prefill, chunked prefill, mixed steps), one per token bucket (extend_token_buckets),
+  each taking up to min(bucket, request rows) requests: a batch replays the smallest bucket that holds
+  its tokens and its requests. Its attention metadata (offsets, prefix lengths and the query block table)
+  is written into one static buffer before the replay; the extend kernel's grid is the table's length,
+  fixed per bucket (TritonAttnBackend.extend_blocks_bound). Padded tokens belong to no request and no
+  query block, so attention leaves their rows alone and every other layer works row by row: they never
+  touch a real token's values. The logits rows (each request's last new token) are gathered with an
+  index the graph computes from the static offsets;
+- the logits are copied into one static buffer [rows, vocab]; a step returns a view of its rows,
+  valid until the next replay (the scheduler samples from it before then).
+All graphs share one memory pool, captured largest (most tokens) first; they never run concurrently, so
+their intermediates may share memory.
+
+Off CUDA nothing is captured: a replay runs the same padded static-buffer forward directly, which is how
+the CPU tests compare the padding against plain eager forwards.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.worker.runtime.attention.base import AttentionBackend
+from services.worker.runtime.attention.triton_backend import (
+    EXTEND_METADATA_ROWS,
+    TritonAttnBackend,
+    TritonExtendMetadata,
+)
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Rows of the static integer buffer: per-token inputs (ids, positions, KV slots) and per-request ones
+# (request rows, lengths). Positions .. out_cache_loc are in the order of ForwardBatch.packed_rows
+# (ScheduleBatch packs a decode step's inputs so), which replay() copies as one block.
+_INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC = range(5)
+# Eager forwards per graph before capture: compiles the Triton kernels and lets cuBLAS pick its
+# algorithms outside the graph.
+_WARMUP_RUNS = 2
+# The smallest extend token bucket; each next one doubles.
+_MIN_EXTEND_BUCKET = 64
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_bs, and max_bs itself (ascending)."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1 to capture graphs, got {max_bs}")
+    sizes = [bs for bs in (1, 2, 4, 8) if bs <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+def extend_token_buckets(max_tokens: int) -> list[int]:
+    """64, 128, 256, ... below max_tokens, then max_tokens itself (ascending); none for 0."""
+    if max_tokens < 0:
+        raise ValueError(f"cuda_graph_max_extend_tokens must be >= 0, got {max_tokens}")
+    buckets = []
+    tokens = _MIN_EXTEND_BUCKET
+    while tokens < max_tokens:
+        buckets.append(tokens)
+        tokens *= 2
+    return buckets + [max_tokens] if max_tokens else buckets
+
+
+@dataclass
+class _Graph:
+    """One padded forward over the static buffers: num_tokens token rows, batch_size request rows
+    (also its logits rows), and on CUDA the graph captured from it."""
+
+    mode: ForwardMode
+    num_tokens: int
+    batch_size: int
+    forward: Callable[[], torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class GraphTarget(Protocol):
+    """What the graphs capture: the model with its pools and attention backend on one device (the
+    ModelRunner that owns the CudaGraphRunner)."""
+
+    device: torch.device
+    model_config: ModelConfig
+    tp_size: int
+    model: Callable[[torch.Tensor, torch.Tensor, ForwardBatch], torch.Tensor]
+    attn_backend: AttentionBackend
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+
+
+class CudaGraphRunner:
+    """Captured forwards of one model runner: decode ones for the batch sizes up to max_bs, extend ones
+    for the token buckets up to max_extend_tokens (0: none)."""
+
+    def __init__(self, runner: GraphTarget, max_bs: int, max_extend_tokens: int = 0) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        mc = runner.model_config
+        backend = runner.attn_backend
+        if not isinstance(backend, TritonAttnBackend):
+            raise ValueError(
+                f"cuda_graph_max_bs needs the triton attention backend, got {type(backend).__name__}"
+            )
+        self.backend = backend
+        # Reserve for eager decodes too (batches larger than max_bs): were the buffers to grow later,
+        # the graphs would keep writing to the freed old ones.
+        backend.reserve(
+            max(self.max_bs, runner.req_to_token_pool.size),
+            mc.num_attention_heads // runner.tp_size,
+            runner.token_to_kv_pool.num_kv_heads,
+            mc.head_dim,
+            self.device,
+        )
+        rows = runner.req_to_token_pool.size
+        self.decode_graphs = [self._graph(ForwardMode.DECODE, bs, bs) for bs in self.batch_sizes]
+        self.extend_graphs = [
+            self._graph(ForwardMode.EXTEND, tokens, min(tokens, rows))
+            for tokens in extend_token_buckets(max_extend_tokens)
+        ]
+        width = max(g.num_tokens for g in self.decode_graphs + self.extend_graphs)
+        self.inputs = torch.zeros((5, width), dtype=torch.int64, device=self.device)
+        bound = backend.extend_blocks_bound
+        meta_width = max(
+            (max(g.batch_size + 1, bound(g.num_tokens, g.batch_size)) for g in self.extend_graphs), default=1
+        )
+        self.extend_meta = torch.zeros((EXTEND_METADATA_ROWS, meta_width), dtype=torch.int32, device=self.device)
+        # An empty batch: every table entry (-1) is skipped, which is all the warm-up and capture need.
+        backend.fill_extend_metadata(self.extend_meta, [], [])
+        logits_rows = max(g.batch_size for g in self.decode_graphs + self.extend_graphs)
+        self.logits = torch.empty((logits_rows, mc.vocab_size), dtype=torch.float32, device=self.device)
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.capture()
+
+    def _graph(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> _Graph:
+        return _Graph(mode, num_tokens, batch_size, self._forward_fn(mode, num_tokens, batch_size))
+
+    def _static_batch(self, mode: ForwardMode, num_tokens: int, bs: int) -> ForwardBatch:
+        """A batch over the static buffers. Its host-side lists are placeholders: no layer reads them
+        here (decode metadata comes from the device seq_lens, extend metadata from the static buffer
+        and the logits rows from last_token_rows)."""
+        r = self.runner
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=bs,
+            input_ids=self.inputs[_INPUT_IDS, :num_tokens],
+            positions=self.inputs[_POSITIONS, :num_tokens],
+            req_pool_indices=self.inputs[_REQ_POOL_INDICES, :bs],
+            seq_lens=self.inputs[_SEQ_LENS, :bs],
+            out_cache_loc=self.inputs[_OUT_CACHE_LOC, :num_tokens],
+            seq_lens_cpu=[0] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1 if mode.is_decode() else 0] * bs,
+            req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.token_to_kv_pool,
+            attn_backend=r.attn_backend,
+        )
+
+    def _forward_fn(self, mode: ForwardMode, num_tokens: int, bs: int) -> Callable[[], torch.Tensor]:
+        """The padded forward a graph records. The batch object is rebuilt per call (from the same
+        buffers), so nothing caches a result under a tensor whose contents changed since."""
+        runner = self.runner
+
+        def forward() -> torch.Tensor:
+            batch = self._static_batch(mode, num_tokens, bs)
+            if mode.is_decode():
+                runner.attn_backend.init_forward_metadata(batch)
+            else:
+                # A block table long enough for any batch the bucket takes: its length is the grid.
+                num_blocks = self.backend.extend_blocks_bound(num_tokens, bs)
+                meta = TritonExtendMetadata.view(self.extend_meta, bs, num_blocks)
+                batch.attn_metadata = meta
+                # A padded request's offset is the token total: its "last row" is a real one, unused.
+                batch.last_token_rows = meta.qo_indptr[1:].to(torch.int64) - 1
+            return runner.model(batch.input_ids, batch.positions, batch)
+
+        return forward
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """On CUDA, warm up and capture every graph, most tokens first; elsewhere nothing to do."""
+        if self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        self.inputs.zero_()
+        order = sorted(
+            self.decode_graphs + self.extend_graphs, key=lambda g: (-g.num_tokens, g.mode.is_decode())
+        )
+        for g in order:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_RUNS):
+                    g.forward()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            g.graph = torch.cuda.CUDAGraph()
+            # thread_local: the scheduler may run in a thread while its caller's threads use CUDA.
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.logits[: g.batch_size].copy_(g.forward())
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "captured %d CUDA graphs in %.1f s: decode batch sizes %s, extend (tokens, requests) %s; logits %s",
+            len(order), time.perf_counter() - start, self.batch_sizes,
+            [(g.num_tokens, g.batch_size) for g in self.extend_graphs], tuple(self.logits.shape),
+        )  # fmt: skip
+
+    def padded_size(self, bs: int) -> int:
+        """The decode graph size a batch of bs requests replays."""
+        return self._decode_graph(bs).batch_size
+
+    def _decode_graph(self, bs: int) -> _Graph:
+        return self.decode_graphs[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def padded_extend(self, num_tokens: int, bs: int) -> tuple[int, int] | None:
+        """(tokens, requests) of the extend graph a batch of num_tokens tokens and bs requests replays;
+        None when no graph holds it."""
+        g = self._extend_graph(num_tokens, bs)
+        return None if g is None else (g.num_tokens, g.batch_size)
+
+    def _extend_graph(self, num_tokens: int, bs: int) -> _Graph | None:
+        """The smallest extend bucket that holds num_tokens tokens and bs requests."""
+        return next(
+            (g for g in self.extend_graphs if g.num_tokens >= num_tokens and g.batch_size >= bs), None
+        )
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        if batch.return_all_logits:
+            return False
+        if batch.forward_mode.is_decode():
+            return batch.batch_size <= self.max_bs and batch.num_tokens == batch.batch_size
+        return self._extend_graph(batch.num_tokens, batch.batch_size) is not None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs, vocab] of a batch can_run accepted (a view of the static buffer, valid until the
+        next replay)."""
+        bs, num_tokens = batch.batch_size, batch.num_tokens
+        if batch.forward_mode.is_decode():
+            g = self._decode_graph(bs)
+        else:
+            found = self._extend_graph(num_tokens, bs)
+            assert found is not None, "replay() takes only batches can_run accepts"
+            g = found
+            prefix_lens, extend_lens = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
+            bound = self.backend.extend_blocks_bound(g.num_tokens, g.batch_size)
+            self.backend.fill_extend_metadata(self.extend_meta, prefix_lens, extend_lens, bound)
+        # Padding: token 0 at position 0 into KV slot 0; request row 0 of length 0 (one launch: a graph
+        # has no more requests than tokens, and the copies below overwrite the real part).
+        if min(bs, num_tokens) < g.num_tokens:
+            self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
+        self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
+        if batch.packed_rows is not None:  # one token per request: [4, bs]
+            self.inputs[_POSITIONS : _OUT_CACHE_LOC + 1, :bs].copy_(batch.packed_rows)
+        else:
+            self.inputs[_POSITIONS, :num_tokens].copy_(batch.positions)
+            self.inputs[_OUT_CACHE_LOC, :num_tokens].copy_(batch.out_cache_loc)
+            self.inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
+            self.inputs[_SEQ_LENS, :bs].copy_(batch.seq_lens)
+        if g.graph is not None:
+            g.graph.replay()
+        else:
+            self.logits[: g.batch_size].copy_(g.forward())
+        return self.logits[:bs]

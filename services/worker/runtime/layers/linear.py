@@ -1,0 +1,340 @@
+"""Tensor-parallel linear layers, and how a checkpoint tensor is sliced into a parameter.
+
+Column-parallel layers split the output features across TP ranks and need no communication;
+row-parallel layers split the input features and all-reduce the partial sums. A column layer followed
+by a row layer (QKV -> o_proj, gate_up -> down) therefore costs one all-reduce.
+
+Every parameter carries `weight_loader(param, loaded_weight, *shard)` (vLLM's convention) that copies
+this rank's slice of a checkpoint tensor, so a model's `load_weights` only maps names. A checkpoint
+tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight` reads just the rows or
+columns this rank keeps, so no rank materialises a whole sharded matrix.
+
+On the CPU, `prepack_cpu_weights` gives every linear layer (and the LM head) a copy of its weight in
+oneDNN's blocked layout. Batches of two rows or more multiply with it: the plain F.linear repacks
+the weight on every call, which at batch 16 costs as much as the product itself. For single rows the
+faster path depends on the CPU (MKL's matrix-vector product streams the plain weight at the memory's
+speed on Intel; on AMD it ran on one core at about half of it, where oneDNN's did not), so
+linear_calibration.py's `calibrate_single_row` times one pass over the model's weights each way at load time and keeps the
+faster, counting only passes during which no other process held one of the cores (a second model
+loading beside this one made the packed pass look 2x slower and kept the slower product for good).
+
+On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
+product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's weights at 0.99 of the
+copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). linear_calibration.py's `select_gemv_tiles` times both on each
+weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
+Triton product won.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+
+# Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row (linear_calibration.py) found the packed
+# matrix-vector product faster on this CPU.
+PREPACKED_MIN_ROWS = 2
+
+
+def set_single_row_product(packed: bool) -> None:
+    """Whether single rows use the prepacked weight (PREPACKED_MIN_ROWS 1) or F.linear (2)."""
+    global PREPACKED_MIN_ROWS
+    PREPACKED_MIN_ROWS = 1 if packed else 2
+
+
+def cpu_prepack_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops (x86 and aarch64 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def cpu_prepack_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has what
+    oneDNN's bf16 products need (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses the
+    reorder). Weights of another dtype keep F.linear."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
+def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, for `linear(..., packed=...)`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    min_rows: int | None = None,
+    gemv_tiles: Any = None,
+) -> torch.Tensor:
+    """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
+    (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
+    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles)."""
+    if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
+        y = _gemv(x, weight, tiles=gemv_tiles)
+        return y if bias is None else y + bias
+    if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+# kernels.gemv's products once load_gemv_kernels has imported them (Triton is imported only where it is
+# used: CPU-only installs may lack it).
+_gemv: Callable[..., torch.Tensor] | None = None
+_rmsnorm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+_silu_mul_gemv: Callable[..., torch.Tensor] | None = None
+
+
+def load_gemv_kernels() -> None:
+    """Import kernels/gemv.py's products for the layers that select_gemv_tiles gives tiles."""
+    global _gemv, _rmsnorm_gemv, _silu_mul_gemv
+    from kernels.gemv import gemv, rmsnorm_gemv, silu_mul_gemv
+
+    _gemv, _rmsnorm_gemv, _silu_mul_gemv = gemv, rmsnorm_gemv, silu_mul_gemv
+
+
+def fuses_prologue(x: torch.Tensor, gemv_tiles: Any) -> bool:
+    """Whether a layer with `gemv_tiles` takes x through a GEMV with a fused prologue (the one-row
+    "rows" form: one contiguous row)."""
+    return (
+        gemv_tiles is not None and getattr(gemv_tiles, "kind", None) == "rows" and x.dim() == 2
+        and x.shape[0] == 1 and x.stride(-1) == 1
+    )
+
+
+class NormLike(Protocol):
+    """What norm_then_linear needs of an RMSNorm module."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any: ...
+
+
+def norm_then_linear(
+    norm: NormLike, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(x + residual)), x + residual), the pre-norm decoder's step into a projection; without
+    a residual the norm is of x and x is the residual. A single row whose layer has "rows" GEMV tiles
+    takes one launch (kernels.gemv.rmsnorm_gemv) instead of a norm kernel and a product."""
+    if fuses_prologue(x, layer.gemv_tiles):
+        y, residual = _rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, tiles=layer.gemv_tiles)
+        return (y if layer.bias is None else y + layer.bias), residual
+    if residual is None:
+        return layer(norm(x)), x
+    hidden, residual = norm(x, residual)
+    return layer(hidden), residual
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy;
+    returns the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only
+    (float32; bfloat16 where this CPU has oneDNN's bf16 support)."""
+    total = 0
+    dtypes = cpu_prepack_dtypes()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
+            continue
+        if weight.device.type != "cpu" or weight.dtype not in dtypes:
+            continue
+        module.packed_weight = prepack_weight(weight)
+        total += weight.numel() * weight.element_size()
+    return total
+
+
+class WeightSlice(Protocol):
+    """What safetensors' `safe_open(...).get_slice(name)` returns: a shape and slice indexing."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+LoadedWeight = torch.Tensor | WeightSlice
+
+
+def weight_shape(weight: LoadedWeight) -> tuple[int, ...]:
+    if isinstance(weight, torch.Tensor):
+        return tuple(weight.shape)
+    return tuple(weight.get_shape())
+
+
+def narrow_weight(weight: LoadedWeight, dim: int, start: int, length: int) -> torch.Tensor:
+    """weight[..., start:start+length, ...] along dim, reading only that part of a lazy slice."""
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return weight[index]
+
+
+def full_weight(weight: LoadedWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight[:]
+
+
+def check_weight_shape(weight: LoadedWeight, expected: tuple[int, ...], what: str) -> None:
+    shape = weight_shape(weight)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint tensor for {what} has shape {list(shape)}, expected {list(expected)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+    """Copy a whole (replicated) tensor, casting to the parameter's dtype."""
+    check_weight_shape(loaded_weight, tuple(param.shape), "a replicated parameter")
+    param.data.copy_(full_weight(loaded_weight))
+
+
+def new_parameter(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Parameter:
+    """An uninitialised inference parameter (dtype/device from the ambient defaults) with its loader."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+class Projection(nn.Module):
+    """What every linear layer below carries besides its weight: the CPU prepacked copy
+    (prepack_cpu_weights), the batch-1 GEMV tiles (select_gemv_tiles, None: cuBLAS), and `prologue`,
+    the elementwise step the model runs right before this product at batch 1 ("rmsnorm",
+    "silu_and_mul"), which "rows" GEMV tiles fold in (set by the model, read by select_gemv_tiles)."""
+
+    prepackable = True
+    packed_weight: torch.Tensor | None = None
+    gemv_tiles: Any = None
+    prologue: str | None = None
+
+
+class ReplicatedLinear(Projection):
+    """A linear layer every rank holds whole (MoE router, small heads)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = new_parameter((output_size, input_size), default_weight_loader)
+        self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+
+
+class ColumnParallelLinear(Projection):
+    """y = x W^T with W's rows (output features) split across ranks; each rank returns its slice of y.
+
+    `output_sizes` lists the logical matrices fused into this one (e.g. [gate, up]); each is split
+    across ranks separately, so rank r holds [gate_r; up_r] and a shard id selects which one a
+    checkpoint tensor fills.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [divide(size, self.tp_size) for size in self.output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = new_parameter((out, input_size), self.weight_loader)
+        self.bias = new_parameter((out,), self.weight_loader) if bias else None
+
+    def shard_range(self, shard_id: int | str | None) -> tuple[int, int, int, int]:
+        """(offset in the local parameter, rows, first row in the checkpoint tensor, checkpoint rows)."""
+        index = 0 if shard_id is None else int(shard_id)
+        offset = sum(self.local_sizes[:index])
+        rows = self.local_sizes[index]
+        return offset, rows, self.tp_rank * rows, self.output_sizes[index]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: int | str | None = None
+    ) -> None:
+        offset, rows, start, total = self.shard_range(shard_id)
+        expected = (total,) + tuple(param.shape[1:])
+        check_weight_shape(loaded_weight, expected, f"{type(self).__name__} shard {shard_id}")
+        param.data.narrow(0, offset, rows).copy_(narrow_weight(loaded_weight, 0, start, rows))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices sharing one input, fused (gate_proj + up_proj -> gate_up_proj).
+    Shard ids are the positions in `output_sizes`."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with attention heads split across ranks (shard ids 'q', 'k', 'v').
+
+    When there are more ranks than KV heads, each rank keeps one KV head (replicated over
+    tp_size / num_kv_heads ranks): the one its query heads attend with.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp_size = get_tp_size()
+        if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:
+            raise ValueError(
+                f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}"
+            )
+        if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
+            raise ValueError(
+                f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}"
+            )
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.total_num_kv_heads = total_num_kv_heads
+        q_size = total_num_heads * head_dim
+        # The checkpoint KV matrices are smaller than num_kv_heads * tp_size when replicated; the
+        # base class only uses output_sizes for the local split, and shard_range handles k and v.
+        kv_local = self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_local * tp_size, kv_local * tp_size], bias)
+
+    def shard_range(self, shard_id: int | str | None) -> tuple[int, int, int, int]:
+        index = {"q": 0, "k": 1, "v": 2}[str(shard_id)]
+        if index == 0:
+            return super().shard_range(0)
+        rows = self.num_kv_heads * self.head_dim
+        offset = self.local_sizes[0] + (index - 1) * rows
+        # Rank r serves query heads whose KV head is r * total_kv // tp (integer division covers
+        # both the split and the replicated case).
+        kv_head = self.tp_rank * self.total_num_kv_heads // self.tp_size
+        return offset, rows, kv_head * self.head_dim, self.total_num_kv_heads * self.head_dim
+
+
+class RowParallelLinear(Projection):
+    """y = x W^T with W's columns (input features) split across ranks; the input arrives already split
+    (from a column-parallel layer), partial sums are all-reduced, and the bias is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size = input_size
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.weight = new_parameter((output_size, self.input_size_per_partition), self.weight_loader)
+        self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        check_weight_shape(loaded_weight, (param.shape[0], self.input_size), type(self).__name__)
+        cols = self.input_size_per_partition
+        param.data.copy_(narrow_weight(loaded_weight, 1, self.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, gemv_tiles=self.gemv_tiles))
+        return y if self.bias is None else y + self.bias
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """self(act(gate_up)) where act is SiLU-and-mul over [gate | up]: a single row with "rows" GEMV
+        tiles forms the activation inside the product (kernels.gemv.silu_mul_gemv), one launch less."""
+        if not fuses_prologue(gate_up, self.gemv_tiles):
+            return self(act(gate_up))
+        y = _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
+        if self.tp_size > 1:
+            y = tp_all_reduce(y)
+        return y if self.bias is None else y + self.bias

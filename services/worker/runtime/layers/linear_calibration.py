@@ -1,0 +1,226 @@
+"""Which matrix product each linear layer uses, chosen by timing at load (ModelRunner does it once).
+
+On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
+product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's weights at 0.99 of the
+copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). `select_gemv_tiles` times both on each
+weight shape of the model (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the Triton
+product won; linear.py's layers then take single rows through it.
+
+On the CPU, single rows are faster through the prepacked oneDNN weight or through MKL's plain
+matrix-vector product depending on the CPU; `calibrate_single_row` times one pass over the model's
+weights each way and keeps the faster, counting only passes during which no other process held one of
+the cores.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.worker.runtime.layers.linear import linear, load_gemv_kernels, set_single_row_product
+
+# Tiles select_gemv_tiles tries on each weight shape: the best "rows" tiles of bench/gpu_gemv.py's sweep
+# on the H200 at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head), and "dot" tiles,
+# which also take up to 16 rows (speculative verification) with the same bits per row as one.
+GEMV_CANDIDATES = (
+    (8, 512, 4, 3, "rows"), (16, 1024, 8, 1, "rows"), (32, 256, 8, 1, "rows"), (16, 256, 4, 3, "rows"),
+    (16, 512, 4, 3, "dot"), (32, 256, 4, 3, "dot"), (64, 128, 4, 4, "dot"),
+)
+# The Triton product must beat cuBLAS by this much to be kept under 'auto'.
+GEMV_MIN_GAIN = 0.02
+# A "dot" tile is preferred over a "rows" tile that is faster by less than this: it serves up to 16 rows.
+GEMV_DOT_PREFERENCE = 0.03
+
+
+def gemv_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose single-row products may go through the GEMV: opted-in layers (the linear layers
+    and the LM head) with a 2-D half-precision CUDA weight."""
+    return [
+        m for m in model.modules()
+        if getattr(m, "prepackable", False) and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+        and m.weight.is_cuda and m.weight.dtype in (torch.bfloat16, torch.float16) and m.weight.stride(1) == 1
+    ]
+
+
+def choose_gemv_tiles(
+    shapes: dict[tuple[int, int], list[torch.Tensor]],
+    time_pass: Callable[[list[torch.Tensor], Any], float],
+    candidates: list[Any],
+    mode: str,
+    absorbed: dict[tuple[int, int], float] | None = None,
+) -> dict[tuple[int, int], Any]:
+    """For each weight shape (N, K), the candidate tile with the cheapest pass over its weights ("dot" tiles
+    win when within GEMV_DOT_PREFERENCE of the cheapest). It is kept when mode is 'triton', or under 'auto'
+    when it beats cuBLAS (`time_pass(weights, None)`) by GEMV_MIN_GAIN; else the shape gets None (cuBLAS).
+    `absorbed` gives, per shape, the seconds of the elementwise launch before it (a norm, SiLU-and-mul)
+    that a "rows" tile folds into its product (kernels.gemv's prologues) and cuBLAS or a "dot" tile pay."""
+    chosen: dict[tuple[int, int], Any] = {}
+    for shape, weights in shapes.items():
+        extra = (absorbed or {}).get(shape, 0.0)
+        timed = [(time_pass(weights, t) + (0.0 if getattr(t, "kind", "rows") == "rows" else extra), t)
+                 for t in candidates]
+        best_t, best_tiles = min(timed, key=lambda item: item[0] * (
+            1.0 - GEMV_DOT_PREFERENCE if getattr(item[1], "kind", "rows") == "dot" else 1.0))
+        if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * (time_pass(weights, None) + extra):
+            chosen[shape] = best_tiles
+        else:
+            chosen[shape] = None
+    return chosen
+
+
+def cuda_graph_seconds(fn: Callable[[], None], reps: int = 5) -> float:
+    """Seconds of one replay of `fn` captured as a CUDA graph (median of reps, after a warm-up on a side
+    stream as capture requires): what a step's graph pays for fn, without host launch cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _graph_pass_time(weights: list[torch.Tensor], tiles: Any) -> float:
+    """Seconds of one single-row product per weight in `weights` (cuBLAS when tiles is None)."""
+    # Imported here: triton is needed (and installed) only where CUDA runs.
+    from kernels.gemv import gemv
+
+    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
+    outs = [torch.empty(1, w.shape[0], dtype=w.dtype, device=w.device) for w in weights]
+
+    def one_pass() -> None:
+        for w, o in zip(weights, outs):
+            if tiles is None:
+                torch.mm(x, w.t(), out=o)
+            else:
+                gemv(x, w, out=o, tiles=tiles)
+
+    with torch.cuda.device(x.device):
+        return cuda_graph_seconds(one_pass) / len(weights)
+
+
+def _prologue_seconds(prologue: str, k: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds of the separate launch a module's `prologue` costs when its product cannot absorb it
+    (one CUDA-graph replay of the kernel on a single row of K inputs)."""
+    # Imported here: triton is needed (and installed) only where CUDA runs.
+    from kernels.activation import silu_and_mul
+    from kernels.rmsnorm import fused_add_rmsnorm
+
+    if prologue == "rmsnorm":
+        x, r = (torch.randn(1, k, dtype=dtype, device=device) for _ in range(2))
+        w = torch.ones(k, dtype=dtype, device=device)
+        return cuda_graph_seconds(lambda: fused_add_rmsnorm(x, r, w, 1e-6))
+    if prologue == "silu_and_mul":
+        x = torch.randn(1, 2 * k, dtype=dtype, device=device)
+        return cuda_graph_seconds(lambda: silu_and_mul(x))
+    raise ValueError(f"unknown prologue {prologue!r}")
+
+
+def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 16) -> dict[tuple[int, int], Any]:
+    """Give each GEMV-capable module of `model` its `gemv_tiles` (None: cuBLAS) per `mode` ('auto',
+    'triton', 'cublas'); returns the choice per weight shape. Timing uses up to max_weights_per_shape
+    distinct weights of a shape, so most reads come from memory rather than L2, as in a real step. A shape
+    whose modules take a prologue (`prologue`: "rmsnorm" or "silu_and_mul", set by the model) credits
+    "rows" tiles with the launch they absorb."""
+    modules = gemv_modules(model)
+    for m in modules:
+        m.gemv_tiles = None
+    if mode == "cublas" or not modules:
+        return {}
+    # Imported here: triton is needed (and installed) only where CUDA runs.
+    from kernels.gemv import GemvTiles
+
+    load_gemv_kernels()
+    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for m in modules:
+        weights = shapes.setdefault(tuple(m.weight.shape), [])
+        if len(weights) < max_weights_per_shape and all(w.data_ptr() != m.weight.data_ptr() for w in weights):
+            weights.append(m.weight)
+    with torch.inference_mode():
+        absorbed: dict[tuple[int, int], float] = {}
+        launch: dict[tuple[str, int], float] = {}
+        for m in modules:
+            if getattr(m, "prologue", None) is not None:
+                shape = tuple(m.weight.shape)
+                key = (m.prologue, shape[1])
+                if key not in launch:
+                    launch[key] = _prologue_seconds(m.prologue, shape[1], m.weight.dtype, m.weight.device)
+                absorbed[shape] = max(absorbed.get(shape, 0.0), launch[key])
+        chosen = choose_gemv_tiles(
+            shapes, _graph_pass_time, [GemvTiles(*c) for c in GEMV_CANDIDATES], mode, absorbed
+        )
+    for m in modules:
+        m.gemv_tiles = chosen[tuple(m.weight.shape)]
+    return chosen
+
+
+# A packed pass counts only if the process got at least this share of its compute threads' time: with a
+# core taken by another process (a second model loading beside this one), the packed product's threads
+# wait for each other and its pass takes ~2x, while MKL's one-core product for a single row does not
+# slow down, so a disturbed timing would keep the slower product for the process's life.
+CALIBRATION_MIN_CPU_SHARE = 0.85
+CALIBRATION_MAX_SECONDS = 3.0
+
+
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """Wall seconds of fn() and the process's CPU seconds per wall second meanwhile (all threads)."""
+    cpu, start = time.process_time(), time.perf_counter()
+    fn()
+    wall = time.perf_counter() - start
+    return wall, (time.process_time() - cpu) / max(wall, 1e-9)
+
+
+def calibrate_single_row(
+    model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
+) -> dict[str, float]:
+    """Time one single-row pass over every prepacked weight of `model` with F.linear and with the
+    packed product (alternating pairs after one warm pass each, best of `repeats` clean pairs), and make
+    single rows use the packed one if it was faster (linear.PREPACKED_MIN_ROWS 1). A pair is clean when the packed pass kept
+    its compute threads busy (CALIBRATION_MIN_CPU_SHARE); pairs are timed until `repeats` are clean or
+    `max_seconds` have passed, and if none was clean the best of all pairs decides. Returns the best
+    seconds per path and `clean_pairs`."""
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not modules:
+        return {}
+    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+
+    def one_pass(rows_from: int) -> Callable[[], None]:
+        def run() -> None:
+            for module, x in zip(modules, inputs):
+                linear(x, module.weight, None, module.packed_weight, min_rows=rows_from)
+
+        return run
+
+    busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
+    clean = {"plain": float("inf"), "packed": float("inf")}
+    anyhow = dict(clean)
+    clean_pairs = pairs = 0
+    with torch.inference_mode():
+        one_pass(2)(), one_pass(1)()
+        deadline = time.perf_counter() + max_seconds
+        while clean_pairs < repeats and (pairs == 0 or time.perf_counter() < deadline):
+            plain, _ = _timed(one_pass(2))
+            packed, busy = _timed(one_pass(1))
+            pairs += 1
+            anyhow = {"plain": min(anyhow["plain"], plain), "packed": min(anyhow["packed"], packed)}
+            if busy >= busy_floor:
+                clean = {"plain": min(clean["plain"], plain), "packed": min(clean["packed"], packed)}
+                clean_pairs += 1
+    best = clean if clean_pairs else anyhow
+    set_single_row_product(best["packed"] < best["plain"])
+    return {**best, "clean_pairs": float(clean_pairs)}

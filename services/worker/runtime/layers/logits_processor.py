@@ -1,0 +1,38 @@
+"""Final hidden states -> float32 next-token logits, full vocabulary on every rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from services.worker.runtime.distributed import tp_all_gather
+from services.worker.runtime.layers.embedding import VocabParallelEmbedding
+from services.worker.runtime.layers.linear import linear
+
+if TYPE_CHECKING:
+    from services.worker.runtime.forward_batch import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    """Picks the rows that need logits (each request's last new token, or all tokens when the batch
+    asks), applies the vocab-parallel LM head, gathers the vocab shards and trims the padding.
+
+    A decode batch has one token per request, each its request's last, so its rows are used as they
+    are. An extend batch's rows come from ForwardBatch.last_token_indices(): built from the host
+    lengths in an eager step, or, inside a CUDA graph, the batch's device-side last_token_rows (computed
+    from the graph's static offsets), so a replay gathers the rows of the batch it replays.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, batch: ForwardBatch
+    ) -> torch.Tensor:
+        if not batch.return_all_logits and not batch.forward_mode.is_decode():
+            hidden = hidden[batch.last_token_indices()]
+        logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles), dim=-1)
+        return logits[:, : self.vocab_size].float()

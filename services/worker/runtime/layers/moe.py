@@ -1,0 +1,140 @@
+"""Mixture of experts: top-k routing and the expert computation, tensor-parallel by intermediate dim.
+
+Every rank holds every expert, but only its slice of each expert's intermediate dimension: the
+fused gate_up (w13) is split column-wise, down (w2) row-wise, so the layer needs one all-reduce, like a
+dense MLP. `moe_forward` is the torch reference; on CUDA kernels/fused_moe.py replaces it (same
+contract, no host sync, so a decode step with MoE layers can be captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from services.worker.runtime.layers.activation import silu_and_mul
+from services.worker.runtime.layers.linear import (
+    LoadedWeight,
+    check_weight_shape,
+    narrow_weight,
+    new_parameter,
+)
+
+# HF names one expert's matrices `...mlp.experts.{e}.{gate,up,down}_proj.weight`.
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_SHARDS = {
+    "gate_proj": ("w13_weight", "w1"),
+    "up_proj": ("w13_weight", "w3"),
+    "down_proj": ("w2_weight", "w2"),
+}
+
+
+def expert_weight_target(name: str) -> tuple[str, int, str] | None:
+    """For an HF per-expert checkpoint name: (FusedMoE parameter name, expert id, shard id); else None.
+    `model.layers.3.mlp.experts.5.up_proj.weight` -> (`model.layers.3.mlp.experts.w13_weight`, 5, 'w3')."""
+    match = _EXPERT_WEIGHT.search(name)
+    if match is None:
+        return None
+    param_name, shard_id = _EXPERT_SHARDS[match.group(2)]
+    return f"{name[: match.start()]}.experts.{param_name}", int(match.group(1)), shard_id
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32), keep the top k; renormalize makes the kept weights sum to 1.
+    Returns (weights [tokens, k] float32, expert ids [tokens, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_forward(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e.
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k].
+    Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens.
+    """
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    weight_of = topk_weights.flatten()[order].to(hidden.dtype)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of[start : start + count]
+        act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
+        expert_out = F.linear(act, w2[expert]) * weight_of[start : start + count, None]
+        out.index_add_(0, tokens, expert_out)
+        start += count
+    return out
+
+
+class FusedMoE(nn.Module):
+    """All experts of one layer, stacked: w13_weight [E, 2 * I_rank, H], w2_weight [E, H, I_rank].
+
+    Checkpoint tensors are per expert (HF `experts.{e}.gate_proj/up_proj/down_proj`); the loader takes
+    (expert_id, shard_id) with shard ids 'w1' (gate), 'w3' (up), 'w2' (down).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.intermediate_per_rank = divide(intermediate_size, self.tp_size)
+        i_rank = self.intermediate_per_rank
+        self.w13_weight = new_parameter((num_experts, 2 * i_rank, hidden_size), self.weight_loader)
+        self.w2_weight = new_parameter((num_experts, hidden_size, i_rank), self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: LoadedWeight, expert_id: int, shard_id: str
+    ) -> None:
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} is outside num_experts={self.num_experts}")
+        rows = self.intermediate_per_rank
+        start = self.tp_rank * rows
+        if shard_id == "w2":
+            check_weight_shape(loaded_weight, (self.hidden_size, self.intermediate_size), "expert down_proj")
+            param.data[expert_id].copy_(narrow_weight(loaded_weight, 1, start, rows))
+            return
+        check_weight_shape(loaded_weight, (self.intermediate_size, self.hidden_size), f"expert {shard_id}")
+        offset = 0 if shard_id == "w1" else rows
+        param.data[expert_id, offset : offset + rows].copy_(narrow_weight(loaded_weight, 0, start, rows))
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if hidden.is_cuda:
+            # Imported here: triton is needed (and installed) only where CUDA runs.
+            from kernels.fused_moe import fused_moe
+
+            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return tp_all_reduce(out)

@@ -1,0 +1,158 @@
+"""ModelConfig: what the worker needs to know about a checkpoint directory, read once.
+
+It wraps transformers' own config (so any field a model needs is at hand) and resolves the things
+the scheduler and memory pools need: dtype, head counts, context length, EOS ids and the checkpoint's
+default sampling parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from services.worker.runtime.layers.rotary import rope_parameters
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The `architectures` names of config.json a model class runs (model_loader.py's MODEL_REGISTRY maps
+# each to its class; a test holds the two to the same names).
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+# Sampling fields of generation_config.json that become per-request defaults.
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open() as f:
+        return json.load(f)
+
+
+def _as_id_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, checkpoint_dtype: Any, device: torch.device
+) -> torch.dtype:
+    """'auto'/None: float32 on CPU (fast and exact there), the checkpoint's dtype (else bfloat16) on
+    accelerators."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; use one of {sorted(_DTYPES)}")
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if isinstance(checkpoint_dtype, torch.dtype):
+            return checkpoint_dtype
+        return _DTYPES.get(str(checkpoint_dtype or "bfloat16").removeprefix("torch."), torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A checkpoint directory's model description (global, not per TP rank, unless a method says)."""
+
+    path: Path
+    hf_config: PretrainedConfig = field(repr=False)
+    architecture: str
+    dtype: torch.dtype
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context_len: int
+    tie_word_embeddings: bool
+    num_experts: int  # 0 for dense models
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict[str, Any]
+
+    @classmethod
+    def from_path(
+        cls,
+        model_path: str | Path,
+        dtype: str | torch.dtype | None = None,
+        context_length: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ModelConfig:
+        path = Path(model_path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"model_path {str(path)!r} has no config.json")
+        raw = _read_json(config_file)
+        architecture = _pick_architecture(raw.get("architectures"))
+        hf_config = AutoConfig.from_pretrained(path)
+        if getattr(hf_config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=true in config.json is not supported")
+
+        num_heads = int(hf_config.num_attention_heads)
+        num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or raw.get("torch_dtype")
+        generation = (
+            _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+        )
+        eos = _as_id_list(raw.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
+        num_experts = int(
+            getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0) or 0
+        )
+
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            architecture=architecture,
+            dtype=resolve_dtype(dtype, checkpoint_dtype, torch.device(device)),
+            num_layers=int(hf_config.num_hidden_layers),
+            num_attention_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_size=int(hf_config.hidden_size),
+            vocab_size=int(hf_config.vocab_size),
+            context_len=_context_len(hf_config, context_length),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            num_experts=num_experts,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            generation_defaults={k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None},
+        )
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads one rank holds: split across ranks, or one replicated head when tp > kv heads."""
+        return max(1, self.num_kv_heads // tp_size)
+
+
+def _pick_architecture(architectures: Any) -> str:
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not architectures:
+        raise ValueError(f"config.json has no 'architectures' entry; supported architectures: {supported}")
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"config.json architectures {architectures} are not supported; supported architectures: {supported}"
+    )
+
+
+def _context_len(hf_config: PretrainedConfig, override: int | None) -> int:
+    max_positions = int(hf_config.max_position_embeddings)
+    if override is None:
+        return max_positions
+    if override <= 0:
+        raise ValueError(f"context_length must be positive, got {override}")
+    # Scaled rope (yarn, linear, llama3) is how a checkpoint extends past its trained length.
+    rope = rope_parameters(hf_config)
+    limit = max_positions
+    if "factor" in rope and rope["rope_type"] != "default":
+        original = int(rope.get("original_max_position_embeddings") or max_positions)
+        limit = max(limit, int(original * float(rope["factor"])))
+    if override > limit:
+        raise ValueError(f"context_length={override} exceeds the model's max_position_embeddings ({limit})")
+    return override

@@ -1,0 +1,87 @@
+"""Build the model for this TP rank and fill it from the checkpoint's safetensors files.
+
+Tensors are handed to the model as lazy safetensors slices, so each rank reads only the rows or
+columns its parameters keep (a 235B checkpoint is never materialised whole on one rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from services.worker.runtime.layers.linear import LoadedWeight
+from services.worker.runtime.model_config import ARCHITECTURES, ModelConfig
+from services.worker.runtime.models.llama import LlamaForCausalLM
+from services.worker.runtime.models.qwen3 import Qwen3ForCausalLM
+from services.worker.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# Model registry: the `architectures` name in a checkpoint's config.json -> the class that runs it.
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in MODEL_REGISTRY:
+        raise ValueError(
+            f"architectures entry {architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return MODEL_REGISTRY[architecture]
+
+
+def safetensors_files(model_path: Path) -> list[Path]:
+    """The checkpoint's weight files: those named by the shard index, else every *.safetensors."""
+    index = model_path / INDEX_FILE
+    if index.is_file():
+        with index.open() as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [model_path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise ValueError(f"{INDEX_FILE} names weight files that do not exist: {missing}")
+        return files
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model_path {str(model_path)!r} has no *.safetensors files")
+    return files
+
+
+def iterate_weights(model_path: Path) -> Iterator[tuple[str, LoadedWeight]]:
+    """(HF name, lazy slice) for every tensor of the checkpoint; a slice is valid until the next file."""
+    for file in safetensors_files(model_path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """The model for the current TP rank (see services.worker.runtime.distributed), in config.dtype on device,
+    with every parameter loaded from the checkpoint."""
+    model_cls = get_model_class(config.architecture)
+    with torch.device(device), _default_dtype(config.dtype):
+        model = model_cls(config)
+    loaded = model.load_weights(iterate_weights(config.path))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {str(config.path)!r} lacks weights for parameters: {missing}")
+    return model.eval()

@@ -1,0 +1,335 @@
+"""ModelRunner: the model, its KV pools and attention backend on one device, and the sampler.
+
+The scheduler hands it ForwardBatches and gets logits, then next tokens, back. Pool sizes come from
+`max_total_tokens` or from free memory (device memory × mem_fraction_static on CUDA; a share of
+available RAM on CPU), agreed across TP ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from services.worker.config import ATTENTION_BACKENDS, EngineConfig
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.runtime import distributed
+from services.worker.runtime.attention.base import AttentionBackend
+from services.worker.runtime.attention.flashinfer_backend import (
+    FlashInferAttnBackend,
+    check_flashinfer_target,
+    import_flashinfer,
+)
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch
+from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
+from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
+from services.worker.runtime.sampling.grammar import MaskBuffers
+from services.worker.runtime.sampling.penalties import to_device_async
+from services.worker.runtime.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
+    from shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# On CPU the pool takes at most this share of available RAM, and at most this many tokens.
+CPU_MEM_SHARE = 0.25
+CPU_MAX_POOL_TOKENS = 131072
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampling result on the host, row i for request i."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request; the scheduler's Req has these fields (the runner sees no
+    more of it, so it does not depend on the scheduler)."""
+
+    sampling_params: SamplingParams
+    seed: int
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    num_inflight: int  # tokens sampled on the device whose ids the host has not read yet
+    grammar: Any  # the llguidance matcher of a constrained request, else None
+    return_logprob: bool
+    top_logprobs_num: int
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def finished(self) -> bool: ...
+
+
+FutureTokens = tuple[torch.Tensor, dict[int, int]]  # device token ids of a step, row of each id(req)
+
+
+class PendingSample:
+    """A step's sampling result on its way to the host: copies start at once (pinned, non-blocking
+    on CUDA) and `result()` is the step's one host sync."""
+
+    def __init__(self, out: SampleOutput, top_logprobs_nums: list[int]) -> None:
+        self.token_ids = out.next_token_ids
+        self._top_nums = top_logprobs_nums
+        tensors = [out.next_token_ids, out.logprobs, out.top_logprobs_ids, out.top_logprobs_vals]
+        self._host = [None if t is None else _to_host_async(t) for t in tensors]
+        self._event = None
+        if self.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> SampledTokens:
+        if self._event is not None:
+            self._event.synchronize()
+        ids, logprobs, top_ids, top_vals = (None if t is None else t.tolist() for t in self._host)
+        top: list[list[tuple[int, float]]] | None = None
+        if top_ids is not None and top_vals is not None:
+            top = [list(zip(top_ids[i][:n], top_vals[i][:n])) for i, n in enumerate(self._top_nums)]
+        return SampledTokens(ids, logprobs, top)
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_attn_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttnBackend()
+    if name == "triton":
+        # Imported here: its kernels need triton, an optional dependency (absent off Linux).
+        from services.worker.runtime.attention.triton_backend import TritonAttnBackend
+
+        return TritonAttnBackend()
+    if name == "flashinfer":
+        return FlashInferAttnBackend()
+    raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class ModelRunner:
+    """Runs forwards and sampling for one TP rank."""
+
+    # The last sampled batch's requests and their SamplingBatchInfo, while it can be reused.
+    _sampling_cache: tuple[list[SamplingRequest], SamplingBatchInfo] | None = None
+    # Constrained decoding's host bitmasks (grammar.py), made at the first constrained step.
+    _masks: MaskBuffers | None = None
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.tp_size = distributed.get_tp_size()
+        backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        if backend == "flashinfer":
+            # Before the weights load: a CPU or float32 run cannot use it, and the package may be missing.
+            check_flashinfer_target(device, model_config.dtype)
+            import_flashinfer()
+        self.model = load_model(model_config, device)
+        self.model.eval()
+        # CPU only: which product single rows use, and the one-pass times that chose it (get_info).
+        self.single_row: dict[str, Any] | None = None
+        if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
+            if distributed.enable_fast_all_reduce(model_config.dtype, device):
+                logger.info("TP all-reduces of up to 1 MiB go through symmetric memory (one-shot)")
+        if device.type == "cpu" and config.cpu_weight_prepack and cpu_prepack_available():
+            packed = prepack_cpu_weights(self.model)
+            best = calibrate_single_row(self.model)
+            if best:
+                self.single_row = {
+                    "product": "packed" if best["packed"] < best["plain"] else "plain",
+                    "plain_ms": best["plain"] * 1e3,
+                    "packed_ms": best["packed"] * 1e3,
+                    "clean_pairs": int(best["clean_pairs"]),
+                }
+                logger.info(
+                    "prepacked %.1f MiB of linear weights for batched CPU products; single rows use the %s "
+                    "product (one pass over the weights: plain %.1f ms, packed %.1f ms; %d undisturbed pair(s)%s)",
+                    packed / 2**20, self.single_row["product"], self.single_row["plain_ms"],
+                    self.single_row["packed_ms"], self.single_row["clean_pairs"],
+                    "" if self.single_row["clean_pairs"] else ": every pass ran beside other work, so this choice may be the slower",
+                )
+
+        if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+            chosen = select_gemv_tiles(self.model, config.gemv_backend)
+            if chosen:
+                logger.info("single-row linears (N x K): %s", ", ".join(
+                    f"{n}x{k} " + (f"triton {t.kind} {t.block_n}x{t.block_k}/{t.num_warps}w/{t.num_stages}s" if t else "cublas")
+                    for (n, k), t in chosen.items()))
+
+        kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
+        bytes_per_token = TokenToKVPool.bytes_per_token(
+            model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype
+        )
+        size = config.max_total_tokens or self._pool_size_from_memory(bytes_per_token)
+        if self.tp_size > 1:
+            agreed = torch.tensor([size], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            size = int(agreed.item())
+        self.max_total_tokens = size
+        self.token_to_kv_pool = TokenToKVPool(
+            size, model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype, device
+        )
+        self.allocator = TokenToKVPoolAllocator(size, device)
+        rows = max(1, min(config.max_running_requests, size))
+        self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
+        self.attn_backend = make_attn_backend(backend)
+        self.sampler = Sampler()
+        self.graph_runner: CudaGraphRunner | None = None
+        if config.cuda_graph_max_bs > 0 and device.type == "cuda":
+            if backend == "triton":
+                # Imported here, like the triton backend itself: it needs triton, an optional
+                # dependency (absent off Linux).
+                from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
+
+                self.graph_runner = CudaGraphRunner(
+                    self, min(config.cuda_graph_max_bs, rows), config.cuda_graph_max_extend_tokens
+                )
+            else:
+                logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
+                               "backend, not %s", config.cuda_graph_max_bs, backend)
+        logger.info(
+            "model %s on %s (%s): KV pool %d tokens (%.1f MiB), %d request rows, %s attention",
+            model_config.architecture, device, model_config.dtype, size,
+            size * bytes_per_token / 2**20, rows, backend,
+        )
+
+    def _pool_size_from_memory(self, bytes_per_token: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - self.config.mem_fraction_static)
+            size = int(budget // bytes_per_token)
+            if size < 16:
+                raise ValueError(
+                    f"not enough device memory for the KV pool: {free / 2**30:.1f} GiB free after loading "
+                    f"the model, mem_fraction_static={self.config.mem_fraction_static}"
+                )
+            return size
+        size = int(_available_ram_bytes() * CPU_MEM_SHARE // bytes_per_token)
+        return max(16, min(size, CPU_MAX_POOL_TOKENS))
+
+    def max_decode_rows(self) -> int | None:
+        """Most rows a DECODE batch should have here: the largest captured decode graph, since a larger
+        eager decode would grow the attention buffers the graphs hold; None (any) without graphs."""
+        return self.graph_runner.max_bs if self.graph_runner is not None else None
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs and extend batches
+        up to cuda_graph_max_extend_tokens replay a CUDA graph; their logits are then a view that the next
+        forward overwrites."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch.input_ids, batch.positions, batch)
+
+    def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:
+        """The last step's sampling tensors if `reqs` are the same requests and nothing in them can
+        have changed (see _sampling_info), else None."""
+        cached = self._sampling_cache
+        if cached is not None and len(cached[0]) == len(reqs) and all(a is b for a, b in zip(cached[0], reqs)):
+            return cached[1]
+        return None
+
+    def _sampling_info(
+        self, reqs: Sequence[SamplingRequest], device: torch.device, pending: torch.Tensor | None
+    ) -> SamplingBatchInfo:
+        """The batch's sampling tensors, built (and cached for the next step when they can be reused).
+        Decode steps repeat the same requests, and without penalties or min_new_tokens bans left the
+        tensors depend only on each request's fixed parameters and seed: then the next step reuses
+        them instead of rebuilding them from 256 requests' lists."""
+        produced = [len(r.output_ids) + r.num_inflight for r in reqs]
+        info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs],
+            [r.seed for r in reqs],
+            vocab_size=self.model_config.vocab_size,
+            device=device,
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            num_output_tokens=produced,
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+            pending_output_ids=pending,
+        )
+        # The output count only grows, so a request past min_new_tokens stays past it.
+        static = info.penalties is None and all(
+            n >= r.sampling_params.min_new_tokens for r, n in zip(reqs, produced)
+        )
+        # The cache holds the requests themselves: an id() could be reused by a later request.
+        self._sampling_cache = (list(reqs), info) if static else None
+        return info
+
+    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingRequest]) -> SampledTokens:
+        """Next token of each request (rows of `logits` in `reqs` order), with log-probs if asked."""
+        return self.sample_async(logits, reqs).result()
+
+    def sample_async(
+        self, logits: torch.Tensor, reqs: Sequence[SamplingRequest], future: FutureTokens | None = None
+    ) -> PendingSample:
+        """Start sampling without waiting for the device. `future` holds the tokens of the step
+        still in flight (device ids and each request's row): those requests' host histories lag one
+        token, which the penalties, min_new_tokens and the noise position take into account."""
+        info = self._reusable_sampling_info(reqs)
+        if info is None:
+            # The in-flight tokens matter only to penalties and min_new_tokens, which a build reads;
+            # a reused info needs neither them nor their copy to the device.
+            pending = None
+            if future is not None and any(r.num_inflight for r in reqs):
+                tokens, rows = future
+                index = to_device_async(
+                    torch.tensor([rows.get(id(r), -1) for r in reqs], dtype=torch.int64), logits.device
+                )
+                pending = torch.where(index >= 0, tokens[index.clamp(min=0)], -1)
+            info = self._sampling_info(reqs, logits.device, pending)
+        # Greedy rows need no noise, so an all-greedy step sends no positions either.
+        positions = None
+        if not info.all_greedy:
+            host = torch.tensor([r.seq_len + r.num_inflight for r in reqs], dtype=torch.int64)
+            positions = to_device_async(host, logits.device)
+        # A request finished by the step read back meanwhile is sampled for nothing; its grammar is done.
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()]
+        if constrained:
+            # Each step's masks are new: they ride on a copy, and the cached info stays mask-free.
+            if self._masks is None:
+                self._masks = MaskBuffers(self.model_config.vocab_size, logits.device)
+            rows = to_device_async(torch.tensor(constrained, dtype=torch.int64), logits.device)
+            bitmask = self._masks.bitmask([reqs[i].grammar for i in constrained])
+            info = dataclasses.replace(info, grammar=(rows, bitmask))
+        top_n = max((r.top_logprobs_num for r in reqs), default=0)
+        out = self.sampler(
+            logits[:, : self.model_config.vocab_size],
+            info,
+            positions,
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_num=top_n,
+        )
+        return PendingSample(out, [r.top_logprobs_num for r in reqs])
