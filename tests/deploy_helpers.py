@@ -12,6 +12,9 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tests.services_helpers import REPO_ROOT
 
@@ -157,3 +160,42 @@ def dockerignore_includes(rules: list[str], path: str) -> bool:
 
 def dockerignore_rules(path: Path = REPO_ROOT / ".dockerignore") -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+# The radixserve services of docker-compose.yml and their `radixserve` subcommand.
+COMPOSE_SERVICES = {"tokenizer": "tokenizer", "worker": "worker", "detokenizer": "detokenizer", "gateway": "gateway"}
+_VARIABLE = re.compile(r"\$(?:\$|\{(\w+)(?:(:?[-?])([^}]*))?\}|(\w+))")
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's variable substitution: $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error},
+    ${VAR?error}, and $$ for a literal $; ValueError with the message of a required variable left unset."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        operator, argument = match.group(2), match.group(3) or ""
+        value = env.get(name)
+        missing = value is None or (operator is not None and operator.startswith(":") and value == "")
+        if not missing:
+            return value or ""
+        if operator in ("?", ":?"):
+            raise ValueError(f"required variable {name} is missing a value: {argument}")
+        return argument if operator in ("-", ":-") else ""
+
+    return _VARIABLE.sub(one, text)
+
+
+def load_compose(env: dict[str, str], path: Path = COMPOSE_FILE) -> dict[str, Any]:
+    """docker-compose.yml as compose reads it: variables substituted from `env`, YAML anchors and merge
+    keys resolved."""
+    return yaml.safe_load(interpolate(path.read_text(), env))
+
+
+def compose_environment(service: dict[str, Any]) -> dict[str, str]:
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: "" if value is None else str(value) for key, value in environment.items()}
