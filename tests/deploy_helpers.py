@@ -22,13 +22,10 @@ from tests.services_helpers import REPO_ROOT
 NO_TORCH_SITECUSTOMIZE = '''
 import sys
 
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "triton"):
-            raise ImportError(f"{name} is not installed in the edge image")
-        return None
-
-sys.meta_path.insert(0, _NoTorch())
+# As if they were not installed: `import torch` raises ModuleNotFoundError and importlib.util.find_spec
+# (what transformers asks) answers None.
+sys.modules["torch"] = None
+sys.modules["triton"] = None
 '''
 
 

@@ -108,7 +108,7 @@ def test_edge_commands_run_without_torch(service: str, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     # And the blocker works: the worker's engine cannot be imported under it.
     blocked = subprocess.run([sys.executable, "-c", "import torch"], env={**os.environ, **env}, capture_output=True, text=True)
-    assert blocked.returncode == 1 and "not installed in the edge image" in blocked.stderr
+    assert blocked.returncode == 1 and "ModuleNotFoundError" in blocked.stderr
 
 
 def test_everything_the_build_copies_is_in_the_build_context(stages: dict[str, Stage]) -> None:
