@@ -28,6 +28,7 @@ from services.tokenizer.config import TokenizerConfig
 from services.worker.config import EngineConfig
 from services.worker.service_config import WorkerServiceConfig
 from shared import flags
+from shared.model_path import RS_HOME_ENV
 from shared.natsd import nats_server_binary
 from shared.service import die_with_parent
 from tests.deploy_helpers import no_torch_pythonpath
@@ -55,7 +56,7 @@ def env_names(service: str) -> set[str]:
     """Every RS_* variable `service` reads: one per flag spelling of its config classes."""
     import dataclasses
 
-    names: set[str] = set()
+    names = {RS_HOME_ENV}  # where models live (shared/model_path.py), for every service
     for cls in SETTINGS[service]:
         for f in dataclasses.fields(cls):
             if f.name != "engine":
