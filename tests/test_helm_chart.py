@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import helm_python as helm
+import kubernetes_validate
 import pytest
 
 from tests.helm_helpers import (
@@ -22,9 +24,6 @@ from tests.helm_helpers import (
     values_set,
 )
 from tests.wiring_helpers import env_names
-
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency (make setup)")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 SETS = ("defaults", "cpu-demo", "gpu-tp2", "scaled")
 KUBERNETES = "1.37.0"

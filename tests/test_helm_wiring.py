@@ -31,7 +31,6 @@ from tests.wiring_helpers import (
     wait_http,
 )
 
-pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency (make setup)")
 pytestmark = pytest.mark.slow
 KEYS_SECRET = "rs-test-keys"
 ORDER = ("tokenizer", "detokenizer", "gateway", "worker")
