@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -161,3 +162,18 @@ def test_prometheus_and_grafana_are_provisioned(compose: dict[str, Any]) -> None
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
     dashboard = json.loads((REPO_ROOT / "ops/grafana/radixserve.json").read_text())
     assert {p["datasource"]["type"] for p in dashboard["panels"]} == {"prometheus"}
+
+
+def test_nginx_accepts_the_load_balancer_config(tmp_path: Path) -> None:
+    if shutil.which("nginx") is None:
+        pytest.skip("no nginx here (`apt-get install nginx-light`); the facts about its config are checked above")
+    (tmp_path / "logs").mkdir()
+    conf = REPO_ROOT / "ops" / "nginx" / "nginx.conf"
+    done = subprocess.run(["nginx", "-t", "-c", str(conf), "-p", str(tmp_path), "-e", "stderr"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    broken = tmp_path / "broken.conf"
+    broken.write_text(conf.read_text().replace("proxy_buffering off;", "proxy_buffering of;"))
+    done = subprocess.run(["nginx", "-t", "-c", str(broken), "-p", str(tmp_path), "-e", "stderr"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "proxy_buffering" in done.stderr
