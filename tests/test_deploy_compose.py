@@ -2,7 +2,8 @@
 compose-spec JSON schema always) and says what the deployment needs: NATS with auth and 8 MB messages,
 the same login for every service, health checks and healthy dependencies, scalable services, GPU
 workers behind a profile, the models volume where the images look for models, and provisioned
-monitoring. Whether its commands and variables really run is tests/test_deploy_wiring.py's subject."""
+monitoring. Whether its commands and variables really run is tests/test_deploy_wiring.py's subject.
+tests/data/compose_spec.json is the compose-spec schema as docker-compose 1.29 ships it (Apache-2.0)."""
 
 from __future__ import annotations
 
