@@ -47,7 +47,7 @@ compose-config: setup
 	@$(PY) -m pytest -q tests/test_deploy_compose.py
 
 lint: setup
-	@$(VENV)/bin/ruff check services shared kernels tests bench
+	@$(VENV)/bin/ruff check services shared kernels tests bench ops
 
 # The figures of bench/RESULTS.md. Each script prints its figures and writes JSON; a run becomes a
 # current figure once its JSON is copied to bench/results/<benchmark>_<date>_<letter>.json and its row
