@@ -180,8 +180,18 @@ def test_the_service_monitor_needs_the_operator() -> None:
     assert {"http", "metrics", "detok-metrics"} <= port_names
 
 
+def test_each_disruption_budget_sets_one_bound(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert budgets
+    for pdb in budgets:
+        assert len({"minAvailable", "maxUnavailable"} & set(pdb["spec"])) == 1, pdb["spec"]
+
+
 def test_bad_values_are_refused_with_a_message() -> None:
     with pytest.raises(Exception, match="worker.model.source must be fetch, pvc or hostPath"):
         render_chart({"worker": {"model": {"source": "s3"}}})
     with pytest.raises(Exception, match="nats.url is needed"):
         render_chart({"nats": {"enabled": False}})
+    with pytest.raises(Exception, match="gateway.pdb: give minAvailable or maxUnavailable, not both"):
+        render_chart({"gateway": {"pdb": {"maxUnavailable": 1}}})
