@@ -180,6 +180,41 @@ def test_the_service_monitor_needs_the_operator() -> None:
     assert {"http", "metrics", "detok-metrics"} <= port_names
 
 
+def test_selectors_ports_and_references_point_at_what_the_chart_makes(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """What the API server cannot check: a Service, PDB or NetworkPolicy that selects no pod, a named
+    port no container has, a ConfigMap that does not exist."""
+    _, objects = rendered
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+    def pods(selector: dict[str, str]) -> list[dict[str, Any]]:
+        return [w for w in workloads if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+    for obj in objects:
+        if obj["kind"] == "Service":
+            selected = pods(obj["spec"]["selector"])
+            assert selected, obj["metadata"]["name"]
+            names = {p["name"] for w in selected for c in pod_spec(w)["containers"] for p in c.get("ports", [])}
+            for port in obj["spec"]["ports"]:
+                assert port["targetPort"] in names, (obj["metadata"]["name"], port)
+        elif obj["kind"] in ("PodDisruptionBudget", "NetworkPolicy"):
+            key = "selector" if obj["kind"] == "PodDisruptionBudget" else "podSelector"
+            assert pods(obj["spec"][key]["matchLabels"]), obj["metadata"]["name"]
+    for workload in workloads:
+        assert workload["spec"]["selector"]["matchLabels"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        spec = pod_spec(workload)
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            port_names = {p["name"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                port = c.get(probe, {}).get("httpGet", {}).get("port")
+                assert port is None or port in port_names, (c["name"], probe, port)
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+            assert mounts <= {v["name"] for v in spec.get("volumes", [])} | claims, c["name"]
+        for volume in spec.get("volumes", []):
+            if "configMap" in volume:
+                assert [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == volume["configMap"]["name"]]
+
+
 def test_each_disruption_budget_sets_one_bound(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, objects = rendered
     budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
