@@ -53,7 +53,7 @@ def probe_url(argv: list[str], env: Mapping[str, str], ready: bool = False) -> s
         port = values.get("port", GatewayConfig.port)
         host = _local(values.get("host", GatewayConfig.host))
         return f"http://{host}:{port}/{'ready' if ready else 'health'}"
-    config_class = _config_class(service)
+    config_class = config_classes(service)[0]
     values = flags.values_from(config_class, args, env, exclude=("engine",))
     port = values.get("metrics_port", config_class.metrics_port)
     if port is None or port == 0:
@@ -61,18 +61,26 @@ def probe_url(argv: list[str], env: Mapping[str, str], ready: bool = False) -> s
     return f"http://{_local(values.get('metrics_host', '0.0.0.0'))}:{port}/metrics"
 
 
-def _config_class(service: str) -> type:
+def config_classes(service: str) -> tuple[type, ...]:
+    """The config dataclasses whose fields are `radixserve <service>`'s flags (and RS_* variables)."""
+    if service == "gateway":
+        from services.gateway.config import GatewayConfig
+
+        return (GatewayConfig,)
     if service == "tokenizer":
         from services.tokenizer.config import TokenizerConfig
 
-        return TokenizerConfig
+        return (TokenizerConfig,)
     if service == "detokenizer":
         from services.detokenizer.config import DetokenizerConfig
 
-        return DetokenizerConfig
-    from services.worker.service_config import WorkerServiceConfig
+        return (DetokenizerConfig,)
+    if service == "worker":
+        from services.worker.config import EngineConfig
+        from services.worker.service_config import WorkerServiceConfig
 
-    return WorkerServiceConfig
+        return (WorkerServiceConfig, EngineConfig)
+    raise ValueError(f"no radixserve service {service!r}; expected one of {', '.join(SERVICES)}")
 
 
 def _local(host: str) -> str:

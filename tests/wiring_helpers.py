@@ -9,6 +9,7 @@ service's own ports) rewritten to this machine's, started as real `radixserve` p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -22,11 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.detokenizer.config import DetokenizerConfig
-from services.gateway.config import GatewayConfig
-from services.tokenizer.config import TokenizerConfig
-from services.worker.config import EngineConfig
-from services.worker.service_config import WorkerServiceConfig
+from services.probe import config_classes
 from shared import flags
 from shared.model_path import RS_HOME_ENV
 from shared.natsd import nats_server_binary
@@ -34,13 +31,6 @@ from shared.service import die_with_parent
 from tests.deploy_helpers import no_torch_pythonpath
 from tests.services_helpers import REPO_ROOT, ServiceProcess
 
-# The settings each service reads (RS_* names of its flags); anything else in RS_* is a misspelling.
-SETTINGS = {
-    "gateway": (GatewayConfig,),
-    "tokenizer": (TokenizerConfig,),
-    "detokenizer": (DetokenizerConfig,),
-    "worker": (WorkerServiceConfig, EngineConfig),
-}
 # Settings that open a port, and their flags.
 PORT_SETTINGS = {"RS_PORT": "--port", "RS_GRPC_PORT": "--grpc-port", "RS_METRICS_PORT": "--metrics-port"}
 _ADDRESS = re.compile(r"\b([A-Za-z][\w.-]*):(\d+)\b")
@@ -54,10 +44,8 @@ def free_port() -> int:
 
 def env_names(service: str) -> set[str]:
     """Every RS_* variable `service` reads: one per flag spelling of its config classes."""
-    import dataclasses
-
     names = {RS_HOME_ENV}  # where models live (shared/model_path.py), for every service
-    for cls in SETTINGS[service]:
+    for cls in config_classes(service):
         for f in dataclasses.fields(cls):
             if f.name != "engine":
                 names |= {flags.env_name(s) for s in (f.name, *f.metadata.get("aliases", ()))}
