@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench-cpu bench report fetch-model clean
+.PHONY: setup run test lint bench-cpu bench report fetch-model clean compose-config
 
 # One stamp per input: re-installs only when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -38,8 +38,16 @@ run: fetch-model
 test: setup
 	@$(PY) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
 
+# docker-compose.yml checked by `docker-compose config -q` (Debian's docker-compose is installed when
+# missing and apt-get may run) and against the compose-spec schema; tests/test_deploy_compose.py.
+compose-config: setup
+	@if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then apt-get install -y -q docker-compose >/dev/null || true; fi; \
+	fi
+	@$(PY) -m pytest -q tests/test_deploy_compose.py
+
 lint: setup
-	@$(VENV)/bin/ruff check services shared kernels tests bench
+	@$(VENV)/bin/ruff check services shared kernels tests bench ops
 
 # The figures of bench/RESULTS.md. Each script prints its figures and writes JSON; a run becomes a
 # current figure once its JSON is copied to bench/results/<benchmark>_<date>_<letter>.json and its row

@@ -98,6 +98,13 @@ def add_key_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     add_keys_commands(subparsers)
 
 
+def add_probe_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`radixserve probe`: a running service's health check, as a container runs it (services/probe.py)."""
+    from services.probe import add_probe_commands as add
+
+    add(subparsers)
+
+
 COMMANDS: list[CommandGroup] = [
     add_model_commands,
     add_chat_commands,
@@ -105,6 +112,7 @@ COMMANDS: list[CommandGroup] = [
     add_gateway_commands,
     add_launcher_commands,
     add_key_commands,
+    add_probe_commands,
 ]
 
 

@@ -115,6 +115,14 @@ def test_health_and_health_generate(http: httpx.Client) -> None:
     assert out.json()["output_ids"] == [100]
 
 
+def test_ready_is_200_only_while_a_live_worker_serves_the_model(http: httpx.Client) -> None:
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json() == {"status": "ok", "workers": 2, "models": [FAKE_MODEL]}
+    assert http.get("/ready", params={"model": FAKE_MODEL}).status_code == 200
+    other = http.get("/ready", params={"model": "no-such-model"})
+    assert other.status_code == 503 and other.json() == {"status": "no live worker serving 'no-such-model' yet", "workers": 0}
+
+
 def test_model_info_lists_the_model_and_its_workers(http: httpx.Client) -> None:
     info = http.get("/get_model_info").json()
     assert info["model_path"] == FAKE_MODEL
@@ -167,7 +175,7 @@ def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
 def test_openapi_spec_lists_every_route(http: httpx.Client) -> None:
     paths = http.get("/openapi.json").json()["paths"]
     for path in (
-        "/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/health", "/health_generate",
+        "/v1/chat/completions", "/v1/completions", "/v1/models", "/generate", "/health", "/ready", "/health_generate",
         "/get_model_info", "/get_server_info", "/flush_cache", "/abort_request", "/metrics",
     ):
         assert path in paths

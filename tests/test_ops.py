@@ -1,6 +1,6 @@
-"""ops/: the Prometheus scrape configuration points at the services' default metrics ports, and every
-metric the Grafana dashboard queries is one the services really export (so no panel is empty for a
-misspelt name). The exported names come from the services' own metric classes, instantiated in a
+"""ops/: the Prometheus scrape configuration (docker-compose.yml's) points at the services' default
+metrics ports, and every metric the Grafana dashboard queries is one the services really export (so no
+panel is empty for a misspelt name). The exported names come from the services' own metric classes, instantiated in a
 fresh process (they register in prometheus_client's global registry)."""
 
 from __future__ import annotations
@@ -49,10 +49,7 @@ def exported_metric_names() -> set[str]:
 
 def test_prometheus_scrapes_each_service_on_its_default_port() -> None:
     config = yaml.safe_load((OPS / "prometheus.yml").read_text())
-    ports = {
-        job["job_name"]: [int(t.rsplit(":", 1)[1]) for c in job["static_configs"] for t in c["targets"]]
-        for job in config["scrape_configs"]
-    }
+    ports = {job["job_name"]: [c["port"] for c in job["dns_sd_configs"]] for job in config["scrape_configs"]}
     assert ports == {
         "radixserve-gateway": [GatewayConfig().port],
         "radixserve-tokenizer": [TokenizerConfig().metrics_port],

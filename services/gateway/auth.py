@@ -53,7 +53,7 @@ TOO_MANY_REQUESTS = 429
 SERVICE_UNAVAILABLE = 503
 # The playground's page and script are static; its API calls carry the key the user types in.
 OPEN_PATHS = frozenset({
-    "/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
+    "/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
     "/playground", "/playground/playground.js",
 })
 RATE_WINDOW_S = 60

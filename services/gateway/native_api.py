@@ -1,4 +1,4 @@
-"""SGLang-style native routes: `/generate`, `/health`, `/health_generate`, `/get_model_info`,
+"""SGLang-style native routes: `/generate`, `/health`, `/ready`, `/health_generate`, `/get_model_info`,
 `/get_server_info`, `/flush_cache`, `/abort_request`, `/metrics`.
 
 `/generate` answers in SGLang's shape, `{"text", "output_ids", "meta_info"}` (a list for a batch or
@@ -287,6 +287,20 @@ async def health(request: Request) -> JSONResponse:
     if not dispatcher.bus.nc.is_connected:
         return JSONResponse({"status": "nats disconnected", "workers": workers}, status_code=SERVICE_UNAVAILABLE)
     return JSONResponse({"status": "ok", "workers": workers})
+
+
+@router.get("/ready", responses=responses(500, 503))
+async def ready(request: Request, model: str | None = None) -> JSONResponse:
+    """200 while this gateway is connected to NATS and a live worker (not draining) serves `model`
+    (any model when not given): the readiness probe, where /health is liveness only."""
+    dispatcher = dispatcher_of(request)
+    workers = len(dispatcher.registry.live(model))
+    if not dispatcher.bus.nc.is_connected:
+        return JSONResponse({"status": "nats disconnected", "workers": workers}, status_code=SERVICE_UNAVAILABLE)
+    if workers == 0:
+        wanted = f"serving {model!r} " if model else ""
+        return JSONResponse({"status": f"no live worker {wanted}yet", "workers": 0}, status_code=SERVICE_UNAVAILABLE)
+    return JSONResponse({"status": "ok", "workers": workers, "models": dispatcher.registry.models()})
 
 
 @router.get("/health_generate", responses=responses(*GUARDED, 504))
