@@ -77,7 +77,7 @@ def config_classes(service: str) -> tuple[type, ...]:
         return (DetokenizerConfig,)
     if service == "worker":
         from services.worker.config import EngineConfig
-        from services.worker.service_config import WorkerServiceConfig
+        from services.worker.frontend.service_config import WorkerServiceConfig
 
         return (WorkerServiceConfig, EngineConfig)
     raise ValueError(f"no radixserve service {service!r}; expected one of {', '.join(SERVICES)}")
