@@ -26,8 +26,11 @@ from tests.gateway_helpers import wait_for_workers
 from tests.services_helpers import ServiceProcess
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# CI sets RS_REQUIRE_BROWSER=1 (.ci/run): there a missing browser fails the tests instead of skipping them.
+REQUIRED = os.environ.get("RS_REQUIRE_BROWSER") == "1"
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no chromium on PATH (make setup installs it with apt-get where it can)"
+    CHROMIUM is None and not REQUIRED,
+    reason="no chromium on PATH (make setup installs it with apt-get where it can)",
 )
 
 QUESTION = "What is the capital of France?"
@@ -77,6 +80,7 @@ def playwright() -> Iterator[Playwright]:
 
 @pytest.fixture(scope="module")
 def browser(playwright: Playwright) -> Iterator[Browser]:
+    assert CHROMIUM, "RS_REQUIRE_BROWSER=1 but there is no chromium on PATH (make setup installs it with apt-get)"
     # --no-sandbox: CI and test containers run as root, where Chromium's sandbox refuses to start.
     browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
     yield browser
