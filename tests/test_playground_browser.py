@@ -158,7 +158,7 @@ def test_models_are_listed_and_the_answer_streams_in_token_by_token(page: Page, 
     assert all(later.startswith(earlier) for earlier, later in zip(snapshots, snapshots[1:]))
     assert all(final.startswith(s) for s in snapshots) and snapshots[0] != final
     stats = bubble.locator(".stats").inner_text()
-    match = re.fullmatch(r"(\d+) tokens · ([\d.]+) tok/s · first token ([\d.]+) s · (\w+)", stats)
+    match = re.fullmatch(r"(\d+) tokens · ([\d.]+) tok/s · first token ([\d.]+) s · (\w+)( · .* cached)?", stats)
     assert match, stats
     assert int(match.group(1)) == expected["usage"]["completion_tokens"]
     assert float(match.group(2)) > 0 and match.group(4) == expected["choices"][0]["finish_reason"]
@@ -187,6 +187,10 @@ def test_a_conversation_carries_its_history_and_settings_and_new_chat_starts_ove
     assert last_answer(page) == api_chat(stack, sent["messages"], temperature=0, top_p=0.9, max_tokens=8)[
         "choices"][0]["message"]["content"]
     expect(page.locator(".msg")).to_have_count(4)
+    # The second turn's prompt starts with the first's, which the worker's prefix cache holds.
+    stats = page.locator(".msg.assistant .stats").last.inner_text()
+    cached = re.search(r" · (\d+)/(\d+) prompt tokens cached$", stats)
+    assert cached and 0 < int(cached.group(1)) < int(cached.group(2)), stats
 
     page.click("#new-chat")
     expect(page.locator(".msg")).to_have_count(0)

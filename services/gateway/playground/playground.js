@@ -207,7 +207,10 @@ function startPage() {
       if (mine === chat) history.push({ role: "assistant", content: out.text });
       view.bubble.dataset.state = "done";
       const tokens = out.usage ? out.usage.completion_tokens : pieces;
-      view.stats.textContent = `${speedLine(tokens, started, first, performance.now())} · ${out.finishReason}`;
+      const details = out.usage && out.usage.prompt_tokens_details;
+      const cached = details && details.cached_tokens
+        ? ` · ${details.cached_tokens}/${out.usage.prompt_tokens} prompt tokens cached` : "";
+      view.stats.textContent = `${speedLine(tokens, started, first, performance.now())} · ${out.finishReason}${cached}`;
     } catch (err) {
       if (err.name === "AbortError") {
         view.bubble.dataset.state = "stopped";
