@@ -130,6 +130,16 @@ def wait_finished(page: Page) -> str:
     return bubble.get_attribute("data-state") or ""
 
 
+# Records the answer's text at every change the page makes to it while it streams.
+WATCH_ANSWERS = """() => {
+  window.answerSnapshots = [];
+  new MutationObserver(() => {
+    const answer = document.querySelector(".msg.assistant:last-child .answer");
+    if (answer && answer.textContent !== window.answerSnapshots.at(-1)) window.answerSnapshots.push(answer.textContent);
+  }).observe(document.getElementById("log"), { childList: true, characterData: true, subtree: true });
+}"""
+
+
 def api_chat(stack: Stack, messages: list[dict], **fields: object) -> dict:
     body = {"model": stack.model, "messages": messages, **fields}
     return httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=60).json()
@@ -139,16 +149,12 @@ def test_models_are_listed_and_the_answer_streams_in_token_by_token(page: Page, 
     models = httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"]
     expect(page.locator("#model option")).to_have_text([m["id"] for m in models])
     settings(page, stack.model, max_tokens="24")
+    page.evaluate(WATCH_ANSWERS)
     ask(page, QUESTION)
     expect(page.locator(".msg.user")).to_have_text([QUESTION])
-    snapshots: list[str] = []
     bubble = page.locator(".msg.assistant").last
-    while bubble.get_attribute("data-state") == "streaming":
-        text = page.evaluate("document.querySelector('.msg.assistant:last-child .answer').textContent")
-        if text and (not snapshots or text != snapshots[-1]):
-            snapshots.append(text)
-        time.sleep(0.01)
-    assert bubble.get_attribute("data-state") == "done"
+    assert wait_finished(page) == "done"
+    snapshots = [s for s in page.evaluate("window.answerSnapshots") if s]
     final = last_answer(page)
     expected = api_chat(stack, [{"role": "user", "content": QUESTION}], temperature=0, top_p=1, max_tokens=24)
     assert final == expected["choices"][0]["message"]["content"]
@@ -293,6 +299,9 @@ def test_a_server_error_is_shown(page: Page, stack: Stack) -> None:
     assert wait_finished(page) == "done"
 
 
+NO_SIDEWAYS_SCROLL = "document.documentElement.scrollWidth <= document.documentElement.clientWidth"
+
+
 def test_the_page_fits_a_phone_screen(browser: Browser, stack: Stack, artifacts: Path) -> None:
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     try:
@@ -302,11 +311,14 @@ def test_the_page_fits_a_phone_screen(browser: Browser, stack: Stack, artifacts:
         page.click("#settings-toggle")
         expect(page.locator("#temperature")).to_be_visible()
         settings(page, stack.model, max_tokens="24")
+        assert page.evaluate(NO_SIDEWAYS_SCROLL)
         page.click("#settings-toggle")
         ask(page, QUESTION)
         assert wait_finished(page) == "done"
-        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
-        assert widths[0] <= widths[1] == 390, widths
+        assert page.evaluate(NO_SIDEWAYS_SCROLL)
+        assert page.evaluate("document.documentElement.clientWidth") == 390
+        expect(page.locator("#prompt")).to_be_in_viewport(ratio=1)
+        expect(page.locator("#send")).to_be_in_viewport(ratio=1)
         for selector in ("#prompt", "#send", "#model", "#new-chat", ".msg.assistant .copy"):
             box = page.locator(selector).last.bounding_box()
             assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, (selector, box)
