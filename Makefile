@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint bench-cpu bench report fetch-model clean compose-config
+.PHONY: setup browser run test lint bench-cpu bench report fetch-model clean compose-config
 
 # One stamp per input: re-installs only when pyproject.toml changes.
 $(VENV)/.installed: pyproject.toml
@@ -23,7 +23,23 @@ $(VENV)/.installed: pyproject.toml
 	@$(PIP) install -q -e ".[dev]"
 	@touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed browser
+
+# The playground's browser tests (tests/test_playground_browser.py) drive the system's Chromium through
+# Playwright; Playwright's own browser download is not used. apt-get installs it where it can (as root,
+# or with passwordless sudo); where it cannot, setup goes on and those tests skip, saying why.
+browser:
+	@if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "setup: no chromium and no apt-get; the playground's browser tests will skip"; \
+	  else \
+	    apt="env DEBIAN_FRONTEND=noninteractive apt-get"; if [ "$$(id -u)" -ne 0 ]; then apt="sudo -n $$apt"; fi; \
+	    echo "setup: installing chromium with apt-get"; \
+	    { $$apt install -y -q chromium >/dev/null 2>&1 || \
+	      { $$apt update -q >/dev/null 2>&1 && $$apt install -y -q chromium >/dev/null 2>&1; }; } || \
+	      echo "setup: apt-get could not install chromium; the playground's browser tests will skip"; \
+	  fi; \
+	fi
 
 fetch-model: setup
 	@$(VENV)/bin/radixserve model fetch
