@@ -1,5 +1,5 @@
 """What a container orchestrator relies on, with real processes: a request still running when a
-worker's drain timeout ends gets an explicit final (not silence) and the worker exits 0 soon after, so
+worker's drain timeout ends gets an explicit error final (not silence) and the worker exits 0 soon after, so
 a pod's terminationGracePeriodSeconds just over --drain-timeout is enough; and a service started before
 NATS waits for it (RS_NATS_CONNECT_TIMEOUT) instead of crashing, so start order does not matter."""
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 DRAIN_TIMEOUT_S = 1.0
 
 
-def test_a_request_running_past_the_drain_timeout_ends_with_an_abort_final_and_the_worker_exits_0(
+def test_a_request_running_past_the_drain_timeout_ends_with_an_error_final_and_the_worker_exits_0(
     default_model_path: Path, tmp_path: Path,
 ) -> None:
     with start_nats_server() as nats:
@@ -48,7 +48,9 @@ def test_a_request_running_past_the_drain_timeout_ends_with_an_abort_final_and_t
         finally:
             worker.kill()
             tokenizer.kill()
-    assert result.finish.type == "abort", result.finish  # type: ignore[attr-defined]
+    # An error that says why (the client did not ask for an abort), not silence and not 'abort'.
+    assert result.finish.type == "error", result.finish  # type: ignore[attr-defined]
+    assert "w1 shut down" in result.finish.message and "drain timeout" in result.finish.message  # type: ignore[attr-defined]
     assert 0 < len(result.token_ids) < 4000  # type: ignore[attr-defined]
     # It ran for the drain timeout, no longer than a few steps past it, and the process left soon after.
     assert DRAIN_TIMEOUT_S <= ended - signalled < DRAIN_TIMEOUT_S + 10

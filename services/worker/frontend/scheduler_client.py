@@ -40,7 +40,7 @@ from services.worker.frontend.scheduler_loop import (
 )
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.scheduler.output import PackedOutputs, ReqOutput
-from services.worker.scheduler.req import Req
+from services.worker.scheduler.req import FinishReason, Req
 from shared.grammar_spec import GRAMMAR_FIELDS
 from shared.input_ids import validate_input_ids
 from shared.sampling_params import SamplingParams
@@ -344,9 +344,10 @@ class SchedulerClient:
     def add(self, req: Req) -> None:
         self._inbox.put(AddReq(req))
 
-    def abort(self, rid: str) -> None:
-        """Abort a waiting or running request; its final output (type 'abort') comes with the next step."""
-        self._inbox.put(AbortReq(rid))
+    def abort(self, rid: str, reason: FinishReason | None = None) -> None:
+        """Abort a waiting or running request; its final output comes with the next step, with
+        `reason` as its finish (default: type 'abort', as a client asked)."""
+        self._inbox.put(AbortReq(rid, reason))
 
     def control(self, name: str, timeout: float = CONTROL_TIMEOUT_S) -> Any:
         """'flush_cache' (bool) or 'get_info' (dict), answered between two steps; None once the

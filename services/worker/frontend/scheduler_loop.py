@@ -25,7 +25,7 @@ from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
 from services.worker.runtime.sampling.grammar import GrammarBackend
 from services.worker.scheduler.output import PackedOutputs
-from services.worker.scheduler.req import Req
+from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.scheduler import Scheduler
 from shared import trace
 
@@ -41,6 +41,7 @@ class AddReq:
 @dataclass
 class AbortReq:
     rid: str
+    reason: FinishReason | None = None  # None: a client's abort
 
 
 @dataclass
@@ -173,7 +174,7 @@ class SchedulerLoop:
             trace.mark(cmd.req.rid, "scheduler.added")
             self.scheduler.add_request(cmd.req)
         elif isinstance(cmd, AbortReq):
-            self.scheduler.abort_request(cmd.rid)
+            self.scheduler.abort_request(cmd.rid, cmd.reason)
         elif isinstance(cmd, Control):
             value = self.scheduler.flush_cache() if cmd.name == "flush_cache" else self.info()
             if outbox is not None:

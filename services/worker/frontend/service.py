@@ -18,8 +18,8 @@ request its first token (at most FIRST_TOKEN_WAIT_S): its compute threads would 
 core, and it the GIL, while that token is on its way to the client. A worker refuses to start under an id that a live worker of its namespace serves (its control subject
 has a responder). An abort for a request not (yet) here is remembered for a minute: a request whose abort
 overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker sends a last WorkerLoad marked draining (gateways stop routing to it at once), refuses new
-requests with an error final, gives running ones drain_timeout seconds, aborts the rest (they end with
-an 'abort' final) and drains NATS.
+requests with an error final, gives running ones drain_timeout seconds, ends the rest (with an 'error' final
+that says the worker shut down) and drains NATS.
 
 Metrics: frontend/metrics.py.
 """
@@ -61,7 +61,7 @@ from shared.service import Service, connect_bus, drain_bus, is_subject_token, pu
 logger = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 30.0
-# After drain_timeout, aborted requests get this long to publish their 'abort' finals.
+# After drain_timeout, the requests cut get this long to publish their 'error' finals.
 ABORT_GRACE_S = 5.0
 # An abort can overtake its request (still at the tokenizer); it is remembered this long, this many.
 EARLY_ABORT_TTL_S = 60.0
@@ -158,8 +158,11 @@ class WorkerService(Service):
                 logger.info("waiting up to %.0f s for %d request(s)", self.config.drain_timeout, len(self._flights))
             if not await self._wait_for_flights(self.config.drain_timeout):
                 logger.warning("aborting %d request(s) still running", len(self._flights))
+                cut = FinishReason("error", message=(
+                    f"worker {self.worker_id} shut down: the request was still running when its "
+                    f"{self.config.drain_timeout:g} s drain timeout ended"))
                 for rid in list(self._flights):
-                    self.client.abort(rid)
+                    self.client.abort(rid, cut)
                 await self._wait_for_flights(ABORT_GRACE_S)
         self._steps.put_nowait(None)  # the step publisher sends what is queued, then stops
         for task in (self._step_task, self._load_task):

@@ -44,7 +44,7 @@ class WorkerServiceConfig(ServiceConfig):
     served_model_name: str | None = _help("model name in WorkerLoad and /v1/models (default: the directory name)", None)
     load_interval: float = _help("seconds between two WorkerLoad messages", 1.0)
     with_detokenizer: bool = _help("detokenize in this process and publish to gateways directly", False)
-    drain_timeout: float = _help("seconds running requests may take to finish on SIGTERM before they are aborted", 30.0)
+    drain_timeout: float = _help("seconds running requests may take to finish on SIGTERM; those still running then end with an error", 30.0)
     metrics_port: int | None = _help("Prometheus metrics port (0: any free port; none: no metrics)", 9402)
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "the scheduler's settings"})
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FinishReason:
-    """Why a request ended: 'stop' (EOS, a stop token or a stop string), 'length' or 'abort'."""
+    """Why a request ended: 'stop' (EOS, a stop token or a stop string), 'length', 'abort' or 'error'."""
 
     type: str
     matched: int | str | None = None

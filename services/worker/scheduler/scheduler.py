@@ -114,17 +114,19 @@ class Scheduler:
                 return
         self.waiting.append(req)
 
-    def abort_request(self, rid: str) -> bool:
-        """Abort a waiting or running request; its final output comes with the next step."""
+    def abort_request(self, rid: str, reason: FinishReason | None = None) -> bool:
+        """Abort a waiting or running request; its final output comes with the next step. `reason`:
+        the final's finish (default: an 'abort' asked for by a client)."""
+        reason = reason or FinishReason("abort", message="aborted by request")
         for i, req in enumerate(self.waiting):
             if req.rid == rid:
                 del self.waiting[i]
-                req.finished_reason = FinishReason("abort", message="aborted by request")
+                req.finished_reason = reason
                 self._pending_outputs.append(final_output(req))
                 return True
         for req in [*self.running, *([self.chunked_req] if self.chunked_req else [])]:
             if req.rid == rid and not req.finished():
-                req.finished_reason = FinishReason("abort", message="aborted by request")
+                req.finished_reason = reason
                 return True
         return False
 
