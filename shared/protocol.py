@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from shared.sampling_params import check_request
+
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "rs"
 
@@ -61,7 +63,10 @@ class Subjects:
 
 class Sampling(msgspec.Struct, omit_defaults=True):
     """A request's sampling settings as sent; None means "unset" (model defaults apply). Same names
-    and meanings as shared.sampling_params.SamplingParams."""
+    and meanings as shared.sampling_params.SamplingParams.
+
+    The one declaration of the request's sampling fields: the HTTP forms (native and OpenAI), the gRPC
+    mapping and the .proto are derived from or checked against it (tests/test_request_contract.py)."""
 
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
@@ -86,6 +91,11 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     def to_dict(self) -> dict[str, object]:
         """Only the fields that were set (for SamplingParams.from_dict)."""
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+    def validate(self) -> None:
+        """ValueError naming the field for any value no worker could carry or honour (the edge's check;
+        the worker adds its vocabulary, context and pool)."""
+        check_request(self.to_dict())
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):

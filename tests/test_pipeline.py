@@ -275,6 +275,30 @@ def test_worker_refuses_a_bad_generate_request_with_an_error_final(
     assert result.finish.type == "error" and named in (result.finish.message or "")
 
 
+def test_a_bad_sampling_value_past_the_gateway_is_refused_by_the_worker(pipeline: Pipeline) -> None:
+    """The tokenizer trusts the gateway's check of the sampling values (Sampling.validate) and passes
+    them on; a publisher that skipped the gateway still gets a clear error final, from the worker."""
+    def count(text: str, name: str, status: str) -> float:
+        wanted = f'{name}{{status="{status}"}} '  # a labelled counter has no sample before its first use
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
+
+    def errors() -> tuple[float, float, float]:
+        tokenizer, worker = pipeline.tokenizer.scrape(), pipeline.worker.scrape()
+        return (count(tokenizer, "rs_tokenizer_requests_total", "ok"), count(tokenizer, "rs_tokenizer_requests_total", "error"),
+                count(worker, "rs_worker_requests_total", "error"))
+
+    async def main() -> object:
+        async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
+            req = gateway.tokenize_request("past-gateway", WORKER, sampling=Sampling(temperature=-1.0), text="hi")
+            return await gateway.generate(req, timeout=20)
+
+    before = errors()
+    result = run(main())
+    after = errors()
+    assert result.finish.type == "error" and "temperature must be >= 0" in (result.finish.message or "")
+    assert [b - a for a, b in zip(before, after)] == [1, 0, 1]  # tokenized fine, refused by the worker
+
+
 def test_malformed_messages_are_dropped_and_every_service_keeps_serving(pipeline: Pipeline) -> None:
     junk = [b"\xc1\xc1 not msgpack", encode(WorkerLoad(PROTOCOL_VERSION, "x", "m", 0, 0, 0.0, 0.0, 1, 1, 0.0))]
     subjects = [SUBJECTS.tokenize, SUBJECTS.worker_requests(WORKER), SUBJECTS.worker_control(WORKER), SUBJECTS.detok(WORKER)]

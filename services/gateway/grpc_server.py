@@ -44,17 +44,19 @@ def status_code(http_status: int) -> grpc.StatusCode:
 
 
 def sampling_from_proto(p: Any) -> Sampling:
-    """Unset optional fields stay None (the model's defaults apply)."""
-    values = {
-        name: getattr(p, name) if p.HasField(name) else None
-        for name in (
-            "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-            "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
-            "json_schema", "regex", "ebnf",
-        )
-    }
-    return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
-                    logit_bias=dict(p.logit_bias) or None)
+    """Sampling's fields read by name from the proto's SamplingParams (tests/test_request_contract.py
+    holds the two to the same names and types): unset optional fields and empty repeated or map fields
+    stay None (the model's defaults apply)."""
+    values: dict[str, Any] = {}
+    for name in Sampling.__struct_fields__:
+        field = p.DESCRIPTOR.fields_by_name[name]
+        if field.has_presence:  # optional scalar
+            values[name] = getattr(p, name) if p.HasField(name) else None
+        elif field.message_type is not None:  # map<k, v>
+            values[name] = dict(getattr(p, name)) or None
+        else:  # repeated
+            values[name] = list(getattr(p, name)) or None
+    return Sampling(**values)
 
 
 def spec_from_proto(request: Any) -> GenerateSpec:

@@ -3,7 +3,7 @@ into the gateway's GenerateSpec.
 
 Bodies are validated strictly: a wrong type is a 400 naming the field, never a silent coercion.
 Ranges shared with SGLang's sampling parameters (temperature, top_p, top_k, min_p, penalties, seed,
-stop) are checked by SamplingParams.verify with the same field names; only the fields whose names
+stop) are checked by Sampling.validate with the same field names; only the fields whose names
 differ from it (max_tokens, n, logprobs) carry their own bounds here. Unknown fields are ignored, as
 OpenAI's SDKs send fields a server may not know.
 """
@@ -42,6 +42,12 @@ from shared.grammar_spec import check_grammar
 from shared.protocol import ChatMessage, Sampling
 from shared.sampling_params import SamplingParams
 
+# Sampling fields OpenAI names otherwise (the rest keep Sampling's names).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+# Sampling fields `SamplingFields.sampling` sets from something other than the same-named body field:
+# max_tokens (two names, and a per-endpoint default), the constraint (constraint()), and the values
+# that change form on the way (stop as a list, seed + choice, logit_bias keyed by id).
+_SET_APART = ("max_new_tokens", "stop", "seed", "logit_bias", "json_schema", "regex", "ebnf")
 # What OpenAI's completions endpoint generates when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI's three forms (a json_schema's schema must also compile, which JSON Schema cannot say).
@@ -133,20 +139,14 @@ class SamplingFields(RequestBody):
         return given
 
     def sampling(self, max_new_tokens: int | None, choice: int, constraint: dict[str, str] | None = None) -> Sampling:
+        """Choice `choice`'s Sampling: every field read from this body under its OpenAI name (a Sampling
+        field this body lacks fails here, and in tests/test_request_contract.py)."""
+        values = {name: getattr(self, OPENAI_NAMES.get(name, name))
+                  for name in Sampling.__struct_fields__ if name not in _SET_APART}
         return Sampling(
+            **values,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
             seed=None if self.seed is None else self.seed + choice,
             logit_bias=logit_bias_ids(self.logit_bias),
             **(constraint or {}),

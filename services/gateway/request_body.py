@@ -14,8 +14,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from services.gateway.errors import bad_request
-from services.gateway.generate_spec import INT32_MAX, MAX_TOKEN_ID
-from services.tokenizer.prompt_tokenizer import RESERVED_TEMPLATE_KWARGS
+from shared.request_contract import RESERVED_TEMPLATE_KWARGS
+from shared.sampling_params import INT32_MAX, MAX_TOKEN_ID
 
 # JSON's safe integers: beyond 2**53 most JSON libraries (and JSON Schema validators) lose precision, so
 # a bound there could not be stated exactly. NATS and gRPC clients may use all of int64.

@@ -17,10 +17,9 @@ from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.layers.rotary import rope_parameters
 from services.worker.models import MODEL_REGISTRY
+from shared.sampling_params import generation_defaults
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Sampling fields of generation_config.json that become per-request defaults.
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -119,7 +118,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             num_experts=num_experts,
             eos_token_ids=tuple(dict.fromkeys(eos)),
-            generation_defaults={k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None},
+            generation_defaults=generation_defaults(generation),
         )
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
