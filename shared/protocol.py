@@ -124,6 +124,19 @@ class Finish(msgspec.Struct, omit_defaults=True):
     message: str | None = None
 
 
+class Usage(msgspec.Struct, omit_defaults=True):
+    """A request's token counts, made once by its worker and passed along whole on its final (TokenOut
+    -> StreamOut -> the gateway's reply): prompt tokens, generated tokens, prompt tokens served from the
+    prefix cache; with speculative decoding, mean tokens per verify step and the share of proposed
+    tokens accepted."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+
+
 class TopLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -215,13 +228,7 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # On a final of a request that ran speculative decoding: mean tokens per verify step, and the
-    # share of proposed tokens accepted.
-    spec_accept_length: float | None = None
-    spec_accept_rate: float | None = None
+    usage: Usage | None = None  # on the final
     first: bool = False
     stop: list[str] | None = None
     skip_special_tokens: bool = True
@@ -250,11 +257,7 @@ class StreamOut(msgspec.Struct, omit_defaults=True):
     logprobs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    spec_accept_length: float | None = None  # as on TokenOut
-    spec_accept_rate: float | None = None
+    usage: Usage | None = None  # on the final, as the worker made it
     # Each output token's own text (and each top-logprob candidate's), sent only when the request
     # asked for logprobs: OpenAI's logprobs name tokens by text, and only the detokenizer has the
     # tokenizer. Absent, the gateway names a token "token_id:<id>".
@@ -351,7 +354,8 @@ class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=Tru
 
 
 class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
-    """A reply: text delta(s); the last one has final=True with finish and usage, or an error."""
+    """A reply: text delta(s); the last one has final=True with finish and usage, or an error. The usage
+    fields are Usage's, flat (the NATS client API as docs/API.md states it): `usage_fields` fills them."""
 
     v: int
     rid: str
@@ -367,6 +371,11 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     spec_accept_rate: float | None = None
     error: str | None = None
     retry_after: int | None = None  # on a "429: ..." error: seconds until the API key's limit admits again
+
+
+def usage_fields(usage: Usage | None) -> dict[str, Any]:
+    """A Usage as NatsGenerateChunk's flat keyword arguments."""
+    return msgspec.structs.asdict(usage) if usage is not None else {}
 
 
 class NatsAbort(msgspec.Struct, tag="nats_abort"):

@@ -44,6 +44,7 @@ from shared.protocol import (
     StreamOut,
     TokenizeRequest,
     TopLogprob,
+    Usage,
     WorkerInfo,
     WorkerLoad,
 )
@@ -333,7 +334,7 @@ def _token(msg: TokenizeRequest, index: int, word: str) -> StreamOut:
 
 
 def _final(rid: str, finish: Finish, produced: int, usage: dict[str, int]) -> StreamOut:
-    return StreamOut(rid=rid, text="", token_ids=[], finish=finish, completion_tokens=produced, **usage)
+    return StreamOut(rid=rid, text="", token_ids=[], finish=finish, usage=Usage(completion_tokens=produced, **usage))
 
 
 def wait_for_workers(url: str, count: int, timeout: float = 10.0) -> None:

@@ -79,7 +79,8 @@ def summary(items: list[TokenOut]) -> tuple[list[int], list[float], list[tuple[i
         [t for item in items for t in item.token_ids],
         [lp for item in items for lp in item.logprobs or []],
         [(c.token_id, c.logprob) for item in items for step in item.top_logprobs or [] for c in step],
-        (final.finish.type, final.finish.matched, final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+        (final.finish.type, final.finish.matched, final.usage.prompt_tokens, final.usage.completion_tokens,
+         final.usage.cached_tokens),
     )
 
 

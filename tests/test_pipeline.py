@@ -91,8 +91,8 @@ def test_chat_answer_says_paris_exactly_like_the_offline_engine(pipeline: Pipeli
     assert "Paris" in result.text
     assert result.text == expected["text"]
     assert result.token_ids == expected["output_ids"]
-    assert result.final.prompt_tokens == expected["meta_info"]["prompt_tokens"]
-    assert result.final.completion_tokens == len(expected["output_ids"])
+    assert result.final.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert result.final.usage.completion_tokens == len(expected["output_ids"])
     assert {"type": result.finish.type, "matched": result.finish.matched} == expected["meta_info"]["finish_reason"]
 
 
@@ -202,7 +202,7 @@ def test_a_request_not_streamed_travels_as_its_first_token_and_one_final_with_th
         logprobs = [lp for c in result.chunks for lp in c.logprobs or []]  # type: ignore[attr-defined]
         want = [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]]
         assert len(logprobs) == 16 and all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, want))
-        assert result.final.completion_tokens == 16  # type: ignore[attr-defined]
+        assert result.final.usage.completion_tokens == 16  # type: ignore[attr-defined]
     assert len(items["streamed"]) > 2
     first, final = items["whole"]
     assert first.first and first.finish is None and len(first.token_ids) == 1  # type: ignore[attr-defined]

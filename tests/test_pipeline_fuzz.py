@@ -32,6 +32,7 @@ from shared.protocol import (
     TokenizeRequest,
     TokenOut,
     TopLogprob,
+    Usage,
 )
 from tests.gateway_helpers import LoopThread
 from tests.services_helpers import FakeGateway, ServiceProcess
@@ -79,7 +80,8 @@ token_outs = st.builds(
         TokenOut, rid=rids, gateway_id=st.just(GATEWAY), token_ids=token_lists,
         logprobs=st.none() | st.lists(floats, max_size=3),
         top_logprobs=st.none() | st.lists(st.lists(st.builds(TopLogprob, int64s, floats), max_size=2), max_size=2),
-        finish=st.none() | st.builds(Finish, type=st.text(max_size=6)), prompt_tokens=int64s, first=st.booleans(),
+        finish=st.none() | st.builds(Finish, type=st.text(max_size=6)),
+        usage=st.none() | st.builds(Usage, prompt_tokens=int64s), first=st.booleans(),
         stop=st.none() | st.lists(st.text(max_size=3), max_size=2)), max_size=3),
 )
 

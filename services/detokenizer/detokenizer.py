@@ -3,7 +3,7 @@ so the standalone service and a worker's in-process detokenizer share it).
 
 Each request keeps an IncrementalDetokenizer (shared/detokenize.py) from its first TokenOut, which
 carries its stop strings and skip_special_tokens (and a migrated request's tokens so far), to its final, when the state is freed. The final's
-usage and speculation metrics (spec_accept_length, spec_accept_rate) pass through unchanged. The text
+Usage (token counts and speculation metrics) passes through whole. The text
 rules are the offline Engine's: never broken UTF-8, never part of a stop string mid-stream, text cut
 where a stop string begins, and a matched stop token id kept in token_ids but left out of the text.
 When a request asked for logprobs, each token's own text (and each top candidate's) rides along, since
@@ -94,11 +94,7 @@ class Detokenizer:
             logprobs=item.logprobs,
             top_logprobs=item.top_logprobs,
             finish=item.finish,
-            prompt_tokens=item.prompt_tokens,
-            completion_tokens=item.completion_tokens,
-            cached_tokens=item.cached_tokens,
-            spec_accept_length=item.spec_accept_length,
-            spec_accept_rate=item.spec_accept_rate,
+            usage=item.usage,
         )
         if item.logprobs is not None:
             out.token_texts = [self.token_text(t) for t in item.token_ids]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.gateway.streams import RequestStream
-from shared.protocol import Finish, StreamOut, TopLogprob
+from shared.protocol import Finish, StreamOut, TopLogprob, Usage
 
 
 @dataclass
@@ -21,11 +23,7 @@ class Completion:
     token_texts: list[str] = field(default_factory=list)
     top_logprob_texts: list[list[str]] = field(default_factory=list)
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    spec_accept_length: float | None = None
-    spec_accept_rate: float | None = None
+    usage: Usage = field(default_factory=Usage)  # the final's
 
     def add(self, out: StreamOut) -> None:
         self.text += out.text
@@ -36,11 +34,10 @@ class Completion:
         self.top_logprob_texts.extend(top_logprob_texts(out))
         if out.finish is not None:
             self.finish = out.finish
-            self.prompt_tokens = out.prompt_tokens
-            self.completion_tokens = out.completion_tokens or len(self.token_ids)
-            self.cached_tokens = out.cached_tokens
-            self.spec_accept_length = out.spec_accept_length
-            self.spec_accept_rate = out.spec_accept_rate
+            usage = out.usage or Usage()
+            # A final without a count (an error or abort the gateway made) counts what arrived.
+            self.usage = usage if usage.completion_tokens else msgspec.structs.replace(
+                usage, completion_tokens=len(self.token_ids))
 
 
 def token_texts(out: StreamOut) -> list[str]:

@@ -60,6 +60,7 @@ from shared.protocol import (
     TextTokenize,
     TextTokenized,
     TokenizeRequest,
+    Usage,
     WorkerLoad,
 )
 
@@ -332,7 +333,8 @@ class Dispatcher:
     def _record_usage(self, stream: RequestStream, out: StreamOut) -> None:
         """A finished request's tokens count against its API key (Redis keys only)."""
         if stream.api_key is not None and self.keys.redis is not None:
-            self._spawn(self._usage(stream.api_key, out.prompt_tokens, out.completion_tokens))
+            usage = out.usage or Usage()
+            self._spawn(self._usage(stream.api_key, usage.prompt_tokens, usage.completion_tokens))
 
     async def _usage(self, key: ApiKey, prompt_tokens: int, completion_tokens: int) -> None:
         try:
@@ -394,7 +396,7 @@ class Dispatcher:
         if stream.abort_asked:
             # Its worker may have taken the abort and died before sending the final: end it as that
             # final would have, rather than run it again elsewhere.
-            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], completion_tokens=len(stream.delivered_ids),
+            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], usage=Usage(completion_tokens=len(stream.delivered_ids)),
                                      finish=Finish(type="abort", message="aborted by request")))
             self.hub.close(stream)
             return

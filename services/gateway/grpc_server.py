@@ -22,7 +22,7 @@ from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.generate_spec import GenerateSpec
 from services.gateway.protos import health_pb2, health_pb2_grpc, radixserve_pb2, radixserve_pb2_grpc
-from shared.protocol import ChatMessage, Sampling, StreamOut
+from shared.protocol import ChatMessage, Sampling, StreamOut, Usage
 
 SERVICE_NAME = "radixserve.v1.RadixServe"
 WATCH_INTERVAL_S = 1.0
@@ -90,9 +90,10 @@ def response_from(rid: str, out: StreamOut) -> Any:
             response.finish.matched_token = out.finish.matched
         elif isinstance(out.finish.matched, str):
             response.finish.matched_text = out.finish.matched
-        response.usage.prompt_tokens = out.prompt_tokens
-        response.usage.completion_tokens = out.completion_tokens
-        response.usage.cached_tokens = out.cached_tokens
+        usage = out.usage or Usage()
+        response.usage.prompt_tokens = usage.prompt_tokens
+        response.usage.completion_tokens = usage.completion_tokens
+        response.usage.cached_tokens = usage.cached_tokens
     return response
 
 

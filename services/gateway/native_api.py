@@ -172,15 +172,15 @@ def meta_info(c: Completion, started: float, finished: bool, return_logprob: boo
     meta: dict[str, Any] = {
         "id": c.rid,
         "finish_reason": msgspec.to_builtins(c.finish) if finished and c.finish else None,
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens if finished else len(c.token_ids),
-        "cached_tokens": c.cached_tokens,
+        "prompt_tokens": c.usage.prompt_tokens,
+        "completion_tokens": c.usage.completion_tokens if finished else len(c.token_ids),
+        "cached_tokens": c.usage.cached_tokens,
         "e2e_latency": time.monotonic() - started,
     }
-    if finished and c.spec_accept_length is not None:
+    if finished and c.usage.spec_accept_length is not None:
         # Like SGLang: present only for a request that ran speculative decoding.
-        meta["spec_accept_length"] = c.spec_accept_length
-        meta["spec_accept_rate"] = c.spec_accept_rate
+        meta["spec_accept_length"] = c.usage.spec_accept_length
+        meta["spec_accept_rate"] = c.usage.spec_accept_rate
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(c.logprobs, c.token_ids)]
         meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in step] for step in c.top_logprobs]

@@ -33,7 +33,14 @@ from services.gateway.errors import GatewayError
 from services.gateway.generate_spec import GenerateSpec
 from services.gateway.streams import RequestStream
 from shared.bus import PayloadTooLarge
-from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, decoder
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    NatsAbort,
+    NatsGenerateChunk,
+    NatsGenerateRequest,
+    decoder,
+    usage_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +172,7 @@ class NatsFrontDoor:
                         rid=stream.rid,
                         final=True,
                         finish=out.finish,
-                        prompt_tokens=out.prompt_tokens,
-                        completion_tokens=whole.completion_tokens,
-                        cached_tokens=out.cached_tokens,
-                        spec_accept_length=out.spec_accept_length,
-                        spec_accept_rate=out.spec_accept_rate,
+                        **usage_fields(whole.usage),
                         **final,
                     ),
                 )

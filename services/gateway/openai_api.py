@@ -73,13 +73,13 @@ def finish_reason(finish: Finish | None) -> str | None:
 def usage(completions: list[Completion], n: int) -> dict[str, Any]:
     """Token counts: each prompt once (the first of its n choices), every choice's output."""
     firsts = completions[::n]
-    prompt = sum(c.prompt_tokens for c in firsts)
-    generated = sum(c.completion_tokens for c in completions)
+    prompt = sum(c.usage.prompt_tokens for c in firsts)
+    generated = sum(c.usage.completion_tokens for c in completions)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt + generated,
-        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
+        "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in firsts)},
     }
 
 

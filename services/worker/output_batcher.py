@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.scheduler.scheduler import ReqOutput
-from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob
+from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from services.worker.service import WorkerMetrics
@@ -100,10 +100,8 @@ class OutputBatcher:
             reason = final.finished_reason
             assert reason is not None
             item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message)
-            item.prompt_tokens = final.prompt_tokens
-            item.completion_tokens = final.completion_tokens
-            item.cached_tokens = final.cached_tokens
-            item.spec_accept_length, item.spec_accept_rate = final.spec_accept_length, final.spec_accept_rate
+            item.usage = Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
+                               final.spec_accept_length, final.spec_accept_rate)
             self.metrics.requests.labels(status=reason.type).inc()
             self.metrics.observe_final(final)
         return item
