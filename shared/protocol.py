@@ -142,6 +142,19 @@ class TopLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class Logprobs(msgspec.Struct, omit_defaults=True):
+    """The log-probs of the output tokens beside it (one per token id), made once by the worker and passed
+    along whole; `top`: each token's most likely candidates, when the request asked for them. The
+    detokenizer adds each token's own text and each candidate's (`texts`, `top_texts`): OpenAI's
+    logprobs name tokens by text, and only it has the tokenizer. Without them the gateway names a token
+    "token_id:<id>"."""
+
+    values: list[float]
+    top: list[list[TopLogprob]] | None = None
+    texts: list[str] | None = None
+    top_texts: list[list[str]] | None = None
+
+
 # ---- gateway -> tokenizer -> worker -------------------------------------------------------------
 
 
@@ -225,8 +238,7 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     rid: str
     gateway_id: str
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[TopLogprob]] | None = None
+    logprobs: Logprobs | None = None
     finish: Finish | None = None
     usage: Usage | None = None  # on the final
     first: bool = False
@@ -254,15 +266,9 @@ class StreamOut(msgspec.Struct, omit_defaults=True):
     rid: str
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[TopLogprob]] | None = None
+    logprobs: Logprobs | None = None  # as the worker made it, with the tokens' texts added
     finish: Finish | None = None
     usage: Usage | None = None  # on the final, as the worker made it
-    # Each output token's own text (and each top-logprob candidate's), sent only when the request
-    # asked for logprobs: OpenAI's logprobs name tokens by text, and only the detokenizer has the
-    # tokenizer. Absent, the gateway names a token "token_id:<id>".
-    token_texts: list[str] | None = None
-    top_logprob_texts: list[list[str]] | None = None
 
 
 class BatchStreamOut(msgspec.Struct, tag="batch_stream_out"):

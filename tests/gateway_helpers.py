@@ -39,6 +39,7 @@ from shared.protocol import (
     ControlRequest,
     Finish,
     GenerateRequest,
+    Logprobs,
     NatsGenerateChunk,
     NatsGenerateRequest,
     StreamOut,
@@ -325,11 +326,10 @@ def _prompt_of(msg: TokenizeRequest) -> str:
 def _token(msg: TokenizeRequest, index: int, word: str) -> StreamOut:
     out = StreamOut(rid=msg.rid, text=word + " ", token_ids=[100 + index])
     if msg.return_logprob:
-        out.logprobs = [-(index + 1) / 10]
-        out.token_texts = [word + " "]
+        out.logprobs = Logprobs([-(index + 1) / 10], texts=[word + " "])
         if msg.top_logprobs_num:
-            out.top_logprobs = [[TopLogprob(j, -(j + 1) / 10) for j in range(msg.top_logprobs_num)]]
-            out.top_logprob_texts = [[f"c{j}" for j in range(msg.top_logprobs_num)]]
+            out.logprobs.top = [[TopLogprob(j, -(j + 1) / 10) for j in range(msg.top_logprobs_num)]]
+            out.logprobs.top_texts = [[f"c{j}" for j in range(msg.top_logprobs_num)]]
     return out
 
 

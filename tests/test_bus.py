@@ -22,6 +22,7 @@ from shared.protocol import (
     ControlRequest,
     Finish,
     GenerateRequest,
+    Logprobs,
     NatsAbort,
     NatsGenerateChunk,
     NatsGenerateRequest,
@@ -47,8 +48,8 @@ SAMPLES: list[msgspec.Struct] = [
     BatchTokenOut(
         v=V, worker_id="w1", step=7,
         items=[
-            TokenOut(rid="r1", gateway_id="g1", token_ids=[5], logprobs=[-0.5],
-                     top_logprobs=[[TopLogprob(5, -0.5), TopLogprob(9, -1.5)]], first=True, stop=["x"]),
+            TokenOut(rid="r1", gateway_id="g1", token_ids=[5],
+                     logprobs=Logprobs([-0.5], top=[[TopLogprob(5, -0.5), TopLogprob(9, -1.5)]]), first=True, stop=["x"]),
             TokenOut(rid="r2", gateway_id="g2", token_ids=[6], finish=Finish("stop", matched=6),
                      usage=Usage(prompt_tokens=3, completion_tokens=4, cached_tokens=2)),
         ],

@@ -114,13 +114,13 @@ def test_stop_string_and_logprobs_match_the_offline_engine(pipeline: Pipeline, e
     assert result.text == expected["text"] == free["text"][: free["text"].index(stop)]
     assert result.token_ids == expected["output_ids"]
     assert result.finish.type == "stop" and result.finish.matched == stop
-    logprobs = [lp for c in result.chunks for lp in c.logprobs or []]
+    logprobs = [lp for c in result.chunks if c.logprobs for lp in c.logprobs.values]
     assert len(logprobs) == len(expected["output_ids"])
     for got, (want, _, _) in zip(logprobs, expected["meta_info"]["output_token_logprobs"]):
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-4)
-    top = [[t.token_id for t in step] for c in result.chunks for step in c.top_logprobs or []]
+    top = [[t.token_id for t in step] for c in result.chunks if c.logprobs for step in c.logprobs.top or []]
     assert top == [[tid for _, tid, _ in step] for step in expected["meta_info"]["output_top_logprobs"]]
-    texts = [t for c in result.chunks for t in c.token_texts or []]
+    texts = [t for c in result.chunks if c.logprobs for t in c.logprobs.texts or []]
     assert texts == [engine.tokenizer.decode([t]) for t in result.token_ids]
 
 
@@ -199,7 +199,7 @@ def test_a_request_not_streamed_travels_as_its_first_token_and_one_final_with_th
     for result in (streamed, whole):
         assert result.token_ids == expected["output_ids"]  # type: ignore[attr-defined]
         assert result.text == expected["text"]  # type: ignore[attr-defined]
-        logprobs = [lp for c in result.chunks for lp in c.logprobs or []]  # type: ignore[attr-defined]
+        logprobs = [lp for c in result.chunks if c.logprobs for lp in c.logprobs.values]  # type: ignore[attr-defined]
         want = [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]]
         assert len(logprobs) == 16 and all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, want))
         assert result.final.usage.completion_tokens == 16  # type: ignore[attr-defined]

@@ -17,8 +17,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.detokenize import IncrementalDetokenizer
-from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut, Finish, StreamOut, TokenOut
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    BatchStreamOut,
+    BatchTokenOut,
+    Finish,
+    Logprobs,
+    StreamOut,
+    TokenOut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,20 +97,17 @@ class Detokenizer:
             del self._streams[item.rid]
         if not text and not item.token_ids and not final:
             return None
-        out = StreamOut(
-            rid=item.rid,
-            text=text,
-            token_ids=item.token_ids,
-            logprobs=item.logprobs,
-            top_logprobs=item.top_logprobs,
-            finish=item.finish,
-            usage=item.usage,
-        )
-        if item.logprobs is not None:
-            out.token_texts = [self.token_text(t) for t in item.token_ids]
-        if item.top_logprobs is not None:
-            out.top_logprob_texts = [[self.token_text(c.token_id) for c in step] for step in item.top_logprobs]
-        return out
+        return StreamOut(rid=item.rid, text=text, token_ids=item.token_ids, logprobs=self.named(item),
+                         finish=item.finish, usage=item.usage)
+
+    def named(self, item: TokenOut) -> Logprobs | None:
+        """The item's Logprobs with each token's own text and each top candidate's added."""
+        logprobs = item.logprobs
+        if logprobs is None:
+            return None
+        top_texts = None if logprobs.top is None else [
+            [self.token_text(c.token_id) for c in step] for step in logprobs.top]
+        return msgspec.structs.replace(logprobs, texts=[self.token_text(t) for t in item.token_ids], top_texts=top_texts)
 
     def _failed(self, item: TokenOut, exc: Exception) -> StreamOut:
         """An item whose tokens cannot be decoded (ids the tokenizer does not have: only a worker that

@@ -28,8 +28,9 @@ class Completion:
     def add(self, out: StreamOut) -> None:
         self.text += out.text
         self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs or [])
-        self.top_logprobs.extend(out.top_logprobs or [])
+        if out.logprobs is not None:
+            self.logprobs.extend(out.logprobs.values)
+            self.top_logprobs.extend(out.logprobs.top or [])
         self.token_texts.extend(token_texts(out))
         self.top_logprob_texts.extend(top_logprob_texts(out))
         if out.finish is not None:
@@ -42,15 +43,17 @@ class Completion:
 
 def token_texts(out: StreamOut) -> list[str]:
     """Each output token's text, as the detokenizer sent it, else `token_id:<id>`."""
-    if out.token_texts is not None and len(out.token_texts) == len(out.token_ids):
-        return list(out.token_texts)
+    sent = out.logprobs.texts if out.logprobs is not None else None
+    if sent is not None and len(sent) == len(out.token_ids):
+        return list(sent)
     return [f"token_id:{t}" for t in out.token_ids]
 
 
 def top_logprob_texts(out: StreamOut) -> list[list[str]]:
     """Each top-logprob candidate's text, as the detokenizer sent it, else `token_id:<id>`."""
-    tops = out.top_logprobs or []
-    sent = out.top_logprob_texts
+    if out.logprobs is None:
+        return []
+    tops, sent = out.logprobs.top or [], out.logprobs.top_texts
     if sent is not None and [len(s) for s in sent] == [len(t) for t in tops]:
         return [list(s) for s in sent]
     return [[f"token_id:{c.token_id}" for c in step] for step in tops]

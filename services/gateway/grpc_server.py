@@ -77,8 +77,8 @@ def spec_from_proto(request: Any) -> GenerateSpec:
 
 def response_from(rid: str, out: StreamOut) -> Any:
     response = radixserve_pb2.GenerateResponse(rid=rid, text=out.text, token_ids=out.token_ids)
-    tops = out.top_logprobs or []
-    for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs or [])):
+    values, tops = (out.logprobs.values, out.logprobs.top or []) if out.logprobs is not None else ([], [])
+    for i, (token_id, logprob) in enumerate(zip(out.token_ids, values)):
         entry = response.logprobs.add(token_id=token_id, logprob=logprob)
         for candidate in tops[i] if i < len(tops) else []:
             entry.top_logprobs.add(token_id=candidate.token_id, logprob=candidate.logprob)

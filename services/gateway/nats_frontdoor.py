@@ -156,12 +156,14 @@ class NatsFrontDoor:
             whole.add(out)
             if request.stream and out.finish is None and (out.text or out.token_ids):
                 chunk = NatsGenerateChunk(
-                    v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs
+                    v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids,
+                    logprobs=out.logprobs.values if out.logprobs is not None else None,
                 )
                 await self._reply(raw, chunk)
             elif out.finish is not None:
                 final: dict[str, Any] = (
-                    {"text": out.text, "token_ids": out.token_ids, "logprobs": out.logprobs}
+                    {"text": out.text, "token_ids": out.token_ids,
+                     "logprobs": out.logprobs.values if out.logprobs is not None else None}
                     if request.stream
                     else {"text": whole.text, "token_ids": whole.token_ids, "logprobs": whole.logprobs or None}
                 )

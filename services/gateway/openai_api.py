@@ -118,7 +118,8 @@ def completion_logprobs(
 
 
 def _stream_logprobs(out: StreamOut) -> tuple[list[str], list[float], list[list[TopLogprob]], list[list[str]]]:
-    return token_texts(out), list(out.logprobs or []), list(out.top_logprobs or []), top_logprob_texts(out)
+    values, tops = (out.logprobs.values, out.logprobs.top or []) if out.logprobs is not None else ([], [])
+    return token_texts(out), list(values), list(tops), top_logprob_texts(out)
 
 
 def _matched(finish: Finish | None) -> int | str | None:

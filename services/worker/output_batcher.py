@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.scheduler.scheduler import ReqOutput
-from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob, Usage
+from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, Logprobs, TokenOut, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from services.worker.service import WorkerMetrics
@@ -86,9 +86,7 @@ class OutputBatcher:
     def _item(self, rid: str, flight: Flight, final: ReqOutput | None) -> TokenOut:
         item = TokenOut(rid=rid, gateway_id=flight.gateway_id, token_ids=flight.token_ids)
         if flight.logprobs:
-            item.logprobs = flight.logprobs
-        if flight.top_logprobs:
-            item.top_logprobs = flight.top_logprobs
+            item.logprobs = Logprobs(flight.logprobs, flight.top_logprobs or None)
         flight.token_ids, flight.logprobs, flight.top_logprobs = [], [], []
         if flight.first:
             item.first, flight.first = True, False
