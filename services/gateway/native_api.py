@@ -38,19 +38,10 @@ from services.gateway.request_body import (
     REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
-    LogitBias,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
     RequestBody,
-    Seed,
-    StopStrings,
-    StrictModel,
-    Temperature,
+    SamplingValues,
     TemplateKwargs,
     TokenId,
-    TopK,
-    TopP,
     logit_bias_ids,
     not_null,
 )
@@ -66,7 +57,7 @@ def dispatcher_of(request: Request) -> Dispatcher:
     return request.app.state.dispatcher  # type: ignore[no-any-return]
 
 
-class NativeSampling(StrictModel):
+class NativeSampling(SamplingValues):
     """SGLang's sampling_params (names and meanings of SamplingParams). An unknown key is a 400, not
     ignored: a constraint the server silently dropped would change the answer unseen."""
 
@@ -74,24 +65,9 @@ class NativeSampling(StrictModel):
 
     max_new_tokens: Count | None = None
     min_new_tokens: Count | None = Field(None, description="at most max_new_tokens")
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop: StopStrings | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    seed: Seed | None = None
-    logit_bias: LogitBias | None = None
-    # Constrained decoding (one of): a JSON schema (JSON text, as SGLang takes it, or an object), a
-    # regular expression, an EBNF grammar (GBNF or Lark).
+    # Constrained decoding (one of json_schema, regex, ebnf): a JSON schema as JSON text (as SGLang takes
+    # it) or an object.
     json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
     def sampling(self, choice: int) -> Sampling:

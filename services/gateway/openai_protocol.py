@@ -22,19 +22,10 @@ from services.gateway.request_body import (
     REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
-    LogitBias,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
     RequestBody,
-    Seed,
-    StopStrings,
+    SamplingValues,
     StrictModel,
-    Temperature,
     TemplateKwargs,
-    TokenId,
-    TopK,
-    TopP,
     logit_bias_ids,
 )
 from services.gateway.tool_calls import forced_call_grammar
@@ -73,32 +64,17 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(RequestBody, SamplingValues):
     """The sampling knobs both endpoints take (OpenAI's, plus SGLang's top_k/min_p/... extensions)."""
 
     model: str | None = Field(None, description="a model a live worker serves (GET /v1/models); None: any")
     n: int = Field(1, ge=1, le=MAX_N, description="choices to generate (each its own request, seeds seed+i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StopStrings | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    seed: Seed | None = None
-    logit_bias: LogitBias | None = None
     min_tokens: Count | None = Field(None, description="at most max_tokens (or max_completion_tokens)")
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
     rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
     user: str | None = None
     response_format: dict[str, object] | None = Field(None, json_schema_extra=RESPONSE_FORMAT)
-    regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
-    ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
     timeout: float | None = Field(None, gt=0, le=86_400, description=REQUEST_TIMEOUT)
 
     @property

@@ -88,6 +88,28 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class SamplingValues(StrictModel):
+    """The sampling fields both HTTP forms (native sampling_params, OpenAI bodies) take under
+    shared.protocol.Sampling's own names and meanings; each form adds the ones it names its own way
+    (tests/test_request_contract.py holds both to Sampling's fields)."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
+    ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
+
+
 REQUEST_TIMEOUT = (
     "seconds the whole request may take (queue included); past it, it is aborted on its worker and ends "
     "with a 504 (an error event once streaming has begun)"
