@@ -18,8 +18,8 @@ from services.gateway.grpc_server import sampling_from_proto
 from services.gateway.native_api import NativeSampling
 from services.gateway.openai_protocol import OPENAI_NAMES, ChatCompletionRequest, SamplingFields
 from services.gateway.protos import radixserve_pb2
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
-from shared.protocol import PROTOCOL_VERSION, Sampling, TokenizeRequest
+from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request
+from shared.protocol import PROTOCOL_VERSION, GenerateRequest, Sampling, TokenizeRequest
 from shared.request_contract import prompt_field
 from shared.sampling_params import SamplingParams
 from tests.services_helpers import REPO_ROOT
@@ -146,3 +146,14 @@ def test_the_tokenizer_passes_sampling_on_unchecked(qwen3_path: Path) -> None:
         bad.validate()
     with pytest.raises(ValueError, match="prompt has"):  # what needs the model's figures stays its check
         prompts.to_generate(msgspec.structs.replace(req, text="hi " * 300))
+
+
+def test_a_generate_request_carries_every_field_of_its_tokenize_request() -> None:
+    """Every GenerateRequest field but the prompt comes from the TokenizeRequest (none left at a default)."""
+    assert set(GenerateRequest.__struct_fields__) - set(TokenizeRequest.__struct_fields__) == set()
+    req = TokenizeRequest(v=PROTOCOL_VERSION, rid="r", gateway_id="g", worker_id="w", sampling=Sampling(seed=3), text="hi",
+                          return_logprob=True, top_logprobs_num=2, priority=5, stream=False, resume_ids=[7], resume_chars=1)
+    sent = generate_request(req, [1, 2])
+    assert sent == GenerateRequest(v=PROTOCOL_VERSION, rid="r", gateway_id="g", input_ids=[1, 2], sampling=Sampling(seed=3),
+                                   return_logprob=True, top_logprobs_num=2, priority=5, stream=False, resume_ids=[7],
+                                   resume_chars=1)

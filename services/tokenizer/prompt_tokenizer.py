@@ -149,18 +149,10 @@ class PromptTokenizer:
         return generate_request(req, ids)
 
 
+# What a GenerateRequest carries over from its TokenizeRequest: every field the two share, but the prompt.
+_CARRIED = tuple(f for f in GenerateRequest.__struct_fields__ if f in TokenizeRequest.__struct_fields__ and f != "input_ids")
+
+
 def generate_request(req: TokenizeRequest, ids: list[int]) -> GenerateRequest:
     """`req` as its worker gets it, with prompt `ids`."""
-    return GenerateRequest(
-        v=PROTOCOL_VERSION,
-        rid=req.rid,
-        gateway_id=req.gateway_id,
-        input_ids=ids,
-        sampling=req.sampling,
-        return_logprob=req.return_logprob,
-        top_logprobs_num=req.top_logprobs_num,
-        priority=req.priority,
-        stream=req.stream,
-        resume_ids=req.resume_ids,
-        resume_chars=req.resume_chars,
-    )
+    return GenerateRequest(input_ids=ids, **{f: getattr(req, f) for f in _CARRIED})
