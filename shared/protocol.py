@@ -27,6 +27,8 @@ from typing import Any
 
 import msgspec
 
+from shared.sampling_params import check_request
+
 PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "rs"
 
@@ -61,7 +63,10 @@ class Subjects:
 
 class Sampling(msgspec.Struct, omit_defaults=True):
     """A request's sampling settings as sent; None means "unset" (model defaults apply). Same names
-    and meanings as shared.sampling_params.SamplingParams."""
+    and meanings as shared.sampling_params.SamplingParams.
+
+    The one declaration of the request's sampling fields: the HTTP forms (native and OpenAI), the gRPC
+    mapping and the .proto are derived from or checked against it (tests/test_request_contract.py)."""
 
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
@@ -86,6 +91,11 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     def to_dict(self) -> dict[str, object]:
         """Only the fields that were set (for SamplingParams.from_dict)."""
         return {f: getattr(self, f) for f in self.__struct_fields__ if getattr(self, f) is not None}
+
+    def validate(self) -> None:
+        """ValueError naming the field for any value no worker could carry or honour (the edge's check;
+        the worker adds its vocabulary, context and pool)."""
+        check_request(self.to_dict())
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):
@@ -114,9 +124,35 @@ class Finish(msgspec.Struct, omit_defaults=True):
     message: str | None = None
 
 
+class Usage(msgspec.Struct, omit_defaults=True):
+    """A request's token counts, made once by its worker and passed along whole on its final (TokenOut
+    -> StreamOut -> the gateway's reply): prompt tokens, generated tokens, prompt tokens served from the
+    prefix cache; with speculative decoding, mean tokens per verify step and the share of proposed
+    tokens accepted."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+
+
 class TopLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
+
+
+class Logprobs(msgspec.Struct, omit_defaults=True):
+    """The log-probs of the output tokens beside it (one per token id), made once by the worker and passed
+    along whole; `top`: each token's most likely candidates, when the request asked for them. The
+    detokenizer adds each token's own text and each candidate's (`texts`, `top_texts`): OpenAI's
+    logprobs name tokens by text, and only it has the tokenizer. Without them the gateway names a token
+    "token_id:<id>"."""
+
+    values: list[float]
+    top: list[list[TopLogprob]] | None = None
+    texts: list[str] | None = None
+    top_texts: list[list[str]] | None = None
 
 
 # ---- gateway -> tokenizer -> worker -------------------------------------------------------------
@@ -202,16 +238,9 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     rid: str
     gateway_id: str
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[TopLogprob]] | None = None
+    logprobs: Logprobs | None = None
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    # On a final of a request that ran speculative decoding: mean tokens per verify step, and the
-    # share of proposed tokens accepted.
-    spec_accept_length: float | None = None
-    spec_accept_rate: float | None = None
+    usage: Usage | None = None  # on the final
     first: bool = False
     stop: list[str] | None = None
     skip_special_tokens: bool = True
@@ -237,19 +266,9 @@ class StreamOut(msgspec.Struct, omit_defaults=True):
     rid: str
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[TopLogprob]] | None = None
+    logprobs: Logprobs | None = None  # as the worker made it, with the tokens' texts added
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    spec_accept_length: float | None = None  # as on TokenOut
-    spec_accept_rate: float | None = None
-    # Each output token's own text (and each top-logprob candidate's), sent only when the request
-    # asked for logprobs: OpenAI's logprobs name tokens by text, and only the detokenizer has the
-    # tokenizer. Absent, the gateway names a token "token_id:<id>".
-    token_texts: list[str] | None = None
-    top_logprob_texts: list[list[str]] | None = None
+    usage: Usage | None = None  # on the final, as the worker made it
 
 
 class BatchStreamOut(msgspec.Struct, tag="batch_stream_out"):
@@ -341,7 +360,8 @@ class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=Tru
 
 
 class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
-    """A reply: text delta(s); the last one has final=True with finish and usage, or an error."""
+    """A reply: text delta(s); the last one has final=True with finish and usage, or an error. The usage
+    fields are Usage's, flat (the NATS client API as docs/API.md states it): `usage_fields` fills them."""
 
     v: int
     rid: str
@@ -357,6 +377,11 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     spec_accept_rate: float | None = None
     error: str | None = None
     retry_after: int | None = None  # on a "429: ..." error: seconds until the API key's limit admits again
+
+
+def usage_fields(usage: Usage | None) -> dict[str, Any]:
+    """A Usage as NatsGenerateChunk's flat keyword arguments."""
+    return msgspec.structs.asdict(usage) if usage is not None else {}
 
 
 class NatsAbort(msgspec.Struct, tag="nats_abort"):

@@ -1,9 +1,16 @@
 """SamplingParams: one request's sampling settings, with SGLang's names and meanings.
 
-Lifecycle: `from_dict` (the request's JSON object, plus the model's generation_config defaults) ->
+The wire form is shared.protocol.Sampling (every field unset by default); this is the worker's form,
+with the defaults filled in. Its fields are Sampling's plus `n` (tests/test_request_contract.py).
+
+Lifecycle: `from_dict` (the request's sampling, plus the model's generation_config defaults) ->
 `verify(vocab_size)` (every bad value is a ValueError naming its field) -> `normalize()` (stop as a
 list, greedy spelled as top_k=1). Log-prob settings (`return_logprob`, `top_logprobs_num`) belong to
 the request, not here, as in SGLang.
+
+Where it is checked: once at the edge (the gateway: `check_request`, with the widest vocabulary any
+worker could have) and once in the worker (`verify` with the model's vocabulary, which also guards the
+offline Engine and any other publisher on the worker's subject). The tokenizer does not check it.
 """
 
 from __future__ import annotations
@@ -20,6 +27,34 @@ SAMPLING_EPS = 1e-5
 
 # The fields that the model's generation_config.json may supply when the request leaves them unset.
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# What a request's integers must fit to travel: counts and top_k as int32 (gRPC), a seed as int64
+# (vLLM's bound; seed + i of n choices still fits msgpack's 64 bits), token ids as C ints / int32.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# The edge does not know the vocabulary: any id in [0, MAX_TOKEN_ID] passes there and the worker
+# refuses ids its model does not have.
+MAX_TOKEN_ID = INT32_MAX
+_INT32_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k")
+
+
+def generation_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The per-request defaults a checkpoint's generation_config.json sets (GENERATION_DEFAULT_KEYS)."""
+    return {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None}
+
+
+def check_request(sampling: dict[str, Any]) -> None:
+    """The edge's one check of a request's sampling (only the fields that were set): ValueError, its
+    message starting with the field's name, for any value no worker could carry or honour. Needs
+    neither a tokenizer nor torch; the worker's own check adds its vocabulary (`verify`)."""
+    for name in _INT32_FIELDS:
+        value = sampling.get(name)
+        if isinstance(value, int) and value > INT32_MAX:
+            raise ValueError(f"{name} must be <= {INT32_MAX}, got {value}")
+    seed = sampling.get("seed")
+    if isinstance(seed, int) and not INT64_MIN <= seed <= INT64_MAX:
+        raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {seed}")
+    SamplingParams.from_dict(sampling).verify(MAX_TOKEN_ID + 1)
 
 
 @dataclass

@@ -39,11 +39,13 @@ from shared.protocol import (
     ControlRequest,
     Finish,
     GenerateRequest,
+    Logprobs,
     NatsGenerateChunk,
     NatsGenerateRequest,
     StreamOut,
     TokenizeRequest,
     TopLogprob,
+    Usage,
     WorkerInfo,
     WorkerLoad,
 )
@@ -324,16 +326,15 @@ def _prompt_of(msg: TokenizeRequest) -> str:
 def _token(msg: TokenizeRequest, index: int, word: str) -> StreamOut:
     out = StreamOut(rid=msg.rid, text=word + " ", token_ids=[100 + index])
     if msg.return_logprob:
-        out.logprobs = [-(index + 1) / 10]
-        out.token_texts = [word + " "]
+        out.logprobs = Logprobs([-(index + 1) / 10], texts=[word + " "])
         if msg.top_logprobs_num:
-            out.top_logprobs = [[TopLogprob(j, -(j + 1) / 10) for j in range(msg.top_logprobs_num)]]
-            out.top_logprob_texts = [[f"c{j}" for j in range(msg.top_logprobs_num)]]
+            out.logprobs.top = [[TopLogprob(j, -(j + 1) / 10) for j in range(msg.top_logprobs_num)]]
+            out.logprobs.top_texts = [[f"c{j}" for j in range(msg.top_logprobs_num)]]
     return out
 
 
 def _final(rid: str, finish: Finish, produced: int, usage: dict[str, int]) -> StreamOut:
-    return StreamOut(rid=rid, text="", token_ids=[], finish=finish, completion_tokens=produced, **usage)
+    return StreamOut(rid=rid, text="", token_ids=[], finish=finish, usage=Usage(completion_tokens=produced, **usage))
 
 
 def wait_for_workers(url: str, count: int, timeout: float = 10.0) -> None:

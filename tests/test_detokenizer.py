@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.detokenizer.detokenizer import Detokenizer
-from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob
+from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, Logprobs, TokenOut, TopLogprob
 from tests.checkpoints import IM_END_ID
 
 TEXT = "naïve café — 東京 🚀 done."
@@ -102,9 +102,9 @@ def test_state_is_freed_on_the_final_and_for_silent_workers(tokenizer) -> None: 
 def test_logprob_requests_get_each_tokens_own_text(tokenizer) -> None:  # noqa: ANN001
     ids = tokenizer.encode("café")
     item = TokenOut(
-        rid="r", gateway_id="g", token_ids=ids[:1], logprobs=[-0.1], first=True,
-        top_logprobs=[[TopLogprob(ids[0], -0.1), TopLogprob(IM_END_ID, -3.0)]],
+        rid="r", gateway_id="g", token_ids=ids[:1], first=True,
+        logprobs=Logprobs([-0.1], top=[[TopLogprob(ids[0], -0.1), TopLogprob(IM_END_ID, -3.0)]]),
     )
     (out,) = Detokenizer(tokenizer).process(step(1, item))["g"].items
-    assert out.token_texts == [tokenizer.decode(ids[:1])]
-    assert out.top_logprob_texts == [[tokenizer.decode(ids[:1]), tokenizer.decode([IM_END_ID])]]
+    assert out.logprobs.texts == [tokenizer.decode(ids[:1])]
+    assert out.logprobs.top_texts == [[tokenizer.decode(ids[:1]), tokenizer.decode([IM_END_ID])]]

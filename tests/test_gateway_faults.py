@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shared.natsd import NatsServer, start_nats_server
-from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut
+from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut, Usage
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
 
 MB = 1024 * 1024
@@ -300,9 +300,10 @@ def test_a_final_with_negative_counts_ends_its_request_and_spares_the_rest_of_it
         fine = pool.submit(httpx.post, f"{gateway.url}/generate", json={"text": "HANG fine", "rid": "neg-2"}, timeout=10)
         pipeline.wait_until(lambda: {"neg-1", "neg-2"} <= set(pipeline.in_flight("w1")))
         forged = BatchStreamOut(v=PROTOCOL_VERSION, items=[
-            StreamOut(rid="neg-1", text="", token_ids=[], finish=Finish(type="stop"), prompt_tokens=-5,
-                      completion_tokens=-7, cached_tokens=-1),
-            StreamOut(rid="neg-2", text="", token_ids=[], finish=Finish(type="stop"), prompt_tokens=2, completion_tokens=1),
+            StreamOut(rid="neg-1", text="", token_ids=[], finish=Finish(type="stop"),
+                      usage=Usage(prompt_tokens=-5, completion_tokens=-7, cached_tokens=-1)),
+            StreamOut(rid="neg-2", text="", token_ids=[], finish=Finish(type="stop"),
+                      usage=Usage(prompt_tokens=2, completion_tokens=1)),
         ])
         pipeline.thread.run(pipeline.bus.publish(pipeline.bus.subjects.gateway_stream(gateway.config.gateway_id), forged))
         answers = [odd.result(), fine.result()]

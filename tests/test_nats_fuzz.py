@@ -30,6 +30,7 @@ from shared.protocol import (
     NatsGenerateRequest,
     Sampling,
     StreamOut,
+    Usage,
     WorkerLoad,
 )
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, LoopThread, wait_for_workers
@@ -192,8 +193,10 @@ loads = st.builds(
 stream_outs = st.builds(
     BatchStreamOut, v=st.sampled_from([PROTOCOL_VERSION]) | int64s,
     items=st.lists(st.builds(StreamOut, rid=st.text(max_size=10), text=st.text(max_size=10),
-                             token_ids=st.lists(int64s, max_size=3), prompt_tokens=int64s, completion_tokens=int64s,
-                             cached_tokens=int64s, finish=st.none() | st.builds(Finish, type=st.text(max_size=6))),
+                             token_ids=st.lists(int64s, max_size=3),
+                             usage=st.none() | st.builds(Usage, prompt_tokens=int64s, completion_tokens=int64s,
+                                                         cached_tokens=int64s),
+                             finish=st.none() | st.builds(Finish, type=st.text(max_size=6))),
                    max_size=3),
 )
 

@@ -77,9 +77,10 @@ def summary(items: list[TokenOut]) -> tuple[list[int], list[float], list[tuple[i
     assert items[0].first and items[0].stop == ["zzz"] and not any(item.first for item in items[1:])
     return (
         [t for item in items for t in item.token_ids],
-        [lp for item in items for lp in item.logprobs or []],
-        [(c.token_id, c.logprob) for item in items for step in item.top_logprobs or [] for c in step],
-        (final.finish.type, final.finish.matched, final.prompt_tokens, final.completion_tokens, final.cached_tokens),
+        [lp for item in items if item.logprobs for lp in item.logprobs.values],
+        [(c.token_id, c.logprob) for item in items if item.logprobs for step in item.logprobs.top or [] for c in step],
+        (final.finish.type, final.finish.matched, final.usage.prompt_tokens, final.usage.completion_tokens,
+         final.usage.cached_tokens),
     )
 
 

@@ -91,8 +91,8 @@ def test_chat_answer_says_paris_exactly_like_the_offline_engine(pipeline: Pipeli
     assert "Paris" in result.text
     assert result.text == expected["text"]
     assert result.token_ids == expected["output_ids"]
-    assert result.final.prompt_tokens == expected["meta_info"]["prompt_tokens"]
-    assert result.final.completion_tokens == len(expected["output_ids"])
+    assert result.final.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert result.final.usage.completion_tokens == len(expected["output_ids"])
     assert {"type": result.finish.type, "matched": result.finish.matched} == expected["meta_info"]["finish_reason"]
 
 
@@ -114,13 +114,13 @@ def test_stop_string_and_logprobs_match_the_offline_engine(pipeline: Pipeline, e
     assert result.text == expected["text"] == free["text"][: free["text"].index(stop)]
     assert result.token_ids == expected["output_ids"]
     assert result.finish.type == "stop" and result.finish.matched == stop
-    logprobs = [lp for c in result.chunks for lp in c.logprobs or []]
+    logprobs = [lp for c in result.chunks if c.logprobs for lp in c.logprobs.values]
     assert len(logprobs) == len(expected["output_ids"])
     for got, (want, _, _) in zip(logprobs, expected["meta_info"]["output_token_logprobs"]):
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-4)
-    top = [[t.token_id for t in step] for c in result.chunks for step in c.top_logprobs or []]
+    top = [[t.token_id for t in step] for c in result.chunks if c.logprobs for step in c.logprobs.top or []]
     assert top == [[tid for _, tid, _ in step] for step in expected["meta_info"]["output_top_logprobs"]]
-    texts = [t for c in result.chunks for t in c.token_texts or []]
+    texts = [t for c in result.chunks if c.logprobs for t in c.logprobs.texts or []]
     assert texts == [engine.tokenizer.decode([t]) for t in result.token_ids]
 
 
@@ -199,10 +199,10 @@ def test_a_request_not_streamed_travels_as_its_first_token_and_one_final_with_th
     for result in (streamed, whole):
         assert result.token_ids == expected["output_ids"]  # type: ignore[attr-defined]
         assert result.text == expected["text"]  # type: ignore[attr-defined]
-        logprobs = [lp for c in result.chunks for lp in c.logprobs or []]  # type: ignore[attr-defined]
+        logprobs = [lp for c in result.chunks if c.logprobs for lp in c.logprobs.values]  # type: ignore[attr-defined]
         want = [lp for lp, _, _ in expected["meta_info"]["output_token_logprobs"]]
         assert len(logprobs) == 16 and all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(logprobs, want))
-        assert result.final.completion_tokens == 16  # type: ignore[attr-defined]
+        assert result.final.usage.completion_tokens == 16  # type: ignore[attr-defined]
     assert len(items["streamed"]) > 2
     first, final = items["whole"]
     assert first.first and first.finish is None and len(first.token_ids) == 1  # type: ignore[attr-defined]
@@ -273,6 +273,30 @@ def test_worker_refuses_a_bad_generate_request_with_an_error_final(
 
     result = run(main())
     assert result.finish.type == "error" and named in (result.finish.message or "")
+
+
+def test_a_bad_sampling_value_past_the_gateway_is_refused_by_the_worker(pipeline: Pipeline) -> None:
+    """The tokenizer trusts the gateway's check of the sampling values (Sampling.validate) and passes
+    them on; a publisher that skipped the gateway still gets a clear error final, from the worker."""
+    def count(text: str, name: str, status: str) -> float:
+        wanted = f'{name}{{status="{status}"}} '  # a labelled counter has no sample before its first use
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
+
+    def errors() -> tuple[float, float, float]:
+        tokenizer, worker = pipeline.tokenizer.scrape(), pipeline.worker.scrape()
+        return (count(tokenizer, "rs_tokenizer_requests_total", "ok"), count(tokenizer, "rs_tokenizer_requests_total", "error"),
+                count(worker, "rs_worker_requests_total", "error"))
+
+    async def main() -> object:
+        async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:
+            req = gateway.tokenize_request("past-gateway", WORKER, sampling=Sampling(temperature=-1.0), text="hi")
+            return await gateway.generate(req, timeout=20)
+
+    before = errors()
+    result = run(main())
+    after = errors()
+    assert result.finish.type == "error" and "temperature must be >= 0" in (result.finish.message or "")
+    assert [b - a for a, b in zip(before, after)] == [1, 0, 1]  # tokenized fine, refused by the worker
 
 
 def test_malformed_messages_are_dropped_and_every_service_keeps_serving(pipeline: Pipeline) -> None:

@@ -26,12 +26,14 @@ from shared.protocol import (
     ControlRequest,
     Finish,
     GenerateRequest,
+    Logprobs,
     Sampling,
     Subjects,
     TextTokenize,
     TokenizeRequest,
     TokenOut,
     TopLogprob,
+    Usage,
 )
 from tests.gateway_helpers import LoopThread
 from tests.services_helpers import FakeGateway, ServiceProcess
@@ -77,9 +79,10 @@ token_outs = st.builds(
     BatchTokenOut, v=versions, worker_id=st.just(WORKER), step=int64s,
     items=st.lists(st.builds(
         TokenOut, rid=rids, gateway_id=st.just(GATEWAY), token_ids=token_lists,
-        logprobs=st.none() | st.lists(floats, max_size=3),
-        top_logprobs=st.none() | st.lists(st.lists(st.builds(TopLogprob, int64s, floats), max_size=2), max_size=2),
-        finish=st.none() | st.builds(Finish, type=st.text(max_size=6)), prompt_tokens=int64s, first=st.booleans(),
+        logprobs=st.none() | st.builds(Logprobs, st.lists(floats, max_size=3), top=st.none() | st.lists(
+            st.lists(st.builds(TopLogprob, int64s, floats), max_size=2), max_size=2)),
+        finish=st.none() | st.builds(Finish, type=st.text(max_size=6)),
+        usage=st.none() | st.builds(Usage, prompt_tokens=int64s), first=st.booleans(),
         stop=st.none() | st.lists(st.text(max_size=3), max_size=2)), max_size=3),
 )
 

@@ -31,6 +31,7 @@ from shared.protocol import (
     NatsGenerateRequest,
     Sampling,
     TokenOut,
+    Usage,
 )
 from tests.gateway_helpers import GatewayThread, nats_generate, wait_for_workers
 from tests.services_helpers import ServiceProcess, metric_value
@@ -179,10 +180,10 @@ def test_detokenizer_passes_acceptance_to_the_final_stream_out(default_model_pat
     detok = Detokenizer(AutoTokenizer.from_pretrained(default_model_path))
     first = TokenOut(rid="r", gateway_id="g", token_ids=[28], first=True)
     final = TokenOut(
-        rid="r", gateway_id="g", token_ids=[29, 30], finish=Finish("length", matched=3), prompt_tokens=5,
-        completion_tokens=3, spec_accept_length=2.0, spec_accept_rate=0.25,
+        rid="r", gateway_id="g", token_ids=[29, 30], finish=Finish("length", matched=3),
+        usage=Usage(prompt_tokens=5, completion_tokens=3, spec_accept_length=2.0, spec_accept_rate=0.25),
     )
     (head,) = detok.process(BatchTokenOut(v=PROTOCOL_VERSION, worker_id="w", step=1, items=[first]))["g"].items
     (tail,) = detok.process(BatchTokenOut(v=PROTOCOL_VERSION, worker_id="w", step=2, items=[final]))["g"].items
-    assert (head.spec_accept_length, head.spec_accept_rate) == (None, None)
-    assert (tail.spec_accept_length, tail.spec_accept_rate) == (2.0, 0.25)
+    assert head.usage is None
+    assert (tail.usage.spec_accept_length, tail.usage.spec_accept_rate) == (2.0, 0.25)

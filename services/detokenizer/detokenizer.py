@@ -3,7 +3,7 @@ so the standalone service and a worker's in-process detokenizer share it).
 
 Each request keeps an IncrementalDetokenizer (shared/detokenize.py) from its first TokenOut, which
 carries its stop strings and skip_special_tokens (and a migrated request's tokens so far), to its final, when the state is freed. The final's
-usage and speculation metrics (spec_accept_length, spec_accept_rate) pass through unchanged. The text
+Usage (token counts and speculation metrics) passes through whole. The text
 rules are the offline Engine's: never broken UTF-8, never part of a stop string mid-stream, text cut
 where a stop string begins, and a matched stop token id kept in token_ids but left out of the text.
 When a request asked for logprobs, each token's own text (and each top candidate's) rides along, since
@@ -17,8 +17,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from shared.detokenize import IncrementalDetokenizer
-from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut, Finish, StreamOut, TokenOut
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    BatchStreamOut,
+    BatchTokenOut,
+    Finish,
+    Logprobs,
+    StreamOut,
+    TokenOut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +97,17 @@ class Detokenizer:
             del self._streams[item.rid]
         if not text and not item.token_ids and not final:
             return None
-        out = StreamOut(
-            rid=item.rid,
-            text=text,
-            token_ids=item.token_ids,
-            logprobs=item.logprobs,
-            top_logprobs=item.top_logprobs,
-            finish=item.finish,
-            prompt_tokens=item.prompt_tokens,
-            completion_tokens=item.completion_tokens,
-            cached_tokens=item.cached_tokens,
-            spec_accept_length=item.spec_accept_length,
-            spec_accept_rate=item.spec_accept_rate,
-        )
-        if item.logprobs is not None:
-            out.token_texts = [self.token_text(t) for t in item.token_ids]
-        if item.top_logprobs is not None:
-            out.top_logprob_texts = [[self.token_text(c.token_id) for c in step] for step in item.top_logprobs]
-        return out
+        return StreamOut(rid=item.rid, text=text, token_ids=item.token_ids, logprobs=self.named(item),
+                         finish=item.finish, usage=item.usage)
+
+    def named(self, item: TokenOut) -> Logprobs | None:
+        """The item's Logprobs with each token's own text and each top candidate's added."""
+        logprobs = item.logprobs
+        if logprobs is None:
+            return None
+        top_texts = None if logprobs.top is None else [
+            [self.token_text(c.token_id) for c in step] for step in logprobs.top]
+        return msgspec.structs.replace(logprobs, texts=[self.token_text(t) for t in item.token_ids], top_texts=top_texts)
 
     def _failed(self, item: TokenOut, exc: Exception) -> StreamOut:
         """An item whose tokens cannot be decoded (ids the tokenizer does not have: only a worker that

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from services.gateway.streams import RequestStream
-from shared.protocol import Finish, StreamOut, TopLogprob
+from shared.protocol import Finish, StreamOut, TopLogprob, Usage
 
 
 @dataclass
@@ -21,39 +23,37 @@ class Completion:
     token_texts: list[str] = field(default_factory=list)
     top_logprob_texts: list[list[str]] = field(default_factory=list)
     finish: Finish | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    spec_accept_length: float | None = None
-    spec_accept_rate: float | None = None
+    usage: Usage = field(default_factory=Usage)  # the final's
 
     def add(self, out: StreamOut) -> None:
         self.text += out.text
         self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs or [])
-        self.top_logprobs.extend(out.top_logprobs or [])
+        if out.logprobs is not None:
+            self.logprobs.extend(out.logprobs.values)
+            self.top_logprobs.extend(out.logprobs.top or [])
         self.token_texts.extend(token_texts(out))
         self.top_logprob_texts.extend(top_logprob_texts(out))
         if out.finish is not None:
             self.finish = out.finish
-            self.prompt_tokens = out.prompt_tokens
-            self.completion_tokens = out.completion_tokens or len(self.token_ids)
-            self.cached_tokens = out.cached_tokens
-            self.spec_accept_length = out.spec_accept_length
-            self.spec_accept_rate = out.spec_accept_rate
+            usage = out.usage or Usage()
+            # A final without a count (an error or abort the gateway made) counts what arrived.
+            self.usage = usage if usage.completion_tokens else msgspec.structs.replace(
+                usage, completion_tokens=len(self.token_ids))
 
 
 def token_texts(out: StreamOut) -> list[str]:
     """Each output token's text, as the detokenizer sent it, else `token_id:<id>`."""
-    if out.token_texts is not None and len(out.token_texts) == len(out.token_ids):
-        return list(out.token_texts)
+    sent = out.logprobs.texts if out.logprobs is not None else None
+    if sent is not None and len(sent) == len(out.token_ids):
+        return list(sent)
     return [f"token_id:{t}" for t in out.token_ids]
 
 
 def top_logprob_texts(out: StreamOut) -> list[list[str]]:
     """Each top-logprob candidate's text, as the detokenizer sent it, else `token_id:<id>`."""
-    tops = out.top_logprobs or []
-    sent = out.top_logprob_texts
+    if out.logprobs is None:
+        return []
+    tops, sent = out.logprobs.top or [], out.logprobs.top_texts
     if sent is not None and [len(s) for s in sent] == [len(t) for t in tops]:
         return [list(s) for s in sent]
     return [[f"token_id:{c.token_id}" for c in step] for step in tops]

@@ -57,6 +57,7 @@ from shared.protocol import (
     TextTokenize,
     TextTokenized,
     TokenizeRequest,
+    Usage,
     WorkerLoad,
 )
 
@@ -331,7 +332,8 @@ class Dispatcher:
     def _record_usage(self, stream: RequestStream, out: StreamOut) -> None:
         """A finished request's tokens count against its API key (Redis keys only)."""
         if stream.api_key is not None and self.keys.redis is not None:
-            self._spawn(self._usage(stream.api_key, out.prompt_tokens, out.completion_tokens))
+            usage = out.usage or Usage()
+            self._spawn(self._usage(stream.api_key, usage.prompt_tokens, usage.completion_tokens))
 
     async def _usage(self, key: ApiKey, prompt_tokens: int, completion_tokens: int) -> None:
         try:

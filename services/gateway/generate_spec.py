@@ -10,23 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import bad_request
-from services.tokenizer.prompt_tokenizer import check_chat_template_kwargs
 from shared.protocol import ChatMessage, Sampling
-from shared.sampling_params import SamplingParams
+from shared.request_contract import check_chat_template_kwargs, prompt_field
+from shared.sampling_params import MAX_TOKEN_ID
 
-# Bounds every front door checks before anything is routed or encoded (the HTTP models state the same
-# ones in the OpenAPI document). Integers travel as msgpack (64 bits at most) and token ids as C ints
-# (prefix_index) and int32 (gRPC), so an integer beyond these is a 400, never an OverflowError.
-INT32_MAX = 2**31 - 1
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# The gateway does not know the vocabulary: any id in [0, MAX_TOKEN_ID] passes here and the worker
-# refuses ids its model does not have (a 400 from the pipeline).
-MAX_TOKEN_ID = INT32_MAX
 # Top log-probs per token: OpenAI's own cap (and vLLM's default --max-logprobs); every door.
 MAX_TOP_LOGPROBS = 20
 # Choices per request (n); each is its own generation.
 MAX_N = 128
-_INT32_SAMPLING = ("max_new_tokens", "min_new_tokens", "top_k")
 
 
 @dataclass
@@ -51,9 +42,10 @@ class GenerateSpec:
 
     def validate(self) -> None:
         """GatewayError 400, naming the field, for anything no worker could run."""
-        given = [n for n in ("text", "messages", "input_ids") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise bad_request(f"give exactly one of text, messages or input_ids (got {given or 'none'})", "text")
+        try:
+            prompt_field(self.text, self.messages, self.input_ids)
+        except ValueError as exc:
+            raise bad_request(str(exc), "text") from None
         if self.text is not None and not self.text:
             raise bad_request("the prompt is empty", "text")
         if self.input_ids is not None and not self.input_ids:
@@ -67,10 +59,9 @@ class GenerateSpec:
                               "top_logprobs_num")
         if self.input_ids is not None:
             check_token_ids(self.input_ids, "input_ids")
-        check_sampling_ints(self.sampling)
         validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
         try:
-            SamplingParams.from_dict(self.sampling.to_dict()).verify(MAX_TOKEN_ID + 1)
+            self.sampling.validate()
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), field_of(str(exc))) from None
 
@@ -81,17 +72,6 @@ def check_token_ids(ids: list[int], param: str) -> None:
     if ids and (min(ids) < 0 or max(ids) > MAX_TOKEN_ID):
         i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID)
         raise bad_request(f"{param}: entry {i} ({bad}) is not a token id in [0, {MAX_TOKEN_ID}]", param)
-
-
-def check_sampling_ints(sampling: Sampling) -> None:
-    """GatewayError 400 naming the field for an integer no worker could carry: counts and top_k beyond
-    int32, a seed beyond int64 (vLLM's bound; seed + i of n choices still fits msgpack's 64 bits)."""
-    for name in _INT32_SAMPLING:
-        value = getattr(sampling, name)
-        if value is not None and value > INT32_MAX:
-            raise bad_request(f"{name} must be <= {INT32_MAX}, got {value}", name)
-    if sampling.seed is not None and not INT64_MIN <= sampling.seed <= INT64_MAX:
-        raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {sampling.seed}", "seed")
 
 
 def validate_template_kwargs(kwargs: dict[str, Any] | None, has_messages: bool) -> None:

@@ -34,7 +34,7 @@ from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.generate_spec import GenerateSpec
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
-from shared.protocol import ChatMessage, Sampling, StreamOut
+from shared.protocol import ChatMessage, Sampling, StreamOut, Usage
 
 SERVICE_NAME = radixserve_pb2.DESCRIPTOR.services_by_name["RadixServe"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -57,17 +57,19 @@ def status_code(http_status: int) -> grpc.StatusCode:
 
 
 def sampling_from_proto(p: Any) -> Sampling:
-    """Unset optional fields stay None (the model's defaults apply)."""
-    values = {
-        name: getattr(p, name) if p.HasField(name) else None
-        for name in (
-            "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-            "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "seed",
-            "json_schema", "regex", "ebnf",
-        )
-    }
-    return Sampling(**values, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None,
-                    logit_bias=dict(p.logit_bias) or None)
+    """Sampling's fields read by name from the proto's SamplingParams (tests/test_request_contract.py
+    holds the two to the same names and types): unset optional fields and empty repeated or map fields
+    stay None (the model's defaults apply)."""
+    values: dict[str, Any] = {}
+    for name in Sampling.__struct_fields__:
+        field = p.DESCRIPTOR.fields_by_name[name]
+        if field.has_presence:  # optional scalar
+            values[name] = getattr(p, name) if p.HasField(name) else None
+        elif field.message_type is not None:  # map<k, v>
+            values[name] = dict(getattr(p, name)) or None
+        else:  # repeated
+            values[name] = list(getattr(p, name)) or None
+    return Sampling(**values)
 
 
 def spec_from_proto(request: Any) -> GenerateSpec:
@@ -88,8 +90,8 @@ def spec_from_proto(request: Any) -> GenerateSpec:
 
 def response_from(rid: str, out: StreamOut) -> Any:
     response = radixserve_pb2.GenerateResponse(rid=rid, text=out.text, token_ids=out.token_ids)
-    tops = out.top_logprobs or []
-    for i, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs or [])):
+    values, tops = (out.logprobs.values, out.logprobs.top or []) if out.logprobs is not None else ([], [])
+    for i, (token_id, logprob) in enumerate(zip(out.token_ids, values)):
         entry = response.logprobs.add(token_id=token_id, logprob=logprob)
         for candidate in tops[i] if i < len(tops) else []:
             entry.top_logprobs.add(token_id=candidate.token_id, logprob=candidate.logprob)
@@ -101,9 +103,10 @@ def response_from(rid: str, out: StreamOut) -> Any:
             response.finish.matched_token = out.finish.matched
         elif isinstance(out.finish.matched, str):
             response.finish.matched_text = out.finish.matched
-        response.usage.prompt_tokens = out.prompt_tokens
-        response.usage.completion_tokens = out.completion_tokens
-        response.usage.cached_tokens = out.cached_tokens
+        usage = out.usage or Usage()
+        response.usage.prompt_tokens = usage.prompt_tokens
+        response.usage.completion_tokens = usage.completion_tokens
+        response.usage.cached_tokens = usage.cached_tokens
     return response
 
 

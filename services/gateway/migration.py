@@ -24,7 +24,7 @@ from services.gateway.errors import SERVICE_UNAVAILABLE
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router import WorkerEntry, WorkerRegistry
 from services.gateway.streams import RequestStream, StreamHub
-from shared.protocol import Finish, StreamOut, TokenizeRequest
+from shared.protocol import Finish, StreamOut, TokenizeRequest, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Migrations:
         if stream.abort_asked:
             # Its worker may have taken the abort and died before sending the final: end it as that
             # final would have, rather than run it again elsewhere.
-            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], completion_tokens=len(stream.delivered_ids),
+            stream.deliver(StreamOut(rid=stream.rid, text="", token_ids=[], usage=Usage(completion_tokens=len(stream.delivered_ids)),
                                      finish=Finish(type="abort", message="aborted by request")))
             self.hub.close(stream)
             return

@@ -38,19 +38,10 @@ from services.gateway.request_body import (
     REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
-    LogitBias,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
     RequestBody,
-    Seed,
-    StopStrings,
-    StrictModel,
-    Temperature,
+    SamplingValues,
     TemplateKwargs,
     TokenId,
-    TopK,
-    TopP,
     logit_bias_ids,
     not_null,
 )
@@ -66,7 +57,7 @@ def dispatcher_of(request: Request) -> Dispatcher:
     return request.app.state.dispatcher  # type: ignore[no-any-return]
 
 
-class NativeSampling(StrictModel):
+class NativeSampling(SamplingValues):
     """SGLang's sampling_params (names and meanings of SamplingParams). An unknown key is a 400, not
     ignored: a constraint the server silently dropped would change the answer unseen."""
 
@@ -74,24 +65,9 @@ class NativeSampling(StrictModel):
 
     max_new_tokens: Count | None = None
     min_new_tokens: Count | None = Field(None, description="at most max_new_tokens")
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    stop: StopStrings | None = None
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    seed: Seed | None = None
-    logit_bias: LogitBias | None = None
-    # Constrained decoding (one of): a JSON schema (JSON text, as SGLang takes it, or an object), a
-    # regular expression, an EBNF grammar (GBNF or Lark).
+    # Constrained decoding (one of json_schema, regex, ebnf): a JSON schema as JSON text (as SGLang takes
+    # it) or an object.
     json_schema: str | dict[str, Any] | None = None
-    regex: str | None = None
-    ebnf: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
     def sampling(self, choice: int) -> Sampling:
@@ -172,15 +148,15 @@ def meta_info(c: Completion, started: float, finished: bool, return_logprob: boo
     meta: dict[str, Any] = {
         "id": c.rid,
         "finish_reason": msgspec.to_builtins(c.finish) if finished and c.finish else None,
-        "prompt_tokens": c.prompt_tokens,
-        "completion_tokens": c.completion_tokens if finished else len(c.token_ids),
-        "cached_tokens": c.cached_tokens,
+        "prompt_tokens": c.usage.prompt_tokens,
+        "completion_tokens": c.usage.completion_tokens if finished else len(c.token_ids),
+        "cached_tokens": c.usage.cached_tokens,
         "e2e_latency": time.monotonic() - started,
     }
-    if finished and c.spec_accept_length is not None:
+    if finished and c.usage.spec_accept_length is not None:
         # Like SGLang: present only for a request that ran speculative decoding.
-        meta["spec_accept_length"] = c.spec_accept_length
-        meta["spec_accept_rate"] = c.spec_accept_rate
+        meta["spec_accept_length"] = c.usage.spec_accept_length
+        meta["spec_accept_rate"] = c.usage.spec_accept_rate
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(c.logprobs, c.token_ids)]
         meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in step] for step in c.top_logprobs]

@@ -33,7 +33,14 @@ from services.gateway.errors import GatewayError
 from services.gateway.generate_spec import GenerateSpec
 from services.gateway.streams import RequestStream
 from shared.bus import PayloadTooLarge
-from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest, decoder
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    NatsAbort,
+    NatsGenerateChunk,
+    NatsGenerateRequest,
+    decoder,
+    usage_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,12 +156,14 @@ class NatsFrontDoor:
             whole.add(out)
             if request.stream and out.finish is None and (out.text or out.token_ids):
                 chunk = NatsGenerateChunk(
-                    v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs
+                    v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids,
+                    logprobs=out.logprobs.values if out.logprobs is not None else None,
                 )
                 await self._reply(raw, chunk)
             elif out.finish is not None:
                 final: dict[str, Any] = (
-                    {"text": out.text, "token_ids": out.token_ids, "logprobs": out.logprobs}
+                    {"text": out.text, "token_ids": out.token_ids,
+                     "logprobs": out.logprobs.values if out.logprobs is not None else None}
                     if request.stream
                     else {"text": whole.text, "token_ids": whole.token_ids, "logprobs": whole.logprobs or None}
                 )
@@ -165,11 +174,7 @@ class NatsFrontDoor:
                         rid=stream.rid,
                         final=True,
                         finish=out.finish,
-                        prompt_tokens=out.prompt_tokens,
-                        completion_tokens=whole.completion_tokens,
-                        cached_tokens=out.cached_tokens,
-                        spec_accept_length=out.spec_accept_length,
-                        spec_accept_rate=out.spec_accept_rate,
+                        **usage_fields(whole.usage),
                         **final,
                     ),
                 )

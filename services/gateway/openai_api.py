@@ -73,13 +73,13 @@ def finish_reason(finish: Finish | None) -> str | None:
 def usage(completions: list[Completion], n: int) -> dict[str, Any]:
     """Token counts: each prompt once (the first of its n choices), every choice's output."""
     firsts = completions[::n]
-    prompt = sum(c.prompt_tokens for c in firsts)
-    generated = sum(c.completion_tokens for c in completions)
+    prompt = sum(c.usage.prompt_tokens for c in firsts)
+    generated = sum(c.usage.completion_tokens for c in completions)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
         "total_tokens": prompt + generated,
-        "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
+        "prompt_tokens_details": {"cached_tokens": sum(c.usage.cached_tokens for c in firsts)},
     }
 
 
@@ -118,7 +118,8 @@ def completion_logprobs(
 
 
 def _stream_logprobs(out: StreamOut) -> tuple[list[str], list[float], list[list[TopLogprob]], list[list[str]]]:
-    return token_texts(out), list(out.logprobs or []), list(out.top_logprobs or []), top_logprob_texts(out)
+    values, tops = (out.logprobs.values, out.logprobs.top or []) if out.logprobs is not None else ([], [])
+    return token_texts(out), list(values), list(tops), top_logprob_texts(out)
 
 
 def _matched(finish: Finish | None) -> int | str | None:

@@ -3,7 +3,7 @@ into the gateway's GenerateSpec.
 
 Bodies are validated strictly: a wrong type is a 400 naming the field, never a silent coercion.
 Ranges shared with SGLang's sampling parameters (temperature, top_p, top_k, min_p, penalties, seed,
-stop) are checked by SamplingParams.verify with the same field names; only the fields whose names
+stop) are checked by Sampling.validate with the same field names; only the fields whose names
 differ from it (max_tokens, n, logprobs) carry their own bounds here. Unknown fields are ignored, as
 OpenAI's SDKs send fields a server may not know.
 """
@@ -22,19 +22,10 @@ from services.gateway.request_body import (
     REQUEST_TIMEOUT,
     TEXT_PROMPTS,
     Count,
-    LogitBias,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
     RequestBody,
-    Seed,
-    StopStrings,
+    SamplingValues,
     StrictModel,
-    Temperature,
     TemplateKwargs,
-    TokenId,
-    TopK,
-    TopP,
     logit_bias_ids,
 )
 from services.gateway.tool_calls import forced_call_grammar
@@ -42,6 +33,12 @@ from shared.grammar_spec import check_grammar
 from shared.protocol import ChatMessage, Sampling
 from shared.sampling_params import SamplingParams
 
+# Sampling fields OpenAI names otherwise (the rest keep Sampling's names).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+# Sampling fields `SamplingFields.sampling` sets from something other than the same-named body field:
+# max_tokens (two names, and a per-endpoint default), the constraint (constraint()), and the values
+# that change form on the way (stop as a list, seed + choice, logit_bias keyed by id).
+_SET_APART = ("max_new_tokens", "stop", "seed", "logit_bias", "json_schema", "regex", "ebnf")
 # What OpenAI's completions endpoint generates when max_tokens is not given.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # OpenAI's three forms (a json_schema's schema must also compile, which JSON Schema cannot say).
@@ -67,32 +64,17 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(RequestBody, SamplingValues):
     """The sampling knobs both endpoints take (OpenAI's, plus SGLang's top_k/min_p/... extensions)."""
 
     model: str | None = Field(None, description="a model a live worker serves (GET /v1/models); None: any")
     n: int = Field(1, ge=1, le=MAX_N, description="choices to generate (each its own request, seeds seed+i)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: StopStrings | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    frequency_penalty: Penalty | None = None
-    presence_penalty: Penalty | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    seed: Seed | None = None
-    logit_bias: LogitBias | None = None
     min_tokens: Count | None = Field(None, description="at most max_tokens (or max_completion_tokens)")
-    stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
     rid: str | None = Field(None, description="request id (choice i of n > 1 gets `<rid>-<i>`)")
     user: str | None = None
     response_format: dict[str, object] | None = Field(None, json_schema_extra=RESPONSE_FORMAT)
-    regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
-    ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
     timeout: float | None = Field(None, gt=0, le=86_400, description=REQUEST_TIMEOUT)
 
     @property
@@ -133,20 +115,14 @@ class SamplingFields(RequestBody):
         return given
 
     def sampling(self, max_new_tokens: int | None, choice: int, constraint: dict[str, str] | None = None) -> Sampling:
+        """Choice `choice`'s Sampling: every field read from this body under its OpenAI name (a Sampling
+        field this body lacks fails here, and in tests/test_request_contract.py)."""
+        values = {name: getattr(self, OPENAI_NAMES.get(name, name))
+                  for name in Sampling.__struct_fields__ if name not in _SET_APART}
         return Sampling(
+            **values,
             max_new_tokens=max_new_tokens,
-            min_new_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            repetition_penalty=self.repetition_penalty,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
             seed=None if self.seed is None else self.seed + choice,
             logit_bias=logit_bias_ids(self.logit_bias),
             **(constraint or {}),

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from services.gateway.errors import bad_request
-from services.gateway.generate_spec import INT32_MAX, MAX_TOKEN_ID
-from services.tokenizer.prompt_tokenizer import RESERVED_TEMPLATE_KWARGS
+from shared.request_contract import RESERVED_TEMPLATE_KWARGS
+from shared.sampling_params import INT32_MAX, MAX_TOKEN_ID
 
 # JSON's safe integers: beyond 2**53 most JSON libraries (and JSON Schema validators) lose precision, so
 # a bound there could not be stated exactly. NATS and gRPC clients may use all of int64.
@@ -86,6 +86,28 @@ ID_PROMPTS: list[dict[str, Any]] = [
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SamplingValues(StrictModel):
+    """The sampling fields both HTTP forms (native sampling_params, OpenAI bodies) take under
+    shared.protocol.Sampling's own names and meanings; each form adds the ones it names its own way
+    (tests/test_request_contract.py holds both to Sampling's fields)."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    stop: StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
+    regex: str | None = Field(None, description="SGLang's extension: the output must match this regular expression")
+    ebnf: str | None = Field(None, description="SGLang's extension: the output must match this grammar (GBNF or Lark)")
 
 
 REQUEST_TIMEOUT = (

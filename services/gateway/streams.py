@@ -23,7 +23,7 @@ from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayErr
 from services.gateway.metrics import GatewayMetrics, observe_many
 from shared import trace
 from shared.bus import Bus
-from shared.protocol import BatchStreamOut, Finish, StreamOut, TokenizeRequest
+from shared.protocol import BatchStreamOut, Finish, StreamOut, TokenizeRequest, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -188,9 +188,10 @@ class StreamHub:
         if out.finish is not None and not is_error(out):
             self.metrics.e2e.observe(now - stream.started)
             # Counters only go up: a malformed final's negative count must not stop the batch.
-            self.metrics.prompt_tokens.inc(max(0, out.prompt_tokens))
-            self.metrics.generation_tokens.inc(max(0, out.completion_tokens))
-            self.metrics.cached_tokens.inc(max(0, out.cached_tokens))
+            usage = out.usage or Usage()
+            self.metrics.prompt_tokens.inc(max(0, usage.prompt_tokens))
+            self.metrics.generation_tokens.inc(max(0, usage.completion_tokens))
+            self.metrics.cached_tokens.inc(max(0, usage.cached_tokens))
             if self.on_usage is not None:
                 self.on_usage(stream, out)
 

@@ -3,8 +3,10 @@ names the bad field (the service sends that message back to the gateway as an er
 
 Text is encoded as the offline Engine encodes a prompt; chat messages go through the checkpoint's chat
 template (which already holds any BOS, so no special tokens are added again); input_ids pass as given.
-The checks are the worker's own (`validate_input_ids`, `SamplingParams.verify`), made early so a bad
-request never costs a worker anything; the worker checks again against its KV pool.
+The tokenizer trusts the gateway's check of the request (Sampling.validate): it checks only what needs
+the model's tokenizer, chat template or figures (the prompt's ids against the vocabulary and context,
+made early so a bad prompt never costs a worker anything). The worker checks the sampling settings
+against its vocabulary and the prompt against its KV pool.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shared.protocol import (
     TextTokenized,
     TokenizeRequest,
 )
-from shared.sampling_params import SamplingParams
+from shared.request_contract import check_chat_template_kwargs, prompt_field
 
 # Token ids, and prompts up to this many characters, are encoded on the tokenizer service's event loop:
 # handing them to a thread costs more than they do (a short chat's template and encoding ~0.12 ms, the
@@ -33,29 +35,10 @@ from shared.sampling_params import SamplingParams
 INLINE_TOKENIZE_CHARS = 4096
 
 
-# Arguments apply_chat_template takes itself: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})
-
-
-def check_chat_template_kwargs(kwargs: dict[str, Any], has_messages: bool) -> None:
-    """ValueError (its message starts with the field's name) unless `kwargs` can go to a chat template."""
-    if not has_messages:
-        raise ValueError("chat_template_kwargs apply to chat messages only")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-
-
 def _check_prompt_fields(msg: TokenizeRequest | TextTokenize) -> None:
     """ValueError unless exactly one of text, messages or input_ids is given, with chat_template_kwargs
-    only beside messages."""
-    given = [name for name in ("text", "messages", "input_ids") if getattr(msg, name) is not None]
-    if len(given) != 1:
-        raise ValueError(f"give exactly one of `text`, `messages` or `input_ids` (got {given or 'none'})")
+    only beside messages (which the chat template needs to be told)."""
+    prompt_field(msg.text, msg.messages, msg.input_ids)
     if msg.chat_template_kwargs:
         check_chat_template_kwargs(msg.chat_template_kwargs, has_messages=msg.messages is not None)
 
@@ -163,24 +146,13 @@ class PromptTokenizer:
         ids = self.prompt_ids(req)
         # The KV pool is the worker's to check; the context and vocabulary are the model's.
         validate_input_ids(ids, self.vocab_size, self.context_len, sys.maxsize)
-        SamplingParams.from_dict(req.sampling.to_dict()).verify(self.vocab_size)
-        if req.top_logprobs_num < 0:
-            raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {req.top_logprobs_num}")
         return generate_request(req, ids)
+
+
+# What a GenerateRequest carries over from its TokenizeRequest: every field the two share, but the prompt.
+_CARRIED = tuple(f for f in GenerateRequest.__struct_fields__ if f in TokenizeRequest.__struct_fields__ and f != "input_ids")
 
 
 def generate_request(req: TokenizeRequest, ids: list[int]) -> GenerateRequest:
     """`req` as its worker gets it, with prompt `ids`."""
-    return GenerateRequest(
-        v=PROTOCOL_VERSION,
-        rid=req.rid,
-        gateway_id=req.gateway_id,
-        input_ids=ids,
-        sampling=req.sampling,
-        return_logprob=req.return_logprob,
-        top_logprobs_num=req.top_logprobs_num,
-        priority=req.priority,
-        stream=req.stream,
-        resume_ids=req.resume_ids,
-        resume_chars=req.resume_chars,
-    )
+    return GenerateRequest(input_ids=ids, **{f: getattr(req, f) for f in _CARRIED})

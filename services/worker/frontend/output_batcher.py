@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.scheduler.output import ReqOutput
-from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, TokenOut, TopLogprob
+from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, Logprobs, TokenOut, TopLogprob, Usage
 
 if TYPE_CHECKING:
     from services.worker.frontend.metrics import WorkerMetrics
@@ -86,9 +86,7 @@ class OutputBatcher:
     def _item(self, rid: str, flight: Flight, final: ReqOutput | None) -> TokenOut:
         item = TokenOut(rid=rid, gateway_id=flight.gateway_id, token_ids=flight.token_ids)
         if flight.logprobs:
-            item.logprobs = flight.logprobs
-        if flight.top_logprobs:
-            item.top_logprobs = flight.top_logprobs
+            item.logprobs = Logprobs(flight.logprobs, flight.top_logprobs or None)
         flight.token_ids, flight.logprobs, flight.top_logprobs = [], [], []
         if flight.first:
             item.first, flight.first = True, False
@@ -100,10 +98,8 @@ class OutputBatcher:
             reason = final.finished_reason
             assert reason is not None
             item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message)
-            item.prompt_tokens = final.prompt_tokens
-            item.completion_tokens = final.completion_tokens
-            item.cached_tokens = final.cached_tokens
-            item.spec_accept_length, item.spec_accept_rate = final.spec_accept_length, final.spec_accept_rate
+            item.usage = Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
+                               final.spec_accept_length, final.spec_accept_rate)
             self.metrics.requests.labels(status=reason.type).inc()
             self.metrics.observe_final(final)
         return item

@@ -16,13 +16,12 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.runtime.layers.rotary import rope_parameters
+from shared.sampling_params import generation_defaults
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The `architectures` names of config.json a model class runs (model_loader.py's MODEL_REGISTRY maps
 # each to its class; a test holds the two to the same names).
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
-# Sampling fields of generation_config.json that become per-request defaults.
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -121,7 +120,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             num_experts=num_experts,
             eos_token_ids=tuple(dict.fromkeys(eos)),
-            generation_defaults={k: generation[k] for k in _GENERATION_KEYS if generation.get(k) is not None},
+            generation_defaults=generation_defaults(generation),
         )
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
