@@ -117,11 +117,14 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
 
 
 class Finish(msgspec.Struct, omit_defaults=True):
-    """Why a request ended: type 'stop' | 'length' | 'abort' | 'error'; matched token id or string."""
+    """Why a request ended: type 'stop' | 'length' | 'abort' | 'error'; matched token id or string.
+    `status`, on an 'error' final: the HTTP status every door answers it with (None: 400, the
+    request's own fault; 5xx: the server could not serve it, e.g. 503 for a worker shutting down)."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
+    status: int | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True):

@@ -6,6 +6,7 @@ FakePipeline "generates" by echoing the prompt's words, one word per step:
   finish "stop" after the last word, "length" at max_new_tokens, or "stop" matched on a stop string
   (the matching word is not emitted);
 - a prompt starting with "ERROR" is refused like a tokenizer refusing it (error final);
+- a prompt starting with "DOWN" ends with a worker's error final marked 503 (a worker shutting down);
 - a prompt starting with "HANG" emits one word and then waits until it is aborted (abort final) or its
   worker is killed (nothing more, as a crashed worker);
 - a prompt starting with "SILENT" is taken by the worker and never produces anything;
@@ -130,6 +131,7 @@ class FakePipeline:
         self.running: dict[str, dict[str, FakeRequest]] = {wid: {} for wid in workers}
         self.seen_prompts: set[str] = set()
         self.refuse_flush = False
+        self.down_status = 503  # the status a "DOWN" prompt's error final carries
         self.subscriptions: dict[str, list[Any]] = {}
         # Each worker's process id, and whether its reports show its step count moving.
         self.instances = {wid: "first" for wid in workers}
@@ -265,6 +267,10 @@ class FakePipeline:
         if prompt.startswith("ERROR"):
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
                 type="error", message="the prompt has 9999 tokens; the model's context is 64 (`input_ids` too long)")))
+            return
+        if prompt.startswith("DOWN"):
+            await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
+                type="error", message=f"worker {msg.worker_id} is shutting down", status=self.down_status)))
             return
         if prompt.startswith("LOST"):
             return  # dropped on the way: no worker ever holds it

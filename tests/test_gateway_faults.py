@@ -193,6 +193,23 @@ def test_prompt_refused_by_the_pipeline_is_400_with_its_message(http: httpx.Clie
     assert streamed.status_code == 400
 
 
+def test_a_workers_5xx_error_final_is_that_status_on_every_form_and_a_bad_status_is_400(
+    http: httpx.Client, pipeline: FakePipeline,
+) -> None:
+    """An error final marked 503 by a worker (shutting down) is the server's doing: 503, not 400."""
+    status, _, message = error_of(http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "DOWN now"}))
+    assert (status, message) == (503, "worker w1 is shutting down")
+    streamed = http.post("/v1/chat/completions", json={"model": FAKE_MODEL, "stream": True,
+                                                       "messages": [{"role": "user", "content": "DOWN now"}]})
+    assert streamed.status_code == 503
+    assert http.post("/generate", json={"text": "DOWN now"}).status_code == 503
+    # Only an HTTP error status is taken from the pipeline: anything else is the default 400.
+    for bogus in (200, 99, 700):
+        pipeline.down_status = bogus
+        assert http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "DOWN now"}).status_code == 400
+    pipeline.down_status = 503
+
+
 def test_no_worker_is_503_within_5_s(nats: NatsServer) -> None:
     gw = GatewayThread(nats.url, subject_prefix="empty")
     try:

@@ -64,6 +64,8 @@ class RequestStream:
         if self.finished:
             return
         self.finished = out.finish is not None
+        if is_error(out) and out.finish is not None and out.finish.status is not None and 400 <= out.finish.status <= 599:
+            self.error_status = out.finish.status  # a worker's 5xx (shutting down, failed); else 400
         if not is_error(out):
             self.delivered_ids.extend(out.token_ids)
             self.delivered_chars += len(out.text)

@@ -97,7 +97,7 @@ class OutputBatcher:
         if final is not None:
             reason = final.finished_reason
             assert reason is not None
-            item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message)
+            item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message, status=reason.status)
             item.usage = Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
                                final.spec_accept_length, final.spec_accept_rate)
             self.metrics.requests.labels(status=reason.type).inc()

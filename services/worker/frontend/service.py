@@ -160,7 +160,7 @@ class WorkerService(Service):
                 logger.warning("aborting %d request(s) still running", len(self._flights))
                 cut = FinishReason("error", message=(
                     f"worker {self.worker_id} shut down: the request was still running when its "
-                    f"{self.config.drain_timeout:g} s drain timeout ended"))
+                    f"{self.config.drain_timeout:g} s drain timeout ended"), status=503)
                 for rid in list(self._flights):
                     self.client.abort(rid, cut)
                 await self._wait_for_flights(ABORT_GRACE_S)
@@ -239,7 +239,7 @@ class WorkerService(Service):
         flights = dict(self._flights)
         self._flights.clear()
         for rid, flight in flights.items():
-            await self._refuse(flight.gateway_id, rid, f"worker {self.worker_id} failed: {message.splitlines()[0]}")
+            await self._refuse(flight.gateway_id, rid, f"worker {self.worker_id} failed: {message.splitlines()[0]}", 500)
         self.stop(1)
 
     async def _publish_steps(self) -> None:
@@ -369,10 +369,10 @@ class WorkerService(Service):
 
     # ---- NATS -> scheduler ----------------------------------------------------------------------
 
-    async def _refuse(self, gateway_id: str, rid: str, message: str) -> None:
+    async def _refuse(self, gateway_id: str, rid: str, message: str, status: int | None = None) -> None:
         assert self.bus is not None
         self.metrics.requests.labels(status="error").inc()
-        await publish_error(self.bus, gateway_id, rid, message)
+        await publish_error(self.bus, gateway_id, rid, message, status)
 
     async def _on_generate(self, msg: GenerateRequest, raw: Msg) -> None:
         assert self.client is not None
@@ -381,7 +381,7 @@ class WorkerService(Service):
             logger.warning("worker %s dropped request %s: gateway_id %r is not a subject token", self.worker_id, msg.rid, msg.gateway_id)
             return
         if self._draining:
-            await self._refuse(msg.gateway_id, msg.rid, f"worker {self.worker_id} is shutting down")
+            await self._refuse(msg.gateway_id, msg.rid, f"worker {self.worker_id} is shutting down", 503)
             return
         if msg.rid in self._flights:
             await self._refuse(msg.gateway_id, msg.rid, f"request id {msg.rid!r} is already in flight")

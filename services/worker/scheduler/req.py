@@ -26,6 +26,7 @@ class FinishReason:
     type: str
     matched: int | str | None = None
     message: str | None = None
+    status: int | None = None  # an 'error' final's HTTP status (shared.protocol.Finish)
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"type": self.type}
@@ -33,6 +34,8 @@ class FinishReason:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.status is not None:
+            out["status"] = self.status
         return out
 
 
