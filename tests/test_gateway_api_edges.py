@@ -18,8 +18,10 @@ import pytest
 from nats.aio.msg import Msg
 from transformers import AutoTokenizer
 
+from services.cli import build_parser
 from services.gateway.config import GatewayConfig
 from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from shared import flags
 from shared.natsd import NatsServer
 from shared.protocol import TextTokenize
 from tests.gateway_helpers import FakePipeline, GatewayThread, openai_client, wait_for_workers
@@ -216,6 +218,15 @@ def test_a_bad_allowed_origin_is_refused_at_start(value: str, message: str) -> N
     with pytest.raises(ValueError, match="allowed_origins") as refused:
         GatewayConfig(allowed_origins=value)
     assert message in str(refused.value)
+
+
+def test_allowed_origins_come_from_the_flag_or_rs_allowed_origins() -> None:
+    parser = build_parser()
+    by_flag = flags.build(GatewayConfig, parser.parse_args(["gateway", "--allowed-origins", APP]), env={})
+    assert by_flag.origins() == (APP,)
+    by_env = flags.build(GatewayConfig, parser.parse_args(["gateway"]), env={"RS_ALLOWED_ORIGINS": "*"})
+    assert by_env.origins() == ("*",)
+    assert parser.parse_args(["up", "--allowed-origins", APP]).allowed_origins == APP
 
 
 def test_allowed_origins_are_read_as_browsers_send_them() -> None:
