@@ -106,6 +106,9 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                     help="the gateways accept tools and return the model's <tool_call> blocks as tool_calls "
                          "(Qwen3: qwen3)")
+    up.add_argument("--allowed-origins", default=None,
+                    help="comma-separated web origins (https://app.example.com) whose pages may call the API "
+                         "from a browser (CORS), or *; passed to the gateways (default: none)")
     up.add_argument("--busy-poll-ms", type=float, default=None,
                     help="every service keeps its event loop polling for this many ms after each message or "
                          "request instead of sleeping (a core each while they poll; needs the scheduler in "
@@ -243,6 +246,8 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_args += ["--reasoning-parser", args.reasoning_parser]
         if args.tool_call_parser:
             gateway_args += ["--tool-call-parser", args.tool_call_parser]
+        if args.allowed_origins:
+            gateway_args += ["--allowed-origins", args.allowed_origins]
         gateways = [
             _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env_of("gateway"), run_dir)
             for i in range(args.gateways)

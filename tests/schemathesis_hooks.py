@@ -4,7 +4,9 @@ The OpenAPI document states every rule JSON Schema can say. A few rules it canno
 compile (regex, ebnf, json_schema, a forced tool call's parameters), min_tokens <= max_tokens, best_of
 is 1 or n, a native batch's rid list has one id per prompt, a named tool_choice is among the tools.
 And a request's own `timeout` that runs out is a 504 by design (the request took longer than its client
-allows), which schemathesis would count as a server error: generated valid timeouts are left out.
+allows), which schemathesis would count as a server error: generated valid timeouts are left out. So
+is /ready's 503 for a model no worker serves (not ready for it): its generated `model`, valid or not
+(a query string carries any value as text), becomes the model the scripted pipeline serves.
 Schema-valid bodies that break one of them are changed here, before they are sent, into the nearest
 body that keeps it: the check that they are accepted stays meaningful for everything else. Bodies
 generated to violate the schema are sent as generated.
@@ -16,11 +18,15 @@ from typing import Any
 
 import schemathesis
 
+from tests.gateway_helpers import FAKE_MODEL
+
 GRAMMARS = ("regex", "ebnf", "json_schema")
 
 
 @schemathesis.hook
 def before_call(ctx: Any, case: Any, kwargs: dict[str, Any]) -> None:
+    if case.path == "/ready" and isinstance(case.query, dict) and "model" in case.query:
+        case.query["model"] = FAKE_MODEL
     meta = case.meta
     if meta is None or not meta.generation.mode.is_positive or not isinstance(case.body, dict):
         return

@@ -37,8 +37,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import native_api, openai_api
+from services.gateway import alias_routes, native_api, openai_api
 from services.gateway.auth import ApiKeyAuth
+from services.gateway.cors import Cors
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, INTERNAL_ERROR, PAYLOAD_TOO_LARGE, GatewayError, bad_request
 from services.gateway.http_streaming import GATEWAY_HEADER
@@ -254,7 +255,11 @@ def create_app(dispatcher: Dispatcher, max_body_bytes: int = 0) -> ASGIApp:
     app = BodyLimit(app, limit=lambda: max_body_bytes or dispatcher.bus.max_payload)
     if dispatcher.keys.enabled:
         app = ApiKeyAuth(app, store=dispatcher.keys)  # inside CountRequests: 401/429 are counted
-    return CountRequests(LastResort(app), dispatcher=dispatcher)
+    app = LastResort(app)
+    origins = dispatcher.config.origins()
+    if origins:
+        app = Cors(app, origins)  # outside the key check (a preflight has no key) and around every answer
+    return CountRequests(app, dispatcher=dispatcher)
 
 
 def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
@@ -262,7 +267,7 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
     app = FastAPI(
         title="radixserve gateway",
         description="OpenAI-compatible and SGLang-style APIs over radixserve's NATS pipeline.",
-        version="0.1.0",
+        version=native_api.VERSION,
     )
     app.state.dispatcher = dispatcher
     app.state.started = int(time.time())
@@ -298,7 +303,7 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    routers = (openai_api.router, native_api.router, playground_router)
+    routers = (openai_api.router, native_api.router, alias_routes.router, playground_router)
     for router in routers:
         app.include_router(router)
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]

@@ -51,10 +51,11 @@ logger = logging.getLogger(__name__)
 UNAUTHORIZED = 401
 TOO_MANY_REQUESTS = 429
 SERVICE_UNAVAILABLE = 503
-# The playground's page and script are static; its API calls carry the key the user types in.
+# The playground's page and script are static; its API calls carry the key the user types in. /ping and
+# /version are open as in vLLM (a probe, and what is running).
 OPEN_PATHS = frozenset({
-    "/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
-    "/playground", "/playground/playground.js",
+    "/health", "/ping", "/version", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json",
+    "/docs/oauth2-redirect", "/playground", "/playground/playground.js",
 })
 RATE_WINDOW_S = 60
 ADMIN, USER = "admin", "user"

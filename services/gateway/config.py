@@ -13,6 +13,8 @@ from shared.service import ServiceConfig
 
 # A gateway id becomes a NATS subject token ({prefix}.gateway.{id}.stream): no dots, spaces, wildcards.
 _SUBJECT_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# A web origin as browsers send it in Origin: scheme://host[:port], no path.
+_ORIGIN = re.compile(r"^[a-z][a-z0-9+.-]*://[^/?#\s]+$")
 
 
 HTTP_IMPLS = ("auto", "httptools", "h11")
@@ -109,6 +111,11 @@ class GatewayConfig(ServiceConfig):
         "prompt's n choices are generations of their own", 128,
     )
     drain_timeout: float = _help("seconds in-flight requests may take to finish on SIGTERM", 30.0)
+    allowed_origins: str = _help(
+        "comma-separated web origins (https://app.example.com) whose pages may call the HTTP API from a browser "
+        "(CORS; preflights answered), or * for any; empty: none (no CORS headers)",
+        "",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -155,3 +162,17 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_request_bytes < 0:
             raise ValueError(f"max_request_bytes must be >= 0, got {self.max_request_bytes}")
+        self.origins()
+
+    def origins(self) -> tuple[str, ...]:
+        """allowed_origins as a tuple (lower-cased, as browsers send them); ValueError for one that is
+        neither * nor scheme://host[:port] (a path or trailing slash would never match an Origin)."""
+        origins = tuple(o.strip().lower() for o in self.allowed_origins.split(",") if o.strip())
+        if "*" in origins and len(origins) > 1:
+            raise ValueError(f"allowed_origins: * allows every origin and cannot be listed with others, got "
+                             f"{self.allowed_origins!r}")
+        for origin in origins:
+            if origin != "*" and not _ORIGIN.match(origin):
+                raise ValueError(f"allowed_origins: {origin!r} is not an origin: scheme://host[:port] with no path "
+                                 "(as https://app.example.com), or *")
+        return origins

@@ -1,5 +1,6 @@
 """SGLang-style native routes: `/generate`, `/health`, `/ready`, `/health_generate`, `/get_model_info`,
-`/get_server_info`, `/flush_cache`, `/abort_request`, `/metrics`.
+`/get_server_info`, `/flush_cache`, `/abort_request`, `/metrics` (other names for some of them, as vLLM
+and newer SGLang spell them: alias_routes.py).
 
 `/generate` answers in SGLang's shape, `{"text", "output_ids", "meta_info"}` (a list for a batch or
 n > 1). Streamed, like SGLang's HTTP server, each SSE chunk carries the text and ids so far, not a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
 import msgspec
@@ -32,7 +34,7 @@ from services.gateway.generate_spec import (
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.openai_protocol import ChatMessageIn
-from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, responses
+from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, probe, responses
 from services.gateway.request_body import (
     ID_PROMPTS,
     REQUEST_TIMEOUT,
@@ -51,6 +53,17 @@ from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
 router = APIRouter(tags=["native"])
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+def _package_version() -> str:
+    """The installed radixserve's version (/version, /get_server_info, /openapi.json)."""
+    try:
+        return version("radixserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+VERSION = _package_version()
 
 
 def dispatcher_of(request: Request) -> Dispatcher:
@@ -255,7 +268,10 @@ async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
     return {"prompt": answer.text or ""}
 
 
-@router.get("/health", responses=responses(500, 503))
+HEALTH_RESPONSES = probe("Connected to NATS", "NATS is disconnected")
+
+
+@router.get("/health", responses=HEALTH_RESPONSES)
 async def health(request: Request) -> JSONResponse:
     """200 while this gateway is connected to NATS (whether or not a worker is up)."""
     dispatcher = dispatcher_of(request)
@@ -265,7 +281,8 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "workers": workers})
 
 
-@router.get("/ready", responses=responses(500, 503))
+@router.get("/ready", responses=probe("A live worker serves `model` (any model when not given)",
+                                      "NATS is disconnected, or no live worker serves `model` yet"))
 async def ready(request: Request, model: str | None = None) -> JSONResponse:
     """200 while this gateway is connected to NATS and a live worker (not draining) serves `model`
     (any model when not given): the readiness probe, where /health is liveness only."""
@@ -337,6 +354,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
             item["message"] = reply.message
         workers.append(item)
     return {
+        "version": VERSION,
         "gateway_id": dispatcher.gateway_id,
         "protocol_version": PROTOCOL_VERSION,
         "in_flight": len(dispatcher.hub),

@@ -27,6 +27,14 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+class ProbeBody(BaseModel):
+    """/health, /ping and /ready answer with this whether up (200) or not (503): a probe reads the status."""
+
+    status: str = Field(description="ok, or why not: nats disconnected, no live worker (serving `model`) yet")
+    workers: int = Field(description="live workers (those serving `model`, for /ready with one)")
+    models: list[str] | None = Field(None, description="/ready when ok: the models live workers serve")
+
+
 _WHY = {
     400: "Bad request: invalid JSON, a field of the wrong type or out of range (`param` names it)",
     401: "Missing, unknown or revoked API key (when the gateway requires keys)",
@@ -61,6 +69,12 @@ def responses(*statuses: int, stream: bool = False) -> dict[int | str, dict[str,
                         SSE: {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}},
         }
     return out
+
+
+def probe(up: str, down: str) -> dict[int | str, dict[str, Any]]:
+    """FastAPI `responses=` for a probe: 200 (`up`) and 503 (`down`) both with ProbeBody; 500 as everywhere."""
+    return {200: {"model": ProbeBody, "description": up}, 503: {"model": ProbeBody, "description": down},
+            **responses(500)}
 
 
 def plain_text(content_type: str, description: str) -> dict[int | str, dict[str, Any]]:
