@@ -141,7 +141,7 @@ async def tokenizer_hops(url: str, count: int, gap_s: float, text: str) -> dict[
 
 def tokenize_in_process(model: Path, text: str, count: int, gap_s: float) -> dict[str, dict]:
     """What the tokenizer service does with one request, timed here: back to back, and after an idle gap."""
-    from services.tokenizer.prompt_tokenizer import PromptTokenizer
+    from shared.prompt_tokenizer import PromptTokenizer
     from shared.protocol import PROTOCOL_VERSION, Sampling, TokenizeRequest
 
     prompts = PromptTokenizer.load(str(model))

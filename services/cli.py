@@ -211,10 +211,13 @@ def _run_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from services.detokenizer.service import StreamPublisher
     from services.worker.frontend.service import WorkerService
     from services.worker.frontend.service_config import WorkerServiceConfig
 
-    return _run_service(lambda: WorkerServiceConfig.from_args(args), WorkerService)
+    # The worker and the detokenizer meet here: with --with-detokenizer the worker runs the
+    # detokenizer's StreamPublisher in its own process; neither package imports the other.
+    return _run_service(lambda: WorkerServiceConfig.from_args(args), lambda config: WorkerService(config, StreamPublisher))
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:

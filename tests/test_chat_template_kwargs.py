@@ -13,8 +13,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from shared.natsd import NatsServer
+from shared.prompt_tokenizer import PromptTokenizer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, Sampling, TokenizeRequest
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, openai_client, served_by_fake
 

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from services.cli import build_parser
 from services.gateway.config import GatewayConfig
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from shared import flags
 from shared.natsd import NatsServer
+from shared.prompt_tokenizer import PromptTokenizer
 from shared.protocol import TextTokenize
 from tests.gateway_helpers import FakePipeline, GatewayThread, openai_client, wait_for_workers
 

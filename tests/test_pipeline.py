@@ -477,7 +477,7 @@ def test_sigterm_lets_running_requests_finish_refuses_new_ones_and_every_service
 
 
 def test_prompt_size_decides_what_is_tokenized_on_an_event_loop() -> None:
-    from services.tokenizer.prompt_tokenizer import INLINE_TOKENIZE_CHARS, is_quick, prompt_chars
+    from shared.prompt_tokenizer import INLINE_TOKENIZE_CHARS, is_quick, prompt_chars
     from shared.protocol import ChatMessage, Sampling, TokenizeRequest
 
     def request(**prompt: object) -> TokenizeRequest:

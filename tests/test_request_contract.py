@@ -18,7 +18,7 @@ from services.gateway.grpc_server import sampling_from_proto
 from services.gateway.native_api import NativeSampling
 from services.gateway.openai_protocol import OPENAI_NAMES, ChatCompletionRequest, SamplingFields
 from services.gateway.protos import radixserve_pb2
-from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request
+from shared.prompt_tokenizer import PromptTokenizer, generate_request
 from shared.protocol import PROTOCOL_VERSION, GenerateRequest, Sampling, TokenizeRequest
 from shared.request_contract import prompt_field
 from shared.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
+from shared.prompt_tokenizer import PromptTokenizer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, TextTokenize
 
 

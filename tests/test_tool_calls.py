@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from services.gateway.tool_calls import ToolCallStreamer, forced_call_grammar, parse
-from services.tokenizer.prompt_tokenizer import PromptTokenizer
 from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer
+from shared.prompt_tokenizer import PromptTokenizer
 from shared.protocol import PROTOCOL_VERSION, ChatMessage, Sampling, TokenizeRequest
 from tests.gateway_helpers import FAKE_MODEL, FakePipeline, openai_client, served_by_fake
 

@@ -41,14 +41,14 @@ from services.gateway.migration import Migrations
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
 from services.gateway.streams import RequestStream, StreamHub
-from services.tokenizer.prompt_tokenizer import (
+from shared import trace
+from shared.bus import Bus, PayloadTooLarge
+from shared.model_path import resolve_model_path
+from shared.prompt_tokenizer import (
     PromptTokenizer,
     generate_request,
     is_quick,
 )
-from shared import trace
-from shared.bus import Bus, PayloadTooLarge
-from shared.model_path import resolve_model_path
 from shared.protocol import (
     PROTOCOL_VERSION,
     ControlReply,

@@ -22,9 +22,9 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Histogram
 
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.prompt_tokenizer import PromptTokenizer, is_quick
 from shared.bus import Bus, PayloadTooLarge
 from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
+from shared.prompt_tokenizer import PromptTokenizer, is_quick
 from shared.protocol import PROTOCOL_VERSION, TextTokenize, TextTokenized, TokenizeRequest
 from shared.service import Service, connect_bus, drain_bus, is_subject_token, publish_error
 

@@ -33,11 +33,12 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
 
-from services.detokenizer.service import StreamPublisher
 from services.worker.frontend.metrics import WorkerMetrics
 from services.worker.frontend.output_batcher import Flight, OutputBatcher
 from services.worker.frontend.scheduler_client import SchedulerClient
@@ -79,18 +80,32 @@ def _log_refresh_failure(task: asyncio.Task[WorkerInfo]) -> None:
         logger.warning("the scheduler's figures were not refreshed: %s", task.exception())
 
 
+class StepSink(Protocol):
+    """Where the worker hands each step's outputs when it detokenizes in its own process
+    (--with-detokenizer): the detokenizer service's StreamPublisher, given to the worker by whoever
+    composes the two (services/cli.py), so the worker's package does not import the detokenizer's."""
+
+    async def handle(self, batch: BatchTokenOut) -> None: ...
+
+
+StepSinkFactory = Callable[[Bus, Any], StepSink]  # (bus, the model's tokenizer) -> a StepSink
+
+
 class WorkerService(Service):
     """One worker: a model on one device (or one TP group) serving requests from NATS."""
 
     name = "worker"
 
-    def __init__(self, config: WorkerServiceConfig) -> None:
+    def __init__(self, config: WorkerServiceConfig, detokenizer: StepSinkFactory | None = None) -> None:
         super().__init__()
+        if config.with_detokenizer and detokenizer is None:
+            raise ValueError("--with-detokenizer: this worker was built without a detokenizer to run in its process")
         self.config = config
         self.worker_id = config.worker_id
         self.bus: Bus | None = None
         self.client: SchedulerClient | None = None
-        self.stream: StreamPublisher | None = None
+        self._make_stream = detokenizer
+        self.stream: StepSink | None = None
         self.metrics = WorkerMetrics(config.engine.speculative_num_draft_tokens)
         self.batcher = OutputBatcher(self.worker_id, self.metrics)
         # This process's id: a worker restarted under the same worker id has a new one, so gateways
@@ -130,7 +145,8 @@ class WorkerService(Service):
         if cfg.with_detokenizer:
             if self.client.tokenizer is None:
                 raise ValueError("--with-detokenizer needs a tokenizer; this checkpoint has none")
-            self.stream = StreamPublisher(self.bus, self.client.tokenizer)
+            assert self._make_stream is not None  # checked in __init__
+            self.stream = self._make_stream(self.bus, self.client.tokenizer)
         subjects = self.bus.subjects
         self._info_cache = await self._info()
         self._step_task = asyncio.create_task(self._publish_steps())
