@@ -165,7 +165,8 @@ def run_up(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         engine_values = flags.values_from(EngineConfig, args, env={})
-        model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
+        model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None,
+                                        revision=engine_values.get("revision"))
         engine = EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
         busy_poll_ms = _busy_poll_ms(args.busy_poll_ms, engine)
         connection = flags.build(NatsConnection, args, nats_url=args.nats_url)

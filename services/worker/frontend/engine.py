@@ -28,7 +28,7 @@ class Engine:
     """Generate with a model in this process (or its TP rank processes)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        path = str(resolve_model_path(model_path))
+        path = str(resolve_model_path(model_path, revision=kwargs.get("revision")))
         self.config = EngineConfig.from_kwargs(path, **kwargs)
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
