@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.hf_tokenizer import chat_template_text
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
@@ -145,6 +147,7 @@ class EngineConfig:
         if self.dtype not in (None, *DTYPES):
             spellings = ", ".join((*DTYPES, *DTYPE_SYNONYMS))
             raise ValueError(f"dtype must be one of {spellings}, got {self.dtype!r}")
+        chat_template_text(self.chat_template)  # a file that is not there fails here, before any load
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:

@@ -137,7 +137,8 @@ def _pick_architecture(architectures: Any) -> str:
         if name in ARCHITECTURES:
             return name
     raise ValueError(
-        f"config.json architectures {architectures} are not supported; supported architectures: {supported}"
+        f"config.json architectures {architectures} are not implemented by radixserve, which runs only its own "
+        f"model code (--trust-remote-code does not change that); supported architectures: {supported}"
     )
 
 
