@@ -36,7 +36,7 @@ from services.worker.config import EngineConfig
 from services.worker.frontend.service_config import check_busy_poll
 from shared import flags
 from shared.hf_tokenizer import tokenizer_dir
-from shared.model_path import resolve_model_path, served_name
+from shared.model_path import served_name
 from shared.nats_connection import NatsConnection
 from shared.nats_roles import CLIENT_ROLE, generate_users, write_client_credentials
 from shared.natsd import NatsServer, is_reachable, start_nats_server
@@ -180,8 +180,8 @@ def model_settings(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, st
     the served name, the API key and the log level. ValueError when a model or a value is bad."""
     engine_values = flags.values_from(EngineConfig, args, env={})
     given = str(engine_values.pop("model_path", "")) or None
-    model_path = resolve_model_path(given, revision=engine_values.get("revision"))
-    engine = EngineConfig.from_kwargs(str(model_path), **engine_values)
+    engine = EngineConfig.resolved(given, **engine_values)
+    model_path = Path(engine.model_path)
     env = {"RS_MODEL_PATH": str(model_path),
            "RS_SERVED_MODEL_NAME": args.served_model_name or served_name(given, model_path)}
     for name in engine_values:  # as the config holds them (`--dtype half` reaches the workers as float16)

@@ -89,3 +89,22 @@ def test_the_cli_names_a_missing_hub_id_without_a_traceback(
     err = capsys.readouterr().err
     assert "model_path: 'TinyOrg/Absent' is not a local directory, and Hugging Face hub model TinyOrg/Absent" in err
     assert "Traceback" not in err
+
+
+def test_a_draft_model_may_be_a_hub_id_too(hub_home: Path) -> None:
+    from services.worker.config import EngineConfig
+
+    config = EngineConfig.resolved(REPO_ID, speculative_algorithm="draft", speculative_draft_model_path=REPO_ID)
+    assert config.speculative_draft_model_path == config.model_path == str(resolve_model_path(REPO_ID))
+    assert config.model_path.endswith(COMMIT)
+
+
+def test_chat_answers_with_a_hub_model(hub_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    argv = ["chat", "The capital of France is", "--model", REPO_ID, "--chat-template", template,
+            "--max-new-tokens", "5", "--device", "cpu"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    with Engine(REPO_ID, device="cpu") as engine:
+        expected = engine.generate("The capital of France is", {"max_new_tokens": 5, "temperature": 0.0})
+    assert printed == expected["text"] + "\n"

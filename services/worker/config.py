@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.hf_tokenizer import chat_template_text
+from shared.model_path import resolve_model_path
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
@@ -255,6 +256,17 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(model_path=model_path, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def resolved(cls, model_path: str | None, **kwargs: object) -> EngineConfig:
+        """from_kwargs with the model (at `revision`) and a draft model resolved to directories, as every
+        caller takes them: a directory, a name under $RS_HOME/models, a hub id, or None for the default
+        model (shared/model_path.py; ValueError naming what cannot be found)."""
+        path = resolve_model_path(model_path, revision=kwargs.get("revision"))  # type: ignore[arg-type]
+        draft = kwargs.get("speculative_draft_model_path")
+        if isinstance(draft, str) and draft:
+            kwargs["speculative_draft_model_path"] = str(resolve_model_path(draft))
+        return cls.from_kwargs(str(path), **kwargs)
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.worker.config import EngineConfig
 from shared import flags
-from shared.model_path import resolve_model_path, served_name
+from shared.model_path import served_name
 from shared.service import ServiceConfig, is_subject_token
 
 
@@ -71,8 +71,7 @@ class WorkerServiceConfig(ServiceConfig):
         when the default model is not fetched)."""
         engine_values = flags.values_from(EngineConfig, args, env)
         given = str(engine_values.pop("model_path", "")) or None
-        model_path = resolve_model_path(given, revision=engine_values.get("revision"))
-        engine = EngineConfig.from_kwargs(str(model_path), **engine_values)
+        engine = EngineConfig.resolved(given, **engine_values)
         values = flags.values_from(cls, args, env, exclude=("engine",))
-        values.setdefault("served_model_name", served_name(given, model_path))
+        values.setdefault("served_model_name", served_name(given, Path(engine.model_path)))
         return cls(engine=engine, **values)
