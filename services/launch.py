@@ -183,7 +183,8 @@ def model_settings(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, st
     engine = EngineConfig.resolved(given, **engine_values)
     model_path = Path(engine.model_path)
     env = {"RS_MODEL_PATH": str(model_path),
-           "RS_SERVED_MODEL_NAME": args.served_model_name or served_name(given, model_path)}
+           "RS_SERVED_MODEL_NAME": (args.served_model_name or os.environ.get("RS_SERVED_MODEL_NAME")
+                                    or served_name(given, model_path))}
     for name in engine_values:  # as the config holds them (`--dtype half` reaches the workers as float16)
         value = getattr(engine, name)
         env[flags.env_name(name)] = "none" if value is None else str(value)

@@ -170,13 +170,18 @@ def test_up_passes_model_settings_to_every_child(qwen3_path: Path, qwen3_sharded
     assert (worker.model_name, worker.engine.tokenizer_path, worker.log_level) == ("tiny", str(qwen3_path), "DEBUG")
 
 
-def test_up_defaults_name_the_model_by_its_directory(qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_defaults_and_the_environment_it_reads(qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RS_API_KEY", raising=False)
     monkeypatch.delenv("RS_LOG_LEVEL", raising=False)
+    monkeypatch.delenv("RS_SERVED_MODEL_NAME", raising=False)
     _, env = model_settings(up_args(["--model-path", str(qwen3_path)]))
     assert (env["RS_SERVED_MODEL_NAME"], env["RS_LOG_LEVEL"]) == (qwen3_path.name, "INFO")
     assert "RS_API_KEY" not in env
     monkeypatch.setenv("RS_API_KEY", "from-env")
     monkeypatch.setenv("RS_LOG_LEVEL", "warning")
+    monkeypatch.setenv("RS_SERVED_MODEL_NAME", "env-name")
     _, env = model_settings(up_args(["--model-path", str(qwen3_path)]))
-    assert (env["RS_API_KEY"], env["RS_LOG_LEVEL"]) == ("from-env", "WARNING")
+    assert (env["RS_API_KEY"], env["RS_LOG_LEVEL"], env["RS_SERVED_MODEL_NAME"]) == ("from-env", "WARNING", "env-name")
+    monkeypatch.setenv("RS_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="RS_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, got 'LOUD'"):
+        model_settings(up_args(["--model-path", str(qwen3_path)]))
