@@ -144,9 +144,24 @@ def test_trust_remote_code_is_accepted_but_an_unknown_architecture_is_refused(qw
     shutil.copytree(qwen3_path, fancy)
     config = json.loads((fancy / "config.json").read_text())
     (fancy / "config.json").write_text(json.dumps({**config, "architectures": ["FancyForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"\['FancyForCausalLM'\] are not implemented by radixserve.*"
-                                         r"LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    refused = (r"\['FancyForCausalLM'\] are not implemented by radixserve.*"
+               r"LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+    with pytest.raises(ValueError, match=refused):
         Engine(str(fancy), trust_remote_code=True, max_total_tokens=128)
+    with pytest.raises(ValueError, match=refused):
+        worker_config(["--model-path", str(fancy), "--trust-remote-code"])
+
+
+def test_up_refuses_an_unimplemented_architecture_before_starting_anything(
+    qwen3_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fancy = tmp_path / "fancy"
+    shutil.copytree(qwen3_path, fancy)
+    config = json.loads((fancy / "config.json").read_text())
+    (fancy / "config.json").write_text(json.dumps({**config, "architectures": ["FancyForCausalLM"]}))
+    assert run_up(up_args(["--model", str(fancy), "--trust-remote-code", "--run-dir", str(tmp_path / "run")])) == 2
+    assert "['FancyForCausalLM'] are not implemented by radixserve" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_up_passes_model_settings_to_every_child(qwen3_path: Path, qwen3_sharded_path: Path, tmp_path: Path) -> None:

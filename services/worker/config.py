@@ -20,6 +20,10 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 GEMV_BACKENDS = ("auto", "triton", "cublas")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+# The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
+# maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
+# naming a checkpoint radixserve cannot run is refused before anything loads.
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The other spellings SGLang and vLLM users type for a dtype (their `--dtype` choices).
 DTYPE_SYNONYMS = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -181,6 +185,9 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         self._check_speculative()
+        architectures = _checkpoint_config(self.model_path).get("architectures")
+        if architectures is not None:
+            pick_architecture(architectures)
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
@@ -272,11 +279,32 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def _checkpoint_vocab_size(path: str) -> int | None:
-    """vocab_size from a checkpoint directory's config.json (None when absent or unreadable)."""
+def pick_architecture(architectures: object) -> str:
+    """The first of a config.json's `architectures` that radixserve implements; ValueError naming them
+    and what is supported."""
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"config.json has no 'architectures' entry; supported architectures: {supported}")
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"config.json architectures {architectures} are not implemented by radixserve, which runs only its own "
+        f"model code (--trust-remote-code does not change that); supported architectures: {supported}"
+    )
+
+
+def _checkpoint_config(path: str) -> dict:
+    """A checkpoint directory's config.json ({} when absent or unreadable: loading reports that)."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _checkpoint_vocab_size(path: str) -> int | None:
+    """vocab_size from a checkpoint directory's config.json (None when absent or unreadable)."""
+    raw = _checkpoint_config(path)
     vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) else None
