@@ -38,13 +38,17 @@ def add_chat_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     """`radixserve chat PROMPT`: one chat turn through the offline engine, streamed to stdout."""
     chat = subparsers.add_parser("chat", help="answer one chat message with the offline engine")
     chat.add_argument("prompt", help="the user's message")
-    chat.add_argument("--model-path", default=None, help="HF directory or model name (default: the embedded model)")
+    chat.add_argument("--model-path", "--model", default=None,
+                      help="HF directory, model name or hub id (default: the embedded model)")
+    chat.add_argument("--revision", default=None, help="hub id only: branch, tag or commit (default: main)")
+    chat.add_argument("--tokenizer-path", default=None, help="the tokenizer, when not the model's own")
+    chat.add_argument("--chat-template", default=None, help="a Jinja chat template: a file, or the template itself")
     chat.add_argument("--system", default=None, help="an optional system message")
     chat.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     chat.add_argument("--seed", type=int, default=None, help="sampling seed")
     chat.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    chat.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    chat.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (or half, float, bf16)")
     chat.set_defaults(handler=_chat)
 
 
@@ -173,7 +177,8 @@ def _chat(args: argparse.Namespace) -> int:
     ]
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
     try:
-        engine = Engine(args.model_path, device=args.device, dtype=args.dtype)
+        engine = Engine(args.model_path, device=args.device, dtype=args.dtype, revision=args.revision,
+                        tokenizer_path=args.tokenizer_path, chat_template=args.chat_template)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,9 @@ allowed only its subjects (shared/nats_roles.py), passed to its children as RS_*
 and a `client` user for the NATS front door whose credentials are written to nats-client.json (mode 0600)
 in the run directory. `--namespace` puts every subject and Redis key of this deployment under its own
 prefix, so several deployments can share one NATS. Engine options given to `up` (`--chunked-prefill-size`,
-`--dtype`, ...) reach the workers as RS_* variables. Each service's Prometheus metrics port is picked
+`--dtype`, ...) reach the workers as RS_* variables, as do the model settings every service shares: the model
+(a hub id resolved once, here, to its snapshot), `--tokenizer-path`, `--chat-template`, `--served-model-name`,
+`--api-key` (the gateways') and `--log-level`. Each service's Prometheus metrics port is picked
 free (so several `up`s can share a machine) and logged in its log file; the gateway's is /metrics. Ctrl-C or SIGTERM drains the gateway first (no new
 work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
 """
@@ -33,7 +35,8 @@ from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
 from services.worker.config import EngineConfig
 from services.worker.frontend.service_config import check_busy_poll
 from shared import flags
-from shared.model_path import resolve_model_path
+from shared.hf_tokenizer import tokenizer_dir
+from shared.model_path import served_name
 from shared.nats_connection import NatsConnection
 from shared.nats_roles import CLIENT_ROLE, generate_users, write_client_credentials
 from shared.natsd import NatsServer, is_reachable, start_nats_server
@@ -48,6 +51,7 @@ STOP_TIMEOUT_S = 60.0
 # the tokenizer service, which scales apart from the gateways.
 SHORT_PROMPT_CHARS = 1024
 GATEWAY_TOKENIZES = ("short", "all", "none")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass
@@ -113,6 +117,14 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                     help="every service keeps its event loop polling for this many ms after each message or "
                          "request instead of sleeping (a core each while they poll; needs the scheduler in "
                          "its own process, as on CUDA; env RS_BUSY_POLL_MS; default 0: off)")
+    up.add_argument("--served-model-name", default=None,
+                    help="the model's name in /v1/models and requests (default: a hub id as given, else the "
+                         "model directory's name)")
+    up.add_argument("--api-key", default=None,
+                    help="comma-separated API keys every gateway request must bring as a Bearer token (env "
+                         "RS_API_KEY; passed to the gateways in their environment, never on a command line)")
+    up.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS,
+                    help="log level of `up` and of every service (env RS_LOG_LEVEL; default INFO)")
     flags.add_arguments(up, EngineConfig)
     up.set_defaults(handler=run_up)
 
@@ -129,18 +141,19 @@ def _spawn(name: str, service: str, args: list[str], env: dict[str, str], run_di
     return Child(name, service, proc, log_path)
 
 
-def _get_json(url: str, timeout: float = 5.0) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _get_json(url: str, timeout: float = 5.0, api_key: str = "") -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as response:
         return json.loads(response.read())
 
 
-def _wait_for_model(base: str, deadline: float, gateway: Child) -> dict:
+def _wait_for_model(base: str, deadline: float, gateway: Child, api_key: str = "") -> dict:
     """The gateway answers /v1/models with a model once a worker has reported its load."""
     while time.monotonic() < deadline:
         if gateway.proc.poll() is not None:
             raise RuntimeError(f"the gateway exited:\n{gateway.log()[-3000:]}")
         try:
-            models = _get_json(f"{base}/v1/models")
+            models = _get_json(f"{base}/v1/models", api_key=api_key)
             if models.get("data"):
                 return models
         except (urllib.error.URLError, OSError, ValueError):
@@ -164,17 +177,42 @@ def _busy_poll_ms(flag: float | None, engine: EngineConfig) -> float:
     return value
 
 
+def model_settings(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, str]]:
+    """The engine settings given to `up`, checked, and the RS_* variables that carry them and the other
+    model settings to every child: the model and tokenizer as directories (a hub id resolved here, once),
+    the served name, the API key and the log level. ValueError when a model or a value is bad."""
+    engine_values = flags.values_from(EngineConfig, args, env={})
+    given = str(engine_values.pop("model_path", "")) or None
+    engine = EngineConfig.resolved(given, **engine_values)
+    model_path = Path(engine.model_path)
+    env = {"RS_MODEL_PATH": str(model_path),
+           "RS_SERVED_MODEL_NAME": (args.served_model_name or os.environ.get("RS_SERVED_MODEL_NAME")
+                                    or served_name(given, model_path))}
+    for name in engine_values:  # as the config holds them (`--dtype half` reaches the workers as float16)
+        value = getattr(engine, name)
+        env[flags.env_name(name)] = "none" if value is None else str(value)
+    if engine.tokenizer_path:
+        env["RS_TOKENIZER_PATH"] = str(tokenizer_dir(None, engine.tokenizer_path))
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RS_API_KEY")
+    if api_key is not None:
+        env["RS_API_KEY"] = api_key
+    level = args.log_level or os.environ.get("RS_LOG_LEVEL", "").upper() or "INFO"
+    if level not in LOG_LEVELS:
+        raise ValueError(f"RS_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    env["RS_LOG_LEVEL"] = level
+    return engine, env
+
+
 def run_up(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        engine_values = flags.values_from(EngineConfig, args, env={})
-        model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
-        engine = EngineConfig.from_kwargs(str(model_path), **engine_values)  # validate before starting anything
+        engine, model_env = model_settings(args)  # checked before anything starts
         busy_poll_ms = _busy_poll_ms(args.busy_poll_ms, engine)
         connection = flags.build(NatsConnection, args, nats_url=args.nats_url)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=model_env["RS_LOG_LEVEL"], format="%(asctime)s %(name)s: %(message)s")
+    model_path = Path(model_env["RS_MODEL_PATH"])
     if args.workers < 1:
         print("radixserve: error: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -207,10 +245,10 @@ def run_up(args: argparse.Namespace) -> int:
         logger.info("using NATS at %s as %s", connection.nats_url_for_logs, connection.nats_identity)
     nats_url = connection.nats_url_for_logs
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RS_MODEL_PATH": str(model_path),
-           "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}", **connection.env()}
-    for name, value in engine_values.items():
-        env[flags.env_name(name)] = "none" if value is None else str(value)
+    # The settings `up` passes under their own names replace any other spelling of them it inherited.
+    inherited = {k: v for k, v in os.environ.items() if k not in flags.alias_env_names(EngineConfig)}
+    env = {**inherited, "PYTHONUNBUFFERED": "1", **model_env, "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}",
+           **connection.env()}
 
     def env_of(role: str) -> dict[str, str]:
         return {**env, **role_env.get(role, {})}
@@ -263,7 +301,7 @@ def run_up(args: argparse.Namespace) -> int:
         for child in children:
             child.wait_ready(deadline)
         base = f"http://{args.host}:{args.port}"
-        models = _wait_for_model(base, deadline, gateway)
+        models = _wait_for_model(base, deadline, gateway, model_env.get("RS_API_KEY", "").split(",")[0].strip())
         model = models["data"][0]["id"]
         print(f"\nradixserve is up: {base}  (model {model}, {args.gateways} gateway(s), {args.workers} worker(s), "
               f"logs in {run_dir})")

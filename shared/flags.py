@@ -64,6 +64,11 @@ def _spellings(f: dataclasses.Field[Any]) -> tuple[str, ...]:
     return (f.name, *f.metadata.get("aliases", ()))
 
 
+def alias_env_names(cls: type) -> set[str]:
+    """The RS_* variables of every alias of `cls`'s fields (not their own names)."""
+    return {env_name(alias) for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: Iterable[str] = ()) -> None:
     """One flag per field of dataclass `cls` (and one per alias); unset flags stay absent from the namespace."""
     hints = typing.get_type_hints(cls)

@@ -17,6 +17,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from shared.hf_tokenizer import load_hf_tokenizer
 from shared.input_ids import validate_input_ids
 from shared.model_path import resolve_model_path
 from shared.protocol import (
@@ -69,16 +70,17 @@ class PromptTokenizer:
         self.context_len = context_len
 
     @classmethod
-    def load(cls, model_path: str | None, context_length: int | None = None) -> PromptTokenizer:
-        """The checkpoint's tokenizer, vocabulary size and context length (or `context_length`)."""
-        from transformers import AutoConfig, AutoTokenizer
+    def load(
+        cls, model_path: str | None, context_length: int | None = None, tokenizer_path: str | None = None,
+        chat_template: str | None = None, revision: str | None = None,
+    ) -> PromptTokenizer:
+        """The checkpoint's tokenizer (or `tokenizer_path`'s, with `chat_template` when given), vocabulary
+        size and context length (or `context_length`)."""
+        from transformers import AutoConfig
 
-        path = resolve_model_path(model_path or None)
+        path = resolve_model_path(model_path or None, revision=revision)
         config = AutoConfig.from_pretrained(path)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"model_path {str(path)!r} has no usable tokenizer: {exc}") from exc
+        tokenizer = load_hf_tokenizer(str(path), tokenizer_path, chat_template)
         text_config = getattr(config, "text_config", None) or config
         if context_length is not None and context_length <= 0:
             raise ValueError(f"context_length must be positive, got {context_length}")

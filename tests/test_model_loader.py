@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from services.worker.runtime.model_config import ARCHITECTURES, ModelConfig
+from services.worker.config import ARCHITECTURES
+from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import MODEL_REGISTRY, get_model_class, load_model
 from tests.checkpoints import ENDOFTEXT_ID, IM_END_ID, tiny_llama_config, write_checkpoint
 from tests.forward_helpers import BatchDriver

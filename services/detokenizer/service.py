@@ -25,23 +25,12 @@ from prometheus_client import Counter, Gauge, Histogram
 from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.detokenizer import Detokenizer
 from shared.bus import Bus, PayloadTooLarge
+from shared.hf_tokenizer import load_hf_tokenizer
 from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
-from shared.model_path import resolve_model_path
 from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut
 from shared.service import Service, connect_bus, drain_bus, publish_error
 
 logger = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_path: str | None) -> Any:
-    """The model's tokenizer (ValueError when it has none: nothing could be detokenized)."""
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(model_path or None)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"model_path {str(path)!r} has no usable tokenizer: {exc}") from exc
 
 
 class DetokenizerMetrics:
@@ -107,7 +96,7 @@ class DetokenizerService(Service):
     async def start(self) -> None:
         cfg = self.config
         self.bus = await connect_bus(cfg, self.name)
-        tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model_path)
+        tokenizer = await asyncio.to_thread(load_hf_tokenizer, cfg.model_path, cfg.tokenizer_path, None, cfg.revision)
         self.publisher = StreamPublisher(self.bus, tokenizer)
         subject = self.bus.subjects.detok(cfg.worker_id or "*")
         await self.bus.subscribe(subject, (BatchTokenOut,), self._on_batch)

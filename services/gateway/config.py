@@ -81,6 +81,17 @@ class GatewayConfig(ServiceConfig):
         "tokenizer service instead; none: every prompt for that model is tokenized here, long ones in a thread",
         None,
     )
+    served_model_name: str | None = _help(
+        "with --local-tokenizer: the name its model is served under (the workers' --served-model-name); "
+        "default: the directory's name",
+        None,
+    )
+    tokenizer_path: str | None = _help(
+        "with --local-tokenizer: the tokenizer's directory, model name or hub id, when not the model's own", None
+    )
+    chat_template: str | None = _help(
+        "with --local-tokenizer: a Jinja chat template (a file, or the template itself) instead of the model's", None
+    )
     routing_policy: str = _help(
         "cache_aware (send a prompt where its prefix was sent before while loads are balanced) or least_loaded",
         "cache_aware",

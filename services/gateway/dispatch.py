@@ -98,7 +98,9 @@ class Dispatcher:
         await self.keys.check()
         if self.config.local_tokenizer:
             path = str(resolve_model_path(self.config.local_tokenizer))
-            self.local_tokenizer = await asyncio.to_thread(PromptTokenizer.load, path)
+            self.local_tokenizer = await asyncio.to_thread(
+                PromptTokenizer.load, path, None, self.config.tokenizer_path, self.config.chat_template
+            )
             limit = self.config.local_tokenizer_max_chars
             logger.info("gateway %s tokenizes prompts for %s itself%s", self.gateway_id, PurePath(path).name,
                         "" if limit is None else f" up to {limit} characters (longer ones: the tokenizer service)")
@@ -182,9 +184,8 @@ class Dispatcher:
     def tokenizes_for(self, worker: WorkerEntry) -> bool:
         """Whether this gateway tokenizes requests for `worker` itself (its --local-tokenizer model is
         the one the worker serves)."""
-        return self.local_tokenizer is not None and model_matches(
-            PurePath(self.config.local_tokenizer).name, worker.load.model
-        )
+        name = self.config.served_model_name or PurePath(self.config.local_tokenizer).name
+        return self.local_tokenizer is not None and model_matches(name, worker.load.model)
 
     def tokenizes_here(self, msg: TokenizeRequest) -> bool:
         """Whether a request for a model this gateway tokenizes is short enough to tokenize here (below

@@ -58,7 +58,9 @@ class TokenizerService(Service):
     async def start(self) -> None:
         cfg = self.config
         self.bus = await connect_bus(cfg, self.name)
-        self.prompts = await asyncio.to_thread(PromptTokenizer.load, cfg.model_path, cfg.context_length)
+        self.prompts = await asyncio.to_thread(
+            PromptTokenizer.load, cfg.model_path, cfg.context_length, cfg.tokenizer_path, cfg.chat_template, cfg.revision
+        )
         await self.bus.subscribe(
             self.bus.subjects.tokenize, (TokenizeRequest,), self._on_request, queue=cfg.queue_group
         )

@@ -12,37 +12,71 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.hf_tokenizer import chat_template_text
+from shared.model_path import resolve_model_path
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 GEMV_BACKENDS = ("auto", "triton", "cublas")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+# The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
+# maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
+# naming a checkpoint radixserve cannot run is refused before anything loads.
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The other spellings SGLang and vLLM users type for a dtype (their `--dtype` choices).
+DTYPE_SYNONYMS = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
-def _help(text: str, default: object) -> object:
-    return field(default=default, metadata={"help": text})
+def _help(text: str, default: object, *aliases: str) -> object:
+    """A field's default and help; `aliases` are other flag/RS_* spellings of it (shared/flags.py)."""
+    metadata: dict[str, object] = {"help": text}
+    if aliases:
+        metadata["aliases"] = aliases
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Configuration of one worker (all TP ranks share it)."""
 
-    model_path: str = _help("HF checkpoint directory, or a model name under $RS_HOME/models", "")
-    tp_size: int = _help("tensor-parallel ranks (one process each)", 1)
+    model_path: str = _help(
+        "HF checkpoint directory, a model name under $RS_HOME/models, or a Hugging Face hub id (Qwen/Qwen3-8B: "
+        "a snapshot in the hub cache, downloaded when absent; HF_HUB_OFFLINE=1 reads the cache only)",
+        "", "model",
+    )
+    revision: str | None = _help("hub id only: the branch, tag or commit of the repository; default: main", None)
+    tokenizer_path: str | None = _help(
+        "the tokenizer's directory, model name or hub id, when not the model's own; default: the model's", None
+    )
+    chat_template: str | None = _help(
+        "a Jinja chat template (a file, or the template itself) used instead of the checkpoint's", None
+    )
+    trust_remote_code: bool = _help(
+        "accepted for compatibility: radixserve runs only its own model code, never a checkpoint's, so a "
+        "checkpoint whose architecture it does not implement is refused naming it",
+        False,
+    )
+    tp_size: int = _help("tensor-parallel ranks (one process each)", 1, "tensor_parallel_size", "tp")
     scheduler_process: bool | None = _help(
         "tp_size 1: run the scheduler in its own process rather than a thread of the caller's (so the "
         "caller's Python work never waits on, or stalls, the scheduler's for the GIL); default: on CUDA",
         None,
     )
     device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)
-    dtype: str | None = _help("float32, bfloat16, float16; default: float32 on CPU, checkpoint's on CUDA", None)
+    dtype: str | None = _help(
+        "auto, float32, bfloat16 or float16 (also half, float, fp16, bf16, fp32); default (auto): float32 on "
+        "CPU, the checkpoint's on CUDA",
+        None,
+    )
     cpu_threads: int | None = _help(
         "CPU: compute threads per rank; default: OMP_NUM_THREADS when set, else every usable core but one (at "
         "least 1), leaving a core to the event loop, the other services and the host, so a loaded host slows "
         "the steps instead of stalling them (vLLM's CPU build keeps one too)",
         None,
     )
-    context_length: int | None = _help("override the model's max positions", None)
+    context_length: int | None = _help("override the model's max positions", None, "max_model_len")
     attention_backend: str | None = _help(
         "torch, triton or flashinfer (CUDA, optional package); default: torch on CPU, triton on CUDA", None
     )
@@ -74,7 +108,9 @@ class EngineConfig:
     max_running_requests: int = _help("most requests decoding at once", 256)
     # Scheduling.
     schedule_policy: str = _help("waiting-queue order: " + ", ".join(SCHEDULE_POLICIES), "fcfs")
-    chunked_prefill_size: int | None = _help("most new prompt tokens per step (None: no chunking)", 2048)
+    chunked_prefill_size: int | None = _help(
+        "most new prompt tokens per step (None, or -1 as in SGLang: no chunking)", 2048
+    )
     max_prefill_tokens: int = _help("most prompt tokens admitted in one prefill step", 16384)
     enable_mixed_chunk: bool = _help(
         "run decodes in the same step as a prefill chunk; that chunk is sized so its cost, attention over "
@@ -107,6 +143,16 @@ class EngineConfig:
     dist_init_addr: str | None = _help("tcp://host:port for the TP group; default: a free local port", None)
 
     def __post_init__(self) -> None:
+        # SGLang's and vLLM's spellings are taken as they are given and stored in ours, once, while the
+        # instance is built (fields read afterwards hold one spelling only).
+        if self.chunked_prefill_size == -1:
+            object.__setattr__(self, "chunked_prefill_size", None)
+        if self.dtype in DTYPE_SYNONYMS:
+            object.__setattr__(self, "dtype", DTYPE_SYNONYMS[self.dtype])
+        if self.dtype not in (None, *DTYPES):
+            spellings = ", ".join((*DTYPES, *DTYPE_SYNONYMS))
+            raise ValueError(f"dtype must be one of {spellings}, got {self.dtype!r}")
+        chat_template_text(self.chat_template)  # a file that is not there fails here, before any load
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
@@ -118,7 +164,7 @@ class EngineConfig:
                 f"radix_eviction_policy must be one of {EVICTION_POLICIES}, got {self.radix_eviction_policy!r}"
             )
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
+            raise ValueError(f"chunked_prefill_size must be >= 1, or -1 or None (off), got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
         if self.max_running_requests < 1:
@@ -139,6 +185,9 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         self._check_speculative()
+        architectures = _checkpoint_config(self.model_path).get("architectures")
+        if architectures is not None:
+            pick_architecture(architectures)
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
@@ -215,15 +264,47 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(model_path=model_path, **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def resolved(cls, model_path: str | None, **kwargs: object) -> EngineConfig:
+        """from_kwargs with the model (at `revision`) and a draft model resolved to directories, as every
+        caller takes them: a directory, a name under $RS_HOME/models, a hub id, or None for the default
+        model (shared/model_path.py; ValueError naming what cannot be found)."""
+        path = resolve_model_path(model_path, revision=kwargs.get("revision"))  # type: ignore[arg-type]
+        draft = kwargs.get("speculative_draft_model_path")
+        if isinstance(draft, str) and draft:
+            kwargs["speculative_draft_model_path"] = str(resolve_model_path(draft))
+        return cls.from_kwargs(str(path), **kwargs)
+
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
-def _checkpoint_vocab_size(path: str) -> int | None:
-    """vocab_size from a checkpoint directory's config.json (None when absent or unreadable)."""
+def pick_architecture(architectures: object) -> str:
+    """The first of a config.json's `architectures` that radixserve implements; ValueError naming them
+    and what is supported."""
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"config.json has no 'architectures' entry; supported architectures: {supported}")
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return name
+    raise ValueError(
+        f"config.json architectures {architectures} are not implemented by radixserve, which runs only its own "
+        f"model code (--trust-remote-code does not change that); supported architectures: {supported}"
+    )
+
+
+def _checkpoint_config(path: str) -> dict:
+    """A checkpoint directory's config.json ({} when absent or unreadable: loading reports that)."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _checkpoint_vocab_size(path: str) -> int | None:
+    """vocab_size from a checkpoint directory's config.json (None when absent or unreadable)."""
+    raw = _checkpoint_config(path)
     vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) else None

@@ -21,15 +21,13 @@ from services.worker.frontend.scheduler_client import SchedulerClient
 from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import Req
 from shared import trace
-from shared.model_path import resolve_model_path
 
 
 class Engine:
     """Generate with a model in this process (or its TP rank processes)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        path = str(resolve_model_path(model_path))
-        self.config = EngineConfig.from_kwargs(path, **kwargs)
+        self.config = EngineConfig.resolved(model_path, **kwargs)
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._failed: str | None = None

@@ -113,7 +113,7 @@ class SchedulerClient:
         self.model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length
         )
-        self.tokenizer = load_tokenizer(config.model_path)
+        self.tokenizer = load_tokenizer(config)
         self._on_outputs = on_outputs
         self._on_failure = on_failure
         self._rng = random.Random(config.random_seed)

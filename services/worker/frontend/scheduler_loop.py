@@ -28,6 +28,7 @@ from services.worker.scheduler.output import PackedOutputs
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.scheduler import Scheduler
 from shared import trace
+from shared.hf_tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 CLEANUP_TRACE_S = 10.0
@@ -76,14 +77,14 @@ class LoopFailed:
     invalid_config: str | None = None
 
 
-def load_tokenizer(path: str) -> Any | None:
-    """The checkpoint's tokenizer, or None when it ships none (tiny test checkpoints)."""
-    # Imported here: transformers is heavy to import, and a scheduler process needs it only now.
-    from transformers import AutoTokenizer
-
+def load_tokenizer(config: EngineConfig) -> Any | None:
+    """The model's tokenizer (its --tokenizer-path and --chat-template applied), or None when the
+    checkpoint ships none (tiny test checkpoints); a --tokenizer-path without one is a ValueError."""
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
+        return load_hf_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
+    except ValueError:
+        if config.tokenizer_path:
+            raise
         return None
 
 
@@ -126,7 +127,7 @@ class SchedulerLoop:
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
         )
         self.runner = ModelRunner(config, model_config, device)
-        tokenizer = load_tokenizer(config.model_path)
+        tokenizer = load_tokenizer(config)
         grammar = GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None
         if grammar is not None:
             grammar.prebuild()

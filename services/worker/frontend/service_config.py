@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.worker.config import EngineConfig
 from shared import flags
-from shared.model_path import resolve_model_path
+from shared.model_path import served_name
 from shared.service import ServiceConfig, is_subject_token
 
 
@@ -41,7 +41,7 @@ class WorkerServiceConfig(ServiceConfig):
     worker_id: str = field(
         default_factory=random_worker_id, metadata={"help": "this worker's id in subjects (default: random)"}
     )
-    served_model_name: str | None = _help("model name in WorkerLoad and /v1/models (default: the directory name)", None)
+    served_model_name: str | None = _help("model name in WorkerLoad and /v1/models (default: a hub id as given, else the directory's name)", None)
     load_interval: float = _help("seconds between two WorkerLoad messages", 1.0)
     with_detokenizer: bool = _help("detokenize in this process and publish to gateways directly", False)
     drain_timeout: float = _help("seconds running requests may take to finish on SIGTERM; those still running then end with an error", 30.0)
@@ -70,6 +70,8 @@ class WorkerServiceConfig(ServiceConfig):
         """Flags, then RS_* variables, then defaults; the model path resolved to a directory (ValueError
         when the default model is not fetched)."""
         engine_values = flags.values_from(EngineConfig, args, env)
-        model_path = resolve_model_path(str(engine_values.pop("model_path", "")) or None)
-        engine = EngineConfig.from_kwargs(str(model_path), **engine_values)
-        return cls(engine=engine, **flags.values_from(cls, args, env, exclude=("engine",)))
+        given = str(engine_values.pop("model_path", "")) or None
+        engine = EngineConfig.resolved(given, **engine_values)
+        values = flags.values_from(cls, args, env, exclude=("engine",))
+        values.setdefault("served_model_name", served_name(given, Path(engine.model_path)))
+        return cls(engine=engine, **values)

@@ -15,13 +15,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from services.worker.config import pick_architecture
 from services.worker.runtime.layers.rotary import rope_parameters
 from shared.sampling_params import generation_defaults
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The `architectures` names of config.json a model class runs (model_loader.py's MODEL_REGISTRY maps
-# each to its class; a test holds the two to the same names).
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -88,7 +86,7 @@ class ModelConfig:
         if not config_file.is_file():
             raise ValueError(f"model_path {str(path)!r} has no config.json")
         raw = _read_json(config_file)
-        architecture = _pick_architecture(raw.get("architectures"))
+        architecture = pick_architecture(raw.get("architectures"))
         hf_config = AutoConfig.from_pretrained(path)
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=true in config.json is not supported")
@@ -126,18 +124,6 @@ class ModelConfig:
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads one rank holds: split across ranks, or one replicated head when tp > kv heads."""
         return max(1, self.num_kv_heads // tp_size)
-
-
-def _pick_architecture(architectures: Any) -> str:
-    supported = ", ".join(sorted(ARCHITECTURES))
-    if not architectures:
-        raise ValueError(f"config.json has no 'architectures' entry; supported architectures: {supported}")
-    for name in architectures:
-        if name in ARCHITECTURES:
-            return name
-    raise ValueError(
-        f"config.json architectures {architectures} are not supported; supported architectures: {supported}"
-    )
 
 
 def _context_len(hf_config: PretrainedConfig, override: int | None) -> int:

@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from services.worker.config import ARCHITECTURES
 from services.worker.runtime.layers.linear import LoadedWeight
-from services.worker.runtime.model_config import ARCHITECTURES, ModelConfig
+from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.models.llama import LlamaForCausalLM
 from services.worker.runtime.models.qwen3 import Qwen3ForCausalLM
 from services.worker.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
