@@ -146,7 +146,7 @@ def test_a_chat_request_goes_through_the_charts_containers(pod: Pod) -> None:
 
 
 def test_every_probe_the_chart_names_answers(pod: Pod) -> None:
-    from services.gateway.protos import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     checked = 0
     for name, (c, _) in pod.specs.items():
