@@ -48,7 +48,6 @@ from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
-from kernels.rotary import rotary_neox_  # noqa: E402
 from kernels.sampling import gumbel_argmax  # noqa: E402
 from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
 from services.worker.runtime.attention.triton_backend import extend_split_slots  # noqa: E402
@@ -380,11 +379,11 @@ def rotary_case(tokens: int, heads: int, kv_heads: int, head_dim: int):
         pos = torch.randint(0, 40960, (tokens,), device=DEV)
 
         def check() -> float:
-            eq, ek = ref.rotary_neox_ref(pos, q, k, cos, sin, head_dim)
-            rotary_neox_(pos, q, k, cos, sin, head_dim)
+            eq, ek = ref.qk_norm_rope_ref(pos, q, k, cos, sin, head_dim)
+            qk_norm_rope_(pos, q, k, cos, sin, head_dim)
             return max(rel_err(q, eq), rel_err(k, ek))
 
-        return (lambda: rotary_neox_(pos, q, k, cos, sin, head_dim)), check
+        return (lambda: qk_norm_rope_(pos, q, k, cos, sin, head_dim)), check
 
     return make
 
