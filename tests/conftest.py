@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny seeded HF checkpoints (written once per test session), and per test module
-for the gateway tests a nats-server, a FakePipeline with worker w1, a gateway that has heard it and
-an HTTP client of it (tests/gateway_helpers.py). A module overrides any of them by defining its own,
-as test_gateway_faults.py does for a small max_payload and its gateway's first-output timeout."""
+"""Shared fixtures: tiny seeded HF checkpoints (written once per test session), the offline Engine on
+the default model per test module that compares with it, and per test module for the gateway tests a
+nats-server, a FakePipeline with worker w1, a gateway that has heard it and an HTTP client of it
+(tests/gateway_helpers.py). A module overrides any of them by defining its own, as
+test_gateway_faults.py does for a small max_payload and its gateway's first-output timeout."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -27,6 +29,9 @@ from tests.checkpoints import (
     write_checkpoint,
 )
 from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
+
+if TYPE_CHECKING:
+    from services.worker.frontend.engine import Engine
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +80,16 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def default_model_path() -> Path:
     """The real default model in the user's RS_HOME, fetched on first use."""
     return fetch_default_model(progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path: Path) -> Iterator[Engine]:
+    """The offline Engine on the default model (4,096 tokens of KV), to compare the services with."""
+    # Imported here: torch and the worker load only in the modules that use the engine.
+    from services.worker.frontend.engine import Engine
+
+    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
