@@ -3,7 +3,7 @@ tests can run prefill, chunked extend and decode steps on real pools and the tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -102,3 +102,29 @@ class BatchDriver:
             logits.append(step_logits)
             tokens.append(int(step_logits.argmax()))
         return tokens, logits
+
+
+def seeded_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids in [3, 300), the same for the same seed."""
+    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_mixed_steps(drivers: dict[str, BatchDriver], check: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """The same five steps on every driver (each over its own pools), `check` given each step's logits
+    by driver name: a prefill of two prompts, a continued (chunked) prefill over request 0's cached
+    prefix beside a fresh request, then three decode steps of all three requests."""
+
+    def new_requests(count: int) -> list[int]:
+        rows = [[driver.new_request() for _ in range(count)] for driver in drivers.values()]
+        assert all(r == rows[0] for r in rows), rows
+        return rows[0]
+
+    def step(run: Callable[[BatchDriver], torch.Tensor]) -> None:
+        check({name: run(driver) for name, driver in drivers.items()})
+
+    rows = new_requests(2)
+    step(lambda d: d.extend([(rows[0], seeded_prompt(9, 1)), (rows[1], seeded_prompt(5, 2))], return_all_logits=True))
+    [fresh] = new_requests(1)
+    step(lambda d: d.extend([(rows[0], seeded_prompt(6, 3)), (fresh, seeded_prompt(4, 4))], return_all_logits=True))
+    for token in (7, 11, 13):
+        step(lambda d, t=token: d.decode([(rows[0], t), (rows[1], t + 1), (fresh, t + 2)]))
