@@ -146,6 +146,20 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
+def check_and_time(
+    kind: str, name: str, default: bool, check: Callable[[], float], timed: Callable[[], object]
+) -> tuple[float, float] | None:
+    """(check()'s error against the reference, timed's median ms) for one launch variant. A variant
+    other than the default that fails (one that does not compile) is reported and gives None."""
+    try:
+        return check(), bench_ms(timed)
+    except Exception as exc:
+        if default:
+            raise
+        print(f"  {kind} variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s)."""
     n = 1 << 30  # 1 GiB
@@ -208,17 +222,16 @@ def bench_decode(
                 split_counters=counters,
             )
 
-        try:
+        def check(launch=launch) -> float:
             part_out.fill_(float("nan"))
             out.fill_(float("nan"))
             launch(sets[0])
-            err = rel_err(out, expect)
-            ms = bench_ms(rotating([lambda s=s: launch(s) for s in sets]))
-        except Exception as exc:  # a variant that does not compile is reported, not fatal
-            if i == 0:
-                raise
-            print(f"  decode variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+            return rel_err(out, expect)
+
+        measured = check_and_time("decode", name, i == 0, check, rotating([lambda s=s: launch(s) for s in sets]))
+        if measured is None:
             continue
+        err, ms = measured
         row = Row(
             "decode_attn", f"{model} {case} [{name}] splits<={max_splits}", ms * 1e3,
             kv_bytes / (ms * 1e-3) / 1e9, "GB/s", copy_gbps, err, peer,
@@ -272,16 +285,15 @@ def bench_extend(
                 q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, blocks, scale, tiles, partials
             )
 
-        try:
+        def check(run=run) -> float:
             out.fill_(float("nan"))
             run()
-            err = rel_err(out, expect)
-            ms = bench_ms(run)
-        except Exception as exc:  # a variant that does not compile is reported, not fatal
-            if i == 0:
-                raise
-            print(f"  extend variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+            return rel_err(out, expect)
+
+        measured = check_and_time("extend", name, i == 0, check, run)
+        if measured is None:
             continue
+        err, ms = measured
         row = Row(
             "extend_attn", f"{model} {case} [{name}]", ms * 1e3, flops / (ms * 1e-3) / 1e12, "TFLOP/s",
             mm_tflops, err, peer,
