@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import msgspec
 import nats
 import pytest
 
+from services.gateway.generate_spec import GenerateSpec
+from services.gateway.nats_frontdoor import spec_from_nats
 from shared.natsd import NatsServer
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -142,3 +145,13 @@ def test_a_request_past_its_own_timeout_is_aborted_with_a_504_final(
     pipeline.wait_until(lambda: ("w1", "n-timeout") in pipeline.aborts)
     bad = run_in_new_loop(generate(nats.url, request(text="x", timeout=-1.0)))
     assert bad[-1].error.startswith("400: timeout")
+
+
+def test_a_request_states_every_field_of_its_generation() -> None:
+    """Every field of a request on the front door but the protocol version reaches its GenerateSpec."""
+    assert set(NatsGenerateRequest.__struct_fields__) - {f.name for f in dataclasses.fields(GenerateSpec)} == {"v"}
+    fields = dict(sampling=Sampling(seed=3), messages=[ChatMessage("user", "hi")], model="m", rid="r", return_logprob=True,
+                  top_logprobs_num=2, stream=False, chat_template_kwargs={"enable_thinking": False}, timeout=5.0)
+    assert spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields)) == GenerateSpec(**fields)
+    ids = spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, input_ids=[1, 2], text=None))
+    assert ids == GenerateSpec(sampling=Sampling(), input_ids=[1, 2])

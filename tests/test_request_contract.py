@@ -14,21 +14,12 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.generate_spec import GenerateSpec
 from services.gateway.grpc_server import sampling_from_proto
 from services.gateway.native_api import NativeSampling
-from services.gateway.nats_frontdoor import spec_from_nats
 from services.gateway.openai_protocol import OPENAI_NAMES, ChatCompletionRequest, SamplingFields
 from services.gateway.protos import radixserve_pb2
 from services.tokenizer.prompt_tokenizer import PromptTokenizer, generate_request
-from shared.protocol import (
-    PROTOCOL_VERSION,
-    ChatMessage,
-    GenerateRequest,
-    NatsGenerateRequest,
-    Sampling,
-    TokenizeRequest,
-)
+from shared.protocol import PROTOCOL_VERSION, GenerateRequest, Sampling, TokenizeRequest
 from shared.request_contract import prompt_field
 from shared.sampling_params import SamplingParams
 from tests.services_helpers import REPO_ROOT
@@ -166,13 +157,3 @@ def test_a_generate_request_carries_every_field_of_its_tokenize_request() -> Non
     assert sent == GenerateRequest(v=PROTOCOL_VERSION, rid="r", gateway_id="g", input_ids=[1, 2], sampling=Sampling(seed=3),
                                    return_logprob=True, top_logprobs_num=2, priority=5, stream=False, resume_ids=[7],
                                    resume_chars=1)
-
-
-def test_a_nats_request_states_every_field_of_its_generation() -> None:
-    """Every field of a request on the NATS front door but the protocol version reaches its GenerateSpec."""
-    assert set(NatsGenerateRequest.__struct_fields__) - {f.name for f in dataclasses.fields(GenerateSpec)} == {"v"}
-    fields = dict(sampling=Sampling(seed=3), messages=[ChatMessage("user", "hi")], model="m", rid="r", return_logprob=True,
-                  top_logprobs_num=2, stream=False, chat_template_kwargs={"enable_thinking": False}, timeout=5.0)
-    assert spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields)) == GenerateSpec(**fields)
-    ids = spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, input_ids=[1, 2], text=None))
-    assert ids == GenerateSpec(sampling=Sampling(), input_ids=[1, 2])
