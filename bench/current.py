@@ -288,47 +288,46 @@ PIPELINE_CPU = Area(
          "of the pipeline's own stretches is the figure to read for TTFT (bench/HISTORY.md, CPU pipeline).",
 )
 
+def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
+    """Our decode against transformers `generate` at one dtype and batch size: the median run."""
+
+    def run(d: dict[str, Any]) -> dict[str, float]:
+        return _median_run(d[dtype][f"batch{batch}"])
+
+    return Figure(label, "cpu_decode_2026-11-29_a.json", lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
+                  peer=lambda d: run(d)["hf_tok_s"], peer_label="transformers", ratio_fmt="{:.2f}×",
+                  target=Target(">=", 1.2, "≥ 1.2×") if batch == 1 else Target(">=", 3.0, "≥ 3×"),
+                  command=".venv/bin/python bench/cpu_decode.py" + ("" if dtype == "float32" else f" --dtype {dtype}"))
+
+
+def _ngram(k: int, label: str) -> Figure:
+    """n-gram speculation drafting k tokens: the median speed-up, with the mean accepted length beside it."""
+
+    def summary(d: dict[str, Any]) -> dict[str, float]:
+        return d["summary"][f"ngram k={k}"]
+
+    return Figure(label, "cpu_spec_2026-11-29_a.json", lambda d: summary(d)["speedup_median"], "{:.2f}×",
+                  peer=lambda d: summary(d)["accept_length_mean"], peer_label="mean accepted length",
+                  peer_fmt="{:.2f}", ratio=no_ratio,
+                  target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)", on="value"),
+                  command=".venv/bin/python bench/cpu_spec.py")
+
+
 CPU = Area(
     "cpu", "CPU engine vs transformers `generate`, scheduler, speculative decoding, routing", CPU_AMD,
     (
-        Figure("batch-1 decode, float32 (whole generate call)", "cpu_decode_2026-11-29_a.json",
-               lambda d: _median_run(d["float32"]["batch1"])["ours_tok_s"], "{:.1f} tok/s",
-               peer=lambda d: _median_run(d["float32"]["batch1"])["hf_tok_s"], peer_label="transformers",
-               ratio_fmt="{:.2f}×", target=Target(">=", 1.2, "≥ 1.2×"),
-               command=".venv/bin/python bench/cpu_decode.py"),
-        Figure("batch-16 decode, float32", "cpu_decode_2026-11-29_a.json",
-               lambda d: _median_run(d["float32"]["batch16"])["ours_tok_s"], "{:.1f} tok/s",
-               peer=lambda d: _median_run(d["float32"]["batch16"])["hf_tok_s"], peer_label="transformers",
-               ratio_fmt="{:.2f}×", target=Target(">=", 3.0, "≥ 3×"),
-               command=".venv/bin/python bench/cpu_decode.py"),
-        Figure("batch-1 decode, bfloat16", "cpu_decode_2026-11-29_a.json",
-               lambda d: d["bfloat16"]["batch1"][0]["ours_tok_s"], "{:.1f} tok/s",
-               peer=lambda d: d["bfloat16"]["batch1"][0]["hf_tok_s"], peer_label="transformers",
-               ratio_fmt="{:.2f}×", target=Target(">=", 1.2, "≥ 1.2×"),
-               command=".venv/bin/python bench/cpu_decode.py --dtype bfloat16"),
-        Figure("batch-16 decode, bfloat16", "cpu_decode_2026-11-29_a.json",
-               lambda d: d["bfloat16"]["batch16"][0]["ours_tok_s"], "{:.1f} tok/s",
-               peer=lambda d: d["bfloat16"]["batch16"][0]["hf_tok_s"], peer_label="transformers",
-               ratio_fmt="{:.2f}×", target=Target(">=", 3.0, "≥ 3×"),
-               command=".venv/bin/python bench/cpu_decode.py --dtype bfloat16"),
+        _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call)"),
+        _cpu_decode("float32", 16, "batch-16 decode, float32"),
+        _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16"),
+        _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
         Figure("radix cache `match_prefix`, 1,000 sequences of 1–4k tokens", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["radix_match_mtok_s"], "{:.1f} M tokens/s",
                command=".venv/bin/python bench/cpu_scheduler.py"),
-        Figure("n-gram speculation, k = 4, rewrite prompts (median of 3)", "cpu_spec_2026-11-29_a.json",
-               lambda d: d["summary"]["ngram k=4"]["speedup_median"], "{:.2f}×",
-               peer=lambda d: d["summary"]["ngram k=4"]["accept_length_mean"], peer_label="mean accepted length",
-               peer_fmt="{:.2f}", ratio=no_ratio,
-               target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)", on="value"),
-               command=".venv/bin/python bench/cpu_spec.py"),
-        Figure("n-gram speculation, k = 8", "cpu_spec_2026-11-29_a.json",
-               lambda d: d["summary"]["ngram k=8"]["speedup_median"], "{:.2f}×",
-               peer=lambda d: d["summary"]["ngram k=8"]["accept_length_mean"], peer_label="mean accepted length",
-               peer_fmt="{:.2f}", ratio=no_ratio,
-               target=Target(">=", 1.5, "≥ 1.5× (accepted length ≥ 2.5)", on="value"),
-               command=".venv/bin/python bench/cpu_spec.py"),
+        _ngram(4, "n-gram speculation, k = 4, rewrite prompts (median of 3)"),
+        _ngram(8, "n-gram speculation, k = 8"),
         Figure("cache-aware routing over 2 workers, hit rate (6 × 6 prompts)", "routing_cpu_2026-11-29_a.json",
                lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="cache_aware")["hit_rate"], "{:.3f}",
                peer=lambda d: _row(d["rows"], workload="6 x 6 (seed 0)", policy="cache_aware")["ideal"],

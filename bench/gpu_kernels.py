@@ -48,7 +48,6 @@ from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm  # noqa: E402
-from kernels.rotary import rotary_neox_  # noqa: E402
 from kernels.sampling import gumbel_argmax  # noqa: E402
 from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
 from services.worker.runtime.attention.triton_backend import extend_split_slots  # noqa: E402
@@ -147,6 +146,20 @@ def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
+def check_and_time(
+    kind: str, name: str, default: bool, check: Callable[[], float], timed: Callable[[], object]
+) -> tuple[float, float] | None:
+    """(check()'s error against the reference, timed's median ms) for one launch variant. A variant
+    other than the default that fails (one that does not compile) is reported and gives None."""
+    try:
+        return check(), bench_ms(timed)
+    except Exception as exc:
+        if default:
+            raise
+        print(f"  {kind} variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+        return None
+
+
 def measure_ceilings() -> tuple[float, float]:
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s)."""
     n = 1 << 30  # 1 GiB
@@ -209,17 +222,16 @@ def bench_decode(
                 split_counters=counters,
             )
 
-        try:
+        def check(launch=launch) -> float:
             part_out.fill_(float("nan"))
             out.fill_(float("nan"))
             launch(sets[0])
-            err = rel_err(out, expect)
-            ms = bench_ms(rotating([lambda s=s: launch(s) for s in sets]))
-        except Exception as exc:  # a variant that does not compile is reported, not fatal
-            if i == 0:
-                raise
-            print(f"  decode variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+            return rel_err(out, expect)
+
+        measured = check_and_time("decode", name, i == 0, check, rotating([lambda s=s: launch(s) for s in sets]))
+        if measured is None:
             continue
+        err, ms = measured
         row = Row(
             "decode_attn", f"{model} {case} [{name}] splits<={max_splits}", ms * 1e3,
             kv_bytes / (ms * 1e-3) / 1e9, "GB/s", copy_gbps, err, peer,
@@ -273,16 +285,15 @@ def bench_extend(
                 q, k, v, out, k_buf, v_buf, table, rows, prefix_t, indptr, blocks, scale, tiles, partials
             )
 
-        try:
+        def check(run=run) -> float:
             out.fill_(float("nan"))
             run()
-            err = rel_err(out, expect)
-            ms = bench_ms(run)
-        except Exception as exc:  # a variant that does not compile is reported, not fatal
-            if i == 0:
-                raise
-            print(f"  extend variant {name} failed: {type(exc).__name__}: {exc}"[:300])
+            return rel_err(out, expect)
+
+        measured = check_and_time("extend", name, i == 0, check, run)
+        if measured is None:
             continue
+        err, ms = measured
         row = Row(
             "extend_attn", f"{model} {case} [{name}]", ms * 1e3, flops / (ms * 1e-3) / 1e12, "TFLOP/s",
             mm_tflops, err, peer,
@@ -380,11 +391,11 @@ def rotary_case(tokens: int, heads: int, kv_heads: int, head_dim: int):
         pos = torch.randint(0, 40960, (tokens,), device=DEV)
 
         def check() -> float:
-            eq, ek = ref.rotary_neox_ref(pos, q, k, cos, sin, head_dim)
-            rotary_neox_(pos, q, k, cos, sin, head_dim)
+            eq, ek = ref.qk_norm_rope_ref(pos, q, k, cos, sin, head_dim)
+            qk_norm_rope_(pos, q, k, cos, sin, head_dim)
             return max(rel_err(q, eq), rel_err(k, ek))
 
-        return (lambda: rotary_neox_(pos, q, k, cos, sin, head_dim)), check
+        return (lambda: qk_norm_rope_(pos, q, k, cos, sin, head_dim)), check
 
     return make
 

@@ -40,7 +40,6 @@ from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForC
 
 from bench import pipeline_overhead  # noqa: E402
 from bench.gpu_common import OUT, SHAPES  # noqa: E402
-from services.launch import GATEWAY_TOKENIZES  # noqa: E402
 from shared.model_path import default_model_dir, is_complete  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -141,11 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"pipeline_overhead.py's (default {PROFILES['gpu'][name]}; --tiny: {PROFILES['tiny'][name]})")
     p.add_argument("--pair-gap-ms", type=float, default=0.0, help="pipeline_overhead.py's (default 0)")
-    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
-                   help="`up --gateway-tokenizes` (default short)")
-    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
-    p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
-                   help="`up --busy-poll-ms` (default: RS_BUSY_POLL_MS, else 0: off)")
+    pipeline_overhead.add_stack_flags(p)
     p.add_argument("--out", type=Path, default=OUT / "gpu_pipeline.json", help="JSON results path")
     args = p.parse_args(argv)
     for name, default in PROFILES["tiny" if args.tiny else "gpu"].items():

@@ -137,6 +137,15 @@ class ForeignCpu:
         return max(0.0, foreign / CLOCK_TICKS / (time.perf_counter() - self._t))
 
 
+def add_stack_flags(p: argparse.ArgumentParser) -> None:
+    """The `radixserve up` flags the measured stack starts with (bench/gpu_pipeline.py passes them on)."""
+    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
+                   help="`up --gateway-tokenizes`: which text prompts the gateway tokenizes itself (default short)")
+    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
+    p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
+                   help="`up --busy-poll-ms`: the services' polling window (default: RS_BUSY_POLL_MS, else 0: off)")
+
+
 def engine_options(args: argparse.Namespace, max_total_tokens: int) -> dict[str, Any]:
     """The engine options both sides get: the Engine's keywords, and `up`'s flags through up_flags."""
     options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
@@ -444,11 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="idle milliseconds before each TTFT/floor request (0: back to back, as recorded before)")
     p.add_argument("--text-runs", type=int, default=60, help="timed TTFT pairs with text prompts (0: none)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
-    p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
-                   help="`up --gateway-tokenizes`: which text prompts the gateway tokenizes itself (default short)")
-    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
-    p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
-                   help="`up --busy-poll-ms`: the services' polling window (default: RS_BUSY_POLL_MS, else 0: off)")
+    add_stack_flags(p)
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the embedded model)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for both sides")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 for both sides (default: the engine's)")

@@ -1,8 +1,8 @@
 """Per-head q/k RMSNorm, neox rotary embedding and the KV-pool store, fused into one launch.
 
 Unfused, an attention layer's prologue is up to four launches: RMSNorm of q's heads and of k's heads
-(Qwen3; kernels/rmsnorm.py), the rotation and the pool store (kernels/kv_store.py); kernels/rotary.py is this
-kernel with the norm and the store switched off.
+(Qwen3; kernels/rmsnorm.py), the rotation and the pool store (kernels/kv_store.py). With the norm and
+the store switched off (their arguments left None) it is the rotary kernel alone.
 At small batch a decode step is launch-bound, so this kernel does all of it in one: one program per
 token reads each of its q and k heads once, normalizes (optional), rotates, writes q and k back in place
 and, given the pool, writes the rotated k row and the v row to slot out_cache_loc[token].

@@ -93,31 +93,6 @@ def fused_add_rmsnorm_ref(
     return rmsnorm_ref(total, weight, eps), total
 
 
-def rotary_neox_ref(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotary on q [tokens, heads * head_dim] and k [tokens, kv_heads * head_dim].
-
-    cos_cache[p] / sin_cache[p] have width rotary_dim / 2 (rotary_dim <= head_dim): the first rotary_dim
-    channels of each head are rotated as halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest
-    pass through. Returns new (q, k), float32."""
-    half = cos_cache.shape[1]
-    cos = cos_cache[positions.long()].float()[:, None, :]
-    sin = sin_cache[positions.long()].float()[:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x = x.float().reshape(x.shape[0], -1, head_dim)
-        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).reshape(x.shape[0], -1)
-
-    return rotate(q), rotate(k)
-
-
 def qk_norm_rope_ref(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -125,14 +100,22 @@ def qk_norm_rope_ref(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     head_dim: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused attention prologue: RMSNorm over each head of q and k with q_weight / k_weight
-    [head_dim] (both None: no norm), then rotary_neox_ref. The norm rounds where Hugging Face's
-    Qwen3RMSNorm does: x * rsqrt(mean(x^2) + eps) is rounded to q's dtype, and so is weight * that.
-    Returns new (q, k), float32 (the pool store is kv_store_ref of k rounded to its dtype, and v)."""
+    """The unfused attention prologue on q [tokens, heads * head_dim] and k [tokens, kv_heads * head_dim]:
+    RMSNorm over each head of q and k with q_weight / k_weight [head_dim] (both None, the default: no
+    norm, the rotation alone), then neox-style rotary. The norm rounds where Hugging Face's Qwen3RMSNorm
+    does: x * rsqrt(mean(x^2) + eps) is rounded to q's dtype, and so is weight * that.
+
+    cos_cache[p] / sin_cache[p] have width rotary_dim / 2 (rotary_dim <= head_dim): the first rotary_dim
+    channels of each head are rotated as halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the rest
+    pass through. Returns new (q, k), float32 (the pool store is kv_store_ref of k rounded to its dtype,
+    and v)."""
+    half = cos_cache.shape[1]
+    cos = cos_cache[positions.long()].float()[:, None, :]
+    sin = sin_cache[positions.long()].float()[:, None, :]
 
     def norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         if weight is None:
@@ -141,7 +124,12 @@ def qk_norm_rope_ref(
         normed = rmsnorm_ref(heads, torch.ones_like(weight), eps).to(x.dtype)
         return (weight * normed).to(x.dtype).reshape(x.shape)
 
-    return rotary_neox_ref(positions, norm(q, q_weight), norm(k, k_weight), cos_cache, sin_cache, head_dim)
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.float().reshape(x.shape[0], -1, head_dim)
+        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1).reshape(x.shape[0], -1)
+
+    return rotate(norm(q, q_weight)), rotate(norm(k, k_weight))
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

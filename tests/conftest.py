@@ -1,6 +1,8 @@
-"""Shared fixtures: tiny seeded HF checkpoints (written once per test session), and a nats-server per
-test module for the gateway tests (a module may override it, as test_gateway_faults.py does for a
-small max_payload)."""
+"""Shared fixtures: tiny seeded HF checkpoints (written once per test session), the offline Engine on
+the default model per test module that compares with it, and per test module for the gateway tests a
+nats-server, a FakePipeline with worker w1, a gateway that has heard it and an HTTP client of it
+(tests/gateway_helpers.py). A module overrides any of them by defining its own, as
+test_gateway_faults.py does for a small max_payload and its gateway's first-output timeout."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import httpx
 import pytest
 
 from shared.model_fetch import fetch_default_model
@@ -24,6 +28,10 @@ from tests.checkpoints import (
     tiny_qwen3_moe_config,
     write_checkpoint,
 )
+from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
+
+if TYPE_CHECKING:
+    from services.worker.frontend.engine import Engine
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +83,37 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="module")
+def engine(default_model_path: Path) -> Iterator[Engine]:
+    """The offline Engine on the default model (4,096 tokens of KV), to compare the services with."""
+    # Imported here: torch and the worker load only in the modules that use the engine.
+    from services.worker.frontend.engine import Engine
+
+    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
 def nats() -> Iterator[NatsServer]:
     """A nats-server of the test module's own, on a free port."""
     with start_nats_server() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
+    """The scripted tokenizer + worker w1 + detokenizer on the module's nats-server."""
+    with FakePipeline(nats.url) as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
+    """A gateway with the default config that has heard the pipeline's worker."""
+    with serving_gateway(nats.url) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        yield client

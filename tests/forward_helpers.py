@@ -3,12 +3,13 @@ tests can run prefill, chunked extend and decode steps on real pools and the tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_config import ModelConfig
@@ -61,37 +62,18 @@ class BatchDriver:
     def _forward(
         self, mode: ForwardMode, reqs: Sequence[tuple[int, Sequence[int]]], return_all_logits: bool
     ) -> torch.Tensor:
-        input_ids, positions, out_locs = [], [], []
-        prefix_lens, new_lens, seq_lens = [], [], []
+        prefix_lens, out_locs = [], []
         for row, tokens in reqs:
-            prefix = self.seq_lens[row]
             slots = self.allocator.alloc(len(tokens))
             assert slots is not None, "out of KV slots"
-            self.req_pool.write(row, prefix, slots)
-            input_ids += list(tokens)
-            positions += range(prefix, prefix + len(tokens))
+            prefix_lens.append(self.seq_lens[row])
             out_locs.append(slots)
-            prefix_lens.append(prefix)
-            new_lens.append(len(tokens))
-            seq_lens.append(prefix + len(tokens))
-            self.seq_lens[row] = prefix + len(tokens)
-        batch = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(reqs),
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            req_pool_indices=torch.tensor([row for row, _ in reqs], dtype=torch.int64, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            out_cache_loc=torch.cat(out_locs).to(self.device),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=new_lens,
-            req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool,
-            attn_backend=self.backend,
-            return_all_logits=return_all_logits,
+            self.seq_lens[row] += len(tokens)
+        input_ids = torch.tensor([t for _, tokens in reqs for t in tokens], dtype=torch.int64, device=self.device)
+        batch = step_batch(
+            mode, [row for row, _ in reqs], prefix_lens, out_locs, input_ids, self.req_pool, self.kv_pool,
+            self.backend, return_all_logits,
         )
-        self.backend.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
     def greedy_decode(self, row: int, first_token: int, steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -102,3 +84,67 @@ class BatchDriver:
             logits.append(step_logits)
             tokens.append(int(step_logits.argmax()))
         return tokens, logits
+
+
+def step_batch(
+    mode: ForwardMode,
+    rows: Sequence[int],
+    prefix_lens: Sequence[int],
+    slots: Sequence[torch.Tensor],
+    input_ids: torch.Tensor,
+    req_pool: ReqToTokenPool,
+    kv_pool: TokenToKVPool,
+    backend: AttentionBackend,
+    return_all_logits: bool = False,
+) -> ForwardBatch:
+    """One step's ForwardBatch, its backend metadata initialised: request row i appends len(slots[i])
+    tokens after its first prefix_lens[i], at KV slots slots[i] (written into req_pool here)."""
+    counts = [len(s) for s in slots]
+    for row, prefix, loc in zip(rows, prefix_lens, slots):
+        req_pool.write(row, prefix, loc)
+    seq_lens = [p + n for p, n in zip(prefix_lens, counts)]
+    device = input_ids.device
+    batch = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=input_ids,
+        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, counts)]).to(device),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        out_cache_loc=torch.cat(list(slots)).to(device),
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=list(prefix_lens),
+        extend_seq_lens_cpu=counts,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv_pool,
+        attn_backend=backend,
+        return_all_logits=return_all_logits,
+    )
+    backend.init_forward_metadata(batch)
+    return batch
+
+
+def seeded_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids in [3, 300), the same for the same seed."""
+    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run_mixed_steps(drivers: dict[str, BatchDriver], check: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """The same five steps on every driver (each over its own pools), `check` given each step's logits
+    by driver name: a prefill of two prompts, a continued (chunked) prefill over request 0's cached
+    prefix beside a fresh request, then three decode steps of all three requests."""
+
+    def new_requests(count: int) -> list[int]:
+        rows = [[driver.new_request() for _ in range(count)] for driver in drivers.values()]
+        assert all(r == rows[0] for r in rows), rows
+        return rows[0]
+
+    def step(run: Callable[[BatchDriver], torch.Tensor]) -> None:
+        check({name: run(driver) for name, driver in drivers.items()})
+
+    rows = new_requests(2)
+    step(lambda d: d.extend([(rows[0], seeded_prompt(9, 1)), (rows[1], seeded_prompt(5, 2))], return_all_logits=True))
+    [fresh] = new_requests(1)
+    step(lambda d: d.extend([(rows[0], seeded_prompt(6, 3)), (fresh, seeded_prompt(4, 4))], return_all_logits=True))
+    for token in (7, 11, 13):
+        step(lambda d, t=token: d.decode([(rows[0], t), (rows[1], t + 1), (fresh, t + 2)]))

@@ -165,6 +165,12 @@ class FakePipeline:
         self.thread.run(stop())
         self.thread.close()
 
+    def __enter__(self) -> FakePipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def kill_worker(self, worker_id: str) -> None:
         """The worker stops reporting and stepping, without finals, and its subscriptions go (as a
         crashed process's do when its connection closes)."""
@@ -385,19 +391,26 @@ def nats_generate(nats_url: str, request: NatsGenerateRequest, timeout: float = 
 
 
 @contextlib.contextmanager
+def serving_gateway(nats_url: str, workers: int = 1, **overrides: Any) -> Iterator[GatewayThread]:
+    """A GatewayThread (GatewayConfig overrides) that has heard `workers` live workers; drained on the
+    way out."""
+    gateway = GatewayThread(nats_url, **overrides)
+    try:
+        wait_for_workers(gateway.url, workers)
+        yield gateway
+    finally:
+        gateway.close()
+
+
+@contextlib.contextmanager
 def served_by_fake(nats_url: str, **gateway_overrides: Any) -> Iterator[tuple[GatewayThread, FakePipeline]]:
     """A FakePipeline with worker w1 and a GatewayThread (GatewayConfig overrides) that has heard it;
     both closed on the way out."""
-    pipeline = FakePipeline(nats_url, workers=("w1",))
-    gateway: GatewayThread | None = None
-    try:
-        gateway = GatewayThread(nats_url, **gateway_overrides)
-        wait_for_workers(gateway.url, 1)
+    with (
+        FakePipeline(nats_url, workers=("w1",)) as pipeline,
+        serving_gateway(nats_url, **gateway_overrides) as gateway,
+    ):
         yield gateway, pipeline
-    finally:
-        if gateway is not None:
-            gateway.close()
-        pipeline.close()
 
 
 def openai_client(gateway: GatewayThread) -> Any:

@@ -12,6 +12,7 @@ from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, Token
 from services.worker.runtime.attention.torch_backend import DecodeMetadata, TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.layers.attention import RadixAttention
+from tests.forward_helpers import step_batch
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 
@@ -57,27 +58,11 @@ class _Requests:
     def _step(self, mode: ForwardMode, rows: list[int], prefix: list[int], counts: list[int]) -> ForwardBatch:
         slots = self.allocator.alloc(sum(counts))
         assert slots is not None
-        locs = list(slots.split(counts))
-        for row, start, loc in zip(rows, prefix, locs):
-            self.req_pool.write(row, start, loc)
-        seq_lens = [p + n for p, n in zip(prefix, counts)]
         tokens = sum(counts)
-        batch = ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(rows),
-            input_ids=torch.zeros(tokens, dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, counts)]),
-            req_pool_indices=torch.tensor(rows, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            out_cache_loc=slots,
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix,
-            extend_seq_lens_cpu=counts,
-            req_to_token_pool=self.req_pool,
-            token_to_kv_pool=self.kv_pool,
-            attn_backend=self.backend,
+        batch = step_batch(
+            mode, rows, prefix, list(slots.split(counts)), torch.zeros(tokens, dtype=torch.int64), self.req_pool,
+            self.kv_pool, self.backend,
         )
-        self.backend.init_forward_metadata(batch)
         for layer in self.layers:
             q = torch.randn((tokens, NUM_HEADS * HEAD_DIM), generator=self.gen)
             k = torch.randn((tokens, NUM_KV_HEADS * HEAD_DIM), generator=self.gen)

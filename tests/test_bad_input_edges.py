@@ -18,30 +18,15 @@ import pytest
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateRequest, Sampling
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, nats_generate, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, nats_generate, serving_gateway
 
 MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url)
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
-    gw = GatewayThread(nats.url, max_batch_size=MAX_BATCH)
-    wait_for_workers(gw.url, 1)
-    yield gw
-    gw.close()
-
-
-@pytest.fixture(scope="module")
-def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.url, timeout=10) as client:
-        yield client
+    with serving_gateway(nats.url, max_batch_size=MAX_BATCH) as gw:
+        yield gw
 
 
 def post_raw(http: httpx.Client, path: str, text: str) -> httpx.Response:

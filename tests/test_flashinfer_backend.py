@@ -26,7 +26,7 @@ from services.worker.runtime.attention.flashinfer_backend import (
 )
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver
+from tests.forward_helpers import BatchDriver, run_mixed_steps
 
 
 class _ReferenceWrapper:
@@ -98,10 +98,6 @@ def reference_flashinfer(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dic
     return plans
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("checkpoint", ["qwen3_path", "qwen3_one_kv_head_path"])
 def test_model_on_the_flashinfer_backend_matches_the_torch_backend(
     request: pytest.FixtureRequest, reference_flashinfer: list, checkpoint: str
@@ -112,20 +108,12 @@ def test_model_on_the_flashinfer_backend_matches_the_torch_backend(
     drivers = {name: BatchDriver(model, config, max_requests=3, max_tokens=96) for name in ("torch", "flashinfer")}
     drivers["flashinfer"].backend = FlashInferAttnBackend(workspace_bytes=1024)
 
-    def step(run) -> None:
-        logits = {name: run(driver) for name, driver in drivers.items()}
+    def check(logits: dict[str, torch.Tensor]) -> None:
         assert logits["flashinfer"].shape == logits["torch"].shape
         torch.testing.assert_close(logits["flashinfer"], logits["torch"], rtol=1e-4, atol=1e-4)
 
-    rows = [drivers["torch"].new_request() for _ in range(2)]
-    assert rows == [drivers["flashinfer"].new_request() for _ in range(2)]
-    step(lambda d: d.extend([(rows[0], _prompt(9, 1)), (rows[1], _prompt(5, 2))], return_all_logits=True))
-    fresh = drivers["torch"].new_request()
-    assert drivers["flashinfer"].new_request() == fresh
-    # A continued prefill after request 0's cached prefix (causal from the end), beside a fresh one.
-    step(lambda d: d.extend([(rows[0], _prompt(6, 3)), (fresh, _prompt(4, 4))], return_all_logits=True))
-    for token in (7, 11, 13):
-        step(lambda d, t=token: d.decode([(rows[0], t), (rows[1], t + 1), (fresh, t + 2)]))
+    # The continued prefill after request 0's cached prefix is causal from the end.
+    run_mixed_steps(drivers, check)
     # One plan per step (at its first layer), with the layer's scale and a causal mask for prefill.
     assert [kind for kind, _ in reference_flashinfer] == ["prefill"] * 2 + ["decode"] * 3
     scale = model.model.layers[0].self_attn.attn.scaling

@@ -102,12 +102,6 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="module")
-def engine(default_model_path: Path) -> Iterator[Engine]:
-    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.gateways[0].url}/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -23,9 +23,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.gateway.app import JsonFastPath
 from services.gateway.native_api import GenerateBody
-from shared.natsd import NatsServer
 from tests.gateway_helpers import FAKE_MODEL as MODEL
-from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import GatewayThread
 
 FAST = {"content-type": "application/json"}
 VIA_FASTAPI = {"content-type": "application/json; charset=utf-8"}
@@ -103,19 +102,9 @@ def test_anything_else_reaches_fastapi_with_its_body(method: str, path: str, bod
 
 
 @pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url, workers=("w1",))
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def http(nats: NatsServer, pipeline: FakePipeline) -> Iterator[httpx.Client]:
-    gw = GatewayThread(nats.url)
-    wait_for_workers(gw.url, 1)
-    with httpx.Client(base_url=gw.url, timeout=15) as client:
+def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gateway.url, timeout=15) as client:
         yield client
-    gw.close()
 
 
 def answer(

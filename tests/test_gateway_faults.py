@@ -15,7 +15,7 @@ import pytest
 
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, Finish, StreamOut, Usage
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, serving_gateway, wait_for_workers
 
 MB = 1024 * 1024
 
@@ -27,24 +27,9 @@ def nats() -> Iterator[NatsServer]:
 
 
 @pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url, workers=("w1",))
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
 def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
-    gw = GatewayThread(nats.url, first_output_timeout=1.0)
-    wait_for_workers(gw.url, 1)
-    yield gw
-    gw.close()
-
-
-@pytest.fixture(scope="module")
-def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway.url, timeout=10) as client:
-        yield client
+    with serving_gateway(nats.url, first_output_timeout=1.0) as gw:
+        yield gw
 
 
 def error_of(response: httpx.Response) -> tuple[int, str | None, str]:

@@ -16,22 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.natsd import NatsServer
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
-
-
-@pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url)
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
-    gw = GatewayThread(nats.url)
-    wait_for_workers(gw.url, 1)
-    yield gw
-    gw.close()
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,17 @@ Against a scripted pipeline (tests/gateway_helpers.FakePipeline) on a real nats-
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import msgspec
 import nats
 import pytest
 
-from shared.natsd import NatsServer, start_nats_server
+from services.gateway.generate_spec import GenerateSpec
+from services.gateway.nats_frontdoor import spec_from_nats
+from shared.natsd import NatsServer
 from shared.protocol import (
     PROTOCOL_VERSION,
     ChatMessage,
@@ -22,32 +26,15 @@ from shared.protocol import (
     NatsGenerateRequest,
     Sampling,
 )
-from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, wait_for_workers
+from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, serving_gateway
 
 CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
 
 
 @pytest.fixture(scope="module")
-def nats_server() -> Iterator[NatsServer]:
-    with start_nats_server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def pipeline(nats_server: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats_server.url)
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def gateways(nats_server: NatsServer, pipeline: FakePipeline) -> Iterator[list[GatewayThread]]:
-    gws = [GatewayThread(nats_server.url, enable_grpc=False) for _ in range(2)]
-    for gw in gws:
-        wait_for_workers(gw.url, 1)
-    yield gws
-    for gw in gws:
-        gw.close()
+def gateways(nats: NatsServer, pipeline: FakePipeline) -> Iterator[list[GatewayThread]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serving_gateway(nats.url, enable_grpc=False)) for _ in range(2)]
 
 
 async def generate(url: str, payload: bytes, abort_after_first: bool = False) -> list[NatsGenerateChunk]:
@@ -71,8 +58,8 @@ def request(**fields: object) -> bytes:
     return msgspec.msgpack.encode(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields))  # type: ignore[arg-type]
 
 
-def test_streamed_replies_end_with_an_explicit_final(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
-    chunks = run_in_new_loop(generate(nats_server.url, request(text="over the wire", rid="n-1")))
+def test_streamed_replies_end_with_an_explicit_final(nats: NatsServer, gateways: list[GatewayThread]) -> None:
+    chunks = run_in_new_loop(generate(nats.url, request(text="over the wire", rid="n-1")))
     assert "".join(c.text for c in chunks) == "over the wire "
     assert [c.final for c in chunks] == [False, False, False, True]
     final = chunks[-1]
@@ -81,41 +68,41 @@ def test_streamed_replies_end_with_an_explicit_final(nats_server: NatsServer, ga
 
 
 def test_chat_template_kwargs_reach_the_tokenizer(
-    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
     messages = [ChatMessage("user", "think less")]
     payload = request(messages=messages, rid="n-kw", chat_template_kwargs={"enable_thinking": False})
-    chunks = run_in_new_loop(generate(nats_server.url, payload))
+    chunks = run_in_new_loop(generate(nats.url, payload))
     assert chunks[-1].error is None
     assert next(r for r in pipeline.requests if r.rid == "n-kw").chat_template_kwargs == {"enable_thinking": False}
-    bad = run_in_new_loop(generate(nats_server.url, request(text="x", chat_template_kwargs={"enable_thinking": False})))
+    bad = run_in_new_loop(generate(nats.url, request(text="x", chat_template_kwargs={"enable_thinking": False})))
     assert bad[-1].error == "400: chat_template_kwargs apply to chat messages only"
 
 
 def test_a_grammar_reaches_the_worker_and_a_bad_one_is_an_error_final(
-    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
-    chunks = run_in_new_loop(generate(nats_server.url, request(text="x", rid="n-json", sampling=Sampling(json_schema=schema))))
+    chunks = run_in_new_loop(generate(nats.url, request(text="x", rid="n-json", sampling=Sampling(json_schema=schema))))
     assert chunks[-1].error is None
     assert next(r for r in pipeline.requests if r.rid == "n-json").sampling.json_schema == schema
-    bad = run_in_new_loop(generate(nats_server.url, request(text="x", sampling=Sampling(regex="(a"))))
+    bad = run_in_new_loop(generate(nats.url, request(text="x", sampling=Sampling(regex="(a"))))
     assert bad[-1].final and bad[-1].error.startswith("400: regex cannot be compiled")
 
 
-def test_unstreamed_request_gets_one_final_with_the_whole_text(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
+def test_unstreamed_request_gets_one_final_with_the_whole_text(nats: NatsServer, gateways: list[GatewayThread]) -> None:
     chunks = run_in_new_loop(
-        generate(nats_server.url, request(text="all at once", stream=False, sampling=Sampling(max_new_tokens=2)))
+        generate(nats.url, request(text="all at once", stream=False, sampling=Sampling(max_new_tokens=2)))
     )
     assert len(chunks) == 1
     assert (chunks[0].text, chunks[0].token_ids, chunks[0].finish.type) == ("all at ", [100, 101], "length")
 
 
 def test_each_request_is_served_by_exactly_one_gateway(
-    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
     async def many() -> list[list[NatsGenerateChunk]]:
-        return list(await asyncio.gather(*(generate(nats_server.url, request(text=f"q{i}", rid=f"qg-{i}")) for i in range(8))))
+        return list(await asyncio.gather(*(generate(nats.url, request(text=f"q{i}", rid=f"qg-{i}")) for i in range(8))))
 
     results = run_in_new_loop(many())
     assert ["".join(c.text for c in r) for r in results] == [f"q{i} " for i in range(8)]
@@ -123,38 +110,48 @@ def test_each_request_is_served_by_exactly_one_gateway(
     assert sorted(rids) == sorted(f"qg-{i}" for i in range(8))  # no request was taken twice
 
 
-def test_errors_arrive_as_a_final_with_error(nats_server: NatsServer, gateways: list[GatewayThread]) -> None:
-    refused = run_in_new_loop(generate(nats_server.url, request(text="ERROR x")))
+def test_errors_arrive_as_a_final_with_error(nats: NatsServer, gateways: list[GatewayThread]) -> None:
+    refused = run_in_new_loop(generate(nats.url, request(text="ERROR x")))
     assert refused[-1].final and refused[-1].error.startswith("400: ") and "too long" in refused[-1].error
-    unknown = run_in_new_loop(generate(nats_server.url, request(text="x", model="nope")))
+    unknown = run_in_new_loop(generate(nats.url, request(text="x", model="nope")))
     assert unknown[-1].error.startswith("404: ")
-    invalid = run_in_new_loop(generate(nats_server.url, request(text="x", sampling=Sampling(temperature=-1.0))))
+    invalid = run_in_new_loop(generate(nats.url, request(text="x", sampling=Sampling(temperature=-1.0))))
     assert invalid[-1].error.startswith("400: temperature")
 
 
 def test_abort_ends_the_request_with_an_abort_final(
-    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
-    chunks = run_in_new_loop(generate(nats_server.url, request(text="HANG tight", rid="n-abort"), abort_after_first=True))
+    chunks = run_in_new_loop(generate(nats.url, request(text="HANG tight", rid="n-abort"), abort_after_first=True))
     assert chunks[-1].final and chunks[-1].finish.type == "abort"
     assert ("w1", "n-abort") in pipeline.aborts
 
 
 def test_malformed_message_is_answered_and_the_door_keeps_serving(
-    nats_server: NatsServer, gateways: list[GatewayThread]
+    nats: NatsServer, gateways: list[GatewayThread]
 ) -> None:
-    broken = run_in_new_loop(generate(nats_server.url, b"\x93not msgpack"))
+    broken = run_in_new_loop(generate(nats.url, b"\x93not msgpack"))
     assert broken[-1].final and broken[-1].error.startswith("400: malformed")
-    again = run_in_new_loop(generate(nats_server.url, request(text="still here")))
+    again = run_in_new_loop(generate(nats.url, request(text="still here")))
     assert "".join(c.text for c in again) == "still here "
 
 
 def test_a_request_past_its_own_timeout_is_aborted_with_a_504_final(
-    nats_server: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
-    chunks = run_in_new_loop(generate(nats_server.url, request(text="HANG on", rid="n-timeout", timeout=1.0)))
+    chunks = run_in_new_loop(generate(nats.url, request(text="HANG on", rid="n-timeout", timeout=1.0)))
     assert chunks[0].text == "HANG "
     assert chunks[-1].final and chunks[-1].error.startswith("504: ") and "timed out" in chunks[-1].error
     pipeline.wait_until(lambda: ("w1", "n-timeout") in pipeline.aborts)
-    bad = run_in_new_loop(generate(nats_server.url, request(text="x", timeout=-1.0)))
+    bad = run_in_new_loop(generate(nats.url, request(text="x", timeout=-1.0)))
     assert bad[-1].error.startswith("400: timeout")
+
+
+def test_a_request_states_every_field_of_its_generation() -> None:
+    """Every field of a request on the front door but the protocol version reaches its GenerateSpec."""
+    assert set(NatsGenerateRequest.__struct_fields__) - {f.name for f in dataclasses.fields(GenerateSpec)} == {"v"}
+    fields = dict(sampling=Sampling(seed=3), messages=[ChatMessage("user", "hi")], model="m", rid="r", return_logprob=True,
+                  top_logprobs_num=2, stream=False, chat_template_kwargs={"enable_thinking": False}, timeout=5.0)
+    assert spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields)) == GenerateSpec(**fields)
+    ids = spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, input_ids=[1, 2], text=None))
+    assert ids == GenerateSpec(sampling=Sampling(), input_ids=[1, 2])

@@ -21,7 +21,13 @@ import redis
 from services.gateway.auth import key_hash
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, NatsAbort, NatsGenerateChunk, NatsGenerateRequest
-from tests.gateway_helpers import FakePipeline, GatewayThread, run_in_new_loop, wait_for_workers
+from tests.gateway_helpers import (
+    FakePipeline,
+    GatewayThread,
+    run_in_new_loop,
+    serving_gateway,
+    wait_for_workers,
+)
 from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
 
 ADMIN = "admin-secret"
@@ -43,19 +49,16 @@ def create_key(redis_url: str, prefix: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def pipeline(nats: NatsServer, prefix: str) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url, workers=("w1",), prefix=prefix, step_s=0.05)
-    yield fake
-    fake.close()
+    with FakePipeline(nats.url, prefix=prefix, step_s=0.05) as fake:
+        yield fake
 
 
 @pytest.fixture(scope="module")
 def gateway(nats: NatsServer, prefix: str, pipeline: FakePipeline) -> Iterator[GatewayThread]:
-    gw = GatewayThread(nats.url, subject_prefix=prefix, admin_api_key=ADMIN, redis_url=REDIS_URL, enable_grpc=False)
-    try:
-        wait_for_workers(gw.url, 1)
+    with serving_gateway(
+        nats.url, subject_prefix=prefix, admin_api_key=ADMIN, redis_url=REDIS_URL, enable_grpc=False
+    ) as gw:
         yield gw
-    finally:
-        gw.close()
 
 
 def headers(key: str | None) -> dict[str, str] | None:

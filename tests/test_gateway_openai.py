@@ -5,30 +5,13 @@ n fan-out, logprobs, stop, usage. The same API over the real services is in test
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from shared.natsd import NatsServer
 from shared.protocol import Sampling
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
-
-
-@pytest.fixture(scope="module")
-def pipeline(nats: NatsServer) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url)
-    yield fake
-    fake.close()
-
-
-@pytest.fixture(scope="module")
-def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
-    gw = GatewayThread(nats.url)
-    wait_for_workers(gw.url, 1)
-    yield gw
-    gw.close()
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.natsd import NatsServer
-from tests.gateway_helpers import FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
 from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
 
 ADMIN = "admin-secret"
@@ -42,23 +42,16 @@ def tenants(prefix: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def pipeline(nats: NatsServer, prefix: str) -> Iterator[FakePipeline]:
-    fake = FakePipeline(nats.url, workers=("w1",), prefix=prefix, step_s=0.05)
-    yield fake
-    fake.close()
+    with FakePipeline(nats.url, prefix=prefix, step_s=0.05) as fake:
+        yield fake
 
 
 @pytest.fixture(scope="module")
 def gateways(nats: NatsServer, prefix: str, pipeline: FakePipeline) -> Iterator[list[GatewayThread]]:
     """Two replicas of one deployment, with a static user key, a static admin key and the Redis keys."""
-    gws = [GatewayThread(nats.url, subject_prefix=prefix, api_key="user-secret", admin_api_key=ADMIN,
-                         redis_url=REDIS_URL) for _ in range(2)]
-    try:
-        for gw in gws:
-            wait_for_workers(gw.url, 1)
-        yield gws
-    finally:
-        for gw in gws:
-            gw.close()
+    options = {"subject_prefix": prefix, "api_key": "user-secret", "admin_api_key": ADMIN, "redis_url": REDIS_URL}
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(serving_gateway(nats.url, **options)) for _ in range(2)]
 
 
 def auth(key: str) -> dict[str, str]:

@@ -33,7 +33,14 @@ from shared.protocol import (
     Usage,
     WorkerLoad,
 )
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, LoopThread, wait_for_workers
+from tests.gateway_helpers import (
+    FAKE_MODEL,
+    FakePipeline,
+    GatewayThread,
+    LoopThread,
+    serving_gateway,
+    wait_for_workers,
+)
 
 EXAMPLES = 40
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -83,15 +90,9 @@ requests = st.builds(
 
 
 @pytest.fixture(scope="module")
-def gateway(nats: NatsServer) -> Iterator[GatewayThread]:
-    pipeline = FakePipeline(nats.url)
-    gw = GatewayThread(nats.url, enable_grpc=False)
-    try:
-        wait_for_workers(gw.url, 1)
+def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
+    with serving_gateway(nats.url, enable_grpc=False) as gw:
         yield gw
-    finally:
-        gw.close()
-        pipeline.close()
 
 
 class Client:

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 
 from shared.natsd import NatsServer
 from shared.protocol import PROTOCOL_VERSION, TextTokenize, TextTokenized
-from tests.gateway_helpers import FAKE_CONTEXT, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_CONTEXT, FakePipeline, GatewayThread, serving_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 # Bounded so the run takes well under a minute on a 2-vCPU host; the seed makes it repeatable.
@@ -27,9 +27,7 @@ SEED = 20
 
 
 @pytest.fixture(scope="module")
-def gateway(nats: NatsServer) -> Iterator[GatewayThread]:
-    pipeline = FakePipeline(nats.url, workers=("w1",))
-
+def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]:
     async def tokenize_text(msg: TextTokenize, raw: Msg) -> None:
         if msg.input_ids is not None:
             answer = TextTokenized(v=PROTOCOL_VERSION, text=" ".join(f"t{i}" for i in msg.input_ids))
@@ -39,13 +37,8 @@ def gateway(nats: NatsServer) -> Iterator[GatewayThread]:
         await pipeline.bus.respond(raw, answer)
 
     pipeline.thread.run(pipeline.bus.subscribe(pipeline.bus.subjects.tokenize_text, (TextTokenize,), tokenize_text))
-    gw = GatewayThread(nats.url, tool_call_parser="hermes")
-    try:
-        wait_for_workers(gw.url, 1)
+    with serving_gateway(nats.url, tool_call_parser="hermes") as gw:
         yield gw
-    finally:
-        gw.close()
-        pipeline.close()
 
 
 def test_the_openapi_document_states_every_status_and_error_body(gateway: GatewayThread) -> None:

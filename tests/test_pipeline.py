@@ -74,12 +74,6 @@ def pipeline(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory)
         nats_server.stop()
 
 
-@pytest.fixture(scope="module")
-def engine(default_model_path: Path) -> Iterator[Engine]:
-    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
-        yield eng
-
-
 def test_chat_answer_says_paris_exactly_like_the_offline_engine(pipeline: Pipeline, engine: Engine) -> None:
     async def main() -> object:
         async with await FakeGateway.connect(pipeline.nats.url, "g1") as gateway:

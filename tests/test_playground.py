@@ -14,22 +14,19 @@ import httpx
 import pytest
 
 from shared.natsd import start_nats_server
-from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, wait_for_workers
+from tests.gateway_helpers import FAKE_MODEL, FakePipeline, GatewayThread, serving_gateway
 
 SCRIPT = Path(__file__).resolve().parents[1] / "services" / "gateway" / "playground" / "playground.js"
 
 
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[GatewayThread]:
-    with start_nats_server() as nats:
-        fake = FakePipeline(nats.url, workers=("w1",), prefix="play")
-        gw = GatewayThread(nats.url, subject_prefix="play", api_key="secret", reasoning_parser="qwen3")
-        try:
-            wait_for_workers(gw.url, 1)
-            yield gw
-        finally:
-            gw.close()
-            fake.close()
+    with (
+        start_nats_server() as nats,
+        FakePipeline(nats.url, prefix="play"),
+        serving_gateway(nats.url, subject_prefix="play", api_key="secret", reasoning_parser="qwen3") as gw,
+    ):
+        yield gw
 
 
 def test_the_page_and_script_are_served_without_a_key(gateway: GatewayThread) -> None:

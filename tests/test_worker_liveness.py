@@ -54,12 +54,6 @@ def start_worker(nats_url: str, model: Path, wid: str, log_dir: Path, prefix: st
 
 
 @pytest.fixture(scope="module")
-def engine(default_model_path: Path) -> Iterator[Engine]:
-    with Engine(str(default_model_path), max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
 def pair(nats: NatsServer, default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     """Two workers (a, b) and a gateway that tokenizes for them."""
     log_dir = tmp_path_factory.mktemp("liveness_logs")

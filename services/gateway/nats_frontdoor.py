@@ -19,6 +19,7 @@ is logged and dropped, as aborts have no reply.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -134,7 +135,7 @@ class NatsFrontDoor:
         stream: RequestStream | None = None
         status = 200
         try:
-            stream = await self.dispatcher.submit(_spec(request))
+            stream = await self.dispatcher.submit(spec_from_nats(request))
             await self._relay(raw, request, stream)
         except GatewayError as exc:
             status = exc.status
@@ -180,20 +181,14 @@ class NatsFrontDoor:
                 )
 
 
-def _spec(request: NatsGenerateRequest) -> GenerateSpec:
-    return GenerateSpec(
-        sampling=request.sampling,
-        text=request.text,
-        messages=request.messages,
-        input_ids=request.input_ids,
-        model=request.model,
-        rid=request.rid,
-        return_logprob=request.return_logprob,
-        top_logprobs_num=request.top_logprobs_num,
-        stream=request.stream,
-        chat_template_kwargs=request.chat_template_kwargs,
-        timeout=request.timeout,
-    )
+# What a NATS request states of its generation: every GenerateSpec field the two share (the others,
+# the chat template's add_generation_prompt and tools, keep GenerateSpec's defaults).
+_CARRIED = tuple(f.name for f in dataclasses.fields(GenerateSpec) if f.name in NatsGenerateRequest.__struct_fields__)
+
+
+def spec_from_nats(request: NatsGenerateRequest) -> GenerateSpec:
+    """The generation a request on {p}.v1.generate asks for."""
+    return GenerateSpec(**{f: getattr(request, f) for f in _CARRIED})
 
 
 def _error(rid: str, status: int, message: str, retry_after: int | None = None) -> NatsGenerateChunk:

@@ -127,7 +127,11 @@ def _matched(finish: Finish | None) -> int | str | None:
     return finish.matched if finish is not None and finish.type == "stop" else None
 
 
-async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequest) -> list[RequestStream]:
+async def _submit(
+    request: Request, body: ChatCompletionRequest | CompletionRequest, id_prefix: str
+) -> tuple[list[RequestStream], dict[str, Any]]:
+    """The body's generations submitted: their streams, and the fields the response (or each of its
+    chunks) opens with: the id (`id_prefix`-rid of the first), the creation time and the model."""
     dispatcher = dispatcher_of(request)
     if isinstance(body, ChatCompletionRequest):
         if not dispatcher.registry.live():
@@ -138,7 +142,9 @@ async def _submit(request: Request, body: ChatCompletionRequest | CompletionRequ
         specs = body.specs(dispatcher.config.max_batch_size)
     for spec in specs:
         spec.stream = body.stream
-    return await dispatcher.submit_all(specs)
+    streams = await dispatcher.submit_all(specs)
+    model = body.model or dispatcher.served_model(streams[0])
+    return streams, {"id": f"{id_prefix}-{streams[0].rid}", "created": int(time.time()), "model": model}
 
 
 async def _collect(request: Request, streams: list[RequestStream]) -> list[Completion]:
@@ -158,10 +164,7 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Compl
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     """Chat: the messages go through the model's chat template (in the tokenizer service)."""
     dispatcher = dispatcher_of(request)
-    streams = await _submit(request, body)
-    rid, created = streams[0].rid, int(time.time())
-    model = body.model or dispatcher.served_model(streams[0])
-    header = {"id": f"chatcmpl-{rid}", "created": created, "model": model}
+    streams, header = await _submit(request, body, "chatcmpl")
     reasoning = dispatcher.config.reasoning_parser if body.separate_reasoning else None
     tools = body.uses_tools()
     if body.stream:
@@ -271,10 +274,7 @@ async def _chat_chunks(
 async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     """Text completion of a prompt (or a batch of prompts; token-id prompts too)."""
     dispatcher = dispatcher_of(request)
-    streams = await _submit(request, body)
-    rid, created = streams[0].rid, int(time.time())
-    model = body.model or dispatcher.served_model(streams[0])
-    header = {"id": f"cmpl-{rid}", "created": created, "model": model}
+    streams, header = await _submit(request, body, "cmpl")
     prompts = body.prompts(dispatcher.config.max_batch_size)
     echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
     if body.stream:

@@ -65,18 +65,7 @@ def test_extend_matches_reference(
     q, k, v = _qkv_views(gen, sum(extend_lens), num_heads, num_kv_heads, head_dim)
     scale = head_dim**-0.5
     out = _run(kv, q, k, v, prefix_lens, extend_lens, scale)
-    ref = extend_attention_ref(
-        q,
-        k,
-        v,
-        kv.k_buffer,
-        kv.v_buffer,
-        kv.req_to_token,
-        kv.req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        scale,
-    )
+    ref = _ref(kv, q, k, v, prefix_lens, extend_lens, scale)
     assert rel_error(out, ref) < 1e-3
 
 
@@ -87,18 +76,7 @@ def test_extend_other_tile_shapes_match_reference(gen, paged_kv, tiles) -> None:
     kv = paged_kv(gen, [p + e for p, e in zip(prefix_lens, extend_lens)], 2, 16)
     q, k, v = _qkv_views(gen, sum(extend_lens), 4, 2, 16)
     out = _run(kv, q, k, v, prefix_lens, extend_lens, 0.25, tiles)
-    ref = extend_attention_ref(
-        q,
-        k,
-        v,
-        kv.k_buffer,
-        kv.v_buffer,
-        kv.req_to_token,
-        kv.req_pool_indices,
-        prefix_lens,
-        extend_lens,
-        0.25,
-    )
+    ref = _ref(kv, q, k, v, prefix_lens, extend_lens, 0.25)
     assert rel_error(out, ref) < 1e-3
 
 

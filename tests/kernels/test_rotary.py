@@ -1,12 +1,13 @@
-"""Neox rotary embedding, in place on q and k, against the float32 reference (Triton interpreter)."""
+"""Neox rotary embedding, in place on q and k (kernels/qk_norm_rope.py with no norm and no pool store),
+against the float32 reference (Triton interpreter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.reference import rotary_neox_ref
-from kernels.rotary import rotary_neox_
+from kernels.qk_norm_rope import qk_norm_rope_
+from kernels.reference import qk_norm_rope_ref
 from tests.kernels.conftest import rel_error
 
 
@@ -27,8 +28,8 @@ def test_rotary_in_place_on_qkv_views_matches_reference(gen, heads, kv_heads, he
     v_before = v.clone()
     positions = torch.randint(0, 500, (tokens,), generator=gen)
     cos, sin = _caches(rotary_dim, 512)
-    ref_q, ref_k = rotary_neox_ref(positions, q, k, cos, sin, head_dim)
-    rotary_neox_(positions, q, k, cos, sin, head_dim)
+    ref_q, ref_k = qk_norm_rope_ref(positions, q, k, cos, sin, head_dim)
+    qk_norm_rope_(positions, q, k, cos, sin, head_dim)
     assert rel_error(q, ref_q) < 1e-5
     assert rel_error(k, ref_k) < 1e-5
     assert torch.equal(v, v_before)
@@ -39,11 +40,11 @@ def test_position_zero_is_identity(gen) -> None:
     k = torch.randn((3, 32), generator=gen)
     q0, k0 = q.clone(), k.clone()
     cos, sin = _caches(16, 8)
-    rotary_neox_(torch.zeros(3, dtype=torch.int64), q, k, cos, sin, 16)
+    qk_norm_rope_(torch.zeros(3, dtype=torch.int64), q, k, cos, sin, 16)
     assert torch.equal(q, q0) and torch.equal(k, k0)
 
 
 def test_cache_wider_than_head_is_rejected(gen) -> None:
     cos, sin = _caches(64, 8)
     with pytest.raises(ValueError, match="head_dim"):
-        rotary_neox_(torch.zeros(1, dtype=torch.int64), torch.randn(1, 32), torch.randn(1, 32), cos, sin, 32)
+        qk_norm_rope_(torch.zeros(1, dtype=torch.int64), torch.randn(1, 32), torch.randn(1, 32), cos, sin, 32)

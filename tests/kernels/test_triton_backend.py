@@ -6,7 +6,6 @@ are one kernel (kernels/qk_norm_rope.py) and the backend's own store is skipped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.layers.attention import RadixAttention
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver
+from tests.forward_helpers import BatchDriver, run_mixed_steps
 from tests.kernels.conftest import rel_error
 
 NUM_LAYERS = 2
@@ -142,10 +141,6 @@ def test_reserved_decode_buffers_never_move(gen) -> None:
     assert backend._scratch.data_ptr() == scratch
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("checkpoint", ["qwen3_path", "llama_path"])
 def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str
@@ -168,20 +163,11 @@ def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
     monkeypatch.setattr(triton_backend, "qk_norm_rope_", fused_spy)
     monkeypatch.setattr(triton_backend, "store_kv", unfused_store)
 
-    def step(run: Callable[[BatchDriver], torch.Tensor]) -> None:
-        logits = {name: run(driver) for name, driver in drivers.items()}
+    def check(logits: dict[str, torch.Tensor]) -> None:
         assert logits["triton"].shape == logits["torch"].shape
         assert rel_error(logits["triton"], logits["torch"]) < 1e-4
 
-    rows = [drivers["torch"].new_request() for _ in range(2)]
-    assert rows == [drivers["triton"].new_request() for _ in range(2)]
-    step(lambda d: d.extend([(rows[0], _prompt(9, 1)), (rows[1], _prompt(5, 2))], return_all_logits=True))
-    fresh = drivers["torch"].new_request()
-    assert drivers["triton"].new_request() == fresh
-    # A continued (chunked) prefill over request 0's cached prefix, next to a fresh request.
-    step(lambda d: d.extend([(rows[0], _prompt(6, 3)), (fresh, _prompt(4, 4))], return_all_logits=True))
-    for token in (7, 11, 13):
-        step(lambda d, t=token: d.decode([(rows[0], t), (rows[1], t + 1), (fresh, t + 2)]))
+    run_mixed_steps(drivers, check)
 
     # Every layer of every step went through the fused kernel, with the norms exactly when the model has them.
     assert fused_calls == [checkpoint == "qwen3_path"] * (5 * config.num_layers)

@@ -168,20 +168,10 @@ class RadixCache:
             return MatchResult(_EMPTY_SLOTS, self.root)
         if not isinstance(key, list):
             key = list(key)  # list slices compare in C; a tuple never equals a list
-        now = next(self._clock)
-        node, i, values = self.root, 0, []
-        while i < len(key):
-            child = node.children.get(key[i])
-            if child is None:
-                break
-            n = _common_prefix_len(child.key, key, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access_time = now
+        node, _, path = self._descend(key, next(self._clock))
+        for child in path:
             child.hit_count += 1
-            values.append(child.value)
-            node, i = child, i + n
-        indices = torch.cat(values) if values else _EMPTY_SLOTS
+        indices = torch.cat([child.value for child in path]) if path else _EMPTY_SLOTS
         return MatchResult(indices, node)
 
     def insert(self, key: list[int], value: torch.Tensor, priority: int = 0) -> int:
@@ -197,7 +187,19 @@ class RadixCache:
         if not isinstance(key, list):
             key = list(key)  # edges are lists: see match_prefix
         now = next(self._clock)
-        node, i = self.root, 0
+        node, i, path = self._descend(key, now)
+        for child in path:
+            child.priority = max(child.priority, priority)
+        if i < len(key):
+            self._add_leaf(node, key[i:], value[i:], priority, now)
+        return i
+
+    def _descend(self, key: list[int], now: int) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Walk down from the root along `key` as far as the tree holds it, splitting an edge the key
+        ends inside (so the last node's path is exactly the part held). Returns that last node, how
+        many tokens of the key its path holds, and the nodes passed below the root, each with its
+        access time now `now`."""
+        node, i, path = self.root, 0, []
         while i < len(key):
             child = node.children.get(key[i])
             if child is None:
@@ -206,11 +208,9 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
-            child.priority = max(child.priority, priority)
+            path.append(child)
             node, i = child, i + n
-        if i < len(key):
-            self._add_leaf(node, key[i:], value[i:], priority, now)
-        return i
+        return node, i, path
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child`'s edge after n tokens; returns the new node holding the first part.

@@ -1,9 +1,9 @@
 """Rotary position embedding, neox style (the two halves of each head are the rotated pairs).
 
 cos/sin are precomputed once per model for every position up to the context length, in float32 and
-exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/rotary.py)
-rotates q and k in place, in float32; elsewhere torch ops return rotated copies, with the per-position
-tables gathered once per forward rather than once per layer.
+exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/qk_norm_rope.py
+with its norm and pool store off) rotates q and k in place, in float32; elsewhere torch ops return
+rotated copies, with the per-position tables gathered once per forward rather than once per layer.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class RotaryEmbedding(nn.Module):
         rotated in place (views into a fused qkv output are fine: the rows may be strided)."""
         if q.is_cuda:
             # Imported here: triton is needed (and installed) only where CUDA runs.
-            from kernels.rotary import rotary_neox_
+            from kernels.qk_norm_rope import qk_norm_rope_
 
-            return rotary_neox_(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return qk_norm_rope_(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
         if self.rotary_dim == self.head_dim:
             cos, sin = self._full_width(positions, q.dtype)
             return self._rotate_full(q, cos, sin), self._rotate_full(k, cos, sin)
