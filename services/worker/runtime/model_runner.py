@@ -109,6 +109,22 @@ def _to_host_async(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+@torch.inference_mode()
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Prompt log-probs: row i's log-prob of token targets[i] (the prompt token after its position),
+    from the raw logits (no temperature, penalty or grammar, as SGLang's input log-probs), and its
+    top_n most likely tokens when top_n > 0. Read back at once: a prefill step that asks waits here."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(targets, dtype=torch.int64, device=logprobs.device).unsqueeze(1)
+    values = logprobs.gather(1, index).squeeze(1).tolist()
+    if top_n <= 0:
+        return values, None
+    top_vals, top_ids = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
+    return values, [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
