@@ -24,7 +24,7 @@ from services.gateway.reasoning import ReasoningSplitter
 from services.gateway.router import model_matches
 from services.gateway.streams import RequestStream
 from services.gateway.tool_calls import ToolCallStreamer
-from shared.protocol import Finish, StreamOut, TopLogprob
+from shared.protocol import Finish, PromptLogprobs, StreamOut, TopLogprob
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -115,6 +115,31 @@ def completion_logprobs(
         offset += len(text)
     top = [{name: c.logprob for name, c in zip(names, step)} for names, step in zip(top_texts, tops)]
     return {"tokens": texts, "token_logprobs": logprobs[: len(texts)], "top_logprobs": top or None, "text_offset": offsets}
+
+
+def echo_logprobs(prompt: PromptLogprobs | None, top_n: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's and vLLM's shape): its tokens from
+    offset 0, the first with a null log-prob and null top_logprobs."""
+    if prompt is None:  # a worker that sent none (it cannot compute them)
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [] if top_n else None, "text_offset": []}
+    texts = prompt.texts if prompt.texts is not None else [f"token_id:{t}" for t in prompt.token_ids]
+    part = completion_logprobs(texts, [], [], [], 0)
+    part["token_logprobs"] = list(prompt.values)
+    if top_n:
+        names = prompt.top_texts or [None] * len(texts)
+        part["top_logprobs"] = [
+            None if step is None else {name: c.logprob for name, c in zip(step_names or [], step)}
+            for step, step_names in zip(prompt.top or [None] * len(texts), names)
+        ]
+    return part
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completion logprobs objects as one (the prompt's, then the answer's)."""
+    tops = None if first["top_logprobs"] is None and then["top_logprobs"] is None else [
+        *(first["top_logprobs"] or []), *(then["top_logprobs"] or [])]
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": tops, "text_offset": first["text_offset"] + then["text_offset"]}
 
 
 def _stream_logprobs(out: StreamOut) -> tuple[list[str], list[float], list[list[TopLogprob]], list[list[str]]]:
@@ -295,6 +320,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
             choice["logprobs"] = completion_logprobs(
                 c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echoes[i])
             )
+            if body.echo:
+                choice["logprobs"] = join_logprobs(echo_logprobs(c.prompt_logprobs, body.logprobs), choice["logprobs"])
         choices.append(choice)
     return JSONResponse(
         {**header, "object": "text_completion", "choices": choices, "usage": usage(results, body.n)},
@@ -312,10 +339,16 @@ async def _completion_chunks(
         return sse({**header, "object": "text_completion", "choices": [choice], **extra})
 
     totals = [Completion(rid="") for _ in echoes]
+    # An echo with logprobs waits for the prompt's log-probs, which come with the first output.
+    echo_waits, echoed = body.logprobs is not None, set[int]()
     for i, echo in enumerate(echoes):
-        if echo:
+        if echo and not echo_waits:
             yield chunk(i, echo)
     async for i, out in outs:
+        if echo_waits and echoes[i] and i not in echoed:
+            echoed.add(i)
+            prompt = out.logprobs.prompt if out.logprobs is not None else None
+            yield chunk(i, echoes[i], logprobs=echo_logprobs(prompt, body.logprobs or 0))
         offset = len(echoes[i]) + len(totals[i].text)
         totals[i].add(out)
         logprobs = None

@@ -343,6 +343,8 @@ class CompletionRequest(SamplingFields):
                         rid=self.choice_rid(p_index, i, len(prompts)),
                         return_logprob=self.logprobs is not None,
                         top_logprobs_num=self.logprobs or 0,
+                        # echo with logprobs lists the prompt's tokens first, with their log-probs.
+                        logprob_start_len=0 if self.echo and self.logprobs is not None else None,
                         timeout=self.timeout,
                     )
                 )
