@@ -60,15 +60,12 @@ class GenerateSpec:
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
                               "top_logprobs_num")
-        try:
+        try:  # (against the prompt's length: by the worker, which has it tokenized)
             self.logprob_start_len = check_logprob_start_len(self.logprob_start_len)
         except ValueError as exc:
             raise bad_request(str(exc), "logprob_start_len") from None
         if self.input_ids is not None:
             check_token_ids(self.input_ids, "input_ids")
-            if self.logprob_start_len is not None and self.logprob_start_len >= len(self.input_ids):
-                raise bad_request(f"logprob_start_len ({self.logprob_start_len}) must be less than the prompt's "
-                                  f"length ({len(self.input_ids)} tokens)", "logprob_start_len")
         validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)
         try:
             self.sampling.validate()

@@ -49,6 +49,7 @@ from services.gateway.request_body import (
 )
 from services.gateway.streams import RequestStream
 from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
+from shared.sampling_params import INT32_MAX
 
 router = APIRouter(tags=["native"])
 
@@ -104,7 +105,7 @@ class GenerateBody(RequestBody):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-    logprob_start_len: int = Field(-1, ge=-1, description="with return_logprob: meta_info.input_token_logprobs "
+    logprob_start_len: int = Field(-1, ge=-1, le=INT32_MAX, description="with return_logprob: meta_info.input_token_logprobs "
                                    "lists the prompt's tokens from this position on (-1: none)")
     rid: str | list[str] | None = Field(None, description="one per prompt of a batch")
     model: str | None = None
