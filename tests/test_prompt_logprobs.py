@@ -98,3 +98,19 @@ def test_max_new_tokens_zero_returns_only_the_prompt_logprobs(qwen3_path: Path) 
     assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
     assert out["meta_info"]["finish_reason"] == {"type": "length", "matched": 0}
     assert_prompt_logprobs(out["meta_info"], prompt, 0, hf_log_softmax(qwen3_path, prompt))
+
+
+def test_prompt_logprobs_beside_running_decodes_with_overlap_and_mixed_chunks(qwen3_path: Path) -> None:
+    """A request asking for prompt log-probs arrives while another decodes: with the overlap schedule and
+    mixed steps (its chunks ride beside the decode), its log-probs and both answers stay exact."""
+    long_run, prompt = random_prompts(2, 18, 18, seed=36)
+    ref = hf_log_softmax(qwen3_path, prompt)
+    with Engine(str(qwen3_path), disable_overlap_schedule=False, enable_mixed_chunk=True, chunked_prefill_size=5) as engine:
+        running = engine.generate(input_ids=long_run, sampling_params={**GREEDY, "max_new_tokens": 160}, stream=True)
+        first = next(running)
+        out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3}, return_logprob=True,
+                              top_logprobs_num=2, logprob_start_len=1)
+        rest = [chunk["output_ids"] for chunk in running]
+    assert_prompt_logprobs(out["meta_info"], prompt, 1, ref, top=2)
+    assert out["output_ids"] == hf_greedy(qwen3_path, prompt, 3)
+    assert first["output_ids"] + [t for ids in rest for t in ids] == hf_greedy(qwen3_path, long_run, 160)
