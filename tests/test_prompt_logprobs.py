@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.worker.frontend.engine import Engine
+from services.worker.runtime import model_runner
 from tests.engine_helpers import GREEDY, hf_greedy, hf_model, random_prompts
 
 
@@ -114,3 +115,15 @@ def test_prompt_logprobs_beside_running_decodes_with_overlap_and_mixed_chunks(qw
     assert_prompt_logprobs(out["meta_info"], prompt, 1, ref, top=2)
     assert out["output_ids"] == hf_greedy(qwen3_path, prompt, 3)
     assert first["output_ids"] + [t for ids in rest for t in ids] == hf_greedy(qwen3_path, long_run, 160)
+
+
+def test_prompt_logprobs_in_row_blocks_equal_one_log_softmax(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long chunk's rows go through log-softmax a block at a time: the same values and top lists."""
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", 3)
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(37))
+    targets = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(38)).tolist()
+    values, top = model_runner.prompt_logprobs(logits, targets, 2)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert values == pytest.approx(ref[torch.arange(8), torch.tensor(targets)].tolist(), abs=1e-6)
+    assert top is not None and [[tid for tid, _ in row] for row in top] == ref.topk(2).indices.tolist()
+    assert model_runner.prompt_logprobs(logits, targets, 0) == (values, None)
