@@ -155,6 +155,7 @@ class PromptLogprobs(msgspec.Struct, omit_defaults=True):
     top: list[list[TopLogprob] | None] | None = None
     texts: list[str] | None = None
     top_texts: list[list[str] | None] | None = None
+    text: str | None = None  # the tokens decoded together (the detokenizer's): a token-id prompt's echo
 
 
 class Logprobs(msgspec.Struct, omit_defaults=True):

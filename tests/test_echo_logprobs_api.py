@@ -138,3 +138,26 @@ def test_bad_logprob_start_len_is_a_400_naming_it(url: str, offline: dict[str, A
         reply = httpx.post(f"{url}/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": start},
                            timeout=60)
         assert reply.status_code == 400 and "logprob_start_len" in reply.text, reply.text
+
+
+def test_token_id_prompts_echo_their_text_as_lm_eval_asks(client: openai.OpenAI, offline: dict[str, Any],
+                                                          qwen3_path: Path) -> None:
+    """lm-eval's tokenized requests: token-id prompts, echo, max_tokens 1, logprobs 1. The echo is the
+    prompt's text (decoded by the detokenizer), its tokens' log-probs come first."""
+    ids = offline["prompt_ids"]
+    reply = client.completions.create(model="tiny", prompt=[ids, ids[:4]], max_tokens=1, temperature=0, echo=True,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    with Engine(str(qwen3_path)) as engine:
+        texts = [engine.tokenizer.decode(p) for p in (ids, ids[:4])]
+    whole, short = reply.choices
+    assert whole.text == texts[0] + offline["text"][: len(whole.text) - len(texts[0])]
+    assert whole.text.startswith(texts[0]) and short.text.startswith(texts[1])
+    expected = [v for v, _, _ in offline["meta_info"]["input_token_logprobs"]]
+    expected.append(offline["meta_info"]["output_token_logprobs"][0][0])
+    assert all(close(a, b) for a, b in zip(whole.logprobs.token_logprobs, expected, strict=True))
+    assert len(short.logprobs.token_logprobs) == 5 and short.logprobs.token_logprobs[0] is None
+    assert all(close(a, b) for a, b in zip(short.logprobs.token_logprobs[1:4], expected[1:4], strict=True))
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == texts[0] + offline["text"][: len(plain.choices[0].text) - len(texts[0])]
+    assert plain.choices[0].logprobs is None

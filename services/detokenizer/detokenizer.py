@@ -111,6 +111,7 @@ class Detokenizer:
         if prompt is not None:
             prompt = msgspec.structs.replace(
                 prompt, texts=[self.token_text(t) for t in prompt.token_ids],
+                text=self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
                 top_texts=None if prompt.top is None else [
                     None if step is None else [self.token_text(c.token_id) for c in step] for step in prompt.top],
             )

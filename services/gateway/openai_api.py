@@ -134,6 +134,13 @@ def echo_logprobs(prompt: PromptLogprobs | None, top_n: int) -> dict[str, Any]:
     return part
 
 
+def echo_text(echo: str | None, prompt: PromptLogprobs | None) -> str:
+    """A choice's echo: the text prompt, or a token-id prompt's text as the detokenizer decoded it."""
+    if echo is not None:
+        return echo
+    return prompt.text or "" if prompt is not None else ""
+
+
 def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
     """Two completion logprobs objects as one (the prompt's, then the answer's)."""
     tops = None if first["top_logprobs"] is None and then["top_logprobs"] is None else [
@@ -301,7 +308,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     model = body.model or dispatcher.served_model(streams[0])
     header = {"id": f"cmpl-{rid}", "created": created, "model": model}
     prompts = body.prompts(dispatcher.config.max_batch_size)
-    echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
+    # None: a token-id prompt's echo, its text decoded by the detokenizer (it comes with its log-probs).
+    echoes = [(p if isinstance(p, str) else None) if body.echo else "" for p in prompts for _ in range(body.n)]
     if body.stream:
         return await start_stream(
             request, dispatcher, streams, lambda outs: _completion_chunks(body, header, echoes, outs)
@@ -309,16 +317,17 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     results = await _collect(request, streams)
     choices = []
     for i, c in enumerate(results):
+        echo = echo_text(echoes[i], c.prompt_logprobs)
         choice: dict[str, Any] = {
             "index": i,
-            "text": echoes[i] + c.text,
+            "text": echo + c.text,
             "logprobs": None,
             "finish_reason": finish_reason(c.finish),
             "matched_stop": _matched(c.finish),
         }
         if body.logprobs is not None:
             choice["logprobs"] = completion_logprobs(
-                c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echoes[i])
+                c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echo)
             )
             if body.echo:
                 choice["logprobs"] = join_logprobs(echo_logprobs(c.prompt_logprobs, body.logprobs), choice["logprobs"])
@@ -330,7 +339,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 
 async def _completion_chunks(
-    body: CompletionRequest, header: dict[str, Any], echoes: list[str], outs: AsyncIterator[tuple[int, StreamOut]]
+    body: CompletionRequest, header: dict[str, Any], echoes: list[str | None], outs: AsyncIterator[tuple[int, StreamOut]]
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
@@ -339,17 +348,22 @@ async def _completion_chunks(
         return sse({**header, "object": "text_completion", "choices": [choice], **extra})
 
     totals = [Completion(rid="") for _ in echoes]
-    # An echo with logprobs waits for the prompt's log-probs, which come with the first output.
-    echo_waits, echoed = body.logprobs is not None, set[int]()
+    # An echo with logprobs (or of a token-id prompt) waits for the prompt's log-probs (and text), which
+    # come with the first output.
+    echo_waits = body.logprobs is not None
+    sent: list[str | None] = [None] * len(echoes)  # each choice's echo, once sent
     for i, echo in enumerate(echoes):
-        if echo and not echo_waits:
-            yield chunk(i, echo)
+        if echo is not None and not (echo and echo_waits):
+            sent[i] = echo
+            if echo:
+                yield chunk(i, echo)
     async for i, out in outs:
-        if echo_waits and echoes[i] and i not in echoed:
-            echoed.add(i)
+        if sent[i] is None:
             prompt = out.logprobs.prompt if out.logprobs is not None else None
-            yield chunk(i, echoes[i], logprobs=echo_logprobs(prompt, body.logprobs or 0))
-        offset = len(echoes[i]) + len(totals[i].text)
+            sent[i] = echo = echo_text(echoes[i], prompt)
+            logprobs = echo_logprobs(prompt, body.logprobs) if body.logprobs is not None else None
+            yield chunk(i, echo, logprobs=logprobs)
+        offset = len(sent[i] or "") + len(totals[i].text)
         totals[i].add(out)
         logprobs = None
         if body.logprobs is not None and out.token_ids:
