@@ -145,6 +145,19 @@ class TopLogprob(msgspec.Struct, array_like=True):
     logprob: float
 
 
+class PromptLogprobs(msgspec.Struct, omit_defaults=True):
+    """A prompt's log-probs (a request's `logprob_start_len` k, SGLang's input_token_logprobs): prompt
+    tokens k .. n-1, each with log P(token | the tokens before it); the first has none (None), as its
+    top list. Sent once, at the end of the prefill; texts added by the detokenizer as for Logprobs."""
+
+    token_ids: list[int]
+    values: list[float | None]
+    top: list[list[TopLogprob] | None] | None = None
+    texts: list[str] | None = None
+    top_texts: list[list[str] | None] | None = None
+    text: str | None = None  # the tokens decoded together (the detokenizer's): a token-id prompt's echo
+
+
 class Logprobs(msgspec.Struct, omit_defaults=True):
     """The log-probs of the output tokens beside it (one per token id), made once by the worker and passed
     along whole; `top`: each token's most likely candidates, when the request asked for them. The
@@ -156,6 +169,7 @@ class Logprobs(msgspec.Struct, omit_defaults=True):
     top: list[list[TopLogprob]] | None = None
     texts: list[str] | None = None
     top_texts: list[list[str]] | None = None
+    prompt: PromptLogprobs | None = None  # on the item that ends the prefill, when the request asked
 
 
 # ---- gateway -> tokenizer -> worker -------------------------------------------------------------
@@ -179,6 +193,9 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", omit_defaults=True):
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the first prompt position listed with the prompt's log-probs (SGLang's
+    # logprob_start_len; None: no prompt log-probs). A migrated request (resume_ids) drops it.
+    logprob_start_len: int | None = None
     priority: int = 0
     # False: the client wants the whole answer only, so the worker sends the first token and the final
     # (with every other token), not every step.
@@ -224,6 +241,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", omit_defaults=True):
     sampling: Sampling
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the first prompt position listed with the prompt's log-probs (SGLang's
+    # logprob_start_len; None: no prompt log-probs). A migrated request (resume_ids) drops it.
+    logprob_start_len: int | None = None
     priority: int = 0
     stream: bool = True  # as on TokenizeRequest
     resume_ids: list[int] | None = None  # as on TokenizeRequest

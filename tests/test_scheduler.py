@@ -208,6 +208,9 @@ def test_only_an_all_greedy_batch_may_sample_without_positions() -> None:
 _EXTRA_VALUES = {
     "logprobs": [-0.25],
     "top_logprobs": [[(7, -0.25), (9, -1.5)]],
+    "input_token_ids": [3, 4],
+    "input_logprobs": [None, -0.5],
+    "input_top_logprobs": [None, [(4, -0.5)]],
     "finished_reason": FinishReason("stop", 2),
     "prompt_tokens": 5,
     "completion_tokens": 3,

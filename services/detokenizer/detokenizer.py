@@ -107,7 +107,16 @@ class Detokenizer:
             return None
         top_texts = None if logprobs.top is None else [
             [self.token_text(c.token_id) for c in step] for step in logprobs.top]
-        return msgspec.structs.replace(logprobs, texts=[self.token_text(t) for t in item.token_ids], top_texts=top_texts)
+        prompt = logprobs.prompt
+        if prompt is not None:
+            prompt = msgspec.structs.replace(
+                prompt, texts=[self.token_text(t) for t in prompt.token_ids],
+                text=self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False),
+                top_texts=None if prompt.top is None else [
+                    None if step is None else [self.token_text(c.token_id) for c in step] for step in prompt.top],
+            )
+        return msgspec.structs.replace(logprobs, texts=[self.token_text(t) for t in item.token_ids], top_texts=top_texts,
+                                       prompt=prompt)
 
     def _failed(self, item: TokenOut, exc: Exception) -> StreamOut:
         """An item whose tokens cannot be decoded (ids the tokenizer does not have: only a worker that

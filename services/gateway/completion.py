@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.gateway.streams import RequestStream
-from shared.protocol import Finish, StreamOut, TopLogprob, Usage
+from shared.protocol import Finish, PromptLogprobs, StreamOut, TopLogprob, Usage
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Completion:
     top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)
     top_logprob_texts: list[list[str]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked (logprob_start_len)
     finish: Finish | None = None
     usage: Usage = field(default_factory=Usage)  # the final's
 
@@ -31,6 +32,7 @@ class Completion:
         if out.logprobs is not None:
             self.logprobs.extend(out.logprobs.values)
             self.top_logprobs.extend(out.logprobs.top or [])
+            self.prompt_logprobs = out.logprobs.prompt or self.prompt_logprobs
         self.token_texts.extend(token_texts(out))
         self.top_logprob_texts.extend(top_logprob_texts(out))
         if out.finish is not None:

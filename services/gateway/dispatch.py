@@ -152,6 +152,7 @@ class Dispatcher:
             tools=spec.tools or None,
             return_logprob=spec.return_logprob or spec.top_logprobs_num > 0,
             top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len if spec.return_logprob or spec.top_logprobs_num > 0 else None,
             stream=spec.stream,
         )
         stream.request = msg

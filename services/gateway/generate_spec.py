@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import bad_request
+from shared.input_ids import check_logprob_start_len
 from shared.protocol import ChatMessage, Sampling
 from shared.request_contract import check_chat_template_kwargs, prompt_field
 from shared.sampling_params import MAX_TOKEN_ID
@@ -32,6 +33,8 @@ class GenerateSpec:
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the prompt's log-probs from this position on (SGLang's; None or -1: none).
+    logprob_start_len: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat template variables (messages only)
     tools: list[dict[str, Any]] | None = None  # tool definitions for the chat template (messages only)
@@ -57,6 +60,10 @@ class GenerateSpec:
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise bad_request(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs_num}",
                               "top_logprobs_num")
+        try:  # (against the prompt's length: by the worker, which has it tokenized)
+            self.logprob_start_len = check_logprob_start_len(self.logprob_start_len)
+        except ValueError as exc:
+            raise bad_request(str(exc), "logprob_start_len") from None
         if self.input_ids is not None:
             check_token_ids(self.input_ids, "input_ids")
         validate_template_kwargs(self.chat_template_kwargs, has_messages=self.messages is not None)

@@ -49,6 +49,7 @@ from services.gateway.request_body import (
 )
 from services.gateway.streams import RequestStream
 from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
+from shared.sampling_params import INT32_MAX
 
 router = APIRouter(tags=["native"])
 
@@ -104,6 +105,8 @@ class GenerateBody(RequestBody):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int = Field(-1, ge=-1, le=INT32_MAX, description="with return_logprob: meta_info.input_token_logprobs "
+                                   "lists the prompt's tokens from this position on (-1: none)")
     rid: str | list[str] | None = Field(None, description="one per prompt of a batch")
     model: str | None = None
     timeout: float | None = Field(None, gt=0, le=86_400, description=REQUEST_TIMEOUT)
@@ -151,6 +154,7 @@ class GenerateBody(RequestBody):
                         rid=rid,
                         return_logprob=self.return_logprob,
                         top_logprobs_num=self.top_logprobs_num,
+                        logprob_start_len=self.logprob_start_len,
                         timeout=self.timeout,
                     )
                 )
@@ -173,6 +177,13 @@ def meta_info(c: Completion, started: float, finished: bool, return_logprob: boo
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(c.logprobs, c.token_ids)]
         meta["output_top_logprobs"] = [[[t.logprob, t.token_id, None] for t in step] for step in c.top_logprobs]
+        prompt = c.prompt_logprobs
+        if prompt is not None:  # SGLang's shape: prompt tokens from logprob_start_len, the first without a log-prob
+            meta["input_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(prompt.values, prompt.token_ids)]
+            if prompt.top is not None:
+                meta["input_top_logprobs"] = [
+                    None if step is None else [[t.logprob, t.token_id, None] for t in step] for step in prompt.top
+                ]
     return meta
 
 

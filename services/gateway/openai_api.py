@@ -24,7 +24,7 @@ from services.gateway.reasoning import ReasoningSplitter
 from services.gateway.router import model_matches
 from services.gateway.streams import RequestStream
 from services.gateway.tool_calls import ToolCallStreamer
-from shared.protocol import Finish, StreamOut, TopLogprob
+from shared.protocol import Finish, PromptLogprobs, StreamOut, TopLogprob
 
 router = APIRouter(tags=["OpenAI-compatible"])
 
@@ -115,6 +115,38 @@ def completion_logprobs(
         offset += len(text)
     top = [{name: c.logprob for name, c in zip(names, step)} for names, step in zip(top_texts, tops)]
     return {"tokens": texts, "token_logprobs": logprobs[: len(texts)], "top_logprobs": top or None, "text_offset": offsets}
+
+
+def echo_logprobs(prompt: PromptLogprobs | None, top_n: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's and vLLM's shape): its tokens from
+    offset 0, the first with a null log-prob and null top_logprobs."""
+    if prompt is None:  # a worker that sent none (it cannot compute them)
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [] if top_n else None, "text_offset": []}
+    texts = prompt.texts if prompt.texts is not None else [f"token_id:{t}" for t in prompt.token_ids]
+    part = completion_logprobs(texts, [], [], [], 0)
+    part["token_logprobs"] = list(prompt.values)
+    if top_n:
+        names = prompt.top_texts or [None] * len(texts)
+        part["top_logprobs"] = [
+            None if step is None else {name: c.logprob for name, c in zip(step_names or [], step)}
+            for step, step_names in zip(prompt.top or [None] * len(texts), names)
+        ]
+    return part
+
+
+def echo_text(echo: str | None, prompt: PromptLogprobs | None) -> str:
+    """A choice's echo: the text prompt, or a token-id prompt's text as the detokenizer decoded it."""
+    if echo is not None:
+        return echo
+    return prompt.text or "" if prompt is not None else ""
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two completion logprobs objects as one (the prompt's, then the answer's)."""
+    tops = None if first["top_logprobs"] is None and then["top_logprobs"] is None else [
+        *(first["top_logprobs"] or []), *(then["top_logprobs"] or [])]
+    return {"tokens": first["tokens"] + then["tokens"], "token_logprobs": first["token_logprobs"] + then["token_logprobs"],
+            "top_logprobs": tops, "text_offset": first["text_offset"] + then["text_offset"]}
 
 
 def _stream_logprobs(out: StreamOut) -> tuple[list[str], list[float], list[list[TopLogprob]], list[list[str]]]:
@@ -276,7 +308,8 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     dispatcher = dispatcher_of(request)
     streams, header = await _submit(request, body, "cmpl")
     prompts = body.prompts(dispatcher.config.max_batch_size)
-    echoes = [p if body.echo and isinstance(p, str) else "" for p in prompts for _ in range(body.n)]
+    # None: a token-id prompt's echo, its text decoded by the detokenizer (it comes with its log-probs).
+    echoes = [(p if isinstance(p, str) else None) if body.echo else "" for p in prompts for _ in range(body.n)]
     if body.stream:
         return await start_stream(
             request, dispatcher, streams, lambda outs: _completion_chunks(body, header, echoes, outs)
@@ -284,17 +317,20 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     results = await _collect(request, streams)
     choices = []
     for i, c in enumerate(results):
+        echo = echo_text(echoes[i], c.prompt_logprobs)
         choice: dict[str, Any] = {
             "index": i,
-            "text": echoes[i] + c.text,
+            "text": echo + c.text,
             "logprobs": None,
             "finish_reason": finish_reason(c.finish),
             "matched_stop": _matched(c.finish),
         }
         if body.logprobs is not None:
             choice["logprobs"] = completion_logprobs(
-                c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echoes[i])
+                c.token_texts, c.logprobs, c.top_logprobs, c.top_logprob_texts, len(echo)
             )
+            if body.echo:
+                choice["logprobs"] = join_logprobs(echo_logprobs(c.prompt_logprobs, body.logprobs), choice["logprobs"])
         choices.append(choice)
     return JSONResponse(
         {**header, "object": "text_completion", "choices": choices, "usage": usage(results, body.n)},
@@ -303,7 +339,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 
 async def _completion_chunks(
-    body: CompletionRequest, header: dict[str, Any], echoes: list[str], outs: AsyncIterator[tuple[int, StreamOut]]
+    body: CompletionRequest, header: dict[str, Any], echoes: list[str | None], outs: AsyncIterator[tuple[int, StreamOut]]
 ) -> AsyncIterator[bytes]:
     extra: dict[str, Any] = {"usage": None} if body.include_usage else {}
 
@@ -312,11 +348,22 @@ async def _completion_chunks(
         return sse({**header, "object": "text_completion", "choices": [choice], **extra})
 
     totals = [Completion(rid="") for _ in echoes]
+    # An echo with logprobs (or of a token-id prompt) waits for the prompt's log-probs (and text), which
+    # come with the first output.
+    echo_waits = body.logprobs is not None
+    sent: list[str | None] = [None] * len(echoes)  # each choice's echo, once sent
     for i, echo in enumerate(echoes):
-        if echo:
-            yield chunk(i, echo)
+        if echo is not None and not (echo and echo_waits):
+            sent[i] = echo
+            if echo:
+                yield chunk(i, echo)
     async for i, out in outs:
-        offset = len(echoes[i]) + len(totals[i].text)
+        if sent[i] is None:
+            prompt = out.logprobs.prompt if out.logprobs is not None else None
+            sent[i] = echo = echo_text(echoes[i], prompt)
+            logprobs = echo_logprobs(prompt, body.logprobs) if body.logprobs is not None else None
+            yield chunk(i, echo, logprobs=logprobs)
+        offset = len(sent[i] or "") + len(totals[i].text)
         totals[i].add(out)
         logprobs = None
         if body.logprobs is not None and out.token_ids:

@@ -290,16 +290,14 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions. `prompt` is a string, a list of strings, token ids or lists of them; a
     list is a batch: choice `p * n + i` is the i-th of prompt p."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
-        "if": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
-        "then": {"properties": {"prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}}},
-    })
+    model_config = ConfigDict(strict=True, extra="ignore")
 
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema({"anyOf": [
         *TEXT_PROMPTS, *ID_PROMPTS], "description": "a prompt, or a batch of them (at most the gateway's --max-batch-size): text or token ids"})]
     max_tokens: Count | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="top logprobs per token")
-    echo: bool = Field(False, description="text prompts only")
+    echo: bool = Field(False, description="the prompt before the completion (a token-id prompt decoded), and with "
+                       "logprobs its tokens' log-probs first")
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0}, description="not supported")
     best_of: int | None = Field(None, ge=1, description="1 or n only: each choice is its own generation")
 
@@ -328,8 +326,6 @@ class CompletionRequest(SamplingFields):
             raise bad_request(f"best_of is not supported (ask for n choices instead), got best_of {self.best_of} "
                               f"with n {self.n}", "best_of")
         prompts = self.prompts(max_batch)
-        if self.echo and any(not isinstance(p, str) for p in prompts):
-            raise bad_request("echo needs text prompts (token-id prompts have no text to echo)", "echo")
         constraint = self.constraint()
         specs = []
         for p_index, prompt in enumerate(prompts):
@@ -341,8 +337,11 @@ class CompletionRequest(SamplingFields):
                         input_ids=prompt if isinstance(prompt, list) else None,
                         model=self.model,
                         rid=self.choice_rid(p_index, i, len(prompts)),
-                        return_logprob=self.logprobs is not None,
                         top_logprobs_num=self.logprobs or 0,
+                        # echo with logprobs lists the prompt's tokens first, with their log-probs; a
+                        # token-id prompt's echo is their text, which comes with them.
+                        return_logprob=self.logprobs is not None or (self.echo and isinstance(prompt, list)),
+                        logprob_start_len=0 if self.echo and (self.logprobs is not None or isinstance(prompt, list)) else None,
                         timeout=self.timeout,
                     )
                 )

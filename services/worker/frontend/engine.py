@@ -83,6 +83,7 @@ class Engine:
         top_logprobs_num: int | list[int],
         rid: str | list[str] | None,
         stream: bool,
+        logprob_start_len: int | list[int] | None = None,
     ) -> tuple[list[tuple[Req, RequestState]], bool]:
         """Validate every request of a call before any is submitted."""
         if (prompt is None) == (input_ids is None):
@@ -114,11 +115,15 @@ class Engine:
         params_list = per_item(sampling_params, "sampling_params")
         logprob_list = per_item(return_logprob, "return_logprob")
         top_list = per_item(top_logprobs_num, "top_logprobs_num")
+        start_list = per_item(logprob_start_len, "logprob_start_len")
         rid_list = per_item(rid, "rid") if rid is not None else [None] * count
         built: list[tuple[Req, RequestState]] = []
-        for ids, params_dict, want_lp, top_n, item_rid in zip(id_lists, params_list, logprob_list, top_list, rid_list):
+        for ids, params_dict, want_lp, top_n, start, item_rid in zip(
+            id_lists, params_list, logprob_list, top_list, start_list, rid_list
+        ):
             reqs = self._client.build_reqs(
-                ids, params_dict, rid=item_rid, return_logprob=want_lp, top_logprobs_num=top_n
+                ids, params_dict, rid=item_rid, return_logprob=want_lp, top_logprobs_num=top_n,
+                logprob_start_len=start,
             )
             built.extend((req, RequestState(req, self.tokenizer, stream=stream)) for req in reqs)
         if stream and len(built) != 1:
@@ -135,7 +140,7 @@ class Engine:
             for req, state in built:
                 self._states[req.rid] = state
         for req, state in built:
-            if req.sampling_params.max_new_tokens == 0:
+            if req.sampling_params.max_new_tokens == 0 and req.logprob_start_len is None:
                 # Nothing to generate: answer without scheduling.
                 with self._lock:
                     self._states.pop(req.rid, None)
@@ -153,11 +158,15 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list (returns a list of dicts, n per prompt).
-        With stream=True (one prompt), returns an iterator of chunks; the last carries meta_info."""
+        With stream=True (one prompt), returns an iterator of chunks; the last carries meta_info.
+        With return_logprob and `logprob_start_len` k >= 0 (SGLang's), meta_info also has
+        input_token_logprobs: (log-prob, id, None) for prompt tokens k .. n-1, the first log-prob None
+        (and input_top_logprobs with top_logprobs_num); max_new_tokens 0 then still runs the prefill."""
         built, single = self._build_states(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream, logprob_start_len
         )
         self._submit(built)
         if stream:
@@ -174,10 +183,11 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         stream: bool = False,
         rid: str | list[str] | None = None,
+        logprob_start_len: int | list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """Like generate, awaiting instead of blocking; stream=True gives an async iterator."""
         built, single = self._build_states(
-            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream
+            prompt, sampling_params, input_ids, return_logprob, top_logprobs_num, rid, stream, logprob_start_len
         )
         loop = asyncio.get_running_loop()
         for _, state in built:

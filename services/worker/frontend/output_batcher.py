@@ -22,7 +22,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.scheduler.output import ReqOutput
-from shared.protocol import PROTOCOL_VERSION, BatchTokenOut, Finish, Logprobs, TokenOut, TopLogprob, Usage
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    BatchTokenOut,
+    Finish,
+    Logprobs,
+    PromptLogprobs,
+    TokenOut,
+    TopLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from services.worker.frontend.metrics import WorkerMetrics
@@ -42,6 +51,7 @@ class Flight:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[TopLogprob]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
     def hold(self, out: ReqOutput) -> None:
         self.token_ids.extend(out.token_ids)
@@ -49,6 +59,10 @@ class Flight:
             self.logprobs.extend(out.logprobs)
         if out.top_logprobs:
             self.top_logprobs.extend([TopLogprob(tid, lp) for tid, lp in step] for step in out.top_logprobs)
+        if out.input_token_ids:
+            top = None if not out.input_top_logprobs else [
+                None if step is None else [TopLogprob(tid, lp) for tid, lp in step] for step in out.input_top_logprobs]
+            self.prompt_logprobs = PromptLogprobs(out.input_token_ids, out.input_logprobs, top)
 
 
 class OutputBatcher:
@@ -85,9 +99,9 @@ class OutputBatcher:
 
     def _item(self, rid: str, flight: Flight, final: ReqOutput | None) -> TokenOut:
         item = TokenOut(rid=rid, gateway_id=flight.gateway_id, token_ids=flight.token_ids)
-        if flight.logprobs:
-            item.logprobs = Logprobs(flight.logprobs, flight.top_logprobs or None)
-        flight.token_ids, flight.logprobs, flight.top_logprobs = [], [], []
+        if flight.logprobs or flight.prompt_logprobs is not None:
+            item.logprobs = Logprobs(flight.logprobs, flight.top_logprobs or None, prompt=flight.prompt_logprobs)
+        flight.token_ids, flight.logprobs, flight.top_logprobs, flight.prompt_logprobs = [], [], [], None
         if flight.first:
             item.first, flight.first = True, False
             item.stop = flight.stop or None

@@ -34,6 +34,7 @@ class RequestState:
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.return_logprob = req.return_logprob
+        self.final_input: ReqOutput | None = None  # the output with the prompt log-probs, when asked
         self.finished: FinishReason | None = None
         self.final: ReqOutput | None = None
         self.error: str | None = None
@@ -62,6 +63,8 @@ class RequestState:
         self.output_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
         self.top_logprobs.extend(out.top_logprobs)
+        if out.input_token_ids:
+            self.final_input = out
         if out.finished_reason is not None:
             self.finished, self.final = out.finished_reason, out
         incremental = self._stream or self._loop is not None
@@ -123,6 +126,13 @@ class RequestState:
                 meta["output_top_logprobs"] = [
                     [(lp, tid, None) for tid, lp in step] for step in self.top_logprobs
                 ]
+            if self.final_input is not None:
+                prompt = self.final_input
+                meta["input_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(prompt.input_logprobs, prompt.input_token_ids)]
+                if prompt.input_top_logprobs:
+                    meta["input_top_logprobs"] = [
+                        None if step is None else [(lp, tid, None) for tid, lp in step] for step in prompt.input_top_logprobs
+                    ]
         return meta
 
     def _chunk(self, out: ReqOutput) -> dict[str, Any] | None:

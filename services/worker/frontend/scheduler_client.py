@@ -42,7 +42,7 @@ from services.worker.runtime.model_config import ModelConfig
 from services.worker.scheduler.output import PackedOutputs, ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
 from shared.grammar_spec import GRAMMAR_FIELDS
-from shared.input_ids import validate_input_ids
+from shared.input_ids import check_logprob_start_len, validate_input_ids
 from shared.sampling_params import SamplingParams
 from shared.service import die_with_parent
 
@@ -292,6 +292,7 @@ class SchedulerClient:
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: Any = 0,
+        logprob_start_len: Any = None,
         priority: int = 0,
         resume_ids: list[int] | None = None,
     ) -> list[Req]:
@@ -319,6 +320,7 @@ class SchedulerClient:
             raise ValueError(f"{field} (constrained decoding) needs a tokenizer; this checkpoint has none")
         if not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
             raise ValueError(f"`top_logprobs_num` must be a non-negative integer, got {top_logprobs_num!r}")
+        start = check_logprob_start_len(logprob_start_len, len(input_ids)) if return_logprob or top_logprobs_num else None
         params.max_new_tokens = min(params.max_new_tokens, mc.context_len - len(input_ids))
         reqs: list[Req] = []
         for i in range(params.n):
@@ -334,6 +336,7 @@ class SchedulerClient:
                     seed=seed,
                     return_logprob=bool(return_logprob) or top_logprobs_num > 0,
                     top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=start,
                     priority=priority,
                     eos_token_ids=frozenset(mc.eos_token_ids),
                     output_ids=resume,

@@ -406,6 +406,8 @@ class WorkerService(Service):
             (req,) = self.client.build_reqs(
                 msg.input_ids, msg.sampling.to_dict(), rid=msg.rid, return_logprob=msg.return_logprob,
                 top_logprobs_num=msg.top_logprobs_num, priority=msg.priority, resume_ids=msg.resume_ids,
+                # A migrated request's client has had its prompt log-probs from the lost worker.
+                logprob_start_len=None if msg.resume_ids else msg.logprob_start_len,
             )
         except ValueError as exc:
             logger.info("worker %s refused request %s: %s", self.worker_id, msg.rid, exc)
@@ -419,7 +421,8 @@ class WorkerService(Service):
         self.metrics.prompt_tokens.inc(len(msg.input_ids))
         if self._early_aborts.pop(req.rid, None) is not None:
             self._finish_unscheduled(req.rid, FinishReason("abort", message="aborted by request"), len(msg.input_ids))
-        elif req.remaining_new_tokens() == 0:  # max_new_tokens 0, or a migrated request already done
+        elif req.remaining_new_tokens() == 0 and req.logprob_start_len is None:
+            # max_new_tokens 0 (without prompt log-probs to compute), or a migrated request already done
             self._finish_unscheduled(
                 req.rid, FinishReason("length", params.max_new_tokens), len(msg.input_ids), len(req.output_ids)
             )

@@ -248,7 +248,7 @@ class CudaGraphRunner:
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        if batch.return_all_logits:
+        if batch.return_all_logits or batch.prompt_logit_rows is not None:
             return False
         if batch.forward_mode.is_decode():
             return batch.batch_size <= self.max_bs and batch.num_tokens == batch.batch_size

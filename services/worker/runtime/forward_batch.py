@@ -92,6 +92,9 @@ class ForwardBatch:
     # Logits for every token rather than the last one of each request (prefill parity tests,
     # speculative verification).
     return_all_logits: bool = False
+    # Extend steps of requests asking for prompt log-probs: rows of input_ids whose logits those need,
+    # returned after the bs last-token rows (logits [bs + len(prompt_logit_rows), vocab]); None: none.
+    prompt_logit_rows: torch.Tensor | None = field(default=None, repr=False)
     # Per-backend metadata, set by attn_backend.init_forward_metadata().
     attn_metadata: object | None = field(default=None, repr=False)
     # [bs] int64 device rows of each request's last new token, when computed on the device (a CUDA

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Prompt log-probs: rows of logits put through log-softmax at a time (1024 x a 152k vocabulary: 0.6 GiB).
+PROMPT_LOGPROB_ROWS = 1024
 # On CPU the pool takes at most this share of available RAM, and at most this many tokens.
 CPU_MEM_SHARE = 0.25
 CPU_MAX_POOL_TOKENS = 131072
@@ -107,6 +109,28 @@ def _to_host_async(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """Prompt log-probs: row i's log-prob of token targets[i] (the prompt token after its position),
+    from the raw logits (no temperature, penalty or grammar, as SGLang's input log-probs), and its
+    top_n most likely tokens when top_n > 0. Read back at once: a prefill step that asks waits here.
+    Rows go PROMPT_LOGPROB_ROWS at a time, so a long chunk's log-softmax never doubles its logits."""
+    index = torch.tensor(targets, dtype=torch.int64, device=logits.device).unsqueeze(1)
+    values: list[torch.Tensor] = []
+    tops: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+        logprobs = torch.log_softmax(logits[start : start + PROMPT_LOGPROB_ROWS], dim=-1)
+        values.append(logprobs.gather(1, index[start : start + PROMPT_LOGPROB_ROWS]).squeeze(1))
+        if top_n > 0:
+            tops.append(logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1))
+    if not tops:
+        return torch.cat(values).tolist(), None
+    top_vals, top_ids = torch.cat([v for v, _ in tops]).tolist(), torch.cat([i for _, i in tops]).tolist()
+    return torch.cat(values).tolist(), [list(zip(i, v)) for i, v in zip(top_ids, top_vals)]
 
 
 def default_device() -> torch.device:

@@ -28,6 +28,11 @@ class ReqOutput:
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt log-probs (Req.logprob_start_len = k), once, at the end of the prefill, shaped as SGLang's
+    # input_token_logprobs: prompt tokens k .. n-1, the first with no log-prob (None) and no top list.
+    input_token_ids: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -52,6 +57,9 @@ class ReqOutput:
             self.finished_reason is None
             and not self.logprobs
             and not self.top_logprobs
+            and not self.input_token_ids
+            and not self.input_logprobs
+            and not self.input_top_logprobs
             and self.prompt_tokens == 0
             and self.completion_tokens == 0
             and self.cached_tokens == 0
@@ -108,8 +116,18 @@ def final_output(req: Req) -> ReqOutput:
 
 def sampled_output(req: Req, result: SampledTokens, j: int) -> ReqOutput:
     """A step's output for a request sampled in row j of `result`, before its token is added: the
-    log-probs, when asked for, which the request keeps too."""
+    log-probs, when asked for, which the request keeps too; after a prefill, the prompt log-probs
+    once. A request with max_new_tokens 0 ran for those alone: it finishes here, taking no token."""
     out = ReqOutput(rid=req.rid, token_ids=[])
+    if req.logprob_start_len is not None and not req.input_logprobs_sent:
+        req.input_logprobs_sent = True
+        out.input_token_ids = req.origin_input_ids[req.logprob_start_len :]
+        out.input_logprobs = [None, *req.input_logprobs]
+        if req.top_logprobs_num:
+            out.input_top_logprobs = [None, *req.input_top_logprobs]
+    if req.remaining_new_tokens() == 0:
+        req.check_finished(None)
+        return out
     if req.return_logprob:
         req.output_logprobs.append(result.logprobs[j])
         out.logprobs = [result.logprobs[j]]

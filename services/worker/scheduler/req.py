@@ -54,6 +54,7 @@ class Req:
         seed: int,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int | None = None,
         priority: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         output_ids: list[int] | None = None,
@@ -64,6 +65,12 @@ class Req:
         self.seed = seed
         self.return_logprob = return_logprob
         self.top_logprobs_num = top_logprobs_num
+        # Prompt log-probs (SGLang's logprob_start_len): those of prompt tokens k+1 .. n-1, each given
+        # its prefix, computed in prefill from the logits at positions k .. n-2; None: none.
+        self.logprob_start_len = logprob_start_len
+        self.input_logprobs: list[float] = []  # position k + i's log-prob of the token after it
+        self.input_top_logprobs: list[list[tuple[int, float]]] = []
+        self.input_logprobs_sent = False  # they go out once, with the request's first sampled output
         self.priority = priority
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ()) | (
             frozenset() if sampling_params.ignore_eos else eos_token_ids
@@ -107,6 +114,22 @@ class Req:
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def next_prompt_logprob_position(self) -> int | None:
+        """The first prompt position whose logits the request still needs for its prompt log-probs
+        (positions up to n-2: the last one's logits pick the first output token), or None when it
+        needs none. A prefix-cache hit stops short of it: a cached position has no logits."""
+        if self.logprob_start_len is None:
+            return None
+        position = self.logprob_start_len + len(self.input_logprobs)
+        return position if position < len(self.origin_input_ids) - 1 else None
+
+    def prompt_logprob_span(self, start: int, end: int) -> range:
+        """Positions of [start, end) (the tokens a step extends) whose logits give prompt log-probs."""
+        first = self.next_prompt_logprob_position()
+        if first is None:
+            return range(0)
+        return range(max(start, first), min(end, len(self.origin_input_ids) - 1))
 
     def init_next_round_input(self) -> None:
         """Before admission: everything generated so far must be resident after the next extend."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.model_runner import prompt_logprobs
 from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.scheduler.req import Req
 
@@ -53,6 +54,10 @@ class ScheduleBatch:
         self.reqs = reqs
         self.mode = mode
         self.mem = mem
+        # Set by prepare_extend for requests asking for prompt log-probs: each one's number of prompt
+        # rows this step (in batch order), and the token each row's logits score (the next one).
+        self.prompt_logprob_counts: list[tuple[Req, int]] = []
+        self.prompt_logprob_targets: list[int] = []
 
     def prepare_extend(self) -> ForwardBatch:
         """Give each request a req_to_token row, map its cached prefix, and allocate KV for its
@@ -73,18 +78,27 @@ class ScheduleBatch:
         extend_lens = [len(req.fill_ids) - p for req, p in zip(self.reqs, prefix_lens)]
         slots = mem.alloc_slots(sum(extend_lens))
         input_ids: list[int] = []
+        prompt_rows: list[int] = []
         start = 0
         for req, prefix_len, n in zip(self.reqs, prefix_lens, extend_lens):
             writes.add(req.req_pool_idx, prefix_len, slots[start : start + n])
             input_ids.extend(req.fill_ids[prefix_len:])
+            span = req.prompt_logprob_span(prefix_len, prefix_len + n)
+            if span:
+                prompt_rows.extend(range(start + span.start - prefix_len, start + span.stop - prefix_len))
+                self.prompt_logprob_counts.append((req, len(span)))
+                self.prompt_logprob_targets.extend(req.origin_input_ids[span.start + 1 : span.stop + 1])
             start += n
         lens = torch.tensor(extend_lens, dtype=torch.int64)
         offsets = torch.repeat_interleave(torch.tensor(prefix_lens, dtype=torch.int64) - (lens.cumsum(0) - lens), lens)
         positions = torch.arange(int(lens.sum()), dtype=torch.int64) + offsets
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-        return self._forward_batch(
+        batch = self._forward_batch(
             ForwardMode.EXTEND, input_ids, positions, slots, seq_lens, prefix_lens, extend_lens, writes
         )
+        if prompt_rows:
+            batch.prompt_logit_rows = to_device_async(torch.tensor(prompt_rows, dtype=torch.int64), mem.device)
+        return batch
 
     def prepare_decode(self, future: FutureTokens | None = None) -> ForwardBatch:
         """One new slot per request for the token sampled last step. With overlap, requests whose
@@ -138,10 +152,22 @@ class ScheduleBatch:
             [1] * len(positions), writes, future_index=future_index, pool_rows=pool_rows,
         )
 
-    def commit(self, batch: ForwardBatch) -> None:
-        """After the forward: the new tokens' KV is resident."""
+    def commit(self, batch: ForwardBatch, logits: torch.Tensor | None = None) -> None:
+        """After the forward: the new tokens' KV is resident, and requests asking for prompt log-probs
+        keep those of this step's prompt rows (the rows of `logits` past the first len(reqs))."""
         for req, seq_len in zip(self.reqs, batch.seq_lens_cpu):
             req.kv_committed_len = seq_len
+        if not self.prompt_logprob_counts:
+            return
+        assert logits is not None, "an extend step with prompt log-probs commits with its logits"
+        top_n = max(req.top_logprobs_num for req, _ in self.prompt_logprob_counts)
+        values, top = prompt_logprobs(logits[len(self.reqs) :], self.prompt_logprob_targets, top_n)
+        start = 0
+        for req, count in self.prompt_logprob_counts:
+            req.input_logprobs.extend(values[start : start + count])
+            if req.top_logprobs_num and top is not None:
+                req.input_top_logprobs.extend(row[: req.top_logprobs_num] for row in top[start : start + count])
+            start += count
 
     def _forward_batch(
         self,

@@ -31,8 +31,13 @@ IN_BATCH_PREFIX_TOKENS = 32
 
 def match_prefix(req: Req, tree_cache: RadixCache) -> None:
     """Set req.prefix_indices/last_node to the longest cached prefix of everything it has so far.
-    The last token is never matched: its logits are needed, so at least one token is extended."""
-    result = tree_cache.match_prefix(req.all_ids[:-1])
+    The last token is never matched: its logits are needed, so at least one token is extended; nor is
+    any position whose logits the request's prompt log-probs still need."""
+    ids = req.all_ids[:-1]
+    first = req.next_prompt_logprob_position()
+    if first is not None:
+        ids = ids[:first]
+    result = tree_cache.match_prefix(ids)
     req.prefix_indices, req.last_node = result.indices, result.last_node
 
 

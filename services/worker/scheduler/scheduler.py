@@ -197,12 +197,12 @@ class Scheduler:
             future = (prev.handle.token_ids, {id(r): j for j, r in enumerate(prev.sampled)})
         forward_batch = batch.prepare_decode(future) if batch.mode.is_decode() else batch.prepare_extend()
         logits = self.runner.forward(forward_batch)
-        batch.commit(forward_batch)
+        batch.commit(forward_batch, logits)
         sampled_idx = [
             i for i, req in enumerate(batch.reqs) if batch.mode.is_decode() or len(req.fill_ids) == req.seq_len
         ]
         sampled = [batch.reqs[i] for i in sampled_idx]
-        rows = logits if len(sampled_idx) == len(batch.reqs) else logits[sampled_idx]
+        rows = logits if len(sampled_idx) == len(logits) else logits[sampled_idx]  # (past bs: prompt rows)
         if prev is not None and any(r.grammar is not None and r.num_inflight for r in sampled):
             self._finish_inflight(outputs)
             future = None
@@ -243,8 +243,8 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished()]
 
     def _append_token(self, req: Req, result: SampledTokens, j: int, outputs: list[ReqOutput]) -> None:
-        out = sampled_output(req, result, j)
-        self._add_tokens(req, [result.token_ids[j]], out)
+        out = sampled_output(req, result, j)  # max_new_tokens 0 (prompt log-probs only) finishes here
+        self._add_tokens(req, [] if req.finished() else [result.token_ids[j]], out)
         outputs.append(out)
 
     def _add_tokens(self, req: Req, tokens: list[int], out: ReqOutput) -> None:
@@ -255,9 +255,10 @@ class Scheduler:
             out.token_ids.append(token)
             self.stats.generated_tokens += 1
             if req.finished():
-                self._release(req)
-                out.take_final(final_output(req))
-                return
+                break
+        if req.finished():
+            self._release(req)
+            out.take_final(final_output(req))
 
     def _after_extend(self, batch: ScheduleBatch) -> None:
         """Every request this step prefilled (a chunk or all of it) puts that KV into the tree, locked,

@@ -22,7 +22,8 @@ class LogitsProcessor(nn.Module):
     A decode batch has one token per request, each its request's last, so its rows are used as they
     are. An extend batch's rows come from ForwardBatch.last_token_indices(): built from the host
     lengths in an eager step, or, inside a CUDA graph, the batch's device-side last_token_rows (computed
-    from the graph's static offsets), so a replay gathers the rows of the batch it replays.
+    from the graph's static offsets), so a replay gathers the rows of the batch it replays. Requests
+    asking for prompt log-probs add their prompt rows (ForwardBatch.prompt_logit_rows) after those.
     """
 
     def __init__(self, vocab_size: int) -> None:
@@ -33,6 +34,9 @@ class LogitsProcessor(nn.Module):
         self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, batch: ForwardBatch
     ) -> torch.Tensor:
         if not batch.return_all_logits and not batch.forward_mode.is_decode():
-            hidden = hidden[batch.last_token_indices()]
+            rows = batch.last_token_indices()
+            if batch.prompt_logit_rows is not None:
+                rows = torch.cat([rows, batch.prompt_logit_rows])
+            hidden = hidden[rows]
         logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles), dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -1,0 +1,163 @@
+"""Prompt log-probs through a real `radixserve up` on a tiny seeded Qwen3: `/v1/completions` with
+`echo` (and `logprobs`) through the official `openai` client and raw SSE, and the native `/generate`
+with `return_logprob` + `logprob_start_len` over raw HTTP. The prompt's log-probs equal the offline
+Engine's (which tests/test_prompt_logprobs.py holds to transformers)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.worker.frontend.engine import Engine
+from tests.services_helpers import start_up
+
+PROMPT = "hello there, general"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_path: Path) -> dict[str, Any]:
+    """The Engine's answer for PROMPT: 3 greedy tokens, the prompt's log-probs and top-2 from position 0."""
+    with Engine(str(qwen3_path)) as engine:
+        out = engine.generate(PROMPT, {**GREEDY, "max_new_tokens": 3}, return_logprob=True, top_logprobs_num=2,
+                              logprob_start_len=0)
+        out["prompt_ids"] = engine.tokenizer.encode(PROMPT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def url(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("echo_up")
+    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = start_up([
+        "--model-path", str(qwen3_path), "--served-model-name", "tiny", "--max-total-tokens", "2048",
+        "--port", str(free_port()), "--grpc-port", str(free_port()), "--run-dir", str(tmp / "run"),
+    ], env, tmp / "up.out")
+    try:
+        yield re.search(r"radixserve is up: (http://\S+)", (tmp / "up.out").read_text()).group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def close(a: float | None, b: float | None) -> bool:
+    return a is None and b is None or a is not None and b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_echo_with_logprobs_lists_the_prompt_first(client: openai.OpenAI, offline: dict[str, Any]) -> None:
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    assert choice.text == PROMPT + plain.choices[0].text == PROMPT + offline["text"]
+    lp = choice.logprobs
+    n = len(offline["prompt_ids"])
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [v for v, _, _ in offline["meta_info"]["input_token_logprobs"]]
+    expected += [v for v, _, _ in offline["meta_info"]["output_token_logprobs"]]
+    assert all(close(a, b) for a, b in zip(lp.token_logprobs, expected, strict=True)), (lp.token_logprobs, expected)
+    for got, want in zip(lp.top_logprobs[1:n], offline["meta_info"]["input_top_logprobs"][1:], strict=True):
+        # (OpenAI's shape keys candidates by text: two tokens with one text keep one entry.)
+        assert got and all(any(close(v, w) for w, _, _ in want) for v in got.values()), (got, want)
+    # Offsets run over the prompt's token texts from 0, then over the answer's from the prompt's end.
+    assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(PROMPT)
+    assert all(lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i]) for i in range(n - 1))
+    assert reply.usage.prompt_tokens == n and reply.usage.completion_tokens == 3
+
+
+def test_echo_with_max_tokens_zero_gives_only_the_prompt_logprobs(client: openai.OpenAI, offline: dict[str, Any]) -> None:
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    choice = reply.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    expected = [v for v, _, _ in offline["meta_info"]["input_token_logprobs"]]
+    assert all(close(a, b) for a, b in zip(choice.logprobs.token_logprobs, expected, strict=True))
+    assert reply.usage.completion_tokens == 0
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+
+
+def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(url: str, offline: dict[str, Any]) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 1, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events if e != "[DONE]"]
+    assert chunks[0]["text"] == PROMPT
+    first = chunks[0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["tokens"]) == len(offline["prompt_ids"])
+    expected = [v for v, _, _ in offline["meta_info"]["input_token_logprobs"]]
+    assert all(close(a, b) for a, b in zip(first["token_logprobs"], expected, strict=True))
+    assert "".join(c["text"] for c in chunks) == PROMPT + offline["text"]
+
+
+@pytest.mark.parametrize("start", [0, 3])
+def test_native_generate_returns_input_token_logprobs(url: str, offline: dict[str, Any], start: int) -> None:
+    body = {"input_ids": offline["prompt_ids"], "sampling_params": {**GREEDY, "max_new_tokens": 3},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": start}
+    reply = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    meta = reply.json()["meta_info"]
+    want = offline["meta_info"]["input_token_logprobs"][start:]
+    got = meta["input_token_logprobs"]
+    assert [t for _, t, _ in got] == offline["prompt_ids"][start:]
+    assert got[0][0] is None
+    assert all(close(a[0], b[0]) for a, b in zip(got[1:], want[1:], strict=True))
+    assert meta["input_top_logprobs"][0] is None
+    assert [[t for _, t, _ in step] for step in meta["input_top_logprobs"][1:]] == [
+        [t for _, t, _ in step] for step in offline["meta_info"]["input_top_logprobs"][start + 1 :]]
+    assert reply.json()["output_ids"] == offline["output_ids"]
+
+
+def test_bad_logprob_start_len_is_a_400_naming_it(url: str, offline: dict[str, Any]) -> None:
+    ids = offline["prompt_ids"]
+    for start in (-2, len(ids)):
+        reply = httpx.post(f"{url}/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": start},
+                           timeout=60)
+        assert reply.status_code == 400 and "logprob_start_len" in reply.text, reply.text
+
+
+def test_token_id_prompts_echo_their_text_as_lm_eval_asks(client: openai.OpenAI, offline: dict[str, Any],
+                                                          qwen3_path: Path) -> None:
+    """lm-eval's tokenized requests: token-id prompts, echo, max_tokens 1, logprobs 1. The echo is the
+    prompt's text (decoded by the detokenizer), its tokens' log-probs come first."""
+    ids = offline["prompt_ids"]
+    reply = client.completions.create(model="tiny", prompt=[ids, ids[:4]], max_tokens=1, temperature=0, echo=True,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    with Engine(str(qwen3_path)) as engine:
+        texts = [engine.tokenizer.decode(p) for p in (ids, ids[:4])]
+    whole, short = reply.choices
+    assert whole.text == texts[0] + offline["text"][: len(whole.text) - len(texts[0])]
+    assert whole.text.startswith(texts[0]) and short.text.startswith(texts[1])
+    expected = [v for v, _, _ in offline["meta_info"]["input_token_logprobs"]]
+    expected.append(offline["meta_info"]["output_token_logprobs"][0][0])
+    assert all(close(a, b) for a, b in zip(whole.logprobs.token_logprobs, expected, strict=True))
+    assert len(short.logprobs.token_logprobs) == 5 and short.logprobs.token_logprobs[0] is None
+    assert all(close(a, b) for a, b in zip(short.logprobs.token_logprobs[1:4], expected[1:4], strict=True))
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True,
+                                      extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == texts[0] + offline["text"][: len(plain.choices[0].text) - len(texts[0])]
+    assert plain.choices[0].logprobs is None
