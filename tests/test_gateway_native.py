@@ -101,6 +101,11 @@ def test_generate_stream_sends_the_text_so_far(http: httpx.Client) -> None:
 
 
 def test_requests_spread_over_the_least_loaded_workers(http: httpx.Client, pipeline: FakePipeline) -> None:
+    # Start from what routing sees as idle: no request left on either fake worker by an earlier test,
+    # and a load report saying so from each (a report still counting one would tilt the split).
+    pipeline.wait_until(lambda: not pipeline.in_flight("w1") and not pipeline.in_flight("w2"))
+    pipeline.wait_until(lambda: all(
+        w["load"]["num_running"] == w["load"]["num_waiting"] == 0 for w in http.get("/get_server_info").json()["workers"]))
     before = len(pipeline.requests)
     out = http.post("/generate", json={"text": ["w"] * 6}).json()
     assert len(out) == 6
