@@ -303,11 +303,11 @@ def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_se
 
 
 def _tokenizer_ok_count(tokenizer: ServiceProcess) -> float:
-    """rs_tokenizer_requests_total{status="ok"}: requests the tokenizer service forwarded to a worker."""
+    """rs_tokenizer_requests_total{model_name=...,status="ok"}: requests the tokenizer service forwarded to a worker."""
     url = re.search(r"metrics at http://[\d.]+:(\d+)/metrics", tokenizer.log())
     assert url, "the tokenizer logged no metrics port"
     text = httpx.get(f"http://127.0.0.1:{url.group(1)}/metrics", timeout=10).text
-    match = re.search(r'^rs_tokenizer_requests_total\{status="ok"\} (\S+)$', text, re.MULTILINE)
+    match = re.search(r'^rs_tokenizer_requests_total\{model_name="[^"]+",status="ok"\} (\S+)$', text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 

@@ -29,7 +29,7 @@ from services.tokenizer.service import TokenizerMetrics
 from services.worker.frontend.metrics import WorkerMetrics
 
 gateway = GatewayMetrics()
-WorkerMetrics(4), TokenizerMetrics(), DetokenizerMetrics()
+WorkerMetrics("tiny", 4), TokenizerMetrics("tiny"), DetokenizerMetrics("tiny")
 suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_sum", "_count", "_created"],
             "gauge": [""], "summary": ["_sum", "_count", "_created"]}
 names = set()
