@@ -446,7 +446,8 @@ def test_a_killed_workers_stream_moves_to_the_other_within_5_s_and_spares_the_ot
         time.sleep(0.1)
     after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
     assert after.status_code == 200 and after.headers["x-radixserve-worker"] == survivor
-    assert "rs_gateway_migrations_total 1.0" in httpx.get(f"{url}/metrics", timeout=5).text
+    migrations = f'rs_gateway_migrations_total{{model_name="{stack.model}"}} 1.0'
+    assert migrations in httpx.get(f"{url}/metrics", timeout=5).text
 
 
 def test_sigterm_lets_a_running_stream_finish_and_the_gateway_exits_0(stack: Stack) -> None:

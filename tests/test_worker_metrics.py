@@ -14,6 +14,8 @@ from services.worker.frontend.engine import Engine
 from services.worker.frontend.metrics import WorkerMetrics
 from services.worker.scheduler.output import ReqOutput
 from services.worker.scheduler.req import FinishReason
+from shared.metrics import model_label
+from shared.model_path import DEFAULT_MODEL_NAME, served_name
 from tests.engine_helpers import GREEDY, random_prompts
 
 MODEL = {"model_name": "tiny-llama"}
@@ -110,3 +112,13 @@ def test_spec_accept_length_gauge_is_the_mean_over_the_last_interval() -> None:
 def test_worker_metrics_need_a_model_name() -> None:
     with pytest.raises(ValueError, match="model_name"):
         WorkerMetrics("", 4, CollectorRegistry())
+
+
+def test_tokenizer_and_detokenizer_label_their_model_as_a_worker_names_it(llama_path: Path) -> None:
+    """model_label (the tokenizer's and detokenizer's model_name) is the name a worker serves the same
+    --model-path under by default (shared.model_path.served_name)."""
+    for given in (str(llama_path), "Qwen/Qwen3-0.6B"):
+        assert model_label(given) == served_name(given, llama_path if given == str(llama_path) else Path("x"))
+    assert model_label(str(llama_path)) == llama_path.name
+    assert model_label("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert model_label("") == model_label(None) == DEFAULT_MODEL_NAME
