@@ -56,5 +56,6 @@ def test_requests_latencies_and_gauges_are_labelled_with_the_model(nats: NatsSer
     assert metric_value(text, "rs_gateway_generation_tokens_total", model) == completions > 0
     assert metric_value(text, "rs_gateway_requests_in_flight", model) == 0
     assert metric_value(text, "rs_gateway_live_workers", model) == 2
+    assert metric_value(text, "rs_gateway_migrations_total", model) == 0  # there from the first live worker
     # Nothing is counted under a model no request reached.
     assert 'rs_gateway_e2e_request_latency_seconds_count{model_name="no-such-model"}' not in text

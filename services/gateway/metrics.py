@@ -119,10 +119,15 @@ class GatewayMetrics:
         self.requests.labels(request_model(), endpoint, str(status)).inc()
 
     def set_live_workers(self, models: list[str]) -> None:
-        """The live workers, one model name each: a model none serves any more reads 0."""
+        """The live workers, one model name each: a model none serves any more reads 0. A model seen
+        for the first time gets its in-flight gauge and migration counter at 0, so a query or rate()
+        over them finds a series before anything happened."""
         counts = dict.fromkeys(self._live_models, 0) | collections.Counter(models)
         for name, n in counts.items():
             self.live_workers.labels(name).set(n)
+            if name not in self._live_models:
+                self.in_flight.labels(name)
+                self.migrations.labels(name)
         self._live_models |= set(counts)
 
     def render(self) -> bytes:
