@@ -213,7 +213,8 @@ class Stack:
         if self.worker_metrics is None:
             return float("nan")
         with urllib.request.urlopen(self.worker_metrics, timeout=10) as response:
-            found = re.search(r"^rs_worker_steps_total (\S+)$", response.read().decode(), re.MULTILINE)
+            # One sample, labelled with the worker's model_name.
+            found = re.search(r"^rs_worker_steps_total\{[^}]*\} (\S+)$", response.read().decode(), re.MULTILINE)
         return float(found.group(1)) if found else float("nan")
 
     def stop(self) -> None:

@@ -94,7 +94,8 @@ class Service:
         raise ServiceStartError(f"{self.label} not ready after {timeout:.0f} s:\n{self.log()[-3000:]}")
 
     def metric(self, name: str) -> float | None:
-        """A sample of the service's /metrics (it logged the address: --metrics-port 0), None if unknown."""
+        """A metric of the service's /metrics, summed over its label sets (it logged the address:
+        --metrics-port 0), None if unknown."""
         match = _METRICS.search(self.log())
         if match is None:
             return None
@@ -103,8 +104,9 @@ class Service:
                 text = response.read().decode()
         except OSError:
             return None
-        values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
-        return values[0] if values else None
+        # Summed over its label sets (a worker's metrics have one: its model_name).
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name]
+        return sum(values) if values else None
 
     def kill(self) -> None:
         if self.proc.poll() is None:

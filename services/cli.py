@@ -222,7 +222,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     # The worker and the detokenizer meet here: with --with-detokenizer the worker runs the
     # detokenizer's StreamPublisher in its own process; neither package imports the other.
-    return _run_service(lambda: WorkerServiceConfig.from_args(args), lambda config: WorkerService(config, StreamPublisher))
+    return _run_service(lambda: WorkerServiceConfig.from_args(args), lambda config: WorkerService(
+        config, lambda bus, tokenizer: StreamPublisher(bus, tokenizer, config.model_name)))
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:

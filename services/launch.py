@@ -10,8 +10,9 @@ in the run directory. `--namespace` puts every subject and Redis key of this dep
 prefix, so several deployments can share one NATS. Engine options given to `up` (`--chunked-prefill-size`,
 `--dtype`, ...) reach the workers as RS_* variables, as do the model settings every service shares: the model
 (a hub id resolved once, here, to its snapshot), `--tokenizer-path`, `--chat-template`, `--served-model-name`,
-`--api-key` (the gateways') and `--log-level`. Each service's Prometheus metrics port is picked
-free (so several `up`s can share a machine) and logged in its log file; the gateway's is /metrics. Ctrl-C or SIGTERM drains the gateway first (no new
+`--api-key` (the gateways') and `--log-level`. Each service's Prometheus metrics port (the gateways' too,
+besides /metrics on the HTTP port) is picked free (so several `up`s can share a machine), logged in its
+log file, and listed in RUN_DIR/prometheus.yml (services/up_metrics.py). Ctrl-C or SIGTERM drains the gateway first (no new
 work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from services.gateway.reasoning import PARSERS
 from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
+from services.up_metrics import metrics_target, prometheus_config
 from services.worker.config import EngineConfig
 from services.worker.frontend.service_config import check_busy_poll
 from shared import flags
@@ -280,6 +282,8 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_args += ["--local-tokenizer-max-chars", str(SHORT_PROMPT_CHARS)]
         if args.gateways > 1:
             gateway_args += ["--reuse-port"]
+        # Each gateway's own metrics port (on its HTTP address), besides /metrics on the shared port.
+        gateway_args += ["--metrics-port", "0", "--metrics-host", args.host]
         if args.reasoning_parser:
             gateway_args += ["--reasoning-parser", args.reasoning_parser]
         if args.tool_call_parser:
@@ -300,6 +304,11 @@ def run_up(args: argparse.Namespace) -> int:
         children += [*gateways, tokenizer, *workers]
         for child in children:
             child.wait_ready(deadline)
+        targets: dict[str, list[str]] = {}
+        for child in children:
+            targets.setdefault(child.service, []).append(metrics_target(child.log(), child.name))
+        scrape_config = run_dir / "prometheus.yml"
+        scrape_config.write_text(prometheus_config(targets))
         base = f"http://{args.host}:{args.port}"
         models = _wait_for_model(base, deadline, gateway, model_env.get("RS_API_KEY", "").split(",")[0].strip())
         model = models["data"][0]["id"]
@@ -310,6 +319,7 @@ def run_up(args: argparse.Namespace) -> int:
         if client_file is not None:
             print(f"  NATS front door ({namespace}.v1.generate): credentials of its client user in {client_file}")
         print(f"  playground: {base}/playground")
+        print(f"  Prometheus: every service's metrics port is in {scrape_config} (prometheus --config.file it)")
         print("  try:")
         print(f"    curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\")
         print(f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "

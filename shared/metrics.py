@@ -1,8 +1,10 @@
-"""Prometheus helpers every service uses: the metrics HTTP server and shared histogram buckets.
+"""Prometheus helpers every service uses: the metrics HTTP server, shared histogram buckets, and the
+`model_name` label's value.
 
 Metric names start with `rs_` and the service (`rs_tokenizer_...`, `rs_worker_...`); each service
 declares its own metrics in its package, on the registry passed here (the default one in a service
-process, so the process and Python collectors come along).
+process, so the process and Python collectors come along). Every rs_ metric carries a `model_name`
+label, as vLLM's do: the served model name (docs/API.md maps each to its sglang:/vllm: name).
 """
 
 from __future__ import annotations
@@ -10,11 +12,29 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from shared.model_path import default_model_dir, is_hub_id, models_dir
+
 logger = logging.getLogger(__name__)
+
+MODEL_LABEL = "model_name"
+
+
+def model_label(model_path: str | None) -> str:
+    """The `model_name` a tokenizer or detokenizer labels its metrics with: the name a worker serves
+    `model_path` under by default (shared.model_path.served_name: a hub id as given, else the model
+    directory's name), found without reading the model."""
+    if not model_path:
+        return default_model_dir().name
+    path = Path(model_path).expanduser()
+    if is_hub_id(model_path) and not path.is_dir() and not (models_dir() / model_path).is_dir():
+        return model_path
+    return path.name
+
 
 # Handling one NATS message: tens of microseconds (a small batch) to tens of milliseconds.
 MESSAGE_LATENCY_BUCKETS = (

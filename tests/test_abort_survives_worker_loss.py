@@ -76,4 +76,4 @@ def test_a_stream_aborted_by_rid_whose_worker_dies_ends_aborted_instead_of_movin
     assert [f["type"] for f in finals] == ["abort"]
     assert tokens < 200
     assert took < 5.0
-    assert metric_value(metrics, "rs_gateway_migrations_total") == 0.0
+    assert metric_value(metrics, "rs_gateway_migrations_total", f'model_name="{default_model_path.name}"') == 0.0

@@ -80,8 +80,9 @@ def test_static_keys_guard_every_route_but_health_and_metrics(nats: NatsServer, 
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
-        assert 'rs_gateway_requests_total{endpoint="auth",status="401"} 2.0' in metrics
-        assert 'rs_gateway_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
+        # A refused key reached no model; the completion went to the fake workers' model.
+        assert 'rs_gateway_requests_total{endpoint="auth",model_name="",status="401"} 2.0' in metrics
+        assert f'rs_gateway_requests_total{{endpoint="/v1/completions",model_name="{FAKE_MODEL}",status="200"}} 1.0' in metrics
     finally:
         gw.close()
 

@@ -297,11 +297,11 @@ def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_se
 
 
 def _tokenizer_ok_count(tokenizer: ServiceProcess) -> float:
-    """rs_tokenizer_requests_total{status="ok"}: requests the tokenizer service forwarded to a worker."""
+    """rs_tokenizer_requests_total{model_name=...,status="ok"}: requests the tokenizer service forwarded to a worker."""
     url = re.search(r"metrics at http://[\d.]+:(\d+)/metrics", tokenizer.log())
     assert url, "the tokenizer logged no metrics port"
     text = httpx.get(f"http://127.0.0.1:{url.group(1)}/metrics", timeout=10).text
-    match = re.search(r'^rs_tokenizer_requests_total\{status="ok"\} (\S+)$', text, re.MULTILINE)
+    match = re.search(r'^rs_tokenizer_requests_total\{model_name="[^"]+",status="ok"\} (\S+)$', text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
@@ -440,7 +440,8 @@ def test_a_killed_workers_stream_moves_to_the_other_within_5_s_and_spares_the_ot
         time.sleep(0.1)
     after = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
     assert after.status_code == 200 and after.headers["x-radixserve-worker"] == survivor
-    assert "rs_gateway_migrations_total 1.0" in httpx.get(f"{url}/metrics", timeout=5).text
+    migrations = f'rs_gateway_migrations_total{{model_name="{stack.model}"}} 1.0'
+    assert migrations in httpx.get(f"{url}/metrics", timeout=5).text
 
 
 def test_sigterm_lets_a_running_stream_finish_and_the_gateway_exits_0(stack: Stack) -> None:

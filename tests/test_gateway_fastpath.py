@@ -192,7 +192,8 @@ def test_malformed_json_gets_fastapis_400(http: httpx.Client) -> None:
 
 def test_the_fast_path_is_counted_under_its_route(http: httpx.Client) -> None:
     def served() -> float:
-        found = re.search(r'rs_gateway_requests_total\{endpoint="/generate",status="200"\} (\S+)', http.get("/metrics").text)
+        sample = f'rs_gateway_requests_total{{endpoint="/generate",model_name="{MODEL}",status="200"}} '
+        found = re.search(re.escape(sample) + r"(\S+)", http.get("/metrics").text)
         return float(found.group(1)) if found else 0.0
 
     before = served()

@@ -256,7 +256,7 @@ def test_worker_killed_mid_stream_ends_its_streams_only(nats: NatsServer) -> Non
                 rest = [json.loads(line[6:]) for line in spared_lines if line.startswith("data: {")]
                 assert rest[-1]["choices"][0]["finish_reason"] == "abort"
         metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
-        assert 'rs_gateway_requests_total{endpoint="/v1/completions",status="503"} 1.0' in metrics
+        assert f'rs_gateway_requests_total{{endpoint="/v1/completions",model_name="{FAKE_MODEL}",status="503"}} 1.0' in metrics
     finally:
         gw.close()
         fake.close()
@@ -274,7 +274,8 @@ def test_non_streaming_disconnect_aborts_the_request(gateway: GatewayThread, pip
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{gateway.url}/generate", json={"text": "HANG still", "rid": "gone-plain"}, timeout=0.5)
     pipeline.wait_until(lambda: ("w1", "gone-plain") in pipeline.aborts)
-    pipeline.wait_until(lambda: 'endpoint="/generate",status="499"' in httpx.get(f"{gateway.url}/metrics").text)
+    counted = f'endpoint="/generate",model_name="{FAKE_MODEL}",status="499"'
+    pipeline.wait_until(lambda: counted in httpx.get(f"{gateway.url}/metrics").text)
 
 
 @pytest.mark.parametrize("service", ["gateway", "tokenizer", "detokenizer"])

@@ -169,7 +169,7 @@ def test_abort_request_ends_a_running_request_with_abort(http: httpx.Client, gat
 def test_metrics_count_requests_and_tokens(http: httpx.Client) -> None:
     http.post("/generate", json={"text": "m n"})
     text = http.get("/metrics").text
-    assert 'rs_gateway_requests_total{endpoint="/generate",status="200"}' in text
+    assert f'rs_gateway_requests_total{{endpoint="/generate",model_name="{FAKE_MODEL}",status="200"}}' in text
     assert "rs_gateway_time_to_first_token_seconds_count" in text
     assert "rs_gateway_inter_token_latency_seconds_count" in text
     assert "rs_gateway_e2e_request_latency_seconds_count" in text

@@ -139,7 +139,7 @@ def test_a_killed_workers_stream_moves_once_with_no_repeat_and_no_gap_then_a_sec
     # Native /generate streams the whole text so far: every word once, in order, up to the second loss.
     assert texts == ["".join(f"{w} " for w in words[:n]) for n in range(1, 9)]
     assert "not moved: 1 of --max-migrations 1 used" in error
-    assert "rs_gateway_migrations_total 1.0" in metrics
+    assert f'rs_gateway_migrations_total{{model_name="{FAKE_MODEL}"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])

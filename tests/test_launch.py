@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import yaml
 
 from tests.services_helpers import start_up
 
@@ -48,6 +49,30 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def assert_every_metrics_port_answers(scrape_config: Path, gateways: int) -> None:
+    """The Prometheus configuration `up` wrote lists each process's own metrics port under
+    ops/prometheus.yml's job names (compose's, which adds the standalone detokenizer); each answers with
+    its service's rs_ metrics, each with a model_name label."""
+    config = yaml.safe_load(scrape_config.read_text())
+    jobs = {job["job_name"]: [t for c in job["static_configs"] for t in c["targets"]] for job in config["scrape_configs"]}
+    ops = yaml.safe_load((Path(__file__).resolve().parents[1] / "ops" / "prometheus.yml").read_text())
+    assert set(jobs) == {job["job_name"] for job in ops["scrape_configs"]} - {"radixserve-detokenizer"}
+    assert {job: len(targets) for job, targets in jobs.items()} == {
+        "radixserve-gateway": gateways, "radixserve-tokenizer": 1, "radixserve-worker": 1}
+    model = 'model_name="SmolLM2-135M-Instruct"'
+    for job, targets in jobs.items():
+        for target in targets:
+            text = httpx.get(f"http://{target}/metrics", timeout=10).text
+            services = ["worker", "detokenizer"] if job == "radixserve-worker" else [job.removeprefix("radixserve-")]
+            for service in services:  # the worker's process runs its detokenizer
+                samples = [line for line in text.splitlines() if line.startswith(f"rs_{service}_")]
+                # Every sample has a model_name; a gateway's about no model (/health) have it empty.
+                assert samples and all('model_name="' in line for line in samples), (target, service)
+                assert any(model in line for line in samples), (target, service)
+    # The gateways' own ports are distinct processes, not the shared HTTP port twice.
+    assert len(set(jobs["radixserve-gateway"])) == gateways
+
+
 def test_up_serves_the_default_model_and_stops_everything(default_model_path: Path, tmp_path: Path) -> None:
     port, grpc_port = free_port(), free_port()
     # An address nothing answers on: `up` must start its own nats-server.
@@ -74,6 +99,7 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
         # New connections are spread over both gateways by the kernel (SO_REUSEPORT).
         answered_by = {httpx.get(f"{url}/health", timeout=10).headers["x-radixserve-gateway"] for _ in range(24)}
         assert len(answered_by) == 2, answered_by
+        assert_every_metrics_port_answers(tmp_path / "run" / "prometheus.yml", gateways=2)
         started = children_of(proc.pid)
         assert len(started) >= 5  # nats-server, two gateways, tokenizer, worker
     finally:

@@ -55,7 +55,7 @@ def scheduler_steps(tokenizer, seed: int) -> tuple[list[list[ReqOutput]], dict[s
 
 def batcher(stream: bool, registry: CollectorRegistry | None = None) -> OutputBatcher:
     """A batcher with a flight for each of TEXTS' requests (metrics in their own registry)."""
-    b = OutputBatcher("w1", WorkerMetrics(4, registry or CollectorRegistry()))
+    b = OutputBatcher("w1", WorkerMetrics("tiny", 4, registry or CollectorRegistry()))
     for i in range(len(TEXTS)):
         b.flights[f"r{i}"] = Flight("g1", stop=["zzz"], skip_special_tokens=True, stream=stream)
     return b
@@ -151,9 +151,10 @@ def test_steps_queued_together_go_out_as_one_message_with_each_requests_tokens_i
     for rid in ids:
         assert summary(got[rid]) == summary(reference[rid]) == produced(steps, rid)
     assert texts(tokenizer, grouped) == texts(tokenizer, per_step)
-    assert registry.get_sample_value("rs_worker_steps_total") == len(steps)
-    assert registry.get_sample_value("rs_worker_generated_tokens_total") == sum(len(t) for t in ids.values())
-    assert registry.get_sample_value("rs_worker_requests_total", {"status": "length"}) == len(ids)
+    model = {"model_name": "tiny"}
+    assert registry.get_sample_value("rs_worker_steps_total", model) == len(steps)
+    assert registry.get_sample_value("rs_worker_generated_tokens_total", model) == sum(len(t) for t in ids.values())
+    assert registry.get_sample_value("rs_worker_requests_total", {**model, "status": "length"}) == len(ids)
 
 
 def test_outputs_of_requests_without_a_flight_are_dropped(tokenizer) -> None:  # noqa: ANN001

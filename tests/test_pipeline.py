@@ -273,7 +273,8 @@ def test_a_bad_sampling_value_past_the_gateway_is_refused_by_the_worker(pipeline
     """The tokenizer trusts the gateway's check of the sampling values (Sampling.validate) and passes
     them on; a publisher that skipped the gateway still gets a clear error final, from the worker."""
     def count(text: str, name: str, status: str) -> float:
-        wanted = f'{name}{{status="{status}"}} '  # a labelled counter has no sample before its first use
+        # A labelled counter has no sample before its first use.
+        wanted = f'{name}{{model_name="{pipeline.model_path.name}",status="{status}"}} '
         return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(wanted)), 0.0)
 
     def errors() -> tuple[float, float, float]:
@@ -352,20 +353,31 @@ def test_every_service_serves_its_prometheus_metrics(pipeline: Pipeline) -> None
             assert bad.finish.type == "error"  # counted as a tokenizer error
             await gateway.control(WORKER, "get_info")  # refreshes the worker's gauges
 
+    model = f'model_name="{pipeline.model_path.name}"'
+    before = pipeline.worker.scrape()
     run(main())
     worker = pipeline.worker.scrape()
-    assert metric_value(worker, "rs_worker_generated_tokens_total") >= 3
-    assert metric_value(worker, "rs_worker_requests_total", 'status="length"') >= 1
-    assert metric_value(worker, "rs_worker_running_requests") == 0
-    assert 0.0 <= metric_value(worker, "rs_worker_kv_usage") <= 1.0
-    assert 0.0 < metric_value(worker, "rs_worker_cache_hit_rate") <= 1.0  # the prompt was asked twice
+    assert metric_value(worker, "rs_worker_generated_tokens_total", model) >= 3
+    assert metric_value(worker, "rs_worker_requests_total", f'{model},status="length"') >= 1
+    assert metric_value(worker, "rs_worker_running_requests", model) == 0
+    assert 0.0 <= metric_value(worker, "rs_worker_kv_usage", model) <= 1.0
+    assert 0.0 < metric_value(worker, "rs_worker_cache_hit_rate", model) <= 1.0  # the prompt was asked twice
+    # The two requests the worker served, each scheduled once: two queue times, two 'length' finals.
+    for name, labels in (("rs_worker_requests_total", f'{model},status="length"'),
+                         ("rs_worker_queue_time_seconds_count", model)):
+        was = metric_value(before, name, labels) if f"{name}{{{labels}}} " in before else 0.0
+        assert metric_value(worker, name, labels) - was == 2, name
+    assert metric_value(worker, "rs_worker_max_total_num_tokens", model) == 8192
+    assert metric_value(worker, "rs_worker_num_used_tokens", model) == 0  # nothing runs now
+    assert metric_value(worker, "rs_worker_retractions_total", model) == 0
+    assert metric_value(worker, "rs_worker_gen_throughput", model) >= 0.0
     tokenizer = pipeline.tokenizer.scrape()
-    assert metric_value(tokenizer, "rs_tokenizer_message_seconds_count") >= 1
-    assert metric_value(tokenizer, "rs_tokenizer_requests_total", 'status="ok"') >= 1
-    assert metric_value(tokenizer, "rs_tokenizer_requests_total", 'status="error"') >= 1
+    assert metric_value(tokenizer, "rs_tokenizer_message_seconds_count", model) >= 1
+    assert metric_value(tokenizer, "rs_tokenizer_requests_total", f'{model},status="ok"') >= 1
+    assert metric_value(tokenizer, "rs_tokenizer_requests_total", f'{model},status="error"') >= 1
     detokenizer = pipeline.detokenizer.scrape()
-    assert metric_value(detokenizer, "rs_detokenizer_message_seconds_count") >= 1
-    assert metric_value(detokenizer, "rs_detokenizer_active_requests") == 0
+    assert metric_value(detokenizer, "rs_detokenizer_message_seconds_count", model) >= 1
+    assert metric_value(detokenizer, "rs_detokenizer_active_requests", model) == 0
 
 
 def test_a_worker_with_its_own_detokenizer_answers_alike_and_when_killed_sends_no_final(pipeline: Pipeline) -> None:

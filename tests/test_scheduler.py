@@ -220,6 +220,7 @@ _EXTRA_VALUES = {
     "spec_verify_steps": 2,
     "spec_proposed_tokens": 8,
     "spec_accepted_tokens": 6,
+    "queue_time": 0.125,
 }
 
 

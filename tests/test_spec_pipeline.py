@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from services.detokenizer.detokenizer import Detokenizer
 from services.worker.frontend.engine import Engine
+from shared.model_path import DEFAULT_MODEL_NAME
 from shared.natsd import NatsServer, start_nats_server
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -99,7 +100,7 @@ def engine(default_model_path: Path) -> Iterator[Engine]:
 
 def spec_counters(stack: Stack) -> dict[str, float]:
     text = stack.worker.scrape()
-    return {name: metric_value(text, name) for name in SPEC_COUNTERS}
+    return {name: metric_value(text, name, f'model_name="{DEFAULT_MODEL_NAME}"') for name in SPEC_COUNTERS}
 
 
 def generate(stack: Stack, prompt: str, sampling: dict[str, Any], stream: bool = False) -> httpx.Response:

@@ -158,7 +158,7 @@ def test_a_killed_workers_stream_moves_to_the_other_worker_without_repeat_or_gap
     assert usage["completion_tokens"] == 64
     assert 0 < gap < 5.0, f"the stream resumed {gap:.1f} s after the kill"
     metrics = httpx.get(f"{pair.gateway.url}/metrics", timeout=5).text
-    assert metric_value(metrics, "rs_gateway_migrations_total") == 1.0
+    assert metric_value(metrics, "rs_gateway_migrations_total", f'model_name="{default_model_path.name}"') == 1.0
     # The killed worker's id is free again: a new process takes it and is routed to.
     survivor = "b" if victim == "a" else "a"
     pair.workers[victim] = start_worker(pair.nats.url, default_model_path, victim, pair.log_dir, "pair",

@@ -7,8 +7,8 @@ two detokenizers for the same worker: each would publish every delta (per-reques
 queue group). A worker started with `--with-detokenizer` runs the same StreamPublisher in its own process
 and publishes nothing on `{p}.detok.*`.
 
-Metrics: rs_detokenizer_message_seconds (histogram), rs_detokenizer_active_requests,
-rs_detokenizer_stream_messages_total.
+Metrics, each labelled with the model_name whose tokenizer decodes: rs_detokenizer_message_seconds
+(histogram), rs_detokenizer_active_requests, rs_detokenizer_stream_messages_total.
 """
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ from services.detokenizer.config import DetokenizerConfig
 from services.detokenizer.detokenizer import Detokenizer
 from shared.bus import Bus, PayloadTooLarge
 from shared.hf_tokenizer import load_hf_tokenizer
-from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
+from shared.metrics import (
+    MESSAGE_LATENCY_BUCKETS,
+    MODEL_LABEL,
+    MetricsServer,
+    model_label,
+    start_metrics_server,
+)
 from shared.protocol import PROTOCOL_VERSION, BatchStreamOut, BatchTokenOut
 from shared.service import Service, connect_bus, drain_bus, publish_error
 
@@ -34,24 +40,28 @@ logger = logging.getLogger(__name__)
 
 
 class DetokenizerMetrics:
-    """The detokenizer's Prometheus metrics."""
+    """The detokenizer's Prometheus metrics, for the model `model_name`."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
         self.latency = Histogram(
-            "rs_detokenizer_message_seconds", "time to detokenize and publish one BatchTokenOut",
+            "rs_detokenizer_message_seconds", "time to detokenize and publish one BatchTokenOut", [MODEL_LABEL],
             buckets=MESSAGE_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.active = Gauge("rs_detokenizer_active_requests", "requests with detokenizer state", [MODEL_LABEL]).labels(
+            model_name
         )
-        self.active = Gauge("rs_detokenizer_active_requests", "requests with detokenizer state")
-        self.stream_messages = Counter("rs_detokenizer_stream_messages", "BatchStreamOut messages published")
+        self.stream_messages = Counter(
+            "rs_detokenizer_stream_messages", "BatchStreamOut messages published", [MODEL_LABEL]
+        ).labels(model_name)
 
 
 class StreamPublisher:
-    """Detokenizes worker steps and publishes each gateway's BatchStreamOut."""
+    """Detokenizes worker steps of the model `model_name` and publishes each gateway's BatchStreamOut."""
 
-    def __init__(self, bus: Bus, tokenizer: Any) -> None:
+    def __init__(self, bus: Bus, tokenizer: Any, model_name: str) -> None:
         self.bus = bus
         self.detok = Detokenizer(tokenizer)
-        self.metrics = DetokenizerMetrics()
+        self.metrics = DetokenizerMetrics(model_name)
 
     async def handle(self, batch: BatchTokenOut) -> None:
         started = time.perf_counter()
@@ -97,7 +107,8 @@ class DetokenizerService(Service):
         cfg = self.config
         self.bus = await connect_bus(cfg, self.name)
         tokenizer = await asyncio.to_thread(load_hf_tokenizer, cfg.model_path, cfg.tokenizer_path, None, cfg.revision)
-        self.publisher = StreamPublisher(self.bus, tokenizer)
+        name = await asyncio.to_thread(model_label, cfg.model_path)
+        self.publisher = StreamPublisher(self.bus, tokenizer, name)
         subject = self.bus.subjects.detok(cfg.worker_id or "*")
         await self.bus.subscribe(subject, (BatchTokenOut,), self._on_batch)
         self._sweeper = asyncio.create_task(self._sweep())

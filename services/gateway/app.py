@@ -43,6 +43,7 @@ from services.gateway.cors import Cors
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import BAD_REQUEST, INTERNAL_ERROR, PAYLOAD_TOO_LARGE, GatewayError, bad_request
 from services.gateway.http_streaming import GATEWAY_HEADER
+from services.gateway.metrics import begin_request
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.openapi import document
 from services.gateway.playground_routes import router as playground_router
@@ -221,6 +222,7 @@ class CountRequests:
             return
         status = 500
         self.dispatcher.bus.poller.touch()
+        begin_request()
 
         async def tracking_send(message: Message) -> None:
             nonlocal status

@@ -36,7 +36,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generate_spec import GenerateSpec, field_of
 from services.gateway.liveness import Watchdog
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, note_model
 from services.gateway.migration import Migrations
 from services.gateway.prefix_index import routing_key
 from services.gateway.router import WorkerEntry, WorkerRegistry, model_matches
@@ -130,10 +130,12 @@ class Dispatcher:
         return await self._submit_valid(spec)
 
     async def _submit_valid(self, spec: GenerateSpec) -> RequestStream:
+        note_model(spec.model)  # counted under the model it named, even when none serves it
         worker = await self._choose(spec.model, routing_key(spec.text, spec.messages, spec.input_ids))
+        note_model(worker.load.model)
         rid = spec.rid or uuid.uuid4().hex
         trace.mark(rid, "gateway.submit")
-        stream = self.hub.open(rid, worker.load.worker_id)
+        stream = self.hub.open(rid, worker.load.worker_id, worker.load.model)
         stream.api_key = current_key.get()
         stream.instance, stream.model = worker.load.instance, spec.model
         if spec.timeout is not None:

@@ -33,6 +33,7 @@ from services.gateway.auth import authorize, current_key
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.generate_spec import GenerateSpec
+from services.gateway.metrics import begin_request
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from shared.protocol import ChatMessage, Sampling, StreamOut, Usage
 
@@ -118,7 +119,8 @@ class RadixServeServicer(radixserve_pb2_grpc.RadixServeServicer):  # type: ignor
 
     async def _authorize(self, context: grpc.aio.ServicerContext, method: str) -> None:
         """With API keys on, the call's `authorization` metadata must hold a key within its limit
-        (services/gateway/auth.py); the key then counts the request's usage."""
+        (services/gateway/auth.py); the key then counts the request's usage. Starts the call's count."""
+        begin_request()
         if not self.dispatcher.keys.enabled:
             return
         metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())}

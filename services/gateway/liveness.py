@@ -108,7 +108,7 @@ class Watchdog:
             self._check_requests(now)
         for stream in self.hub.expired(now):
             self.owner.give_up(stream, GATEWAY_TIMEOUT, f"request {stream.rid} timed out (its `timeout`)")
-        self.metrics.live_workers.set(len(self.registry.live()))
+        self.metrics.set_live_workers([w.load.model for w in self.registry.live()])
 
     # ---- workers ---------------------------------------------------------------------------------
 

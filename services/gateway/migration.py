@@ -94,7 +94,7 @@ class Migrations:
         except Exception as exc:  # noqa: BLE001 - the client gets the error; the gateway goes on
             self._fail(stream, SERVICE_UNAVAILABLE, f"{reason}; moving request {stream.rid} failed: {exc}")
             return
-        self.metrics.migrations.inc()
+        self.metrics.migrations.labels(stream.model_name).inc()
         logger.info("request %s moved to worker %s after %d token(s) (%s)", stream.rid, worker.load.worker_id,
                     len(stream.delivered_ids), reason)
 

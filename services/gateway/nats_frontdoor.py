@@ -32,6 +32,7 @@ from services.gateway.completion import Completion
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import GatewayError
 from services.gateway.generate_spec import GenerateSpec
+from services.gateway.metrics import begin_request
 from services.gateway.streams import RequestStream
 from shared.bus import PayloadTooLarge
 from shared.protocol import (
@@ -110,6 +111,7 @@ class NatsFrontDoor:
             await self.bus.respond(raw, _error(chunk.rid, 413, str(exc)))
 
     async def _serve(self, raw: Msg) -> None:
+        begin_request()
         # Checked before the body is read, as the HTTP middleware does.
         verdict = await self._authorize(raw)
         if verdict.status != 200:

@@ -37,9 +37,10 @@ def is_error(out: StreamOut) -> bool:
 class RequestStream:
     """One in-flight request's outputs, in arrival order, ending with its final."""
 
-    def __init__(self, rid: str, worker_id: str, reply_token: str) -> None:
+    def __init__(self, rid: str, worker_id: str, reply_token: str, model_name: str = "") -> None:
         self.rid = rid
         self.worker_id = worker_id
+        self.model_name = model_name  # the served name of its worker's model: its metrics' label
         self.reply_token = reply_token
         self.started = time.monotonic()
         self.first_output_at: float | None = None
@@ -126,15 +127,16 @@ class StreamHub:
         """Unfinished requests per worker id."""
         return Counter(s.worker_id for s in self._streams.values())
 
-    def open(self, rid: str, worker_id: str) -> RequestStream:
-        """Register a request before it is published, so no output can arrive unclaimed."""
+    def open(self, rid: str, worker_id: str, model_name: str = "") -> RequestStream:
+        """Register a request before it is published, so no output can arrive unclaimed; `model_name`:
+        the served name of the worker's model (its metrics' label)."""
         if rid in self._streams:
             raise bad_request(f"request id {rid!r} is already in flight", "rid")
         token = str(next(self._tokens))
-        stream = RequestStream(rid, worker_id, token)
+        stream = RequestStream(rid, worker_id, token, model_name)
         self._streams[rid] = stream
         self._by_reply[token] = rid
-        self.metrics.in_flight.set(len(self._streams))
+        self.metrics.in_flight.labels(model_name).inc()
         return stream
 
     def reply_subject(self, stream: RequestStream) -> str:
@@ -145,8 +147,8 @@ class StreamHub:
         """Forget a request (finished, or given up by its client)."""
         if self._streams.get(stream.rid) is stream:
             del self._streams[stream.rid]
+            self.metrics.in_flight.labels(stream.model_name).dec()
         self._by_reply.pop(stream.reply_token, None)
-        self.metrics.in_flight.set(len(self._streams))
 
     def silent(self, timeout_s: float, now: float | None = None) -> list[RequestStream]:
         """Requests with no output at all for `timeout_s` (counted from their start, or from when their
@@ -177,23 +179,24 @@ class StreamHub:
                 self.close(stream)
 
     def _observe(self, stream: RequestStream, out: StreamOut, now: float) -> None:
+        model, metrics = stream.model_name, self.metrics
         if out.token_ids:
             if stream.first_output_at is None:
-                self.metrics.ttft.observe(now - stream.started)
+                metrics.ttft.labels(model).observe(now - stream.started)
                 stream.first_output_at = now
             elif stream.last_output_at is not None:
                 gap = (now - stream.last_output_at) / len(out.token_ids)
-                observe_many(self.metrics.inter_token, gap, len(out.token_ids))
+                observe_many(metrics.inter_token.labels(model), gap, len(out.token_ids))
             stream.last_output_at = now
         elif stream.first_output_at is None and out.finish is not None:
             stream.first_output_at = now
         if out.finish is not None and not is_error(out):
-            self.metrics.e2e.observe(now - stream.started)
+            metrics.e2e.labels(model).observe(now - stream.started)
             # Counters only go up: a malformed final's negative count must not stop the batch.
             usage = out.usage or Usage()
-            self.metrics.prompt_tokens.inc(max(0, usage.prompt_tokens))
-            self.metrics.generation_tokens.inc(max(0, usage.completion_tokens))
-            self.metrics.cached_tokens.inc(max(0, usage.cached_tokens))
+            metrics.prompt_tokens.labels(model).inc(max(0, usage.prompt_tokens))
+            metrics.generation_tokens.labels(model).inc(max(0, usage.completion_tokens))
+            metrics.cached_tokens.labels(model).inc(max(0, usage.cached_tokens))
             if self.on_usage is not None:
                 self.on_usage(stream, out)
 

@@ -8,8 +8,8 @@ GenerateRequest for the worker the gateway chose (`worker_id`); a request that c
 prompt, too long, ids outside the vocabulary, bad sampling values) ends at once with an error final on
 its gateway's stream subject, naming the field.
 
-Metrics: rs_tokenizer_message_seconds (histogram), rs_tokenizer_requests_total{status=ok|error},
-rs_tokenizer_prompt_tokens_total.
+Metrics, each labelled with the model_name whose tokenizer this is: rs_tokenizer_message_seconds
+(histogram), rs_tokenizer_requests_total{status=ok|error}, rs_tokenizer_prompt_tokens_total.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ from prometheus_client import Counter, Histogram
 
 from services.tokenizer.config import TokenizerConfig
 from shared.bus import Bus, PayloadTooLarge
-from shared.metrics import MESSAGE_LATENCY_BUCKETS, MetricsServer, start_metrics_server
+from shared.metrics import (
+    MESSAGE_LATENCY_BUCKETS,
+    MODEL_LABEL,
+    MetricsServer,
+    model_label,
+    start_metrics_server,
+)
 from shared.prompt_tokenizer import PromptTokenizer, is_quick
 from shared.protocol import PROTOCOL_VERSION, TextTokenize, TextTokenized, TokenizeRequest
 from shared.service import Service, connect_bus, drain_bus, is_subject_token, publish_error
@@ -32,14 +38,21 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerMetrics:
-    """The tokenizer's Prometheus metrics."""
+    """The tokenizer's Prometheus metrics, for the model `model_name`."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.latency = Histogram(
-            "rs_tokenizer_message_seconds", "time to handle one TokenizeRequest", buckets=MESSAGE_LATENCY_BUCKETS
-        )
-        self.requests = Counter("rs_tokenizer_requests", "TokenizeRequests handled", ["status"])
-        self.prompt_tokens = Counter("rs_tokenizer_prompt_tokens", "prompt tokens forwarded to workers")
+            "rs_tokenizer_message_seconds", "time to handle one TokenizeRequest", [MODEL_LABEL],
+            buckets=MESSAGE_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self._requests = Counter("rs_tokenizer_requests", "TokenizeRequests handled", [MODEL_LABEL, "status"])
+        self.prompt_tokens = Counter(
+            "rs_tokenizer_prompt_tokens", "prompt tokens forwarded to workers", [MODEL_LABEL]
+        ).labels(model_name)
+
+    def count_request(self, status: str) -> None:
+        self._requests.labels(self.model_name, status).inc()
 
 
 class TokenizerService(Service):
@@ -52,7 +65,7 @@ class TokenizerService(Service):
         self.config = config
         self.bus: Bus | None = None
         self.prompts: PromptTokenizer | None = None
-        self.metrics = TokenizerMetrics()
+        self.metrics: TokenizerMetrics | None = None  # made in start(), once the model is known
         self._metrics_server: MetricsServer | None = None
 
     async def start(self) -> None:
@@ -61,6 +74,7 @@ class TokenizerService(Service):
         self.prompts = await asyncio.to_thread(
             PromptTokenizer.load, cfg.model_path, cfg.context_length, cfg.tokenizer_path, cfg.chat_template, cfg.revision
         )
+        self.metrics = TokenizerMetrics(await asyncio.to_thread(model_label, cfg.model_path))
         await self.bus.subscribe(
             self.bus.subjects.tokenize, (TokenizeRequest,), self._on_request, queue=cfg.queue_group
         )
@@ -75,7 +89,7 @@ class TokenizerService(Service):
         )
 
     async def _on_request(self, req: TokenizeRequest, raw: Msg) -> None:
-        assert self.bus is not None and self.prompts is not None
+        assert self.bus is not None and self.prompts is not None and self.metrics is not None
         started = time.perf_counter()
         if not is_subject_token(req.gateway_id):
             logger.warning("dropped request %s: gateway_id %r is not a subject token", req.rid, req.gateway_id)
@@ -92,11 +106,11 @@ class TokenizerService(Service):
             await self.bus.publish(self.bus.subjects.worker_requests(req.worker_id), out)
         except (ValueError, PayloadTooLarge) as exc:
             # PayloadTooLarge is a ValueError too: a prompt too big for NATS is the client's error.
-            self.metrics.requests.labels(status="error").inc()
+            self.metrics.count_request("error")
             logger.info("request %s refused: %s", req.rid, exc)
             await publish_error(self.bus, req.gateway_id, req.rid, str(exc))
         else:
-            self.metrics.requests.labels(status="ok").inc()
+            self.metrics.count_request("ok")
             self.metrics.prompt_tokens.inc(len(out.input_ids))
         finally:
             self.metrics.latency.observe(time.perf_counter() - started)

@@ -114,6 +114,6 @@ class OutputBatcher:
             item.finish = Finish(type=reason.type, matched=reason.matched, message=reason.message, status=reason.status)
             item.usage = Usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens,
                                final.spec_accept_length, final.spec_accept_rate)
-            self.metrics.requests.labels(status=reason.type).inc()
+            self.metrics.count_request(reason.type)
             self.metrics.observe_final(final)
         return item

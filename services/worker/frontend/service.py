@@ -106,7 +106,7 @@ class WorkerService(Service):
         self.client: SchedulerClient | None = None
         self._make_stream = detokenizer
         self.stream: StepSink | None = None
-        self.metrics = WorkerMetrics(config.engine.speculative_num_draft_tokens)
+        self.metrics = WorkerMetrics(config.model_name, config.engine.speculative_num_draft_tokens)
         self.batcher = OutputBatcher(self.worker_id, self.metrics)
         # This process's id: a worker restarted under the same worker id has a new one, so gateways
         # know the requests they sent to the old process are lost.
@@ -377,17 +377,14 @@ class WorkerService(Service):
             tp_size=self.config.engine.tp_size,
             device=raw["device"],
         )
-        self.metrics.running.set(info.num_running)
-        self.metrics.waiting.set(info.num_waiting)
-        self.metrics.kv_usage.set(info.kv_in_use / max(1, info.max_total_tokens))
-        self.metrics.cache_hit_rate.set(info.cache_hit_rate)
+        self.metrics.observe_info(raw, time.monotonic())
         return info
 
     # ---- NATS -> scheduler ----------------------------------------------------------------------
 
     async def _refuse(self, gateway_id: str, rid: str, message: str, status: int | None = None) -> None:
         assert self.bus is not None
-        self.metrics.requests.labels(status="error").inc()
+        self.metrics.count_request("error")
         await publish_error(self.bus, gateway_id, rid, message, status)
 
     async def _on_generate(self, msg: GenerateRequest, raw: Msg) -> None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # What a final output adds to a step's tokens.
 _FINAL_FIELDS = (
     "finished_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "spec_accept_length",
-    "spec_accept_rate", "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens",
+    "spec_accept_rate", "spec_verify_steps", "spec_proposed_tokens", "spec_accepted_tokens", "queue_time",
 )
 
 
@@ -44,6 +44,8 @@ class ReqOutput:
     spec_verify_steps: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Seconds from arrival at the worker to the first scheduled step (None: never scheduled).
+    queue_time: float | None = None
 
     def take_final(self, final: ReqOutput) -> None:
         """Give this step's output the final state (finish, usage, speculation) of `final`."""
@@ -68,6 +70,7 @@ class ReqOutput:
             and self.spec_verify_steps == 0
             and self.spec_proposed_tokens == 0
             and self.spec_accepted_tokens == 0
+            and self.queue_time is None
         )
 
 
@@ -111,6 +114,7 @@ def final_output(req: Req) -> ReqOutput:
         spec_verify_steps=req.spec_verify_steps,
         spec_proposed_tokens=req.spec_proposed_tokens,
         spec_accepted_tokens=req.spec_accepted_tokens,
+        queue_time=req.queue_time,
     )
 
 

@@ -7,6 +7,7 @@ through `last_node`), the rest are the request's own until it is cached or freed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,10 @@ class Req:
         # Prompt tokens served from the cache at first admission (reported as cached_tokens).
         self.cached_tokens: int | None = None
         self.num_retractions = 0
+        # When the request reached the worker (monotonic, the same clock in a scheduler process), and
+        # the seconds from then to its first scheduled step (set at first admission; the queue time).
+        self.arrival_time = time.monotonic()
+        self.queue_time: float | None = None
         # Tokens sampled by launched steps but not yet read back (overlap scheduling: 0 or 1).
         self.num_inflight = 0
         # Speculative decoding: this request's decode steps, and the draft tokens proposed to and
