@@ -117,6 +117,12 @@ class Req:
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def mark_admitted(self) -> None:
+        """Its first admission to a batch: how long it waited in the queue, and how many of its prompt
+        tokens the prefix cache gave it."""
+        self.queue_time = time.monotonic() - self.arrival_time
+        self.cached_tokens = len(self.prefix_indices)
+
     def finished(self) -> bool:
         return self.finished_reason is not None
 

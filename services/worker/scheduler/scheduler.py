@@ -8,7 +8,6 @@ same inputs, so they take the same decisions without talking.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -319,11 +318,9 @@ class Scheduler:
             return None
         admitted_ids = {id(r) for r in admitted}
         self.waiting = [r for r in self.waiting if id(r) not in admitted_ids]
-        now = time.monotonic()
         for req in admitted:
             if req.cached_tokens is None:
-                req.queue_time = now - req.arrival_time
-                req.cached_tokens = len(req.prefix_indices)
+                req.mark_admitted()
                 self.stats.prompt_tokens += len(req.origin_input_ids)
                 self.stats.cached_tokens += len(req.prefix_indices)
         self.chunked_req = adder.new_chunked_req
