@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 import httpx
 import pytest
 
@@ -32,6 +33,14 @@ from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
 
 if TYPE_CHECKING:
     from services.worker.frontend.engine import Engine
+
+# anyio imports its API lazily, on first use, and pytest rewrites anyio's modules (it is a pytest
+# plugin), so the first FileResponse a gateway thread serves would parse anyio._core._fileio in that
+# thread while the main thread may be parsing too; CPython 3.11's parser is not safe for that
+# ("SystemError: AST constructor recursion depth mismatch", seen once in CI on GET /playground).
+# Resolving every lazy name here, once, in the main thread, takes those imports out of the threads.
+for _name in dir(anyio):
+    getattr(anyio, _name)
 
 
 @pytest.fixture(scope="session")
