@@ -1,3 +1,4 @@
+# Over 400 lines: every message of the services' wire contract in one place, read whole by each service and by docs/API.md.
 """Every message radixserve services exchange over NATS, as msgspec Structs (msgpack on the wire).
 
 Subjects (prefix `rs` by default, configurable so deployments can share one NATS):

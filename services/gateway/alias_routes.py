@@ -14,16 +14,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from services.gateway.native_api import (
-    HEALTH_RESPONSES,
-    VERSION,
-    detokenize,
-    get_model_info,
-    get_server_info,
-    health,
-    tokenize,
-)
+from services.gateway.native_api import HEALTH_RESPONSES, VERSION, get_model_info, get_server_info, health
 from services.gateway.openapi import GUARDED, WITH_BODY, responses
+from services.gateway.tokenize_api import detokenize, tokenize
 
 router = APIRouter(tags=["aliases"])
 

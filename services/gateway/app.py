@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway import alias_routes, native_api, openai_api
+from services.gateway import alias_routes, native_api, openai_api, tokenize_api
 from services.gateway.auth import ApiKeyAuth
 from services.gateway.cors import Cors
 from services.gateway.dispatch import Dispatcher
@@ -305,7 +305,7 @@ def fastapi_app(dispatcher: Dispatcher) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    routers = (openai_api.router, native_api.router, alias_routes.router, playground_router)
+    routers = (openai_api.router, native_api.router, tokenize_api.router, alias_routes.router, playground_router)
     for router in routers:
         app.include_router(router)
     routes = [r for router in routers for r in router.routes if isinstance(r, APIRoute)]

@@ -29,11 +29,9 @@ from services.gateway.generate_spec import (
     MAX_TOP_LOGPROBS,
     GenerateSpec,
     check_token_ids,
-    validate_template_kwargs,
 )
 from services.gateway.http_streaming import routing_headers, sse, start_stream, unless_disconnected
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.openai_protocol import ChatMessageIn
 from services.gateway.openapi import GENERATION, GUARDED, WITH_BODY, plain_text, probe, responses
 from services.gateway.request_body import (
     ID_PROMPTS,
@@ -42,13 +40,11 @@ from services.gateway.request_body import (
     Count,
     RequestBody,
     SamplingValues,
-    TemplateKwargs,
-    TokenId,
     logit_bias_ids,
     not_null,
 )
 from services.gateway.streams import RequestStream
-from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut, TextTokenize
+from shared.protocol import PROTOCOL_VERSION, Sampling, StreamOut
 from shared.sampling_params import INT32_MAX
 
 router = APIRouter(tags=["native"])
@@ -222,61 +218,6 @@ async def _chunks(streams: list[RequestStream], single: bool, want_lp: bool, out
         if not single:
             item["index"] = index
         yield sse(item)
-
-
-class TokenizeBody(RequestBody):
-    """POST /tokenize (vLLM's shape): a `prompt` or chat `messages`."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={
-        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
-        "if": {"properties": {"chat_template_kwargs": {"type": "object", "minProperties": 1}},
-               "required": ["chat_template_kwargs"]},
-        "then": {"required": ["messages"]}})
-
-    model: str | None = None
-    prompt: Annotated[str | None, WithJsonSchema({"type": "string"})] = None
-    messages: Annotated[list[ChatMessageIn] | None, WithJsonSchema(
-        {"type": "array", "items": {"$ref": "#/components/schemas/ChatMessageIn"}, "minItems": 1})] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    chat_template_kwargs: TemplateKwargs | None = None
-    tools: list[dict[str, Any]] | None = None
-
-    _present = field_validator("prompt", "messages", mode="before")(not_null)
-
-
-class DetokenizeBody(RequestBody):
-    """POST /detokenize: token ids back to text."""
-
-    model: str | None = None
-    tokens: list[TokenId]
-
-
-@router.post("/tokenize", responses=responses(*WITH_BODY, 404))
-async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-    """The ids the model gets for a prompt, or for chat messages through its chat template."""
-    if (body.prompt is None) == (body.messages is None):
-        raise bad_request("give exactly one of prompt or messages", "prompt")
-    if body.messages is not None and not body.messages:
-        raise bad_request("messages must not be empty", "messages")
-    validate_template_kwargs(body.chat_template_kwargs, has_messages=body.messages is not None)
-    messages = [m.message(i) for i, m in enumerate(body.messages)] if body.messages is not None else None
-    msg = TextTokenize(
-        v=PROTOCOL_VERSION, text=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,
-        add_generation_prompt=body.add_generation_prompt, chat_template_kwargs=body.chat_template_kwargs or None,
-        tools=body.tools or None,
-    )
-    answer = await dispatcher_of(request).tokenize_text(body.model, msg)
-    ids = answer.input_ids or []
-    return {"count": len(ids), "max_model_len": answer.context_len, "tokens": ids}
-
-
-@router.post("/detokenize", responses=responses(*WITH_BODY, 404))
-async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
-    """The text of token ids (special tokens included)."""
-    check_token_ids(body.tokens, "tokens")
-    answer = await dispatcher_of(request).tokenize_text(body.model, TextTokenize(v=PROTOCOL_VERSION, input_ids=body.tokens))
-    return {"prompt": answer.text or ""}
 
 
 HEALTH_RESPONSES = probe("Connected to NATS", "NATS is disconnected")
