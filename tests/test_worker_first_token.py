@@ -29,7 +29,7 @@ SEND_S = 0.2  # how long the scripted publish takes
 @pytest.fixture(autouse=True)
 def private_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     real = worker_service.WorkerMetrics
-    monkeypatch.setattr(worker_service, "WorkerMetrics", lambda k: real(k, registry=CollectorRegistry()))
+    monkeypatch.setattr(worker_service, "WorkerMetrics", lambda *args: real(*args, registry=CollectorRegistry()))
     # Ample for the scripted publish (the service's own bound is milliseconds), except where a test sets it.
     monkeypatch.setattr(worker_service, "FIRST_TOKEN_WAIT_S", 10 * SEND_S)
 
@@ -40,7 +40,7 @@ def run_steps(steps: list[list[ReqOutput]], await_first_tokens: bool, send_s: fl
     events: list[tuple[str, float]] = []
 
     async def main() -> None:
-        service = WorkerService(WorkerServiceConfig(worker_id="w"))
+        service = WorkerService(WorkerServiceConfig(worker_id="w", served_model_name="tiny"))
         service._loop = asyncio.get_running_loop()
         service._loop_thread = threading.get_ident()
         service._await_first_tokens = await_first_tokens
