@@ -2,7 +2,9 @@
 compose-spec JSON schema always) and says what the deployment needs: NATS with auth and 8 MB messages,
 the same login for every service, health checks and healthy dependencies, scalable services, GPU
 workers behind a profile, the models volume where the images look for models, and provisioned
-monitoring. Whether its commands and variables really run is tests/test_deploy_wiring.py's subject.
+monitoring, and RS_ALLOWED_ORIGINS passed to the gateway (CORS, off unless set: a gateway given the
+file's environment answers preflights of those origins only). Whether its commands and variables
+really run is tests/test_deploy_wiring.py's subject.
 tests/data/compose_spec.json is the compose-spec schema as docker-compose 1.29 ships it (Apache-2.0)."""
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import jsonschema
 import pytest
 import yaml
 
+from shared.natsd import NatsServer
+from tests.cors_helpers import allows, deployed_gateway, preflight, refuses
 from tests.deploy_helpers import (
     COMPOSE_FILE,
     COMPOSE_SERVICES,
@@ -30,6 +34,7 @@ from tests.deploy_helpers import (
 from tests.services_helpers import REPO_ROOT
 
 ENV = {"RS_NATS_PASSWORD": "compose-test-password", "RS_API_KEY": "compose-test-key"}
+APP, OTHER = "https://app.example.com", "https://evil.example.net"
 SCALED = ("gateway", "tokenizer", "worker")
 
 
@@ -125,6 +130,19 @@ def test_the_scaled_services_have_no_fixed_names_or_host_ports(compose: dict[str
     gateway_env = compose_environment(compose["services"]["gateway"])
     assert f"http://gateway:{gateway_env['RS_PORT']}" in nginx and f"grpc://gateway:{gateway_env['RS_GRPC_PORT']}" in nginx
     assert "resolver 127.0.0.11" in nginx  # re-resolved, so new replicas join
+
+
+def test_allowed_origins_reach_the_gateway_and_only_they_pass_a_preflight(nats: NatsServer) -> None:
+    default = compose_environment(load_compose(ENV)["services"]["gateway"])
+    assert default["RS_ALLOWED_ORIGINS"] == ""  # unset: CORS off
+    origins = f"{APP},http://localhost:3000"
+    env = compose_environment(load_compose({**ENV, "RS_ALLOWED_ORIGINS": origins})["services"]["gateway"])
+    assert env["RS_ALLOWED_ORIGINS"] == origins
+    with deployed_gateway(nats.url, env) as gateway:
+        assert allows(preflight(gateway.url, APP), APP)
+        assert refuses(preflight(gateway.url, OTHER))
+    with deployed_gateway(nats.url, default) as gateway:
+        assert refuses(preflight(gateway.url, APP))
 
 
 def test_gpu_workers_are_a_profile_reserving_nvidia_devices(compose: dict[str, Any]) -> None:

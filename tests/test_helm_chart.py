@@ -2,7 +2,8 @@
 one GPU worker with tp=2, scaled out with an Ingress and API keys): Helm's lint finds no error, every
 object is valid against Kubernetes' schemas, and the objects say what the deployment needs (GPU
 requests, env that the services read, probes, secrets referenced and never inlined, the gateway alone
-open to the outside)."""
+open to the outside, gateway.allowedOrigins in the gateway's RS_ALLOWED_ORIGINS: a gateway given its
+environment answers preflights of those origins only)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
+from shared.natsd import NatsServer
+from tests.cors_helpers import allows, deployed_gateway, preflight, refuses
 from tests.helm_helpers import (
     CHART,
     FULLNAME,
@@ -28,6 +31,7 @@ from tests.wiring_helpers import env_names
 SETS = ("defaults", "cpu-demo", "gpu-tp2", "scaled")
 KUBERNETES = "1.37.0"
 SUBCOMMANDS = {"gateway", "tokenizer", "worker", "detokenizer"}
+APP, OTHER = "https://app.example.com", "https://evil.example.net"
 
 
 @pytest.fixture(scope="module", params=SETS)
@@ -221,6 +225,23 @@ def test_each_disruption_budget_sets_one_bound(rendered: tuple[str, list[dict[st
     assert budgets
     for pdb in budgets:
         assert len({"minAvailable", "maxUnavailable"} & set(pdb["spec"])) == 1, pdb["spec"]
+
+
+def gateway_env(values: dict[str, Any]) -> dict[str, str]:
+    """The gateway container's environment as the chart renders it for `values` (secrets left out)."""
+    env = env_of(container(find(render_chart(values), "Deployment", "gateway"), "gateway"))
+    return {name: entry["value"] for name, entry in env.items() if "value" in entry}
+
+
+def test_allowed_origins_reach_the_gateway_and_only_they_pass_a_preflight(nats: NatsServer) -> None:
+    assert "RS_ALLOWED_ORIGINS" not in gateway_env({})  # unset: CORS off
+    assert gateway_env({"gateway": {"allowedOrigins": f"{APP},http://localhost:3000"}})["RS_ALLOWED_ORIGINS"] == (
+        f"{APP},http://localhost:3000")
+    env = gateway_env({"gateway": {"allowedOrigins": [APP, "http://localhost:3000"]}})
+    assert env["RS_ALLOWED_ORIGINS"] == f"{APP},http://localhost:3000"
+    with deployed_gateway(nats.url, env) as gateway:
+        assert allows(preflight(gateway.url, APP), APP)
+        assert refuses(preflight(gateway.url, OTHER))
 
 
 def test_bad_values_are_refused_with_a_message() -> None:
