@@ -378,6 +378,8 @@ class NatsGenerateRequest(msgspec.Struct, tag="nats_generate", omit_defaults=Tru
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the prompt's log-probs from this position on (SGLang's; None or -1: none).
+    logprob_start_len: int | None = None
     stream: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # with messages: extra chat template variables
     timeout: float | None = None  # seconds the request may take; past it, it is aborted (error 504)
@@ -392,6 +394,10 @@ class NatsGenerateChunk(msgspec.Struct, tag="nats_chunk", omit_defaults=True):
     text: str = ""
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] | None = None
+    # With logprob_start_len k, once (on the chunk that ends the prefill; not streamed: the final): prompt
+    # tokens k .. n-1 and their log-probs, the first None.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
     final: bool = False
     finish: Finish | None = None
     prompt_tokens: int = 0

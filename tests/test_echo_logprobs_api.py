@@ -1,10 +1,13 @@
 """Prompt log-probs through a real `radixserve up` on a tiny seeded Qwen3: `/v1/completions` with
 `echo` (and `logprobs`) through the official `openai` client and raw SSE, and the native `/generate`
 with `return_logprob` + `logprob_start_len` over raw HTTP. The prompt's log-probs equal the offline
-Engine's (which tests/test_prompt_logprobs.py holds to transformers)."""
+Engine's (which tests/test_prompt_logprobs.py holds to transformers); the gRPC door's and the NATS
+front door's (with `logprob_start_len` too) equal the native door's, and each door refuses a start
+below -1 or past the prompt's end with its own kind of error."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -12,18 +15,25 @@ import re
 import signal
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+import msgspec
+import nats
 import openai
 import pytest
 
+from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from services.worker.frontend.engine import Engine
+from shared.protocol import PROTOCOL_VERSION, NatsGenerateChunk, NatsGenerateRequest, Sampling, encode
 from tests.services_helpers import start_up
 
 PROMPT = "hello there, general"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
 
 
 def free_port() -> int:
@@ -42,19 +52,36 @@ def offline(qwen3_path: Path) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class Up:
+    """The three doors of one `radixserve up`."""
+
+    url: str
+    grpc_target: str
+    nats: dict[str, str]  # the NATS front door's client login, as `up` wrote it: url, user, password, namespace
+
+
 @pytest.fixture(scope="module")
-def url(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def up(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     tmp = tmp_path_factory.mktemp("echo_up")
+    # An address nothing answers on, so that `up` starts its own nats-server.
     env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    grpc_port = free_port()
     proc = start_up([
         "--model-path", str(qwen3_path), "--served-model-name", "tiny", "--max-total-tokens", "2048",
-        "--port", str(free_port()), "--grpc-port", str(free_port()), "--run-dir", str(tmp / "run"),
+        "--port", str(free_port()), "--grpc-port", str(grpc_port), "--run-dir", str(tmp / "run"),
     ], env, tmp / "up.out")
     try:
-        yield re.search(r"radixserve is up: (http://\S+)", (tmp / "up.out").read_text()).group(1)
+        url = re.search(r"radixserve is up: (http://\S+)", (tmp / "up.out").read_text()).group(1)
+        yield Up(url, f"127.0.0.1:{grpc_port}", json.loads((tmp / "run" / "nats-client.json").read_text()))
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def url(up: Up) -> str:
+    return up.url
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +188,101 @@ def test_token_id_prompts_echo_their_text_as_lm_eval_asks(client: openai.OpenAI,
                                       extra_body={"ignore_eos": True})
     assert plain.choices[0].text == texts[0] + offline["text"][: len(plain.choices[0].text) - len(texts[0])]
     assert plain.choices[0].logprobs is None
+
+
+# ---- the gRPC door and the NATS front door ------------------------------------------------------
+
+
+def native_prompt_logprobs(url: str, ids: list[int], start: int) -> dict[str, Any]:
+    """The native door's meta_info for `ids` with the prompt's log-probs and top-2 from `start`."""
+    body = {"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": 3}, "return_logprob": True,
+            "top_logprobs_num": 2, "logprob_start_len": start}
+    reply = httpx.post(f"{url}/generate", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def grpc_generate(up: Up, max_new_tokens: int = 3, **fields: Any) -> list[Any]:
+    sampling = radixserve_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(up.grpc_target) as channel:
+        stub = radixserve_pb2_grpc.RadixServeStub(channel)
+        return list(stub.Generate(radixserve_pb2.GenerateRequest(sampling_params=sampling, **fields), timeout=60))
+
+
+def nats_generate(up: Up, **fields: Any) -> list[NatsGenerateChunk]:
+    """What a client of the NATS front door, logged in as `up` wrote, receives up to the final chunk."""
+    request = NatsGenerateRequest(v=PROTOCOL_VERSION, sampling=Sampling(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                                  **fields)
+
+    async def ask() -> list[NatsGenerateChunk]:
+        nc = await nats.connect(up.nats["url"], user=up.nats["user"], password=up.nats["password"])
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(f"{up.nats['namespace']}.v1.generate", encode(request), reply=inbox)
+            chunks = [CHUNK.decode((await sub.next_msg(timeout=60)).data)]
+            while not chunks[-1].final:
+                chunks.append(CHUNK.decode((await sub.next_msg(timeout=60)).data))
+            return chunks
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize(("start", "form"), [(0, "text"), (3, "input_ids")])
+def test_grpc_returns_the_native_doors_prompt_logprobs(up: Up, offline: dict[str, Any], start: int, form: str) -> None:
+    ids = offline["prompt_ids"]
+    native = native_prompt_logprobs(up.url, ids, start)
+    prompt = {"text": PROMPT} if form == "text" else {"input_ids": radixserve_pb2.TokenIds(ids=ids)}
+    responses = grpc_generate(up, **prompt, return_logprob=True, top_logprobs_num=2, logprob_start_len=start)
+    (listed,) = [r for r in responses if r.prompt_logprobs]  # once, with the first token
+    assert listed is responses[0] and list(listed.token_ids) == native["output_ids"][:1]
+    entries = listed.prompt_logprobs
+    want = native["meta_info"]["input_token_logprobs"]
+    assert [e.token_id for e in entries] == [t for _, t, _ in want] == ids[start:]
+    assert not entries[0].HasField("logprob") and not entries[0].top_logprobs
+    assert all(close(e.logprob, w[0]) for e, w in zip(entries[1:], want[1:], strict=True))
+    for entry, step in zip(entries[1:], native["meta_info"]["input_top_logprobs"][1:], strict=True):
+        assert [c.token_id for c in entry.top_logprobs] == [t for _, t, _ in step]
+        assert all(close(c.logprob, v) for c, (v, _, _) in zip(entry.top_logprobs, step, strict=True))
+    assert [t for r in responses for t in r.token_ids] == native["output_ids"] == offline["output_ids"]
+    plain = grpc_generate(up, text=PROMPT, return_logprob=True)  # no logprob_start_len: none
+    assert not [r for r in plain if r.prompt_logprobs] and [lp.token_id for r in plain for lp in r.logprobs]
+    (alone,) = grpc_generate(up, max_new_tokens=0, **prompt, return_logprob=True, logprob_start_len=start)
+    assert alone.final and not alone.token_ids and [e.token_id for e in alone.prompt_logprobs] == ids[start:]
+    assert all(close(e.logprob, w[0]) for e, w in zip(alone.prompt_logprobs[1:], want[1:], strict=True))
+
+
+def test_grpc_refuses_a_start_below_minus_one_or_past_the_prompt(up: Up, offline: dict[str, Any]) -> None:
+    ids = offline["prompt_ids"]
+    for start in (-2, len(ids)):
+        with pytest.raises(grpc.RpcError) as caught:
+            grpc_generate(up, input_ids=radixserve_pb2.TokenIds(ids=ids), return_logprob=True, logprob_start_len=start)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "logprob_start_len" in caught.value.details(), caught.value.details()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_nats_front_door_returns_the_native_doors_prompt_logprobs(up: Up, offline: dict[str, Any], stream: bool) -> None:
+    ids, start = offline["prompt_ids"], 2
+    native = native_prompt_logprobs(up.url, ids, start)
+    chunks = nats_generate(up, text=PROMPT, return_logprob=True, logprob_start_len=start, stream=stream)
+    assert chunks[-1].error is None
+    (listed,) = [c for c in chunks if c.prompt_logprobs is not None]
+    # Streamed: on the chunk with the first token; not streamed: on the one final.
+    assert listed is chunks[0] and listed.token_ids[:1] == native["output_ids"][:1] and listed.final is not stream
+    want = native["meta_info"]["input_token_logprobs"]
+    assert listed.prompt_token_ids == [t for _, t, _ in want] == ids[start:]
+    assert listed.prompt_logprobs[0] is None
+    assert all(close(a, w[0]) for a, w in zip(listed.prompt_logprobs[1:], want[1:], strict=True))
+    assert [t for c in chunks for t in c.token_ids] == native["output_ids"]
+    assert [v for c in chunks for v in c.logprobs or []] == pytest.approx(
+        [v for v, _, _ in native["meta_info"]["output_token_logprobs"]], rel=1e-4, abs=1e-4)
+
+
+def test_the_nats_front_door_refuses_a_start_below_minus_one_or_past_the_prompt(up: Up, offline: dict[str, Any]) -> None:
+    ids = offline["prompt_ids"]
+    for start in (-2, len(ids)):
+        chunks = nats_generate(up, input_ids=ids, return_logprob=True, logprob_start_len=start)
+        assert chunks[-1].final and chunks[-1].error.startswith("400: ") and "logprob_start_len" in chunks[-1].error, chunks

@@ -81,6 +81,19 @@ def test_generate_from_token_ids_and_chat_with_logprobs(stub: Any) -> None:
     assert [c.token_id for c in logprobs[0].top_logprobs] == [0]
 
 
+def test_logprob_start_len_reaches_the_tokenizer_and_a_bad_one_is_invalid_argument(stub: Any, pipeline: FakePipeline) -> None:
+    """Set, it goes on with the request; unset or -1, the request asks for no prompt log-probs; below -1
+    it is refused at the door. (Past the prompt's end only the worker can tell: tests/test_echo_logprobs_api.py.)"""
+    for rid, fields in (("g-start", {"logprob_start_len": 2}), ("g-unset", {}), ("g-none", {"logprob_start_len": -1})):
+        list(stub.Generate(request(text="a b c", rid=rid, return_logprob=True, **fields), timeout=10))
+    sent = {r.rid: r.logprob_start_len for r in pipeline.requests if r.rid in ("g-start", "g-unset", "g-none")}
+    assert sent == {"g-start": 2, "g-unset": None, "g-none": None}
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(request(text="a b c", return_logprob=True, logprob_start_len=-2), timeout=10))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "`logprob_start_len` must be an integer >= -1, got -2"
+
+
 def test_stop_string_and_length_finishes(stub: Any) -> None:
     stopped = list(stub.Generate(request(text="a b c", sampling_params=radixserve_pb2.SamplingParams(stop=["b"])), timeout=10))
     assert stopped[-1].finish.matched_text == "b"

@@ -90,6 +90,17 @@ def test_a_grammar_reaches_the_worker_and_a_bad_one_is_an_error_final(
     assert bad[-1].final and bad[-1].error.startswith("400: regex cannot be compiled")
 
 
+def test_logprob_start_len_reaches_the_tokenizer_and_a_bad_one_is_an_error_final(
+    nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
+) -> None:
+    """(Past the prompt's end only the worker can tell: tests/test_echo_logprobs_api.py.)"""
+    chunks = run_in_new_loop(generate(nats.url, request(text="a b", rid="n-start", return_logprob=True, logprob_start_len=1)))
+    assert chunks[-1].error is None
+    assert next(r for r in pipeline.requests if r.rid == "n-start").logprob_start_len == 1
+    bad = run_in_new_loop(generate(nats.url, request(text="a b", return_logprob=True, logprob_start_len=-2)))
+    assert bad[-1].final and bad[-1].error == "400: `logprob_start_len` must be an integer >= -1, got -2"
+
+
 def test_unstreamed_request_gets_one_final_with_the_whole_text(nats: NatsServer, gateways: list[GatewayThread]) -> None:
     chunks = run_in_new_loop(
         generate(nats.url, request(text="all at once", stream=False, sampling=Sampling(max_new_tokens=2)))
@@ -151,7 +162,7 @@ def test_a_request_states_every_field_of_its_generation() -> None:
     """Every field of a request on the front door but the protocol version reaches its GenerateSpec."""
     assert set(NatsGenerateRequest.__struct_fields__) - {f.name for f in dataclasses.fields(GenerateSpec)} == {"v"}
     fields = dict(sampling=Sampling(seed=3), messages=[ChatMessage("user", "hi")], model="m", rid="r", return_logprob=True,
-                  top_logprobs_num=2, stream=False, chat_template_kwargs={"enable_thinking": False}, timeout=5.0)
+                  top_logprobs_num=2, logprob_start_len=1, stream=False, chat_template_kwargs={"enable_thinking": False}, timeout=5.0)
     assert spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, **fields)) == GenerateSpec(**fields)
     ids = spec_from_nats(NatsGenerateRequest(v=PROTOCOL_VERSION, input_ids=[1, 2], text=None))
     assert ids == GenerateSpec(sampling=Sampling(), input_ids=[1, 2])

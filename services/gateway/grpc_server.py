@@ -1,8 +1,9 @@
 """The gateway's gRPC API (proto/radixserve.proto), the standard grpc.health.v1 service and server
 reflection.
 
-Generate streams one GenerateResponse per output step, the last with final = true. Errors are gRPC
-statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
+Generate streams one GenerateResponse per output step, the last with final = true; a request with
+logprob_start_len gets its prompt's log-probs (prompt_logprobs) on the one that ends the prefill.
+Errors are gRPC statuses mapped from the HTTP ones (400 INVALID_ARGUMENT, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED,
 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED; with API keys 401 UNAUTHENTICATED, 403 PERMISSION_DENIED for a
 user key's Abort of another key's request, 429 RESOURCE_EXHAUSTED); a request that does not parse (bad
 UTF-8 in a string) is INVALID_ARGUMENT too. A cancelled call (client gone, deadline) aborts its
@@ -86,6 +87,7 @@ def spec_from_proto(request: Any) -> GenerateSpec:
         rid=request.rid or None,
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num,
+        logprob_start_len=request.logprob_start_len if request.HasField("logprob_start_len") else None,
     )
 
 
@@ -96,6 +98,15 @@ def response_from(rid: str, out: StreamOut) -> Any:
         entry = response.logprobs.add(token_id=token_id, logprob=logprob)
         for candidate in tops[i] if i < len(tops) else []:
             entry.top_logprobs.add(token_id=candidate.token_id, logprob=candidate.logprob)
+    prompt = out.logprobs.prompt if out.logprobs is not None else None
+    if prompt is not None:
+        prompt_tops = prompt.top or []
+        for i, (token_id, logprob) in enumerate(zip(prompt.token_ids, prompt.values)):
+            entry = response.prompt_logprobs.add(token_id=token_id)
+            if logprob is not None:  # the first token listed has none
+                entry.logprob = logprob
+            for candidate in (prompt_tops[i] if i < len(prompt_tops) else None) or []:
+                entry.top_logprobs.add(token_id=candidate.token_id, logprob=candidate.logprob)
     if out.finish is not None:
         response.final = True
         response.finish.type = out.finish.type

@@ -3,7 +3,9 @@
 `{p}.v1.generate` (queue group "gateway": one gateway takes each request): a NatsGenerateRequest with
 a reply inbox. Replies go to that inbox: NatsGenerateChunk text deltas (stream=True) and always a last
 chunk with final=True carrying finish and usage (and, with speculative decoding, spec_accept_length and
-spec_accept_rate), or `error` (with the HTTP-style status in its text).
+spec_accept_rate), or `error` (with the HTTP-style status in its text). With return_logprob and
+logprob_start_len, one chunk (the one that ends the prefill; not streamed, the final) also carries the
+prompt's tokens from that position on and their log-probs (prompt_token_ids, prompt_logprobs).
 `{p}.v1.abort` (every gateway hears it, no queue group; the one that holds the request aborts it):
 NatsAbort(rid). A message that does not decode is logged and answered with an error final when it
 has a reply inbox; the front door keeps serving.
@@ -40,6 +42,7 @@ from shared.protocol import (
     NatsAbort,
     NatsGenerateChunk,
     NatsGenerateRequest,
+    PromptLogprobs,
     decoder,
     usage_fields,
 )
@@ -157,18 +160,20 @@ class NatsFrontDoor:
         whole = Completion(stream.rid)
         async for out in stream.outputs():
             whole.add(out)
-            if request.stream and out.finish is None and (out.text or out.token_ids):
+            prompt = out.logprobs.prompt if out.logprobs is not None else None
+            if request.stream and out.finish is None and (out.text or out.token_ids or prompt is not None):
                 chunk = NatsGenerateChunk(
                     v=PROTOCOL_VERSION, rid=stream.rid, text=out.text, token_ids=out.token_ids,
-                    logprobs=out.logprobs.values if out.logprobs is not None else None,
+                    logprobs=out.logprobs.values if out.logprobs is not None else None, **prompt_fields(prompt),
                 )
                 await self._reply(raw, chunk)
             elif out.finish is not None:
                 final: dict[str, Any] = (
                     {"text": out.text, "token_ids": out.token_ids,
-                     "logprobs": out.logprobs.values if out.logprobs is not None else None}
+                     "logprobs": out.logprobs.values if out.logprobs is not None else None, **prompt_fields(prompt)}
                     if request.stream
-                    else {"text": whole.text, "token_ids": whole.token_ids, "logprobs": whole.logprobs or None}
+                    else {"text": whole.text, "token_ids": whole.token_ids, "logprobs": whole.logprobs or None,
+                          **prompt_fields(whole.prompt_logprobs)}
                 )
                 await self._reply(
                     raw,
@@ -191,6 +196,13 @@ _CARRIED = tuple(f.name for f in dataclasses.fields(GenerateSpec) if f.name in N
 def spec_from_nats(request: NatsGenerateRequest) -> GenerateSpec:
     """The generation a request on {p}.v1.generate asks for."""
     return GenerateSpec(**{f: getattr(request, f) for f in _CARRIED})
+
+
+def prompt_fields(prompt: PromptLogprobs | None) -> dict[str, Any]:
+    """A prompt's log-probs as NatsGenerateChunk's keyword arguments (none asked: no arguments)."""
+    if prompt is None:
+        return {}
+    return {"prompt_token_ids": prompt.token_ids, "prompt_logprobs": prompt.values}
 
 
 def _error(rid: str, status: int, message: str, retry_after: int | None = None) -> NatsGenerateChunk:
