@@ -320,6 +320,8 @@ def chunk_gated_delta_rule(
         C=CHUNK, SUB=16, BLOCK_K=block_k, BLOCK_V=min(64, triton.next_power_of_2(dv)), num_warps=4,
     )  # fmt: skip
     block_v = _v_block(dv, batch * hv)
+    # num_stages=1: pipelining the chunk loop's float32 loads needs 287 KB of shared memory at Dk=128,
+    # over the H200's 227 KB (seen on the GPU); the loop is latency-bound by its dots anyway.
     _chunk_scan_kernel[(batch, hv, triton.cdiv(dv, block_v))](
         q, k, gc, w, u, p, state, state_indices, cu, o,
         hv // hk, dk, dv, scale,
@@ -327,7 +329,7 @@ def chunk_gated_delta_rule(
         w.stride(0), w.stride(1), u.stride(0), u.stride(1), p.stride(0), p.stride(1), o.stride(0), o.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         L2NORM=use_qk_l2norm, DOT_PRECISION=precision,
-        C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4,
+        C=CHUNK, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=4, num_stages=1,
     )  # fmt: skip
     return o
 

@@ -22,7 +22,7 @@ from kernels.gated_delta_rule import (
 )
 from tests.kernels.conftest import rel_error
 
-HK, HV, DK, DV = 1, 2, 16, 16  # GQA: the q/k head serves two value heads
+HK, HV, DK, DV = 2, 4, 16, 16  # GQA: value heads 0, 1 read q/k head 0; heads 2, 3 read head 1
 LENS = [1, 5, 130, 64]  # chunk edges at 64 and 128
 SCALE = DK**-0.5
 
@@ -171,15 +171,9 @@ def test_gdn_bad_shapes_are_rejected(gen) -> None:
     q, k, v, g, beta = gdn_inputs(gen, 4)
     pool = state_pool(gen, 4)
     idx, cu = torch.arange(4, dtype=torch.int32), varlen([4])
-    with pytest.raises(ValueError, match="multiple of the key heads"):
-        two_heads = torch.cat((q, q), 1)  # 2 q/k heads for the 2 value heads is fine, 3 are not
-        v3, g3, b3 = (
-            torch.cat((v, v[:, :1]), 1),
-            torch.cat((g, g[:, :1]), 1),
-            torch.cat((beta, beta[:, :1]), 1),
-        )
-        fused_recurrent_gated_delta_rule_update(two_heads, two_heads, v3, g3, b3.contiguous(),
-                                                state=torch.zeros(4, 3, DK, DV), state_indices=idx, scale=SCALE)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of the key heads"):  # 3 value heads for 2 q/k heads
+        fused_recurrent_gated_delta_rule_update(q, k, v[:, :3], g[:, :3].contiguous(), beta[:, :3].contiguous(),
+                                                state=pool[:, :3], state_indices=idx, scale=SCALE)  # fmt: skip
     with pytest.raises(ValueError, match="g must be a contiguous float32"):
         chunk_gated_delta_rule(q, k, v, g.half(), beta, state=pool, state_indices=idx[:1], cu_seqlens=cu,
                                scale=SCALE)  # fmt: skip
