@@ -28,9 +28,11 @@ SCALE = DK**-0.5
 
 
 def gdn_inputs(gen: torch.Generator, tokens: int, dtype: torch.dtype = torch.float32):
-    q = torch.randn((tokens, HK, DK), generator=gen).to(dtype)
-    k = torch.randn((tokens, HK, DK), generator=gen).to(dtype)
-    v = torch.randn((tokens, HV, DV), generator=gen).to(dtype)
+    # Strided views of one fused projection, as the layer splits its conv output.
+    qkv = torch.randn((tokens, 2 * HK * DK + HV * DV), generator=gen).to(dtype)
+    q = qkv[:, : HK * DK].view(tokens, HK, DK)
+    k = qkv[:, HK * DK : 2 * HK * DK].view(tokens, HK, DK)
+    v = qkv[:, 2 * HK * DK :].view(tokens, HV, DV)
     # Mostly mild decay, with some steps strong enough to wipe the state (exp(g) underflows to 0).
     g = -F.softplus(torch.randn((tokens, HV), generator=gen)) * 0.5
     g[torch.rand((tokens, HV), generator=gen) < 0.02] = -120.0
