@@ -352,7 +352,7 @@ def _recurrent(
     if batch == 0 or q.shape[0] == 0:
         return o
     block_v = _v_block(dv, batch * hv)
-    cu = state_indices if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    cu = state_indices if cu_seqlens is None else cu_seqlens.to(torch.int32)  # Cu is unread in decode
     _recurrent_kernel[(batch, hv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, state_indices, cu, o,
         hv // hk, dk, dv, scale,
