@@ -16,8 +16,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 PROGRESS_ENV = "RS_PROGRESS"
-LINE_FORMAT = "{desc}: {percentage:3.0f}% ({n_fmt}/{total_fmt} {unit}) [{elapsed}]"
-LINE_FORMAT_NO_TOTAL = "{desc}: {n_fmt} {unit} [{elapsed}]"
+LINE_FORMAT = "{desc}: {percentage:3.0f}% ({n_fmt}/{total_fmt} {unit}) [{elapsed}]{postfix}"
+LINE_FORMAT_NO_TOTAL = "{desc}: {n_fmt} {unit} [{elapsed}]{postfix}"
 
 
 class LineProgress(tqdm):
@@ -80,3 +80,9 @@ def _is_terminal(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):  # a closed or file-less stream
         return False
+
+
+def say(message: str) -> None:
+    """Print a line to stdout (flushed, for logs) without breaking a bar drawn on the terminal."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
