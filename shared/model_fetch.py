@@ -282,9 +282,11 @@ def download_wheel(requirement: str, dest: Path, progress: bool = True) -> Path:
     collects, from where, what it saved) go to stderr as they come. Without `progress` pip is silent
     unless it fails.
     """
+    # "raw" needs pip >= 24.1 (`make setup` upgrades pip); "off" is understood by every pip.
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "--progress-bar", "raw", "-d", str(dest), requirement,
+        "--disable-pip-version-check", "--no-input", "--progress-bar", "raw" if progress else "off",
+        "-d", str(dest), requirement,
     ]  # fmt: skip
     output: list[str] = []
     bar = None

