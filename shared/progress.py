@@ -40,6 +40,9 @@ class LineProgress(tqdm):
         self.fp.flush()
         return True
 
+    def clear(self, nolock: bool = False) -> None:
+        """Nothing to erase: the lines already printed stay (tqdm.write would print a stray '\\r')."""
+
 
 def progress_enabled() -> bool:
     """False when `RS_PROGRESS=0` asks for no progress anywhere."""
