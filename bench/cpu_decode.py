@@ -46,6 +46,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from shared.model_path import resolve_model_path  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 PROMPT_LEN = 64
 NEW_TOKENS = 128
@@ -176,7 +177,7 @@ def run_case(sides: dict[str, Side], bs: int, vocab_size: int) -> dict[str, Any]
     runs: dict[str, dict[int, list[float]]] = {name: {1: [], NEW_TOKENS: []} for name in sides}
     tokens: dict[str, list[list[int]]] = {}
     loads = []
-    for _ in range(REPEATS):
+    for _ in progress_bar(range(REPEATS), desc=f"batch {bs} repeats", lines_when_piped=False, leave=False):
         # Ends on the full-length runs, whose tokens the greedy check compares.
         for new in (1, NEW_TOKENS):
             for name, side in sides.items():
@@ -242,14 +243,14 @@ def main() -> None:
         side.generate(make_prompts(2, vocab_size, seed=99), 4)
 
     results = []
-    for bs, target in CASES:
+    for bs, target in progress_bar(CASES, desc="batch sizes", lines_when_piped=False):
         r = run_case(sides, bs, vocab_size)
         r["target_ratio"] = target
         results.append(r)
-        print(f"batch {bs}: ours {r['ours']['tok_per_s']:.1f} tok/s, HF {r['hf']['tok_per_s']:.1f} tok/s "
-              f"(x{r['ratio']:.2f}); decode only: ours {r['ours']['decode_only_tok_per_s']:.1f}, "
-              f"HF {r['hf']['decode_only_tok_per_s']:.1f} (x{r['decode_only_ratio']:.2f}); "
-              f"greedy rows equal to HF: {r['greedy_rows_equal_hf']}/{bs}; load {max(r['load_averages']):.2f}")
+        say(f"batch {bs}: ours {r['ours']['tok_per_s']:.1f} tok/s, HF {r['hf']['tok_per_s']:.1f} tok/s "
+            f"(x{r['ratio']:.2f}); decode only: ours {r['ours']['decode_only_tok_per_s']:.1f}, "
+            f"HF {r['hf']['decode_only_tok_per_s']:.1f} (x{r['decode_only_ratio']:.2f}); "
+            f"greedy rows equal to HF: {r['greedy_rows_equal_hf']}/{bs}; load {max(r['load_averages']):.2f}")
     for side in sides.values():
         side.close()
 

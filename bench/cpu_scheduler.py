@@ -46,6 +46,7 @@ from services.worker.runtime.sampling.sampler import Sampler  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
 from services.worker.scheduler.schedule_batch import ScheduleBatch  # noqa: E402
 from services.worker.scheduler.scheduler import Scheduler  # noqa: E402
+from shared.progress import progress_bar  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 BATCH = 256
@@ -174,7 +175,7 @@ def bench_radix(repeats: int = 3) -> dict[str, float]:
     seqs = radix_workload()
     tokens = sum(len(s) for s in seqs)
     match_s, insert_s, hit_tokens = [], [], 0
-    for _ in range(repeats):
+    for _ in progress_bar(range(repeats), desc="radix repeats", lines_when_piped=False):
         allocator = TokenToKVPoolAllocator(tokens, "cpu")
         cache = RadixCache(ReqToTokenPool(1, 8, "cpu"), allocator)
         t_match = t_insert = 0.0
@@ -207,7 +208,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"load average {load:.2f}")
-    steps = [bench_decode_step() for _ in range(3)]
+    steps = [bench_decode_step() for _ in progress_bar(range(3), desc="decode-step runs", lines_when_piped=False)]
     decode = {key: statistics.median(s[key] for s in steps) for key in steps[0]}
     print(f"decode step at batch {BATCH} (trivial model, vocab {VOCAB}), median of 3 runs x {TIMED_STEPS} steps:")
     for key, value in decode.items():

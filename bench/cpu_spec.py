@@ -34,6 +34,7 @@ if __package__ in (None, ""):
 
 from services.worker.frontend.engine import Engine  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 NEW_TOKENS = 200
 DRAFT_TOKENS = (4, 8)
@@ -91,7 +92,7 @@ def main() -> None:
         engine.generate(input_ids=chat_prompt(plain, "Hello."), sampling_params={"max_new_tokens": 4})
 
     rows = []
-    for name, passage in PASSAGES.items():
+    for name, passage in progress_bar(PASSAGES.items(), desc="passages", total=len(PASSAGES), lines_when_piped=False):
         ids = chat_prompt(plain, passage)
         runs = {mode: timed_generate(engine, ids) for mode, engine in engines.items()}
         seconds, base = runs["plain"]
@@ -113,7 +114,7 @@ def main() -> None:
             }
             row["speedup"] = row["spec_tok_per_s"] / row["plain_tok_per_s"]
             rows.append(row)
-        print(f"{name}: {len(ids)} prompt tokens, {len(base_tokens)} generated; plain {seconds:.2f} s")
+        say(f"{name}: {len(ids)} prompt tokens, {len(base_tokens)} generated; plain {seconds:.2f} s")
     sample = runs["plain"][1]["text"]
     for engine in engines.values():
         engine.shutdown()

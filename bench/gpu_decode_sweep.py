@@ -49,6 +49,7 @@ from kernels.decode_attention import (  # noqa: E402
     kv_splits_per_request,
     max_kv_splits_for,
 )
+from shared.progress import progress_bar, say  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -109,9 +110,9 @@ def run_case(case: str, seq_lens: list[int], pools, copy_gbps: float, names: lis
     q, k_buf, v_buf, table, rows, out = sets[0]
     expect = ref.decode_attention_ref(q, k_buf, v_buf, table, rows, lens, scale)
     results = []
-    for name, (tiles, min_tokens, factor) in variants().items():
-        if names is not None and name not in names:
-            continue
+    chosen = {name: v for name, v in variants().items() if names is None or name in names}
+    for name, (tiles, min_tokens, factor) in progress_bar(chosen.items(), desc=f"{case} variants", total=len(chosen),
+                                                          lines_when_piped=False, leave=False):
         max_splits = min(64, base_splits * factor)
         part_out, part_lse = alloc_decode_partials(bs, HEADS, max_splits, HEAD_DIM, DEV)
         counters = alloc_split_counters(bs, KV_HEADS, DEV)
@@ -128,13 +129,12 @@ def run_case(case: str, seq_lens: list[int], pools, copy_gbps: float, names: lis
             err = rel_err(out, expect)
             ms = bench_ms(rotating([lambda s=s: launch(s) for s in sets]))
         except Exception as exc:  # a shape that does not compile is reported, not fatal
-            print(f"  {case} {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            say(f"  {case} {name}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
         gbps = kv_bytes / (ms * 1e-3) / 1e9
         results.append({"case": case, "variant": name, "us": ms * 1e3, "gbps": gbps,
                         "ratio": gbps / copy_gbps, "err": err, "max_splits": max_splits})  # fmt: skip
-        print(f"  {case:<16} {name:<22} {ms * 1e3:8.1f} us {gbps:7.0f} GB/s {gbps / copy_gbps:6.3f}  err {err:.1e}",
-              flush=True)  # fmt: skip
+        say(f"  {case:<16} {name:<22} {ms * 1e3:8.1f} us {gbps:7.0f} GB/s {gbps / copy_gbps:6.3f}  err {err:.1e}")
     return results
 
 

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import kernels.decode_attention as decode  # noqa: E402
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.frontend.engine import Engine  # noqa: E402
+from shared.progress import progress_bar  # noqa: E402
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
@@ -179,7 +180,8 @@ def main() -> int:
         ok &= whole == pieces
     bw = copy_bandwidth()
     rows.append(("device copy bandwidth (read+write)", f"{bw / 1e9:.0f} GB/s"))
-    for name in [m for m in args.models.split(",") if m]:
+    models = [m for m in args.models.split(",") if m]
+    for name in progress_bar(models, desc="models", lines_when_piped=False):
         path = build_checkpoint(name, torch.bfloat16)
         ceiling = bw / weight_bytes(path)
         tps = decode_speed(path, args.steps, attention_backend="triton")
@@ -202,7 +204,8 @@ def main() -> int:
             (f"tiles{t}", f"decode tiles {t}", decode.DecodeTiles.__init__, tuple(int(v) for v in t.split("/")), {})
             for t in [x for x in args.decode_tiles.split(",") if x]
         ]
-        for key, label, target, defaults, kw in variants:
+        for key, label, target, defaults, kw in progress_bar(variants, desc=f"{name} variants", lines_when_piped=False,
+                                                             leave=False):
             tps = decode_variant(path, args.steps, target, defaults, **kw)
             results[f"{name}-{key}"] = {"tok_s": tps, "ratio": tps / ceiling}
             rows.append((f"Qwen3-{name} bs1 decode, {label}", f"{tps:.1f} tok/s; ratio {tps / ceiling:.3f}"))

@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool  # noqa: E402
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from services.worker.runtime.layers.attention import RadixAttention  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "bench/out"))
 DEV = torch.device("cuda")
@@ -46,7 +47,7 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    say(f"[{time.strftime('%H:%M:%S')}] {msg}")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -146,6 +147,7 @@ def layer_level(results: dict) -> bool:
         ("extend 1x128 new, prefix 30720", [30720], [128]),
     ]
     ok = True
+    bar = progress_bar(desc="kernel cases", total=len(SHAPES) * len(cases), lines_when_piped=False)
     for model, (heads, kv_heads, head_dim) in SHAPES.items():
         for name, prefix, new in cases:
             case = Case(heads, kv_heads, head_dim, prefix, new, seed=len(name))
@@ -166,6 +168,8 @@ def layer_level(results: dict) -> bool:
             log(f"{key:48s} flashinfer {fi_ms * 1e3:8.1f} us  triton {tr_ms * 1e3:8.1f} us  "
                 f"err fi {e_fi:.1e} tr {e_tr:.1e} fi-vs-tr {e_between:.1e}  first call {first_s:.1f} s  "
                 f"{'ok' if good else 'FAIL'}")
+            bar.update()
+    bar.close()
     return ok
 
 

@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 from bench.gpu_common import OUT, SHAPES, copy_bandwidth  # noqa: E402
 from kernels.gemv import GemvTiles, gemv  # noqa: E402
 from services.worker.runtime.layers.linear_calibration import cuda_graph_seconds  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -132,11 +133,11 @@ def main() -> None:
         row = {"n": n, "k": k, "cublas_us": timed(None), "cublas5_us": timed(None, 5)}
         for kind, sweep in (("rows", rows_sweep), ("dot", dot_sweep)):
             timings = []
-            for tiles in sweep:
+            for tiles in progress_bar(sweep, desc=f"{name} {kind} tiles", lines_when_piped=False, leave=False):
                 try:
                     timings.append((timed(tiles), tiles))
                 except Exception as exc:  # a tile the compiler rejects (shared memory, registers): skipped, said
-                    print(f"  {name} {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+                    say(f"  {name} {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
             t, tiles = min(timings, key=lambda item: item[0])
             best[kind][name] = tiles
             row[f"{kind}_us"], row[f"{kind}_best"] = t, tiles.__dict__

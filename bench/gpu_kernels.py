@@ -52,6 +52,7 @@ from kernels.sampling import gumbel_argmax  # noqa: E402
 from kernels.sampling import hashed_uniform as kernel_uniform  # noqa: E402
 from services.worker.runtime.attention.triton_backend import extend_split_slots  # noqa: E402
 from services.worker.runtime.sampling.sampler import gumbel_noise, hashed_uniform  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -512,16 +513,21 @@ def main() -> int:
     print(f"ceilings: copy {copy_gbps:.0f} GB/s (read+write), bf16 matmul {mm_tflops:.0f} TFLOP/s")
 
     first = next(iter(MODELS))
+    bar = progress_bar(desc="attention cases", total=len(MODELS) * (len(DECODE_CASES) + len(EXTEND_CASES)),
+                       lines_when_piped=False)
     for model in MODELS:
         variants = DECODE_VARIANTS if model == first else dict(list(DECODE_VARIANTS.items())[:1])
         for case, seq_lens in DECODE_CASES.items():
             bench_decode(model, seq_lens, case, copy_gbps, variants)
-        print(f"decode {model} done", flush=True)
+            bar.update()
+        say(f"decode {model} done")
     for model in MODELS:
         variants = EXTEND_VARIANTS if model == first else dict(list(EXTEND_VARIANTS.items())[:1])
         for case, (prefix_lens, extend_lens) in EXTEND_CASES.items():
             bench_extend(model, prefix_lens, extend_lens, case, mm_tflops, variants)
-        print(f"extend {model} done", flush=True)
+            bar.update()
+        say(f"extend {model} done")
+    bar.close()
 
     t, hidden, inter = ELEMENTWISE_TOKENS, 4096, 12288
     bench_memory_bound(
@@ -545,7 +551,7 @@ def main() -> int:
     )
     bench_gumbel_argmax(256, 151936, copy_gbps)
 
-    for tokens in MOE_TOKENS:
+    for tokens in progress_bar(MOE_TOKENS, desc="MoE token counts", lines_when_piped=False):
         bench_moe(tokens, *MOE_SHAPE, copy_gbps, mm_tflops)
     print("moe done", flush=True)
 

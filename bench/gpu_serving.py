@@ -36,6 +36,7 @@ from services.worker.frontend.engine import Engine  # noqa: E402
 from services.worker.frontend.scheduler_loop import SchedulerLoop  # noqa: E402
 from services.worker.runtime.model_config import ModelConfig  # noqa: E402
 from services.worker.scheduler.req import Req  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB_LOW, VOCAB_HIGH = 10, 150000
@@ -228,14 +229,14 @@ def main() -> int:
     }
     OUT.mkdir(parents=True, exist_ok=True)
     failed = False
-    for fig in args.figures.split(","):
+    for fig in progress_bar(args.figures.split(","), desc="figures", lines_when_piped=False):
         t0 = time.perf_counter()
         try:
             results[fig] = runs[fig]()
         except Exception as exc:  # noqa: BLE001 - report and go on to the next figure
             failed = True
             results[fig] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(f"[{time.perf_counter() - t0:6.1f} s] {fig}: {json.dumps(results[fig])}", flush=True)
+        say(f"[{time.perf_counter() - t0:6.1f} s] {fig}: {json.dumps(results[fig])}")
         (OUT / args.json).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 1 if failed else 0

@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 
 from services.worker.frontend.engine import Engine  # noqa: E402
 from services.worker.runtime.sampling.grammar import GrammarBackend  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 128
@@ -150,7 +151,9 @@ def main() -> None:
     with Engine(args.model_path, **kwargs) as engine:
         prompt = engine.tokenizer.encode(engine.apply_chat_template([{"role": "user", "content": "List fruits as JSON."}]))
         vocab = engine.model_config.vocab_size
-        for name in args.schemas.split(","):
+        schemas = args.schemas.split(",")
+        bar = progress_bar(desc="schema x batch", total=len(schemas) * len(batches), lines_when_piped=False)
+        for name in schemas:
             schema = SCHEMAS[name]
             sample_out: list[list[int]] = []
             for batch in batches:
@@ -164,12 +167,13 @@ def main() -> None:
                 free, con = figures["free"][-1], figures["constrained"][-1]
                 rows.append({"schema": name, "batch": batch, "free_tok_s": free, "constrained_tok_s": con,
                              "ratio": con / free, "warmup": {k: v[0] for k, v in figures.items()}})
-                print(f"{name} batch {batch}: free {free:.1f} tok/s, constrained {con:.1f} tok/s, ratio {con / free:.3f}",
-                      flush=True)
+                bar.update()
+                say(f"{name} batch {batch}: free {free:.1f} tok/s, constrained {con:.1f} tok/s, ratio {con / free:.3f}")
             samples[name] = engine.tokenizer.decode(sample_out[0])
             times = mask_times(engine, sample_out, vocab, schema)
             masks[name] = {"median_us": statistics.median(times), "p90_us": statistics.quantiles(times, n=10)[-1],
                            "count": len(times)}
+        bar.close()
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"device": device, "new_tokens": NEW_TOKENS, "rows": rows, "mask": masks, "sample_output": samples}
     out = Path(args.out) if args.out else OUT_DIR / f"grammar_{args.device.split(':')[0]}.json"

@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 from bench.http_burst import SseProbe  # noqa: E402
 from bench.pipeline_floor import IDS, start_up  # noqa: E402
 from bench.pipeline_overhead import free_port, process_stats, process_tree  # noqa: E402
+from shared.progress import progress_bar  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SAMPLE_HZ = 2000  # py-spy's sampling rate
@@ -59,7 +60,8 @@ def cpu_ticks(pid: int) -> tuple[int, int]:
 
 
 def floor_requests(probe: SseProbe, count: int) -> list[float]:
-    return [probe.first_event("/generate", BODY, lambda event: True) for _ in range(count)]
+    return [probe.first_event("/generate", BODY, lambda event: True)
+            for _ in progress_bar(range(count), desc="floor requests", lines_when_piped=False, leave=False)]
 
 
 def measure(probe: SseProbe, roles: dict[int, str], count: int) -> tuple[dict[str, tuple[float, float]], float]:

@@ -62,6 +62,7 @@ from services.launch import GATEWAY_TOKENIZES  # noqa: E402
 from shared import trace  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 from shared.service import die_with_parent  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -297,19 +298,22 @@ def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: r
     clean_limit = CLEAN_FOREIGN_CORES if args.device == "cpu" else math.inf
     runs: list[dict[str, Any]] = []
     deadline = time.perf_counter() + THROUGHPUT_BUDGET_S
+    bar = progress_bar(desc="clean throughput repeats", total=args.repeats, lines_when_piped=False)
     while sum(r["clean"] for r in runs) < args.repeats and len(runs) < args.repeats + 2:
         if runs and time.perf_counter() > deadline:
-            print(f"  time budget ({THROUGHPUT_BUDGET_S:.0f} s) spent: no more repeats", flush=True)
+            say(f"  time budget ({THROUGHPUT_BUDGET_S:.0f} s) spent: no more repeats")
             break
         prompts = make_prompts(rng, args.batch, args.prompt_len, vocab)
         run = throughput_repeat(engine, stack, prompts, args.new_tokens, engine_first=len(runs) % 2 == 0,
                                 clean_limit=clean_limit)
         runs.append(run)
-        print(f"  repeat {len(runs)}: engine {run['engine_tok_s']:6.1f} tok/s ({run['engine_steps']} steps), "
-              f"gateway {run['gateway_tok_s']:6.1f} tok/s ({run['gateway_steps']:.0f} steps), loss "
-              f"{run['loss'] * 100:+5.1f}%, identical outputs {run['identical_outputs']}/{args.batch}, others' CPU "
-              f"{run['engine_foreign_cores']:.2f} / {run['gateway_foreign_cores']:.2f} cores"
-              f"{'' if run['clean'] else ' (disturbed: not counted)'}", flush=True)
+        bar.update(int(run["clean"]))
+        say(f"  repeat {len(runs)}: engine {run['engine_tok_s']:6.1f} tok/s ({run['engine_steps']} steps), "
+            f"gateway {run['gateway_tok_s']:6.1f} tok/s ({run['gateway_steps']:.0f} steps), loss "
+            f"{run['loss'] * 100:+5.1f}%, identical outputs {run['identical_outputs']}/{args.batch}, others' CPU "
+            f"{run['engine_foreign_cores']:.2f} / {run['gateway_foreign_cores']:.2f} cores"
+            f"{'' if run['clean'] else ' (disturbed: not counted)'}")
+    bar.close()
     counted = [r for r in runs if r["clean"]] or runs
     losses = [r["loss"] for r in counted]
     return {
@@ -372,7 +376,7 @@ def paired_first_chunk(engine: Any, client: SseProbe, prompts: list[Prompt], new
     engine_ms: list[float] = []
     gateway_ms: list[float] = []
     foreign = ForeignCpu()
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(progress_bar(prompts, desc=f"{name} pairs", lines_when_piped=False, leave=False)):
         # Traced pairs are named <name>-engine-<i> / <name>-gateway-<i> (bench/pipeline_trace.py).
         e_rid, g_rid = (f"{name}-engine-{i}", f"{name}-gateway-{i}") if trace.TRACE_DIR else (None, None)
 
@@ -427,10 +431,9 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
                                      else make_prompts(rng, total, args.prompt_len, vocab))
             r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup, trace_names[name],
                                    args.pair_gap_ms / 1e3)
-            print(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
-                  f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
-                  f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores",
-                  flush=True)
+            say(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
+                f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
+                f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores")
             results.append(r)
     finally:
         client.close()

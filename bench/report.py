@@ -63,6 +63,7 @@ class Row:
     value_num: float | None = None
     peer_num: float | None = None
     judged_text: str = ""
+    passed: bool | None = None  # a yes/no check (tokens identical, a numerics check): met or not
 
 
 class Results:
@@ -129,7 +130,8 @@ def figure_row(fig: Figure, results: Results) -> Row:
     return Row(fig.name, _fmt(fig.value_fmt, value), peer_cell, _fmt(fig.ratio_fmt, ratio), target_cell,
                verdict, run_date(fig.file, data), f"`{fig.command}`" if fig.command else "—",
                _num(judged), _num(bound), op, _num(value), _num(peer),
-               _fmt(fig.value_fmt, value) if fig.target and fig.target.on == "value" else _fmt(fig.ratio_fmt, ratio))
+               _fmt(fig.value_fmt, value) if fig.target and fig.target.on == "value" else _fmt(fig.ratio_fmt, ratio),
+               verdict == "**met**" if isinstance(value, bool) and fig.target is not None else None)
 
 
 def soak_rows(path: Path) -> list[Row]:
@@ -219,80 +221,114 @@ def _num(x: Any) -> float | None:
     return float(x) if ok else None
 
 
-def plot(per_area: dict[str, tuple[str, list[Row]]]) -> set[Path]:
-    """One PNG per area, one strip per numeric figure, each on its own scale: the judged number
-    (green met, red missed) against its target's line, or, where no target applies, the value beside
-    its ceiling or peer from the same run."""
+def plot(per_area: dict[str, tuple[str, list[Row]]], plots: Path = PLOTS,
+         soak_runs: list[Path] | None = None) -> dict[Path, list[str]]:
+    """Write one PNG per table into `plots` (and delete any other PNG there); return each file with
+    the figures (table rows) it draws. `soak_runs`: the soak JSONs (default: bench/results/)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written: set[Path] = set()
-    PLOTS.mkdir(exist_ok=True)
-    soak_runs = sorted(RESULTS.glob(SOAK_GLOB), reverse=True)
-    if soak_runs:
-        written.add(plot_soak(plt, soak_runs))
+    drawn: dict[Path, list[str]] = {}
+    plots.mkdir(parents=True, exist_ok=True)
+    soak_runs = sorted(RESULTS.glob(SOAK_GLOB), reverse=True) if soak_runs is None else soak_runs
     for key, (title, rows) in per_area.items():
         if key == "soak":
+            if soak_runs:
+                drawn[plot_soak(plt, soak_runs, plots / "soak.png")] = [r.figure for r in rows]
             continue
-        strips = [r for r in rows if (r.judged is not None and r.bound is not None) or r.value_num is not None]
-        if not strips:
-            continue
-        fig, axes = plt.subplots(len(strips), 1, figsize=(13, 0.62 * len(strips) + 0.9), squeeze=False)
-        for ax, r in zip(axes[:, 0], strips):
-            if r.judged is not None and r.bound is not None:
-                met = r.verdict == "**met**"
-                ax.barh([0], [r.judged], color="tab:green" if met else "tab:red", height=0.6)
-                ax.axvline(r.bound, color="black", linestyle="--", linewidth=1)
-                caption = f"{r.judged_text}  (target {r.target})"
-                lo, hi = min(0.0, r.judged, r.bound), max(r.judged, r.bound)
-            else:
-                bars = [r.value_num] + ([r.peer_num] if r.peer_num is not None else [])
-                ax.barh(list(range(len(bars))), bars, color=["tab:blue", "tab:gray"][: len(bars)], height=0.6)
-                caption = f"{r.value} vs {r.peer}" if r.peer_num is not None else r.value
-                lo, hi = min(0.0, *bars), max(bars)
-            ax.set_xlim(lo * 1.15, hi * 1.15 if hi > 0 else 1.0)
-            ax.set_yticks([])
-            ax.tick_params(axis="x", labelsize=6)
-            label = r.figure if len(r.figure) < 70 else r.figure[:67] + "..."
-            ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
-            ax.text(1.01, 0.5, caption.replace("**", ""), transform=ax.transAxes, fontsize=6.5, va="center")
-        fig.suptitle(f"{title} — bench/RESULTS.md", fontsize=9)
-        fig.tight_layout()
-        fig.subplots_adjust(left=0.36, right=0.72)  # room for the figure names and the captions
-        path = PLOTS / f"{key}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.add(path)
-    for stale in PLOTS.glob("*.png"):
-        if stale not in written:
+        path = plots / f"{key}.png"
+        names = plot_area(plt, title, rows, path)
+        if names:
+            drawn[path] = names
+    for stale in plots.glob("*.png"):
+        if stale not in drawn:
             stale.unlink()  # a plot no current figure uses
-    return written
+    return drawn
 
 
-def plot_soak(plt: Any, paths: list[Path]) -> Path:
-    """Each soak run's requests by outcome, stacked (a failed one in red), with its kills and moves."""
+def plot_area(plt: Any, title: str, rows: list[Row], path: Path) -> list[str]:
+    """One strip per figure, each on its own scale: the judged number (green met, red missed) against
+    its target's line; a yes/no check as a full green (met) or red (missed) bar; or, where no target
+    applies, the value beside its ceiling or peer from the same run. Returns the figures drawn."""
+    strips = [r for r in rows if r.passed is not None or (r.judged is not None and r.bound is not None)
+              or r.value_num is not None]
+    if not strips:
+        return []
+    fig, axes = plt.subplots(len(strips), 1, figsize=(13, 0.62 * len(strips) + 0.9), squeeze=False)
+    for ax, r in zip(axes[:, 0], strips):
+        if r.passed is not None:
+            ax.barh([0], [1.0], color="tab:green" if r.passed else "tab:red", height=0.6)
+            ax.text(0.5, 0, "pass" if r.passed else "fail", ha="center", va="center", color="white", fontsize=8)
+            ax.set_xticks([])
+            caption = f"{r.value}; {r.ratio}  (target {r.target})" if r.ratio != "—" else f"{r.value}  (target {r.target})"
+            lo, hi = 0.0, 1.0
+        elif r.judged is not None and r.bound is not None:
+            met = r.verdict == "**met**"
+            ax.barh([0], [r.judged], color="tab:green" if met else "tab:red", height=0.6)
+            ax.axvline(r.bound, color="black", linestyle="--", linewidth=1)
+            caption = f"{r.judged_text}  (target {r.target})"
+            lo, hi = min(0.0, r.judged, r.bound), max(r.judged, r.bound)
+        else:
+            bars = [r.value_num] + ([r.peer_num] if r.peer_num is not None else [])
+            ax.barh(list(range(len(bars))), bars, color=["tab:blue", "tab:gray"][: len(bars)], height=0.6)
+            caption = f"{r.value} vs {r.peer}" if r.peer_num is not None else r.value
+            lo, hi = min(0.0, *bars), max(bars)
+        ax.set_xlim(lo * 1.15, hi * 1.15 if hi > 0 else 1.0)
+        ax.set_yticks([])
+        ax.tick_params(axis="x", labelsize=6)
+        label = r.figure if len(r.figure) < 70 else r.figure[:67] + "..."
+        ax.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
+        ax.text(1.01, 0.5, caption.replace("**", ""), transform=ax.transAxes, fontsize=6.5, va="center")
+    fig.suptitle(f"{title} — bench/RESULTS.md", fontsize=9)
+    fig.tight_layout()
+    fig.subplots_adjust(left=0.36, right=0.72)  # room for the figure names and the captions
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [r.figure for r in strips]
+
+
+def plot_soak(plt: Any, paths: list[Path], path: Path) -> Path:
+    """Each soak run on one line, two panels: its requests by outcome, stacked (a failed one in red),
+    with its kills and moves; and its largest memory growth as a share of that service's bound (the
+    dashed line), with whether every KV pool was whole at the end."""
     colors = {"ok": "tab:green", "clean_error": "tab:blue", "aborted": "tab:gray", "failed": "tab:red"}
-    fig, ax = plt.subplots(figsize=(11, 0.7 * len(paths) + 1.2))
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(13, 0.7 * len(paths) + 1.4), sharey=True,
+                                  gridspec_kw={"width_ratios": [3, 2]})
     labels = []
-    for i, path in enumerate(paths):
-        data = json.loads(path.read_text())
-        cfg = data.get("config", {})
+    for i, run in enumerate(paths):
+        data = json.loads(run.read_text())
+        cfg, outcomes = data.get("config", {}), data.get("outcomes", {})
         labels.append(f"{cfg.get('duration_s', 0) / 60:g} min, a kill every {cfg.get('restart_every_s', 0):g} s")
         left = 0
         for kind, color in colors.items():
-            n = data.get("outcomes", {}).get(kind, 0)
+            n = outcomes.get(kind, 0)
             ax.barh([i], [n], left=left, color=color, height=0.6, label=kind if i == 0 else None)
             left += n
         ax.text(left, i, f"  {len(data.get('restarts', []))} kills, {int(data.get('migrations', 0))} moved, "
-                f"{data.get('outcomes', {}).get('failed', 0)} failed", va="center", fontsize=8)
+                f"{outcomes.get('failed', 0)} failed", va="center", fontsize=8)
+        checked = {n: r for n, r in data.get("rss", {}).items() if r.get("checked")}
+        invariant = data.get("invariant", {})
+        pools = "KV pools whole" if invariant and all(w.get("holds") for w in invariant.values()) else "KV pool broken"
+        if checked:
+            name, worst = max(checked.items(), key=lambda kv: kv[1].get("growth_mb", 0.0))  # as the table
+            share = worst.get("growth_mb", 0.0) / worst["bound_mb"]
+            mem.barh([i], [share], color="tab:green" if worst.get("within_bound") else "tab:red", height=0.6)
+            mem.text(max(share, 0.0), i, f"  {worst['growth_mb']:+.1f} of {worst['bound_mb']:.0f} MB ({name}); "
+                     f"{pools}", va="center", fontsize=7.5)
+        else:
+            mem.text(0.0, i, f"  no memory check; {pools}", va="center", fontsize=7.5)
     ax.set_yticks(list(range(len(paths))), labels)
     ax.set_xlabel("requests")
     ax.legend(loc="lower right", fontsize=7)
-    ax.set_title("Reliability (soak): every request by outcome — bench/RESULTS.md", fontsize=9)
+    ax.set_title("every request by outcome", fontsize=9)
+    mem.axvline(1.0, color="black", linestyle="--", linewidth=1)
+    mem.set_xlim(min(0.0, mem.get_xlim()[0]), 2.2)
+    mem.set_xlabel("largest memory growth after warm-up / its bound")
+    mem.set_title("memory and the KV pool at the end", fontsize=9)
+    fig.suptitle("Reliability (soak) — bench/RESULTS.md", fontsize=9)
     fig.tight_layout()
-    path = PLOTS / "soak.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -315,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.page.write_text(text)
     if not args.no_plots:
-        plot(per_area)
+        plot(per_area, soak_runs=sorted(args.results.glob(SOAK_GLOB), reverse=True))
     return 0
 
 

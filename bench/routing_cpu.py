@@ -30,6 +30,7 @@ if __package__ in (None, ""):
 
 from bench.pipeline_floor import start_up  # noqa: E402
 from bench.pipeline_overhead import free_port  # noqa: E402
+from shared.progress import progress_bar, say  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("river stone cloud ember harbor lantern meadow violet copper thunder orchard silver marble "
@@ -62,7 +63,8 @@ def run(url: str, items: list[tuple[int, str]], concurrency: int) -> dict[str, f
         time.sleep(0.2)
     start_t = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(one, items))
+        results = list(progress_bar(pool.map(one, items), desc="requests", total=len(items), lines_when_piped=False,
+                                    leave=False))
     wall = time.perf_counter() - start_t
     prompt = sum(r[0] for r in results)
     cached = sum(r[1] for r in results)
@@ -80,7 +82,7 @@ def main() -> None:
     args = p.parse_args()
     items = workload(args.groups, args.per_group, args.seed)
     figures = {}
-    for policy in ("cache_aware", "least_loaded"):
+    for policy in progress_bar(("cache_aware", "least_loaded"), desc="routing policies", lines_when_piped=False):
         proc, url, _ = start_up(
             ["--workers", "2", "--port", str(free_port()), "--max-total-tokens", "16384"],
             {"RS_ROUTING_POLICY": policy},
@@ -90,7 +92,7 @@ def main() -> None:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
-        print(policy, figures[policy], flush=True)
+        say(f"{policy} {figures[policy]}")
     # Ideal: every prompt's shared system part comes from a cache except the first of each group,
     # measured as the cache-aware run's prompt tokens minus one full prompt per group.
     per_prompt = figures["cache_aware"]["prompt_tokens"] / len(items)

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,6 +48,7 @@ if __package__ in (None, ""):
 from bench.soak_stack import ServiceStartError, SoakStack, rss_mb  # noqa: E402
 from bench.soak_traffic import CLEAN_ERROR, FAILED, KINDS, OUTCOMES, Client, Outcome, run_one  # noqa: E402
 from shared.model_fetch import fetch_default_model  # noqa: E402
+from shared.progress import progress_bar  # noqa: E402
 from shared.protocol import WorkerInfo  # noqa: E402
 
 KILL_WAIT_S = 10.0
@@ -241,7 +241,8 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     threads = [threading.Thread(target=traffic, args=(i,), daemon=True) for i in range(config.concurrency)]
     for thread in threads:
         thread.start()
-    with tqdm(total=int(config.duration_s), unit="s", desc="soak", disable=not config.progress) as bar:
+    # A line per tenth of the run when logged to a file: a soak runs for many minutes unattended.
+    with progress_bar(desc="soak", total=int(config.duration_s), unit="s", enabled=config.progress) as bar:
         while (elapsed := time.monotonic() - traffic_started) < config.duration_s:
             restarter.tick()
             rss.sample(stack, traffic_started)

