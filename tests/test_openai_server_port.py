@@ -94,8 +94,10 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def close(a: float | None, b: float | None) -> bool:
-    return a is None and b is None or a is not None and b is not None and math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+@pytest.fixture(scope="module")
+def http(url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=60) as raw:
+        yield raw
 
 
 def a_stop_in(text: str) -> str:
@@ -130,12 +132,12 @@ def test_echo_with_logprobs_lists_the_prompt_then_the_answer(client: openai.Open
     meta = want["meta_info"]
     expected = [v for v, _, _ in meta["input_token_logprobs"]] + [v for v, _, _ in meta["output_token_logprobs"]]
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
-    assert all(close(a, b) for a, b in zip(choice.logprobs.token_logprobs, expected, strict=True))
+    assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     assert len(choice.logprobs.tokens) == reply.usage.prompt_tokens + N
     assert "".join(choice.logprobs.tokens[: reply.usage.prompt_tokens]) == PROMPTS[0]  # ASCII: a text per token
     # Candidates are keyed by text (OpenAI's shape): at most 3, and each one a value the Engine had.
     for got, top in zip(choice.logprobs.top_logprobs[-N:], meta["output_top_logprobs"], strict=True):
-        assert 1 <= len(got) <= 3 and all(any(close(v, w) for w, _, _ in top) for v in got.values())
+        assert 1 <= len(got) <= 3 and all(any(math.isclose(v, w, abs_tol=1e-4) for w, _, _ in top) for v in got.values())
     assert choice.logprobs.text_offset[0] == 0
 
 
@@ -210,7 +212,7 @@ def test_chat_logprobs_list_each_token_with_its_top_candidates(client: openai.Op
     meta = offline["chat"]["meta_info"]
     assert len(content) == N
     for entry, (value, _, _), top in zip(content, meta["output_token_logprobs"], meta["output_top_logprobs"], strict=False):
-        assert close(entry.logprob, value)
+        assert entry.logprob == pytest.approx(value, abs=1e-4)
         assert [c.logprob for c in entry.top_logprobs] == pytest.approx([w for w, _, _ in top], abs=1e-4)
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the top candidate
         assert entry.bytes == list(entry.token.encode())  # the decoded text's bytes (docs/API.md, differences)
@@ -237,8 +239,7 @@ def test_response_format_answers_parse_and_fit_the_schema(client: openai.OpenAI,
                                            response_format=response_format)
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"
-    answer = json.loads(choice.message.content)
-    assert isinstance(answer, dict)
+    assert isinstance(answer := json.loads(choice.message.content), dict)
     if response_format["type"] == "json_schema":
         jsonschema.validate(answer, SCHEMA)
 
@@ -287,17 +288,16 @@ def test_a_chat_stream_gives_the_greedy_text_and_usage(client: openai.OpenAI, of
 
 
 @pytest.mark.parametrize("prefix", ["", "/v1"])
-def test_tokenize_and_detokenize_round_trip_as_the_tokenizer(url: str, prefix: str,
+def test_tokenize_and_detokenize_round_trip_as_the_tokenizer(http: httpx.Client, prefix: str,
                                                              tokenizer: PreTrainedTokenizerBase) -> None:
     for prompt in (*PROMPTS, "hello world, hello radixserve! ünïcödé"):
         for special in (True, False):
-            got = httpx.post(f"{url}{prefix}/tokenize", json={"model": MODEL, "prompt": prompt,
-                                                              "add_special_tokens": special}).json()
+            got = http.post(f"{prefix}/tokenize", json={"model": MODEL, "prompt": prompt, "add_special_tokens": special})
             ids = tokenizer.encode(prompt, add_special_tokens=special)
-            assert got == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
-        back = httpx.post(f"{url}{prefix}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+            assert got.json() == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
+        back = http.post(f"{prefix}/detokenize", json={"model": MODEL, "tokens": ids}).json()
         assert back == {"prompt": tokenizer.decode(ids)} and back["prompt"] == prompt
-    chat = httpx.post(f"{url}{prefix}/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    chat = http.post(f"{prefix}/tokenize", json={"model": MODEL, "messages": CHAT}).json()
     assert chat["tokens"] == chat_ids(tokenizer, CHAT)
 
 
@@ -332,11 +332,11 @@ CHAT_BODY = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
     ("chat/completions", {"messages": [{"role": "my-custom-role", "content": "hi"}]}, "messages.0.role",
      "messages.0.role: Input should be 'system'"),
 ])
-def test_bad_fields_are_400s_in_openai_shape_naming_the_field(url: str, path: str, fields: dict[str, Any],
+def test_bad_fields_are_400s_in_openai_shape_naming_the_field(http: httpx.Client, path: str, fields: dict[str, Any],
                                                               param: str, message: str) -> None:
     body = {**(COMPLETION if path == "completions" else CHAT_BODY), **fields}
     for stream in (False, True):  # a stream refused before its first output is still an HTTP status
-        reply = httpx.post(f"{url}/v1/{path}", json={**body, "stream": stream}, timeout=60)
+        reply = http.post(f"/v1/{path}", json={**body, "stream": stream})
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert (set(error), error["type"], error["param"], error["code"]) == (
