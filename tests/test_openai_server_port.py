@@ -376,11 +376,12 @@ def test_a_prompt_longer_than_the_context_is_a_400(client: openai.OpenAI, tokeni
 # ---- where we differ on purpose (docs/API.md, "Differences from OpenAI, vLLM and SGLang") ----------
 
 
-def test_max_tokens_past_the_context_is_cut_at_the_context(client: openai.OpenAI) -> None:
-    """vLLM and SGLang refuse prompt + max_tokens over the context; we answer up to the context's end."""
+@pytest.mark.parametrize("max_tokens", [50, None])
+def test_max_tokens_past_the_context_or_null_is_cut_at_the_context(client: openai.OpenAI, max_tokens: int | None) -> None:
+    """vLLM and SGLang refuse prompt + max_tokens over the context, OpenAI reads null as 16; we answer
+    up to the context's end (as vLLM does for null)."""
     prompt = list(range(3, CONTEXT - 7))
-    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=50, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, extra_body={"ignore_eos": True})
     assert reply.choices[0].finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), CONTEXT - len(prompt))
 
