@@ -128,6 +128,12 @@ class SamplingFields(RequestBody, SamplingValues):
             **(constraint or {}),
         )
 
+    def check_min_tokens(self, max_new: int | None, max_name: str) -> None:
+        """400 naming min_tokens when it exceeds the answer's length limit, in the names this body used
+        (the doors' shared check would name SGLang's min_new_tokens and max_new_tokens)."""
+        if self.min_tokens is not None and max_new is not None and self.min_tokens > max_new:
+            raise bad_request(f"min_tokens ({self.min_tokens}) must not exceed {max_name} ({max_new})", "min_tokens")
+
     def choice_rid(self, prompt_index: int, choice: int, prompts: int) -> str | None:
         if self.rid is None:
             return None
@@ -267,8 +273,10 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [m.message(i) for i, m in enumerate(self.messages)]
-        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        max_new = default_max_tokens if max_new is None else max_new
+        limits = ((self.max_completion_tokens, "max_completion_tokens"), (self.max_tokens, "max_tokens"),
+                  (default_max_tokens, "the context's length"))
+        max_new, limit_name = next(((v, name) for v, name in limits if v is not None), (None, ""))
+        self.check_min_tokens(max_new, limit_name)
         return [
             GenerateSpec(
                 sampling=self.sampling(max_new, i, constraint),
@@ -326,6 +334,7 @@ class CompletionRequest(SamplingFields):
             raise bad_request(f"best_of is not supported (ask for n choices instead), got best_of {self.best_of} "
                               f"with n {self.n}", "best_of")
         prompts = self.prompts(max_batch)
+        self.check_min_tokens(self.max_tokens, "max_tokens")
         constraint = self.constraint()
         specs = []
         for p_index, prompt in enumerate(prompts):
