@@ -30,6 +30,7 @@ from tests.checkpoints import (
     write_checkpoint,
 )
 from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
+from tests.tiny_up import tiny_up  # noqa: F401 (a session fixture: one `up` shared by several modules)
 
 if TYPE_CHECKING:
     from services.worker.frontend.engine import Engine

@@ -10,12 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import re
-import signal
-import socket
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +23,11 @@ import pytest
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from services.worker.frontend.engine import Engine
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateChunk, NatsGenerateRequest, Sampling, encode
-from tests.services_helpers import start_up
+from tests.tiny_up import Up
 
 PROMPT = "hello there, general"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -52,31 +40,9 @@ def offline(qwen3_path: Path) -> dict[str, Any]:
     return out
 
 
-@dataclass
-class Up:
-    """The three doors of one `radixserve up`."""
-
-    url: str
-    grpc_target: str
-    nats: dict[str, str]  # the NATS front door's client login, as `up` wrote it: url, user, password, namespace
-
-
 @pytest.fixture(scope="module")
-def up(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("echo_up")
-    # An address nothing answers on, so that `up` starts its own nats-server.
-    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    grpc_port = free_port()
-    proc = start_up([
-        "--model-path", str(qwen3_path), "--served-model-name", "tiny", "--max-total-tokens", "2048",
-        "--port", str(free_port()), "--grpc-port", str(grpc_port), "--run-dir", str(tmp / "run"),
-    ], env, tmp / "up.out")
-    try:
-        url = re.search(r"radixserve is up: (http://\S+)", (tmp / "up.out").read_text()).group(1)
-        yield Up(url, f"127.0.0.1:{grpc_port}", json.loads((tmp / "run" / "nats-client.json").read_text()))
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+def up(tiny_up: Up) -> Up:
+    return tiny_up
 
 
 @pytest.fixture(scope="module")

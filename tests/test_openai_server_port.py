@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.worker.frontend.engine import Engine
-from tests.services_helpers import start_up
+from tests.tiny_up import Up
 
 MODEL = "tiny"
 CONTEXT = 256  # tiny_qwen3_config's max_position_embeddings
@@ -44,12 +40,6 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["answer", "n"], "additionalProperties": False}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,19 +65,8 @@ def offline(qwen3_path: Path, tokenizer: PreTrainedTokenizerBase) -> dict[str, A
 
 
 @pytest.fixture(scope="module")
-def url(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("openai_port_up")
-    env = {**os.environ, "RS_NATS_URL": "nats://127.0.0.1:1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = start_up([
-        "--model-path", str(qwen3_path), "--served-model-name", MODEL, "--max-total-tokens", "2048",
-        "--tool-call-parser", "hermes", "--port", str(free_port()), "--grpc-port", str(free_port()),
-        "--run-dir", str(tmp / "run"),
-    ], env, tmp / "up.out")
-    try:
-        yield re.search(r"radixserve is up: (http://\S+)", (tmp / "up.out").read_text()).group(1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+def url(tiny_up: Up) -> str:
+    return tiny_up.url
 
 
 @pytest.fixture(scope="module")
