@@ -18,7 +18,12 @@ Rules:
   stream order: the copy is enqueued after the forward that wrote it), so the snapshot is taken only
   when the inserted tokens are exactly those: never for a finished request's last sampled token (no
   KV, not in the state either) nor when a committed position has no token. No free slot: the
-  policy's snapshot victim is evicted; none evictable: no snapshot, the KV still goes in.
+  policy's snapshot victim is evicted; none evictable: no snapshot, the KV still goes in. (So a
+  speculative step must roll the row back to kv_committed_len before the cache sees the request.)
+- Snapshots exist only where some request's forward stopped. When a match's `kv_len` exceeds its
+  length (requests sharing a prompt head, then diverging), the scheduler should end the request's
+  first chunk at `kv_len`: cache_unfinished_req then snapshots the branch point, and the next request
+  with that head resumes there instead of at an older snapshot.
 - inc_lock_ref(node) protects the KV of the whole path, as in RadixCache, and node's own snapshot:
   the one a request restores from (a running request keeps its state in its own row, so the snapshots
   above its lock point are not pinned by it).
