@@ -199,3 +199,18 @@ def test_chunk_boundaries_leave_snapshots_a_later_request_resumes_from() -> None
     assert len(second.prefix_indices) == 3
     assert harness.step(second)
     harness.check_idle()
+
+
+def test_a_chunk_ending_at_kv_len_leaves_a_snapshot_at_the_branch_point() -> None:
+    harness = Harness(size=32, snapshots=8)
+    first = harness.admit([1, 2, 3, 4, 5, 6], [9])
+    assert harness.step(first)  # snapshotted at its end only: [1, 2, 3, 4, 5, 6]
+    match = harness.cache.match_prefix([1, 2, 3, 4, 7, 7])
+    assert len(match.indices) == 0 and match.kv_len == 4
+    second = harness.admit([1, 2, 3, 4, 7, 7, 7], [9], chunk=match.kv_len)  # the scheduler's cap
+    while not harness.step(second):
+        pass
+    third = harness.admit([1, 2, 3, 4, 8, 8], [9])
+    assert len(third.prefix_indices) == 4  # resumes at the branch point with its state
+    assert harness.step(third)
+    harness.check_idle()
