@@ -111,6 +111,7 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_s
         assert contents(cache, states) == (ref, snaps)
         assert cache.protected_size() == len(on_locked_path(locked))
         assert cache.protected_snapshot_count() == len({key for key in +locked if key})
+        assert cache.evictable_snapshot_count() == len(snaps - {key for key in +locked if key})
         check_pools(cache, ref, snaps, [])
 
 

@@ -17,9 +17,9 @@ Rules:
   (cache_finished_req). A request's row holds the state after its first kv_committed_len tokens (in
   stream order: the copy is enqueued after the forward that wrote it), so the snapshot is taken only
   when the inserted tokens are exactly those: never for a finished request's last sampled token (no
-  KV, not in the state either) nor when a committed position has no token. No free slot: the
-  policy's snapshot victim is evicted; none evictable: no snapshot, the KV still goes in. (So a
-  speculative step must roll the row back to kv_committed_len before the cache sees the request.)
+  KV, not in the state either) nor when a committed position has no token (and a speculative step
+  must roll the row back to kv_committed_len before the cache sees the request). No free slot: the
+  policy's snapshot victim is evicted; none evictable: no snapshot, the KV still goes in.
 - Snapshots exist only where some request's forward stopped. When a match's `kv_len` exceeds its
   length (requests sharing a prompt head, then diverging), the scheduler should end the request's
   first chunk at `kv_len`: cache_unfinished_req then snapshots the branch point, and the next request
@@ -126,8 +126,8 @@ class HybridTreeNode(TreeNode):
 @dataclass(frozen=True)
 class HybridMatchResult(MatchResult):
     """A match usable by a hybrid model: `indices` end at `last_node`, the deepest matched node with a
-    snapshot, whose slot `snapshot` is (None when nothing matched). `kv_len` tokens of the key have KV
-    cached (>= len(indices)); a chunk boundary there lets the request leave a snapshot at that point."""
+    snapshot, and `snapshot` is that node's slot (None when nothing matched). `kv_len` tokens of the
+    key have KV cached (>= len(indices)); a chunk boundary there leaves a snapshot at that point."""
 
     snapshot: int | None
     kv_len: int
@@ -188,7 +188,7 @@ class HybridRadixCache(RadixCache):
 
     def match_prefix(self, key: list[int]) -> HybridMatchResult:
         """The longest cached prefix of `key` that ends at a snapshot. Touches access time and hit
-        count of the nodes it returns; never splits."""
+        count of the nodes on that prefix's path; never splits."""
         if self.disable or not key:
             return HybridMatchResult(_EMPTY_SLOTS, self.root, None, 0)
         if not isinstance(key, list):
