@@ -1,3 +1,4 @@
+# Over 400 lines: tree, eviction and request glue share private state; the hybrid cache's hooks add a few.
 """RadixAttention prefix cache: a compressed prefix tree over token ids whose values are KV slots.
 
 Each edge holds a run of token ids (`key`) and the KV slots of those tokens (`value`, same length).
@@ -107,7 +108,10 @@ class RadixCache:
 
     `eviction_policy` is one of "lru" (default), "lfu", "fifo", "filo", "mru", "priority".
     With `disable=True` nothing is shared: matches are empty and finished requests free their slots.
+    Subclasses (the hybrid cache) extend `node_type`, `_remove_leaf` and `_on_req_cached`.
     """
+
+    node_type: type[TreeNode] = TreeNode
 
     def __init__(
         self,
@@ -133,7 +137,7 @@ class RadixCache:
         ReqToTokenPool itself (a flush); freeing here too would hand slots out twice after
         `allocator.clear()`.
         """
-        self.root = TreeNode([], _EMPTY_SLOTS, None, next(self._creation))
+        self.root = self.node_type([], _EMPTY_SLOTS, None, next(self._creation))
         self._evictable_size = 0
         self._protected_size = 0
         # Unlocked nodes without children: the candidates of `evict`, kept up to date incrementally.
@@ -164,6 +168,10 @@ class RadixCache:
         A match ending inside an edge splits it, so `last_node`'s path is exactly the matched prefix
         (and locking it protects exactly that). Touches access time and hit count along the path.
         """
+        return self._match_kv(key)
+
+    def _match_kv(self, key: list[int]) -> MatchResult:
+        """match_prefix over KV alone: what the request glue uses whatever a subclass matches."""
         if self.disable or not key:
             return MatchResult(_EMPTY_SLOTS, self.root)
         if not isinstance(key, list):
@@ -180,10 +188,14 @@ class RadixCache:
         The tree keeps its own slots for that prefix, so the caller frees value[:returned length]
         when those slots are its own. The rest of `value` now belongs to the tree.
         """
+        return self._insert(key, value, priority)[0]
+
+    def _insert(self, key: list[int], value: torch.Tensor, priority: int) -> tuple[int, TreeNode]:
+        """insert, also returning the node whose path is exactly `key` (the root for an empty key)."""
         if value.numel() != len(key):
             raise ValueError(f"value must have one slot per key token: {value.numel()} != {len(key)}")
         if self.disable or not key:
-            return 0
+            return 0, self.root
         if not isinstance(key, list):
             key = list(key)  # edges are lists: see match_prefix
         now = next(self._clock)
@@ -191,8 +203,8 @@ class RadixCache:
         for child in path:
             child.priority = max(child.priority, priority)
         if i < len(key):
-            self._add_leaf(node, key[i:], value[i:], priority, now)
-        return i
+            node = self._add_leaf(node, key[i:], value[i:], priority, now)
+        return i, node
 
     def _descend(self, key: list[int], now: int) -> tuple[TreeNode, int, list[TreeNode]]:
         """Walk down from the root along `key` as far as the tree holds it, splitting an edge the key
@@ -220,7 +232,7 @@ class RadixCache:
         """
         parent = child.parent
         assert parent is not None
-        mid = TreeNode(child.key[:n], child.value[:n], parent, child.creation_order, child.priority)
+        mid = self.node_type(child.key[:n], child.value[:n], parent, child.creation_order, child.priority)
         mid.lock_ref = child.lock_ref
         mid.last_access_time = child.last_access_time
         mid.hit_count = child.hit_count
@@ -233,15 +245,16 @@ class RadixCache:
 
     def _add_leaf(
         self, parent: TreeNode, key: list[int], value: torch.Tensor, priority: int, now: int
-    ) -> None:
+    ) -> TreeNode:
         # Own copy: the caller's tensor may be a view it reuses, and a view would pin its storage.
         slots = value.to("cpu", torch.int64).clone()
-        leaf = TreeNode(key, slots, parent, next(self._creation), priority)
+        leaf = self.node_type(key, slots, parent, next(self._creation), priority)
         leaf.last_access_time = now
         parent.children[key[0]] = leaf
         self._evictable_leaves.discard(parent)
         self._evictable_leaves.add(leaf)
         self._evictable_size += len(key)
+        return leaf
 
     # Locking.
 
@@ -298,19 +311,28 @@ class RadixCache:
         num_freed = 0
         while num_freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
             freed.append(leaf.value)
             num_freed += len(leaf.key)
-            del parent.children[leaf.key[0]]
-            self._evictable_leaves.discard(leaf)
-            self._evictable_size -= len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                self._evictable_leaves.add(parent)
+            parent = self._remove_leaf(leaf)
+            if parent in self._evictable_leaves:
                 heapq.heappush(heap, (self._eviction_key(parent), next(tie), parent))
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return num_freed
+
+    def _remove_leaf(self, leaf: TreeNode) -> TreeNode:
+        """Unlink an unlocked leaf (the caller frees its KV slots); returns its parent."""
+        parent = leaf.parent
+        assert parent is not None and leaf.lock_ref == 0 and not leaf.children
+        del parent.children[leaf.key[0]]
+        self._evictable_leaves.discard(leaf)
+        self._evictable_size -= len(leaf.key)
+        if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            self._evictable_leaves.add(parent)
+        return parent
+
+    def _on_req_cached(self, req: CacheableReq, node: TreeNode, num_tokens: int) -> None:
+        """Hook: req's first num_tokens tokens are in the tree, ending at `node`; its row is live."""
 
     # Request glue.
 
@@ -331,7 +353,8 @@ class RadixCache:
             return
         token_ids = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
         num_tokens = len(token_ids)
-        num_cached = self.insert(token_ids, kv[:num_tokens], req.priority)
+        num_cached, node = self._insert(token_ids, kv[:num_tokens], req.priority)
+        self._on_req_cached(req, node, num_tokens)
         allocator = self.token_to_kv_pool_allocator
         allocator.free(kv[len(req.prefix_indices) : num_cached])
         allocator.free(kv[num_tokens:])
@@ -356,9 +379,10 @@ class RadixCache:
             req.prefix_indices = kv
             return
         num_old_prefix = len(req.prefix_indices)
-        num_cached = self.insert(token_ids, kv, req.priority)
+        num_cached, node = self._insert(token_ids, kv, req.priority)
+        self._on_req_cached(req, node, len(token_ids))
         self.token_to_kv_pool_allocator.free(kv[num_old_prefix:num_cached])
-        match = self.match_prefix(token_ids)
+        match = self._match_kv(token_ids)
         self.req_to_token_pool.write(row, num_old_prefix, match.indices[num_old_prefix:])
         # Lock the new path before unlocking the old one, so the shared part never looks evictable.
         self.inc_lock_ref(match.last_node)

@@ -1,0 +1,216 @@
+"""HybridRadixCache's request glue driven the way the scheduler drives it (see tests/test_radix_cache.py's
+Harness): chunked prefill, decode, retraction and finishing, with a fake model whose state row grows by
+the tokens each forward consumes. Every admission's match must end at the longest cached prefix that
+has a snapshot and restore exactly that prefix's state; KV slots and snapshot slots never leak."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.hybrid_cache_helpers import (
+    POLICIES,
+    FakeReq,
+    Prefix,
+    cached_len,
+    check_pools,
+    contents,
+    make_cache,
+    snapshot_len,
+)
+
+
+class Harness:
+    """A scheduler and a model in miniature: `kv` maps each KV slot to the prefix it holds, and a
+    request's state row grows by the tokens each forward consumes."""
+
+    def __init__(self, size: int, snapshots: int, policy: str = "lru", disable: bool = False) -> None:
+        self.cache, self.states = make_cache(size, snapshots, policy, disable)
+        self.pool = self.cache.req_to_token_pool
+        self.allocator = self.cache.token_to_kv_pool_allocator
+        self.kv: dict[int, Prefix] = {}
+
+    def admit(self, input_ids: list[int], output: list[int], chunk: int = 64, priority: int = 0) -> FakeReq:
+        key = input_ids[:-1]  # the last prompt token is always computed
+        kv, snaps = contents(self.cache, self.states)
+        match = self.cache.match_prefix(key)
+        n = len(match.indices)
+        assert n == snapshot_len(kv, snaps, key) and match.kv_len == cached_len(kv, key)
+        self.cache.inc_lock_ref(match.last_node)
+        rows = self.pool.alloc(1)
+        assert rows is not None
+        self.pool.write(rows[0], 0, match.indices)
+        req = FakeReq(rows[0], input_ids, match.indices, match.last_node, n, output, chunk, priority)
+        self.states.set_row(rows[0], [])  # the zero state
+        assert self.cache.restore_prefix_state(req) == (n > 0)
+        assert self.states.rows[rows[0]].tolist() == input_ids[:n]  # the state at the hit point
+        return req
+
+    def compute(self, req: FakeReq, end: int) -> None:
+        start = req.kv_committed_len
+        short = end - start - self.allocator.available_size()
+        if short > 0:
+            self.cache.evict(short)
+        slots = self.allocator.alloc(end - start)
+        assert slots is not None and req.req_pool_idx is not None
+        self.pool.write(req.req_pool_idx, start, slots)
+        ids = req.all_ids
+        self.kv.update({slot: tuple(ids[: pos + 1]) for pos, slot in zip(range(start, end), slots.tolist())})
+        row = req.req_pool_idx
+        self.states.rows[row] = torch.cat((self.states.rows[row], torch.tensor(ids[start:end], dtype=torch.int64)))
+        req.kv_committed_len = end
+
+    def step(self, req: FakeReq, cache_after: bool = False) -> bool:
+        num_input = len(req.origin_input_ids)
+        if req.kv_committed_len < num_input:
+            end = min(num_input, req.kv_committed_len + req.chunk)
+            req.fill_ids = req.origin_input_ids[:end]
+            self.compute(req, end)
+            if end < num_input:
+                self.cache.cache_unfinished_req(req)
+                return False
+        else:
+            self.compute(req, req.kv_committed_len + 1)
+        req.output_ids.append(req.target_output[len(req.output_ids)])
+        if len(req.output_ids) == len(req.target_output):
+            self.cache.cache_finished_req(req)
+            return True
+        if cache_after:
+            req.fill_ids = req.all_ids
+            self.cache.cache_unfinished_req(req)
+        return False
+
+    def check(self, running: list[FakeReq]) -> None:
+        owned: list[int] = []
+        for req in running:
+            assert req.req_pool_idx is not None
+            assert self.states.rows[req.req_pool_idx].tolist() == req.all_ids[: req.kv_committed_len]
+            slots = self.pool.read(req.req_pool_idx, 0, req.kv_committed_len).tolist()
+            assert [self.kv[s] for s in slots] == [tuple(req.all_ids[: p + 1]) for p in range(len(slots))]
+            owned += slots if self.cache.disable else slots[len(req.prefix_indices) :]
+        kv, snaps = contents(self.cache, self.states)
+        assert all(self.kv[slot] == prefix for prefix, slot in kv.items())
+        check_pools(self.cache, kv, snaps, owned)
+
+    def check_idle(self) -> None:
+        """Nothing leaks: with every request done, evicting everything gives back every slot."""
+        self.check([])
+        cache = self.cache
+        assert cache.protected_size() == cache.protected_snapshot_count() == 0
+        assert self.pool.available_size() == self.pool.size
+        cache.evict(cache.evictable_size())
+        cache.evict_snapshots(cache.snapshot_count())
+        assert cache.total_size() == cache.snapshot_count() == 0
+        assert self.allocator.available_size() == self.allocator.size
+        assert cache.state_slots.available_size() == cache.state_slots.total
+        cache.reset()
+        assert cache.match_prefix([0, 1, 2]).kv_len == 0
+
+
+request = st.tuples(
+    st.lists(st.integers(0, 2), min_size=1, max_size=10),
+    st.lists(st.integers(0, 2), min_size=1, max_size=4),
+    st.integers(1, 6),
+    st.integers(0, 3),
+)
+
+
+def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
+    """Run every request to completion in a drawn interleaving (with evictions and retractions),
+    checking pools, states and matches after each step."""
+    waiting, running = list(specs), []
+    while waiting or running:
+        what = data.draw(st.sampled_from(["step", "step", "evict", "evict_snapshots", "retract"]), label="op")
+        if what == "evict":
+            harness.cache.evict(data.draw(st.integers(0, 6), label="tokens"))
+        elif what == "evict_snapshots":
+            harness.cache.evict_snapshots(data.draw(st.integers(0, 2), label="snapshots"))
+        need = sum(len(r.origin_input_ids) + len(r.target_output) for r in running)
+        fits = waiting and need + len(waiting[0][0]) + len(waiting[0][1]) <= harness.allocator.size
+        if fits and (not running or data.draw(st.booleans(), label="admit")):
+            running.append(harness.admit(*waiting.pop(0)))
+        elif what == "retract" and running:
+            req = running.pop(data.draw(st.integers(0, len(running) - 1), label="victim"))
+            harness.cache.cache_finished_req(req)  # as retract() does; it frees the request's row
+            waiting.append((req.all_ids, req.target_output[len(req.output_ids) :], req.chunk, req.priority))
+        elif running:
+            req = running[data.draw(st.integers(0, len(running) - 1), label="req")]
+            if harness.step(req, cache_after=data.draw(st.booleans(), label="cache after")):
+                running.remove(req)
+        harness.check(running)
+    harness.check_idle()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    policy=st.sampled_from(POLICIES),
+    num_slots=st.integers(0, 4),
+    specs=st.lists(request, min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_requests_restore_the_snapshotted_state_without_leaking(
+    policy: str, num_slots: int, specs: list[tuple], data: st.DataObject
+) -> None:
+    totals = [len(i) + len(o) for i, o, _, _ in specs]
+    size = data.draw(st.integers(max(totals), sum(totals)), label="pool size")
+    _serve(Harness(size, num_slots, policy), specs, data)
+
+
+@settings(max_examples=30, deadline=None)
+@given(specs=st.lists(request, min_size=1, max_size=4), data=st.data())
+def test_disabled_cache_keeps_no_kv_and_no_snapshot(specs: list[tuple], data: st.DataObject) -> None:
+    harness = Harness(sum(len(i) + len(o) for i, o, _, _ in specs), 4, disable=True)
+    _serve(harness, specs, data)
+
+
+def test_no_snapshot_slots_caches_kv_that_is_never_matched_and_goes_first() -> None:
+    harness = Harness(size=16, snapshots=0)
+    req = harness.admit([1, 2, 3, 4], [5])
+    assert harness.step(req)
+    assert harness.cache.total_size() == 4 and harness.cache.snapshot_count() == 0
+    again = harness.admit([1, 2, 3, 4], [5])
+    assert again.kv_committed_len == 0 and again.last_node is harness.cache.root
+    assert harness.step(again)
+    harness.check_idle()
+
+
+def test_finished_req_is_snapshotted_where_its_state_and_kv_agree() -> None:
+    harness = Harness(size=16, snapshots=4)
+    req = harness.admit([1, 2, 3], [4, 5])
+    assert not harness.step(req) and harness.step(req)
+    # KV and state cover [1, 2, 3, 4]; the last sampled token 5 is in neither.
+    kv, snaps = contents(harness.cache, harness.states)
+    assert snaps == {(1, 2, 3, 4)} and len(kv) == 4
+    dropped = harness.admit([7, 8, 9], [])
+    harness.compute(dropped, 4)  # a committed position whose token was dropped: state has 4 tokens
+    harness.cache.cache_finished_req(dropped)
+    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3, 4)}
+    harness.check_idle()
+
+
+def test_chunk_boundaries_leave_snapshots_a_later_request_resumes_from() -> None:
+    harness = Harness(size=32, snapshots=8)
+    first = harness.admit([1, 2, 3, 4, 5, 6, 7], [9], chunk=3)
+    while not harness.step(first):
+        pass
+    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6, 7)}
+    second = harness.admit([1, 2, 3, 4, 5, 0, 0], [9])  # resumes at 3 tokens: KV to 5, no state there
+    assert len(second.prefix_indices) == 3
+    assert harness.step(second)
+    harness.check_idle()
+
+
+def test_a_chunk_ending_at_kv_len_leaves_a_snapshot_at_the_branch_point() -> None:
+    harness = Harness(size=32, snapshots=8)
+    first = harness.admit([1, 2, 3, 4, 5, 6], [9])
+    assert harness.step(first)  # snapshotted at its end only: [1, 2, 3, 4, 5, 6]
+    match = harness.cache.match_prefix([1, 2, 3, 4, 7, 7])
+    assert len(match.indices) == 0 and match.kv_len == 4
+    second = harness.admit([1, 2, 3, 4, 7, 7, 7], [9], chunk=match.kv_len)  # the scheduler's cap
+    while not harness.step(second):
+        pass
+    third = harness.admit([1, 2, 3, 4, 8, 8], [9])
+    assert len(third.prefix_indices) == 4  # resumes at the branch point with its state
+    assert harness.step(third)
+    harness.check_idle()
