@@ -23,7 +23,11 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 # The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
 # maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
 # naming a checkpoint radixserve cannot run is refused before anything loads.
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+})
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The other spellings SGLang and vLLM users type for a dtype (their `--dtype` choices).
 DTYPE_SYNONYMS = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
