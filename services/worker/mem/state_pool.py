@@ -26,6 +26,10 @@ from services.worker.mem.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from services.worker.runtime.forward_batch import ForwardBatch
+    from services.worker.runtime.model_config import ModelConfig
+
+# The state pool takes at most this share of the memory budget, so the KV pool keeps the rest.
+MAX_STATE_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,38 @@ class StateShape:
     v_head_dim: int
     conv_dtype: torch.dtype
 
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> StateShape:
+        hf = config.hf_config
+        key_dim = int(hf.linear_num_key_heads) * int(hf.linear_key_head_dim)
+        num_v_heads, v_head_dim = int(hf.linear_num_value_heads), int(hf.linear_value_head_dim)
+        return cls(
+            num_layers=config.layer_types.count("linear_attention"),
+            conv_dim=2 * key_dim + num_v_heads * v_head_dim,
+            conv_width=int(hf.linear_conv_kernel_dim),
+            num_v_heads=num_v_heads,
+            k_head_dim=int(hf.linear_key_head_dim),
+            v_head_dim=v_head_dim,
+            conv_dtype=config.dtype,
+        )
+
     def bytes_per_row(self) -> int:
         """Bytes one request's state takes over all linear layers."""
         conv = self.conv_dim * (self.conv_width - 1) * torch.empty((), dtype=self.conv_dtype).element_size()
         recurrent = self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
         return self.num_layers * (conv + recurrent)
+
+
+def state_rows_for_budget(shape: StateShape, budget: int, max_rows: int) -> int:
+    """Request rows whose state fits MAX_STATE_SHARE of `budget` bytes (one more row is the padding
+    row), at most max_rows; ValueError when not even one fits."""
+    rows = min(max_rows, int(budget * MAX_STATE_SHARE) // shape.bytes_per_row() - 1)
+    if rows < 1:
+        raise ValueError(
+            f"not enough memory for the linear-attention state of one request: {shape.bytes_per_row() / 2**20:.1f} "
+            f"MiB per request, {budget / 2**20:.1f} MiB budget for all pools"
+        )
+    return rows
 
 
 class StatePool:
@@ -149,8 +180,16 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._req_to_state_cpu = [StatePool.PAD_ROW] * self.size
         self.req_to_state.fill_(StatePool.PAD_ROW)
 
-    def state_rows_in_use(self) -> int:
-        return sum(1 for r in self._req_to_state_cpu if r != StatePool.PAD_ROW)
+    def check_state_invariant(self, rows_held: int) -> None:
+        """free state rows + rows held by `rows_held` requests == all state rows, and each request row in
+        use maps to its own state row; AssertionError naming the counts otherwise."""
+        mapped = [r for r in self._req_to_state_cpu if r != StatePool.PAD_ROW]
+        free, size = self.state_pool.available_size(), self.state_pool.size
+        if free + rows_held != size or len(mapped) != rows_held or len(set(mapped)) != len(mapped):
+            raise AssertionError(
+                f"state pool leak: free {free} + held by requests {rows_held} != {size} "
+                f"(request rows mapped to state rows: {len(mapped)}, distinct: {len(set(mapped))})"
+            )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Set batch.state_metadata: each request's state row, whether it continues a state (a chunked
