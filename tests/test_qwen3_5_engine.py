@@ -14,7 +14,7 @@ import torch
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
 from services.worker.frontend.scheduler_loop import SchedulerLoop
-from services.worker.mem.state_pool import MAX_STATE_SHARE, StateShape
+from services.worker.mem.state_pool import MAX_STATE_SHARE
 from services.worker.runtime import model_runner
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.scheduler.req import Req
@@ -142,7 +142,7 @@ def test_state_pool_comes_out_of_the_memory_budget_first(
     qwen3_5_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = ModelConfig.from_path(qwen3_5_path)
-    shape = StateShape.from_model_config(config)
+    shape = config.state_shape()
     assert shape.num_layers == 2 and shape.bytes_per_row() == 2 * (96 * 3 * 4 + 4 * 16 * 8 * 4)  # conv 2*2*16 + 4*8 channels
     budget = 20 * shape.bytes_per_row()
     monkeypatch.setattr(model_runner, "_available_ram_bytes", lambda: int(budget / model_runner.CPU_MEM_SHARE))

@@ -18,15 +18,10 @@ holds whenever the ReqToTokenPool's own accounting does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool
-
-if TYPE_CHECKING:
-    from services.worker.runtime.forward_batch import ForwardBatch
-    from services.worker.runtime.model_config import ModelConfig
 
 # The state pool takes at most this share of the memory budget, so the KV pool keeps the rest.
 MAX_STATE_SHARE = 0.5
@@ -43,21 +38,6 @@ class StateShape:
     k_head_dim: int
     v_head_dim: int
     conv_dtype: torch.dtype
-
-    @classmethod
-    def from_model_config(cls, config: ModelConfig) -> StateShape:
-        hf = config.hf_config
-        key_dim = int(hf.linear_num_key_heads) * int(hf.linear_key_head_dim)
-        num_v_heads, v_head_dim = int(hf.linear_num_value_heads), int(hf.linear_value_head_dim)
-        return cls(
-            num_layers=config.layer_types.count("linear_attention"),
-            conv_dim=2 * key_dim + num_v_heads * v_head_dim,
-            conv_width=int(hf.linear_conv_kernel_dim),
-            num_v_heads=num_v_heads,
-            k_head_dim=int(hf.linear_key_head_dim),
-            v_head_dim=v_head_dim,
-            conv_dtype=config.dtype,
-        )
 
     def bytes_per_row(self) -> int:
         """Bytes one request's state takes over all linear layers."""
@@ -191,17 +171,19 @@ class HybridReqToTokenPool(ReqToTokenPool):
                 f"(request rows mapped to state rows: {len(mapped)}, distinct: {len(set(mapped))})"
             )
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Set batch.state_metadata: each request's state row, whether it continues a state (a chunked
-        prefill's later chunk, a decode), and its token bounds."""
-        lens = torch.tensor(batch.extend_seq_lens_cpu, dtype=torch.int32)
-        cu = torch.zeros(len(batch.extend_seq_lens_cpu) + 1, dtype=torch.int32)
+    def state_metadata(
+        self, req_pool_indices: torch.Tensor, extend_seq_lens: list[int], extend_prefix_lens: list[int]
+    ) -> StateMetadata:
+        """A step's StateMetadata: each request's state row (from its request row, on the device),
+        whether it continues a state (a chunked prefill's later chunk, a decode), its token bounds."""
+        lens = torch.tensor(extend_seq_lens, dtype=torch.int32)
+        cu = torch.zeros(len(extend_seq_lens) + 1, dtype=torch.int32)
         cu[1:] = lens.cumsum(0)
-        initial = torch.tensor([p > 0 for p in batch.extend_prefix_lens_cpu], dtype=torch.bool)
-        device = batch.req_pool_indices.device
-        batch.state_metadata = StateMetadata(
+        initial = torch.tensor([p > 0 for p in extend_prefix_lens], dtype=torch.bool)
+        device = req_pool_indices.device
+        return StateMetadata(
             state_pool=self.state_pool,
-            state_indices=self.req_to_state[batch.req_pool_indices],
+            state_indices=self.req_to_state[req_pool_indices],
             has_initial_state=initial.to(device, non_blocking=True),
             cu_seqlens=cu.to(device, non_blocking=True),
         )

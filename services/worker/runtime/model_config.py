@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.config import pick_architecture
+from services.worker.mem.state_pool import StateShape
 from services.worker.runtime.layers.rotary import rope_parameters
 from shared.sampling_params import generation_defaults
 
@@ -146,6 +147,21 @@ class ModelConfig:
         if not self.is_hybrid:
             return self.num_layers
         return sum(1 for kind in self.layer_types if kind == "full_attention")
+
+    def state_shape(self) -> StateShape:
+        """A hybrid model's per-request linear-attention state (StatePool's geometry)."""
+        hf = self.hf_config
+        key_dim = int(hf.linear_num_key_heads) * int(hf.linear_key_head_dim)
+        num_v_heads, v_head_dim = int(hf.linear_num_value_heads), int(hf.linear_value_head_dim)
+        return StateShape(
+            num_layers=self.layer_types.count("linear_attention"),
+            conv_dim=2 * key_dim + num_v_heads * v_head_dim,
+            conv_width=int(hf.linear_conv_kernel_dim),
+            num_v_heads=num_v_heads,
+            k_head_dim=int(hf.linear_key_head_dim),
+            v_head_dim=v_head_dim,
+            conv_dtype=self.dtype,
+        )
 
     def attention_layer_index(self, layer_id: int) -> int:
         """Layer layer_id's KV buffer: its index among the attention layers."""

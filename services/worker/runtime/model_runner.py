@@ -18,7 +18,7 @@ import torch
 
 from services.worker.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, StateShape, state_rows_for_budget
+from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, state_rows_for_budget
 from services.worker.runtime import distributed
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.flashinfer_backend import (
@@ -216,7 +216,7 @@ class ModelRunner:
         kv_layers = model_config.num_attention_layers
         bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
-        state_shape = StateShape.from_model_config(model_config) if model_config.is_hybrid else None
+        state_shape = model_config.state_shape() if model_config.is_hybrid else None
         rows = config.max_running_requests
         if config.max_total_tokens:
             size = config.max_total_tokens
@@ -305,8 +305,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
-        if isinstance(self.req_to_token_pool, HybridReqToTokenPool):
-            self.req_to_token_pool.init_forward_metadata(batch)
+        batch.init_state_metadata()
         return self.model(batch.input_ids, batch.positions, batch)
 
     def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:
