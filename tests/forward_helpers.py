@@ -32,7 +32,7 @@ class BatchDriver:
         self.device = torch.device(device)
         self.req_pool = ReqToTokenPool(max_requests, config.context_len, self.device)
         if config.is_hybrid:  # linear-attention layers keep their state in a StatePool row per request
-            state_pool = StatePool(max_requests, config.state_shape(), self.device)
+            state_pool = StatePool(max_requests, config.state_shape(tp_size), self.device)
             self.req_pool = HybridReqToTokenPool(max_requests, config.context_len, self.device, state_pool)
         self.kv_pool = TokenToKVPool(
             max_tokens,

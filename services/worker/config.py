@@ -28,8 +28,8 @@ ARCHITECTURES = frozenset({
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
 })
-# Hybrid models (Gated DeltaNet linear-attention layers with per-request state): tp_size 1 only, and no
-# speculative decoding (a rejected draft would need the recurrent state rolled back).
+# Hybrid models (Gated DeltaNet linear-attention layers with per-request state): no speculative
+# decoding (a rejected draft would need the recurrent state rolled back).
 HYBRID_ARCHITECTURES = frozenset({
     "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
@@ -200,11 +200,6 @@ class EngineConfig:
             self._check_hybrid(pick_architecture(architectures))
 
     def _check_hybrid(self, architecture: str) -> None:
-        if self.tp_size > 1:
-            raise ValueError(
-                f"tp_size={self.tp_size}: {architecture} (a hybrid model with Gated DeltaNet layers) runs with "
-                "tp_size 1 only"
-            )
         if self.speculative_algorithm is not None:
             raise ValueError(
                 f"speculative_algorithm={self.speculative_algorithm!r}: speculative decoding is not supported for "

@@ -148,11 +148,12 @@ class ModelConfig:
             return self.num_layers
         return sum(1 for kind in self.layer_types if kind == "full_attention")
 
-    def state_shape(self) -> StateShape:
-        """A hybrid model's per-request linear-attention state (StatePool's geometry)."""
+    def state_shape(self, tp_size: int = 1) -> StateShape:
+        """A hybrid model's per-request linear-attention state on one of tp_size ranks (StatePool's
+        geometry: each rank keeps its share of the heads)."""
         hf = self.hf_config
-        key_dim = int(hf.linear_num_key_heads) * int(hf.linear_key_head_dim)
-        num_v_heads, v_head_dim = int(hf.linear_num_value_heads), int(hf.linear_value_head_dim)
+        key_dim = int(hf.linear_num_key_heads) // tp_size * int(hf.linear_key_head_dim)
+        num_v_heads, v_head_dim = int(hf.linear_num_value_heads) // tp_size, int(hf.linear_value_head_dim)
         return StateShape(
             num_layers=self.layer_types.count("linear_attention"),
             conv_dim=2 * key_dim + num_v_heads * v_head_dim,

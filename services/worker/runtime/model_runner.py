@@ -216,7 +216,7 @@ class ModelRunner:
         kv_layers = model_config.num_attention_layers
         bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
-        state_shape = model_config.state_shape() if model_config.is_hybrid else None
+        state_shape = model_config.state_shape(self.tp_size) if model_config.is_hybrid else None
         rows = config.max_running_requests
         if config.max_total_tokens:
             size = config.max_total_tokens
@@ -227,9 +227,9 @@ class ModelRunner:
                 budget -= (rows + 1) * state_shape.bytes_per_row()
             size = self._pool_size_from_budget(budget, bytes_per_token)
         if self.tp_size > 1:
-            agreed = torch.tensor([size], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+            agreed = torch.tensor([size, rows], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            size = int(agreed.item())
+            size, rows = (int(v) for v in agreed.tolist())
         self.max_total_tokens = size
         self.token_to_kv_pool = TokenToKVPool(
             size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device

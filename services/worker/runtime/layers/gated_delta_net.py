@@ -6,6 +6,10 @@ continues from the request's last W-1 inputs; then the gated delta rule updates 
 per head (decay exp(g), g = -exp(A_log) * softplus(a + dt_bias); write strength sigmoid(b); q and k
 l2-normalised) and reads it with q; a gated RMSNorm (norm(o) * silu(z)) and out_proj finish.
 
+Tensor parallel: each rank keeps Hk / tp q/k heads and the Hv / tp v heads they serve (in_proj, the
+conv channels, A_log and dt_bias split alike; out_proj row-parallel, one all-reduce), so its states hold
+only its heads.
+
 Both states live in the StatePool (mem/state_pool.py), one row per request, found through
 batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
 the one-token update; the ops are gdn_ops.py's (the Triton kernels implement the same signatures).
@@ -19,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.runtime.distributed import get_tp_size
+from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size
 from services.worker.runtime.layers.gdn_ops import (
     causal_conv1d_fwd,
     causal_conv1d_update,
@@ -33,6 +37,7 @@ from services.worker.runtime.layers.linear import (
     check_weight_shape,
     default_weight_loader,
     full_weight,
+    narrow_weight,
     new_parameter,
 )
 
@@ -59,14 +64,34 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
-def _load_conv_weight(param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
-    """The checkpoint's nn.Conv1d weight [C, 1, W] (or [C, W]) into the [C, W] parameter."""
+class GatedDeltaNetInProj(MergedColumnParallelLinear):
+    """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one column-parallel product: output_sizes
+    [q, k, v, z, b, a], each split across ranks. The checkpoint's in_proj_qkv (shard 'qkv') fills the
+    first three; z, b and a are shards 3, 4 and 5."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: int | str | None = None) -> None:
+        if shard_id != "qkv":
+            super().weight_loader(param, loaded_weight, shard_id)
+            return
+        check_weight_shape(loaded_weight, (sum(self.output_sizes[:3]), self.input_size), "linear_attn.in_proj_qkv")
+        start = 0
+        for index, rows in enumerate(self.output_sizes[:3]):
+            super().weight_loader(param, narrow_weight(loaded_weight, 0, start, rows), index)
+            start += rows
+
+
+def _split_rows(loaded_weight: LoadedWeight, sizes: list[int], what: str) -> torch.Tensor:
+    """This rank's rows of each consecutive block of `sizes` rows (q, k, v channels; v heads), joined."""
+    tp_rank, tp_size = get_tp_rank(), get_tp_size()
     weight = full_weight(loaded_weight)
-    if weight.dim() == 3:
-        check_weight_shape(weight, (param.shape[0], 1, param.shape[1]), "linear_attn.conv1d")
-        weight = weight[:, 0]
-    check_weight_shape(weight, tuple(param.shape), "linear_attn.conv1d")
-    param.data.copy_(weight)
+    if weight.shape[0] != sum(sizes):
+        raise ValueError(f"checkpoint tensor for {what} has {weight.shape[0]} rows, expected {sum(sizes)}")
+    parts, start = [], 0
+    for size in sizes:
+        local = divide(size, tp_size)
+        parts.append(weight[start + tp_rank * local : start + (tp_rank + 1) * local])
+        start += size
+    return torch.cat(parts)
 
 
 class GatedDeltaNet(nn.Module):
@@ -75,39 +100,54 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hf: PretrainedConfig, hidden_size: int, state_id: int) -> None:
         super().__init__()
-        if get_tp_size() != 1:
-            raise ValueError("Gated DeltaNet layers do not support tensor parallelism (tp_size must be 1)")
         self.state_id = state_id
-        self.num_k_heads = int(hf.linear_num_key_heads)
-        self.num_v_heads = int(hf.linear_num_value_heads)
+        total_k_heads, total_v_heads = int(hf.linear_num_key_heads), int(hf.linear_num_value_heads)
+        if total_v_heads % total_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads={total_v_heads} must be a multiple of linear_num_key_heads={total_k_heads}"
+            )
+        tp_size = get_tp_size()
+        if total_k_heads % tp_size:
+            raise ValueError(f"linear_num_key_heads={total_k_heads} is not divisible by tp_size={tp_size}")
+        # This rank's heads: its share of the q/k heads and of the v heads they serve.
+        self.num_k_heads = total_k_heads // tp_size
+        self.num_v_heads = total_v_heads // tp_size
         self.head_k_dim = int(hf.linear_key_head_dim)
         self.head_v_dim = int(hf.linear_value_head_dim)
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(
-                f"linear_num_value_heads={self.num_v_heads} must be a multiple of "
-                f"linear_num_key_heads={self.num_k_heads}"
-            )
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = int(hf.linear_conv_kernel_dim)
         self.activation = str(hf.hidden_act)
         self.scale = self.head_k_dim**-0.5
-        # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one product (shard ids 0..3).
-        self.in_proj = MergedColumnParallelLinear(
-            hidden_size, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        total_key, total_value = total_k_heads * self.head_k_dim, total_v_heads * self.head_v_dim
+        self.in_proj = GatedDeltaNetInProj(
+            hidden_size, [total_key, total_key, total_value, total_value, total_v_heads, total_v_heads]
         )
-        self.conv_weight = new_parameter((self.conv_dim, self.conv_width), _load_conv_weight)
-        self.dt_bias = new_parameter((self.num_v_heads,), default_weight_loader)
-        self.A_log = new_parameter((self.num_v_heads,), default_weight_loader)
+        self._conv_blocks = [total_key, total_key, total_value]
+        self.conv_weight = new_parameter((self.conv_dim, self.conv_width), self._load_conv_weight)
+        self.dt_bias = new_parameter((self.num_v_heads,), self._load_per_head)
+        self.A_log = new_parameter((self.num_v_heads,), self._load_per_head)
         self.norm = GatedRMSNorm(self.head_v_dim, float(hf.rms_norm_eps))
-        self.out_proj = RowParallelLinear(self.value_dim, hidden_size)
+        self.out_proj = RowParallelLinear(total_value, hidden_size)
+
+    def _load_conv_weight(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        """The checkpoint's nn.Conv1d weight [C, 1, W] (or [C, W]): this rank's q, k and v channels."""
+        weight = full_weight(loaded_weight)
+        weight = weight[:, 0] if weight.dim() == 3 else weight
+        weight = _split_rows(weight, self._conv_blocks, "linear_attn.conv1d")
+        check_weight_shape(weight, tuple(param.shape), "linear_attn.conv1d (this rank's channels)")
+        param.data.copy_(weight)
+
+    def _load_per_head(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        param.data.copy_(_split_rows(loaded_weight, [self.num_v_heads * get_tp_size()], "a per-v-head parameter"))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         meta = batch.state_metadata
         if meta is None:
             raise ValueError("a linear-attention layer needs batch.state_metadata (HybridReqToTokenPool)")
         conv_state, recurrent_state = meta.state_pool.layer(self.state_id)
+        # This rank's [q | k | v | z | b | a]: the first three are the conv input, in the conv's order.
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )

@@ -99,10 +99,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     model_cls = Qwen3_5Model  # type: ignore[assignment]
     stacked_params: tuple[tuple[str, str, Any], ...] = (
         *LlamaForCausalLM.stacked_params,
-        (".in_proj.", ".in_proj_qkv.", 0),
-        (".in_proj.", ".in_proj_z.", 1),
-        (".in_proj.", ".in_proj_b.", 2),
-        (".in_proj.", ".in_proj_a.", 3),
+        (".in_proj.", ".in_proj_qkv.", "qkv"),
+        (".in_proj.", ".in_proj_z.", 3),
+        (".in_proj.", ".in_proj_b.", 4),
+        (".in_proj.", ".in_proj_a.", 5),
         (".conv_weight", ".conv1d.weight", None),
     )
     # Checkpoint parts that are not the language model.
