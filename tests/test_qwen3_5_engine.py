@@ -152,6 +152,10 @@ def test_tensor_parallel_2_matches_1(qwen3_5_moe_path: Path) -> None:
     assert generate_ids(qwen3_5_moe_path, prompts, tp_size=2) == generate_ids(qwen3_5_moe_path, prompts)
 
 
-def test_speculative_decoding_is_refused_at_start(qwen3_5_moe_path: Path) -> None:
+def test_speculative_decoding_is_refused_at_start(qwen3_5_moe_path: Path, qwen3_path: Path) -> None:
     with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5MoeForCausalLM"):
         EngineConfig.from_kwargs(str(qwen3_5_moe_path), speculative_algorithm="ngram")
+    with pytest.raises(ValueError, match="is a hybrid model .* which cannot draft"):
+        EngineConfig.from_kwargs(
+            str(qwen3_path), speculative_algorithm="draft", speculative_draft_model_path=str(qwen3_5_moe_path)
+        )

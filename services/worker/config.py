@@ -227,6 +227,12 @@ class EngineConfig:
             return
         if draft is None:
             raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path")
+        draft_architectures = _checkpoint_config(draft).get("architectures")
+        if isinstance(draft_architectures, list) and set(draft_architectures) & HYBRID_ARCHITECTURES:
+            raise ValueError(
+                f"speculative_draft_model_path {draft!r} is a hybrid model (Gated DeltaNet layers), which cannot "
+                "draft: its recurrent state cannot be rolled back past rejected proposals"
+            )
         draft_vocab = _checkpoint_vocab_size(draft)
         if draft_vocab is None:
             raise ValueError(f"speculative_draft_model_path {draft!r} has no config.json with a vocab_size")
