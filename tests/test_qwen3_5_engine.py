@@ -5,6 +5,7 @@ matches TP=1; speculative decoding is refused at start."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,26 @@ def hf_argmax_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def test_prompt_and_output_logprobs_equal_transformers_with_chunked_prefill(qwen3_5_path: Path) -> None:
+    """Log-probs of every prompt token (over three prefill chunks carrying the state) and of each
+    output token are transformers' log-softmax."""
+    prompt = random_prompts(1, 20, 20, seed=9)[0]
+    with Engine(str(qwen3_5_path), chunked_prefill_size=7) as engine:
+        out = engine.generate(
+            input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 5}, return_logprob=True, logprob_start_len=0
+        )
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(str(qwen3_5_path))(ids).logits[0].float(), dim=-1)
+    meta = out["meta_info"]
+    assert [tid for _, tid, _ in meta["input_token_logprobs"]] == prompt
+    scored = [(pos, lp, tid) for pos, (lp, tid, _) in enumerate(meta["input_token_logprobs"][1:])]
+    scored += [(len(prompt) - 1 + step, lp, tid) for step, (lp, tid, _) in enumerate(meta["output_token_logprobs"])]
+    assert len(scored) == len(prompt) - 1 + 5
+    for pos, lp, tid in scored:
+        assert math.isclose(lp, ref[pos, tid].item(), rel_tol=1e-4, abs_tol=1e-4), (pos, lp, ref[pos, tid].item())
 
 
 def make_scheduler(path: Path, **kwargs: object):  # noqa: ANN201 - a Scheduler
