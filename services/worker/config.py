@@ -23,7 +23,17 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 # The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
 # maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
 # naming a checkpoint radixserve cannot run is refused before anything loads.
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+})
+# Hybrid models (Gated DeltaNet linear-attention layers with per-request state): no speculative
+# decoding (a rejected draft would need the recurrent state rolled back).
+HYBRID_ARCHITECTURES = frozenset({
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+})
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The other spellings SGLang and vLLM users type for a dtype (their `--dtype` choices).
 DTYPE_SYNONYMS = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -186,8 +196,16 @@ class EngineConfig:
             )
         self._check_speculative()
         architectures = _checkpoint_config(self.model_path).get("architectures")
-        if architectures is not None:
-            pick_architecture(architectures)
+        if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
+            self._check_hybrid(pick_architecture(architectures))
+
+    def _check_hybrid(self, architecture: str) -> None:
+        if self.speculative_algorithm is not None:
+            raise ValueError(
+                f"speculative_algorithm={self.speculative_algorithm!r}: speculative decoding is not supported for "
+                f"{architecture} (a hybrid model with Gated DeltaNet layers): a rejected draft would need the "
+                "recurrent state rolled back"
+            )
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
@@ -209,6 +227,12 @@ class EngineConfig:
             return
         if draft is None:
             raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path")
+        draft_architectures = _checkpoint_config(draft).get("architectures")
+        if isinstance(draft_architectures, list) and set(draft_architectures) & HYBRID_ARCHITECTURES:
+            raise ValueError(
+                f"speculative_draft_model_path {draft!r} is a hybrid model (Gated DeltaNet layers), which cannot "
+                "draft: its recurrent state cannot be rolled back past rejected proposals"
+            )
         draft_vocab = _checkpoint_vocab_size(draft)
         if draft_vocab is None:
             raise ValueError(f"speculative_draft_model_path {draft!r} has no config.json with a vocab_size")

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.worker.mem.state_pool import HybridReqToTokenPool, StateMetadata
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 
@@ -104,10 +105,22 @@ class ForwardBatch:
     # block (the step's packed host-to-device copy lays them out so), which a CUDA graph replay
     # copies into its static inputs in one launch instead of four; None: copy them one by one.
     packed_rows: torch.Tensor | None = field(default=None, repr=False)
+    # Hybrid models (linear-attention layers): each request's state row, whether it continues a
+    # state, and its token bounds; set by init_state_metadata.
+    state_metadata: StateMetadata | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def init_state_metadata(self) -> None:
+        """Set state_metadata when the request rows own state rows (a hybrid model's
+        HybridReqToTokenPool, mem/state_pool.py); nothing otherwise."""
+        pool = self.req_to_token_pool
+        if isinstance(pool, HybridReqToTokenPool):
+            self.state_metadata = pool.state_metadata(
+                self.req_pool_indices, self.extend_seq_lens_cpu, self.extend_prefix_lens_cpu
+            )
 
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token in input_ids (where its next-token logits come from):

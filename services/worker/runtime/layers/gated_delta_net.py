@@ -1,0 +1,182 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 (and Qwen3-Next).
+
+Per token: one fused projection gives the conv input (q, k, v), the output gate z and the per-head
+write strength b and decay a; q, k, v go through a causal depthwise conv1d (kernel W, SiLU) that
+continues from the request's last W-1 inputs; then the gated delta rule updates a [Hv, Dk, Dv] state
+per head (decay exp(g), g = -exp(A_log) * softplus(a + dt_bias); write strength sigmoid(b); q and k
+l2-normalised) and reads it with q; a gated RMSNorm (norm(o) * silu(z)) and out_proj finish.
+
+Tensor parallel: each rank keeps Hk / tp q/k heads and the Hv / tp v heads they serve (in_proj, the
+conv channels, A_log and dt_bias split alike; out_proj row-parallel, one all-reduce), so its states hold
+only its heads.
+
+Both states live in the StatePool (mem/state_pool.py), one row per request, found through
+batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
+the one-token update; the ops are gdn_ops.py's (the Triton kernels implement the same signatures).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size
+from services.worker.runtime.layers.gdn_ops import (
+    causal_conv1d_fwd,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule_update,
+)
+from services.worker.runtime.layers.linear import (
+    LoadedWeight,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    check_weight_shape,
+    default_weight_loader,
+    full_weight,
+    narrow_weight,
+    new_parameter,
+)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from services.worker.runtime.forward_batch import ForwardBatch
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(x) * weight * silu(gate) per head (transformers' Qwen3_5RMSNormGated, rounding included:
+    the norm in float32, the scale in the input dtype, the gate in float32)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((head_dim,), default_weight_loader)
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNetInProj(MergedColumnParallelLinear):
+    """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one column-parallel product: output_sizes
+    [q, k, v, z, b, a], each split across ranks. The checkpoint's in_proj_qkv (shard 'qkv') fills the
+    first three; z, b and a are shards 3, 4 and 5."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: int | str | None = None) -> None:
+        if shard_id != "qkv":
+            super().weight_loader(param, loaded_weight, shard_id)
+            return
+        check_weight_shape(loaded_weight, (sum(self.output_sizes[:3]), self.input_size), "linear_attn.in_proj_qkv")
+        start = 0
+        for index, rows in enumerate(self.output_sizes[:3]):
+            super().weight_loader(param, narrow_weight(loaded_weight, 0, start, rows), index)
+            start += rows
+
+
+def _split_rows(loaded_weight: LoadedWeight, sizes: list[int], what: str) -> torch.Tensor:
+    """This rank's rows of each consecutive block of `sizes` rows (q, k, v channels; v heads), joined."""
+    tp_rank, tp_size = get_tp_rank(), get_tp_size()
+    weight = full_weight(loaded_weight)
+    if weight.shape[0] != sum(sizes):
+        raise ValueError(f"checkpoint tensor for {what} has {weight.shape[0]} rows, expected {sum(sizes)}")
+    parts, start = [], 0
+    for size in sizes:
+        local = divide(size, tp_size)
+        parts.append(weight[start + tp_rank * local : start + (tp_rank + 1) * local])
+        start += size
+    return torch.cat(parts)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; `state_id` is its index among the model's linear layers (its
+    StatePool tensors)."""
+
+    def __init__(self, hf: PretrainedConfig, hidden_size: int, state_id: int) -> None:
+        super().__init__()
+        self.state_id = state_id
+        total_k_heads, total_v_heads = int(hf.linear_num_key_heads), int(hf.linear_num_value_heads)
+        if total_v_heads % total_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads={total_v_heads} must be a multiple of linear_num_key_heads={total_k_heads}"
+            )
+        tp_size = get_tp_size()
+        if total_k_heads % tp_size:
+            raise ValueError(f"linear_num_key_heads={total_k_heads} is not divisible by tp_size={tp_size}")
+        # This rank's heads: its share of the q/k heads and of the v heads they serve.
+        self.num_k_heads = total_k_heads // tp_size
+        self.num_v_heads = total_v_heads // tp_size
+        self.head_k_dim = int(hf.linear_key_head_dim)
+        self.head_v_dim = int(hf.linear_value_head_dim)
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = int(hf.linear_conv_kernel_dim)
+        self.activation = str(hf.hidden_act)
+        self.scale = self.head_k_dim**-0.5
+        total_key, total_value = total_k_heads * self.head_k_dim, total_v_heads * self.head_v_dim
+        self.in_proj = GatedDeltaNetInProj(
+            hidden_size, [total_key, total_key, total_value, total_value, total_v_heads, total_v_heads]
+        )
+        self._conv_blocks = [total_key, total_key, total_value]
+        self.conv_weight = new_parameter((self.conv_dim, self.conv_width), self._load_conv_weight)
+        self.dt_bias = new_parameter((self.num_v_heads,), self._load_per_head)
+        self.A_log = new_parameter((self.num_v_heads,), self._load_per_head)
+        self.norm = GatedRMSNorm(self.head_v_dim, float(hf.rms_norm_eps))
+        self.out_proj = RowParallelLinear(total_value, hidden_size)
+
+    def _load_conv_weight(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        """The checkpoint's nn.Conv1d weight [C, 1, W] (or [C, W]): this rank's q, k and v channels."""
+        weight = full_weight(loaded_weight)
+        weight = weight[:, 0] if weight.dim() == 3 else weight
+        weight = _split_rows(weight, self._conv_blocks, "linear_attn.conv1d")
+        check_weight_shape(weight, tuple(param.shape), "linear_attn.conv1d (this rank's channels)")
+        param.data.copy_(weight)
+
+    def _load_per_head(self, param: nn.Parameter, loaded_weight: LoadedWeight) -> None:
+        param.data.copy_(_split_rows(loaded_weight, [self.num_v_heads * get_tp_size()], "a per-v-head parameter"))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        meta = batch.state_metadata
+        if meta is None:
+            raise ValueError("a linear-attention layer needs batch.state_metadata (HybridReqToTokenPool)")
+        conv_state, recurrent_state = meta.state_pool.layer(self.state_id)
+        # This rank's [q | k | v | z | b | a]: the first three are the conv input, in the conv's order.
+        mixed, z, b, a = self.in_proj(hidden).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        decode = batch.forward_mode.is_decode()
+        if decode:
+            mixed = causal_conv1d_update(
+                mixed, self.conv_weight, None, conv_state=conv_state, state_indices=meta.state_indices,
+                activation=self.activation,
+            )
+        else:
+            mixed = causal_conv1d_fwd(
+                mixed, self.conv_weight, None, conv_state=conv_state, state_indices=meta.state_indices,
+                cu_seqlens=meta.cu_seqlens, has_initial_state=meta.has_initial_state, activation=self.activation,
+            )
+        tokens = hidden.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            core = fused_recurrent_gated_delta_rule_update(
+                q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices, scale=self.scale
+            )
+        else:
+            core = chunk_gated_delta_rule(
+                q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices,
+                cu_seqlens=meta.cu_seqlens, scale=self.scale,
+            )
+        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(tokens, self.value_dim))
