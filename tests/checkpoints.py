@@ -19,6 +19,10 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -97,10 +101,51 @@ def tiny_llama_config(**overrides: Any) -> LlamaConfig:
     return LlamaConfig(**{**kwargs, **overrides})
 
 
+# Qwen3.5's linear-attention (Gated DeltaNet) geometry: 2 q/k heads of 16, 4 v heads of 8 (GQA), conv 4.
+_QWEN3_5_LINEAR: dict[str, Any] = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def tiny_qwen3_5_config(**overrides: Any) -> Qwen3_5TextConfig:
+    """Qwen3.5 dense with 4 layers: full, linear, linear, full attention; untied."""
+    kwargs = {
+        **_COMMON,
+        **_QWEN3_5_LINEAR,
+        "num_hidden_layers": 4,
+        "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        "tie_word_embeddings": False,
+    }
+    return Qwen3_5TextConfig(**{**kwargs, **overrides})
+
+
+def tiny_qwen3_5_moe_config(**overrides: Any) -> Qwen3_5MoeTextConfig:
+    """Qwen3.5-MoE with 3 layers (linear, full, linear attention): 8 experts top-2 and a shared expert."""
+    kwargs = {
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"},
+        **_QWEN3_5_LINEAR,
+        "num_hidden_layers": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "tie_word_embeddings": False,
+    }
+    return Qwen3_5MoeTextConfig(**{**kwargs, **overrides})
+
+
 _MODEL_CLASSES: dict[type[PretrainedConfig], type[PreTrainedModel]] = {
     Qwen3Config: Qwen3ForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
     LlamaConfig: LlamaForCausalLM,
+    Qwen3_5TextConfig: Qwen3_5ForCausalLM,
+    Qwen3_5MoeTextConfig: Qwen3_5MoeForCausalLM,
 }
 
 

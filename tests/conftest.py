@@ -25,6 +25,8 @@ from shared.natsd import NatsServer, start_nats_server
 from tests.checkpoints import (
     QWEN3_GENERATION,
     tiny_llama_config,
+    tiny_qwen3_5_config,
+    tiny_qwen3_5_moe_config,
     tiny_qwen3_config,
     tiny_qwen3_moe_config,
     write_checkpoint,
@@ -84,6 +86,28 @@ def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-like Llama with tied embeddings and a tokenizer."""
     path = tmp_path_factory.mktemp("llama")
     return write_checkpoint(path, tiny_llama_config(), seed=4, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5 dense (hybrid): full, linear, linear, full attention; untied; tokenizer."""
+    path = tmp_path_factory.mktemp("qwen3_5")
+    return write_checkpoint(path, tiny_qwen3_5_config(), seed=5, tokenizer=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5 dense, tied embeddings, layer kinds from full_attention_interval=2 (linear first)."""
+    path = tmp_path_factory.mktemp("qwen3_5_tied")
+    config = tiny_qwen3_5_config(layer_types=None, full_attention_interval=2, tie_word_embeddings=True)
+    return write_checkpoint(path, config, seed=6)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5-MoE: linear, full, linear attention; 8 experts top-2 plus a shared expert."""
+    path = tmp_path_factory.mktemp("qwen3_5_moe")
+    return write_checkpoint(path, tiny_qwen3_5_moe_config(), seed=7)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, StateShape
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -30,9 +31,12 @@ class BatchDriver:
         self.model = model
         self.device = torch.device(device)
         self.req_pool = ReqToTokenPool(max_requests, config.context_len, self.device)
+        if config.is_hybrid:  # linear-attention layers keep their state in a StatePool row per request
+            state_pool = StatePool(max_requests, StateShape.from_model_config(config), self.device)
+            self.req_pool = HybridReqToTokenPool(max_requests, config.context_len, self.device, state_pool)
         self.kv_pool = TokenToKVPool(
             max_tokens,
-            config.num_layers,
+            config.num_attention_layers,
             config.num_kv_heads_per_rank(tp_size),
             config.head_dim,
             config.dtype,
@@ -121,6 +125,8 @@ def step_batch(
         return_all_logits=return_all_logits,
     )
     backend.init_forward_metadata(batch)
+    if isinstance(req_pool, HybridReqToTokenPool):
+        req_pool.init_forward_metadata(batch)
     return batch
 
 

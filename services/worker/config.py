@@ -23,7 +23,17 @@ ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 # The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
 # maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
 # naming a checkpoint radixserve cannot run is refused before anything loads.
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+})
+# Hybrid models (Gated DeltaNet linear-attention layers with per-request state): tp_size 1 only, and no
+# speculative decoding (a rejected draft would need the recurrent state rolled back).
+HYBRID_ARCHITECTURES = frozenset({
+    "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+})
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The other spellings SGLang and vLLM users type for a dtype (their `--dtype` choices).
 DTYPE_SYNONYMS = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -186,8 +196,21 @@ class EngineConfig:
             )
         self._check_speculative()
         architectures = _checkpoint_config(self.model_path).get("architectures")
-        if architectures is not None:
-            pick_architecture(architectures)
+        if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
+            self._check_hybrid(pick_architecture(architectures))
+
+    def _check_hybrid(self, architecture: str) -> None:
+        if self.tp_size > 1:
+            raise ValueError(
+                f"tp_size={self.tp_size}: {architecture} (a hybrid model with Gated DeltaNet layers) runs with "
+                "tp_size 1 only"
+            )
+        if self.speculative_algorithm is not None:
+            raise ValueError(
+                f"speculative_algorithm={self.speculative_algorithm!r}: speculative decoding is not supported for "
+                f"{architecture} (a hybrid model with Gated DeltaNet layers): a rejected draft would need the "
+                "recurrent state rolled back"
+            )
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm

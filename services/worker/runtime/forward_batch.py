@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from services.worker.mem.state_pool import StateMetadata
 
 
 class AttentionLayer(Protocol):
@@ -104,6 +107,9 @@ class ForwardBatch:
     # block (the step's packed host-to-device copy lays them out so), which a CUDA graph replay
     # copies into its static inputs in one launch instead of four; None: copy them one by one.
     packed_rows: torch.Tensor | None = field(default=None, repr=False)
+    # Hybrid models (linear-attention layers): each request's state row, whether it continues a
+    # state, and its token bounds; set by HybridReqToTokenPool.init_forward_metadata (mem/state_pool.py).
+    state_metadata: StateMetadata | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

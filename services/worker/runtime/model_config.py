@@ -19,6 +19,12 @@ from services.worker.config import pick_architecture
 from services.worker.runtime.layers.rotary import rope_parameters
 from shared.sampling_params import generation_defaults
 
+# Checkpoints whose config.json nests the language model's settings under `text_config` (the vision
+# tower beside it is not served).
+MULTIMODAL_ARCHITECTURES = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
+# The mixers a hybrid model's `layer_types` may name.
+LAYER_TYPES = ("full_attention", "linear_attention")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -72,6 +78,9 @@ class ModelConfig:
     num_experts: int  # 0 for dense models
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict[str, Any]
+    # Each layer's mixer: 'full_attention' (KV pool) or 'linear_attention' (StatePool); all
+    # 'full_attention' unless the checkpoint is a hybrid model.
+    layer_types: tuple[str, ...] = ()
 
     @classmethod
     def from_path(
@@ -88,6 +97,10 @@ class ModelConfig:
         raw = _read_json(config_file)
         architecture = pick_architecture(raw.get("architectures"))
         hf_config = AutoConfig.from_pretrained(path)
+        tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if architecture in MULTIMODAL_ARCHITECTURES:
+            # tie_word_embeddings belongs to the outer config there; the rest to the text model.
+            hf_config = hf_config.get_text_config()
         if getattr(hf_config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=true in config.json is not supported")
 
@@ -115,15 +128,50 @@ class ModelConfig:
             hidden_size=int(hf_config.hidden_size),
             vocab_size=int(hf_config.vocab_size),
             context_len=_context_len(hf_config, context_length),
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings,
             num_experts=num_experts,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             generation_defaults=generation_defaults(generation),
+            layer_types=_layer_types(hf_config),
         )
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (with per-request state, see mem/state_pool.py)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV buffer (all of them in a model without linear attention)."""
+        if not self.is_hybrid:
+            return self.num_layers
+        return sum(1 for kind in self.layer_types if kind == "full_attention")
+
+    def attention_layer_index(self, layer_id: int) -> int:
+        """Layer layer_id's KV buffer: its index among the attention layers."""
+        return self.layer_types[:layer_id].count("full_attention")
+
+    def linear_layer_index(self, layer_id: int) -> int:
+        """Layer layer_id's StatePool tensors: its index among the linear-attention layers."""
+        return self.layer_types[:layer_id].count("linear_attention")
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads one rank holds: split across ranks, or one replicated head when tp > kv heads."""
         return max(1, self.num_kv_heads // tp_size)
+
+
+def _layer_types(hf_config: PretrainedConfig) -> tuple[str, ...]:
+    num_layers = int(hf_config.num_hidden_layers)
+    kinds = getattr(hf_config, "layer_types", None)
+    if not kinds or not any(kind == "linear_attention" for kind in kinds):
+        return ("full_attention",) * num_layers
+    kinds = tuple(str(kind) for kind in kinds)
+    if len(kinds) != num_layers:
+        raise ValueError(f"layer_types has {len(kinds)} entries for num_hidden_layers={num_layers}")
+    unknown = sorted(set(kinds) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types names {unknown}; supported: {', '.join(LAYER_TYPES)}")
+    return kinds
 
 
 def _context_len(hf_config: PretrainedConfig, override: int | None) -> int:

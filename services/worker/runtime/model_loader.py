@@ -20,6 +20,8 @@ from services.worker.runtime.layers.linear import LoadedWeight
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.models.llama import LlamaForCausalLM
 from services.worker.runtime.models.qwen3 import Qwen3ForCausalLM
+from services.worker.runtime.models.qwen3_5 import Qwen3_5ForCausalLM
+from services.worker.runtime.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from services.worker.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,6 +31,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Hybrid (linear + full attention); the multimodal checkpoints serve their text model.
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
 }
 
 

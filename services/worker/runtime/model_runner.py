@@ -18,6 +18,7 @@ import torch
 
 from services.worker.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, StateShape, state_rows_for_budget
 from services.worker.runtime import distributed
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.flashinfer_backend import (
@@ -212,26 +213,50 @@ class ModelRunner:
                     for (n, k), t in chosen.items()))
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
-        bytes_per_token = TokenToKVPool.bytes_per_token(
-            model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype
-        )
-        size = config.max_total_tokens or self._pool_size_from_memory(bytes_per_token)
+        kv_layers = model_config.num_attention_layers
+        bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
+        # Hybrid models: the linear layers' per-request state comes out of the budget first.
+        state_shape = StateShape.from_model_config(model_config) if model_config.is_hybrid else None
+        rows = config.max_running_requests
+        if config.max_total_tokens:
+            size = config.max_total_tokens
+        else:
+            budget = self._memory_budget()
+            if state_shape is not None:
+                rows = state_rows_for_budget(state_shape, budget, rows)
+                budget -= (rows + 1) * state_shape.bytes_per_row()
+            size = self._pool_size_from_budget(budget, bytes_per_token)
         if self.tp_size > 1:
             agreed = torch.tensor([size], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             size = int(agreed.item())
         self.max_total_tokens = size
         self.token_to_kv_pool = TokenToKVPool(
-            size, model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype, device
+            size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
-        rows = max(1, min(config.max_running_requests, size))
-        self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
+        rows = max(1, min(rows, size))
+        self.state_pool: StatePool | None = None
+        if state_shape is not None:
+            self.state_pool = StatePool(rows, state_shape, device)
+            self.req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
+                rows, model_config.context_len + 1, device, self.state_pool
+            )
+            logger.info(
+                "hybrid model: state pool of %d request rows (%.1f MiB, %d linear-attention layers), KV pool "
+                "for %d attention layers; prefix cache off (linear-attention state is not cached)", rows, (rows + 1) * state_shape.bytes_per_row() / 2**20,
+                state_shape.num_layers, kv_layers,
+            )
+        else:
+            self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
         self.attn_backend = make_attn_backend(backend)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":
-            if backend == "triton":
+            if model_config.is_hybrid:
+                logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs are not captured for hybrid "
+                               "(linear-attention) models yet", config.cuda_graph_max_bs)
+            elif backend == "triton":
                 # Imported here, like the triton backend itself: it needs triton, an optional
                 # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
@@ -248,18 +273,23 @@ class ModelRunner:
             size * bytes_per_token / 2**20, rows, backend,
         )
 
-    def _pool_size_from_memory(self, bytes_per_token: int) -> int:
+    def _memory_budget(self) -> int:
+        """Bytes the pools may take: device memory x mem_fraction_static less what is in use on CUDA,
+        a share of available RAM on CPU."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - self.config.mem_fraction_static)
-            size = int(budget // bytes_per_token)
+            return int(free - total * (1.0 - self.config.mem_fraction_static))
+        return int(_available_ram_bytes() * CPU_MEM_SHARE)
+
+    def _pool_size_from_budget(self, budget: int, bytes_per_token: int) -> int:
+        size = int(budget // bytes_per_token)
+        if self.device.type == "cuda":
             if size < 16:
                 raise ValueError(
-                    f"not enough device memory for the KV pool: {free / 2**30:.1f} GiB free after loading "
-                    f"the model, mem_fraction_static={self.config.mem_fraction_static}"
+                    f"not enough device memory for the KV pool: {budget / 2**30:.2f} GiB left for it after "
+                    f"loading the model, mem_fraction_static={self.config.mem_fraction_static}"
                 )
             return size
-        size = int(_available_ram_bytes() * CPU_MEM_SHARE // bytes_per_token)
         return max(16, min(size, CPU_MAX_POOL_TOKENS))
 
     def max_decode_rows(self) -> int | None:
@@ -275,6 +305,8 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
+        if isinstance(self.req_to_token_pool, HybridReqToTokenPool):
+            self.req_to_token_pool.init_forward_metadata(batch)
         return self.model(batch.input_ids, batch.positions, batch)
 
     def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:

@@ -1,3 +1,4 @@
+# Over 400 lines: one scheduler's step loop, batch choice, memory and invariants read best together.
 """The scheduler: one step = admit → build a batch → forward → sample → finish → free.
 
 Prefill has priority: when requests wait (or a chunked prefill is in progress) the step is an
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from services.worker.config import EngineConfig
 from services.worker.mem.radix_cache import RadixCache
+from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.forward_batch import ForwardMode
 from services.worker.scheduler.output import ReqOutput, final_output, sampled_output
 from services.worker.scheduler.req import FinishReason, Req
@@ -72,7 +74,7 @@ class Scheduler:
             runner.req_to_token_pool,
             runner.allocator,
             eviction_policy=config.radix_eviction_policy,
-            disable=config.disable_radix_cache,
+            disable=config.disable_radix_cache or runner.model_config.is_hybrid,  # see ARCHITECTURE.md
         )
         self.mem = MemoryContext(
             req_to_token_pool=runner.req_to_token_pool,
@@ -376,11 +378,14 @@ class Scheduler:
 
     # ---- invariants ----------------------------------------------------------------------------
 
+    def _holders(self) -> list[Req]:
+        """Requests holding a request row (and a hybrid model's state row with it)."""
+        candidates = [*self.running, self.chunked_req, *(self._inflight.batch.reqs if self._inflight else ())]
+        return list({id(r): r for r in candidates if r is not None and r.req_pool_idx is not None}.values())
+
     def kv_slots_in_use_by_requests(self) -> int:
         """KV slots that running requests hold outside the tree (all of them without a cache)."""
-        candidates = [*self.running, self.chunked_req, *(self._inflight.batch.reqs if self._inflight else ())]
-        unique = {id(r): r for r in candidates if r is not None and r.req_pool_idx is not None}
-        holders = list(unique.values())
+        holders = self._holders()
         if self.tree_cache.disable:
             return sum(r.kv_committed_len for r in holders)
         return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders)
@@ -396,5 +401,7 @@ class Scheduler:
         )
         if sum(parts) != total:
             raise AssertionError(f"KV pool leak: free+evictable+protected+running={parts} != {total}")
+        if isinstance(self.runner.req_to_token_pool, HybridReqToTokenPool):
+            self.runner.req_to_token_pool.check_state_invariant(len(self._holders()))
         if self.spec is not None:
             self.spec.check_pool_invariant()

@@ -45,3 +45,27 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32 and cast back at the end (Qwen3.5, Gemma): the
+    checkpoint stores the scale's offset from 1. Same `residual` contract as RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter((hidden_size,), default_weight_loader)
+        nn.init.zeros_(self.weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
