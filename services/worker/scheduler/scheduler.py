@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.worker.config import EngineConfig
+from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.mem.radix_cache import RadixCache
 from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.forward_batch import ForwardMode
@@ -51,6 +52,21 @@ class SchedulerStats:
     generated_tokens: int = 0
 
 
+def make_tree_cache(config: EngineConfig, runner: ModelRunner) -> RadixCache:
+    """The prefix cache: a hybrid model's also keeps its linear layers' state at radix nodes (snapshots,
+    see mem/hybrid_radix_cache.py), so a prefix hit resumes that state too."""
+    snapshots = runner.state_snapshots
+    if snapshots is not None and not config.disable_radix_cache:
+        return HybridRadixCache(
+            runner.req_to_token_pool, runner.allocator, snapshots.slots, snapshots.copy_state,
+            snapshots.restore_state, eviction_policy=config.radix_eviction_policy,
+        )
+    return RadixCache(
+        runner.req_to_token_pool, runner.allocator, eviction_policy=config.radix_eviction_policy,
+        disable=config.disable_radix_cache,
+    )
+
+
 class Scheduler:
     """Continuous batching over one model runner (one TP rank)."""
 
@@ -70,12 +86,7 @@ class Scheduler:
             self._keys_per_token = model_keys_per_token(runner.model_config)
             self._min_mixed_chunk = runner.attn_backend.min_extend_chunk_tokens()
         self.decode_tail = decode_tail
-        self.tree_cache = RadixCache(
-            runner.req_to_token_pool,
-            runner.allocator,
-            eviction_policy=config.radix_eviction_policy,
-            disable=config.disable_radix_cache or runner.model_config.is_hybrid,  # see ARCHITECTURE.md
-        )
+        self.tree_cache = make_tree_cache(config, runner)
         self.mem = MemoryContext(
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
@@ -147,6 +158,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.runner.allocator.clear()
         self.runner.req_to_token_pool.clear()
+        if isinstance(self.tree_cache, HybridRadixCache):
+            self.tree_cache.state_slots.clear()
         return True
 
     # ---- the step ------------------------------------------------------------------------------
@@ -403,5 +416,7 @@ class Scheduler:
             raise AssertionError(f"KV pool leak: free+evictable+protected+running={parts} != {total}")
         if isinstance(self.runner.req_to_token_pool, HybridReqToTokenPool):
             self.runner.req_to_token_pool.check_state_invariant(len(self._holders()))
+        if isinstance(self.tree_cache, HybridRadixCache):
+            self.tree_cache.check_snapshot_slots()
         if self.spec is not None:
             self.spec.check_pool_invariant()
