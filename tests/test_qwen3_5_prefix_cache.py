@@ -187,3 +187,8 @@ def test_snapshot_bytes_come_out_of_the_memory_budget(
     off = make_scheduler(qwen3_5_path, max_running_requests=4, disable_radix_cache=True).runner
     assert off.state_snapshots is not None and off.state_snapshots.total == 0
     assert off.max_total_tokens > runner.max_total_tokens  # the snapshots' bytes went to the KV pool
+
+
+def test_negative_snapshot_slots_is_a_value_error_naming_the_option(qwen3_5_path: Path) -> None:
+    with pytest.raises(ValueError, match="hybrid_snapshot_slots must be >= 0, got -1"):
+        EngineConfig.from_kwargs(str(qwen3_5_path), hybrid_snapshot_slots=-1)
