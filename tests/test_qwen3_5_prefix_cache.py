@@ -6,6 +6,7 @@ prefill, the overlap schedule, retraction and aborts. Tiny seeded checkpoints, f
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,3 +193,58 @@ def test_snapshot_bytes_come_out_of_the_memory_budget(
 def test_negative_snapshot_slots_is_a_value_error_naming_the_option(qwen3_5_path: Path) -> None:
     with pytest.raises(ValueError, match="hybrid_snapshot_slots must be >= 0, got -1"):
         EngineConfig.from_kwargs(str(qwen3_5_path), hybrid_snapshot_slots=-1)
+
+
+def test_flush_cache_frees_every_snapshot(qwen3_5_path: Path) -> None:
+    scheduler = make_scheduler(qwen3_5_path)
+    first = serve(scheduler, [TAILS[0]])[0]
+    cache = scheduler.tree_cache
+    assert isinstance(cache, HybridRadixCache) and cache.snapshot_count() > 0
+    assert scheduler.flush_cache()
+    assert cache.snapshot_count() == 0 and cache.state_slots.available_size() == cache.state_slots.total
+    again = serve(scheduler, [TAILS[0]], first_rid=1)[0]
+    assert again.cached_tokens == 0 and again.output_ids == first.output_ids
+    assert_nothing_leaked(scheduler)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schedule_policy": "lpm", "enable_mixed_chunk": True, "radix_eviction_policy": "lfu"},
+        {"schedule_policy": "dfs-weight", "disable_overlap_schedule": False, "radix_eviction_policy": "mru"},
+    ],
+    ids=["lpm-mixed", "dfs-weight-overlap"],
+)
+def test_pools_balance_after_every_step_of_a_random_workload(qwen3_5_path: Path, options: dict) -> None:
+    """Shared heads, sampled and greedy requests, aborts, a pool that evicts and retracts: the KV, state
+    row and snapshot accounting holds after every step (drain checks it) and nothing is left held."""
+    scheduler = make_scheduler(
+        qwen3_5_path, max_total_tokens=112, chunked_prefill_size=12, max_running_requests=5,
+        hybrid_snapshot_slots=6, **options,
+    )
+    rng = random.Random(34)
+    heads = random_prompts(3, 6, 20, seed=35)
+    reqs = []
+    for i in range(24):
+        params = SamplingParams(
+            max_new_tokens=rng.randint(1, 32), temperature=rng.choice([0.0, 1.0]), ignore_eos=rng.random() < 0.5
+        )
+        params.normalize()
+        prompt = rng.choice(heads) + random_prompts(1, 1, 12, seed=rng.randrange(10**6))[0]
+        reqs.append(Req(f"r{i}", prompt, params, seed=rng.randrange(1 << 30), eos_token_ids=frozenset({2})))
+    pending = list(reqs)
+
+    def feed(step: int) -> None:
+        if pending and rng.random() < 0.7:
+            scheduler.add_request(pending.pop(0))
+        if rng.random() < 0.05:
+            scheduler.abort_request(rng.choice(reqs).rid)
+
+    scheduler.add_request(pending.pop(0))
+    while pending or scheduler.has_work():
+        drain(scheduler, feed)
+        if pending:
+            scheduler.add_request(pending.pop(0))
+    assert all(r.finished_reason is not None for r in reqs)
+    assert scheduler.stats.cached_tokens > 0
+    assert_nothing_leaked(scheduler)
