@@ -248,3 +248,10 @@ def test_pools_balance_after_every_step_of_a_random_workload(qwen3_5_path: Path,
     assert all(r.finished_reason is not None for r in reqs)
     assert scheduler.stats.cached_tokens > 0
     assert_nothing_leaked(scheduler)
+
+
+def test_no_snapshot_slots_turns_the_cache_off(qwen3_5_path: Path, reference: list[list[int]]) -> None:
+    """Without snapshot slots no cached prefix could ever be resumed: nothing is cached."""
+    reqs, scheduler = shared_prefix_waves(qwen3_5_path, hybrid_snapshot_slots=0)
+    assert scheduler.tree_cache.disable and scheduler.tree_cache.total_size() == 0
+    assert [r.output_ids for r in reqs] == reference and scheduler.stats.cached_tokens == 0

@@ -54,16 +54,17 @@ class SchedulerStats:
 
 def make_tree_cache(config: EngineConfig, runner: ModelRunner) -> RadixCache:
     """The prefix cache: a hybrid model's also keeps its linear layers' state at radix nodes (snapshots,
-    see mem/hybrid_radix_cache.py), so a prefix hit resumes that state too."""
+    see mem/hybrid_radix_cache.py), so a prefix hit resumes that state too. With no snapshot slots a
+    hybrid model's cached KV could never be matched: its cache is off."""
     snapshots = runner.state_snapshots
-    if snapshots is not None and not config.disable_radix_cache:
+    if snapshots is not None and snapshots.total > 0 and not config.disable_radix_cache:
         return HybridRadixCache(
             runner.req_to_token_pool, runner.allocator, snapshots.slots, snapshots.copy_state,
             snapshots.restore_state, eviction_policy=config.radix_eviction_policy,
         )
     return RadixCache(
         runner.req_to_token_pool, runner.allocator, eviction_policy=config.radix_eviction_policy,
-        disable=config.disable_radix_cache,
+        disable=config.disable_radix_cache or snapshots is not None,
     )
 
 
@@ -404,7 +405,8 @@ class Scheduler:
         return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders)
 
     def check_pool_invariant(self) -> None:
-        """free + evictable + protected + held by running requests == total slots."""
+        """free + evictable + protected + held by running requests == total slots; for a hybrid model
+        also free + held state rows == all rows, and free + held snapshot slots == all slots."""
         total = self.runner.allocator.size
         parts = (
             self.runner.allocator.available_size(),
