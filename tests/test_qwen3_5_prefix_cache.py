@@ -255,3 +255,16 @@ def test_no_snapshot_slots_turns_the_cache_off(qwen3_5_path: Path, reference: li
     reqs, scheduler = shared_prefix_waves(qwen3_5_path, hybrid_snapshot_slots=0)
     assert scheduler.tree_cache.disable and scheduler.tree_cache.total_size() == 0
     assert [r.output_ids for r in reqs] == reference and scheduler.stats.cached_tokens == 0
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3_5_tied_path", "qwen3_5_moe_path"])
+def test_linear_first_checkpoints_give_the_same_tokens_with_hits(
+    request: pytest.FixtureRequest, checkpoint: str
+) -> None:
+    """A linear-attention layer first (tied dense; MoE): the state restored feeds the model's first layer."""
+    path: Path = request.getfixturevalue(checkpoint)
+    off, _ = shared_prefix_waves(path, disable_radix_cache=True)
+    on, scheduler = shared_prefix_waves(path, chunked_prefill_size=7)
+    assert [r.output_ids for r in on] == [r.output_ids for r in off]
+    assert all(r.cached_tokens >= len(SHARED) for r in on[2:])
+    assert_nothing_leaked(scheduler)
