@@ -70,6 +70,7 @@ class TrivialRunner(ModelRunner):
         self.token_to_kv_pool = TokenToKVPool(max_total_tokens, 1, 1, 8, torch.float32, self.device)
         self.allocator = TokenToKVPoolAllocator(max_total_tokens, self.device)
         self.req_to_token_pool = ReqToTokenPool(max_running, context_len + 1, self.device)
+        self.state_snapshots = None  # not a hybrid model: a plain radix cache
         self.attn_backend = TorchAttnBackend()
         self.sampler = Sampler()
         self.logits = torch.randn((max_running, VOCAB), generator=torch.Generator().manual_seed(0))

@@ -129,6 +129,11 @@ class EngineConfig:
     )
     disable_radix_cache: bool = _help("turn the prefix cache off (every prompt prefilled in full)", False)
     radix_eviction_policy: str = _help("cache eviction: " + ", ".join(EVICTION_POLICIES), "lru")
+    hybrid_snapshot_slots: int | None = _help(
+        "hybrid (linear-attention) models: linear-layer states the prefix cache keeps at radix nodes, one "
+        "request's state each; default: a share of the memory budget (2 per request row with max_total_tokens)",
+        None,
+    )
     schedule_conservativeness: float = _help("scales the decode-token reservation at admission", 1.0)
     random_seed: int = _help("seed for requests that bring none", 0)
     disable_overlap_schedule: bool | None = _help(
@@ -177,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"chunked_prefill_size must be >= 1, or -1 or None (off), got {self.chunked_prefill_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
+        if self.hybrid_snapshot_slots is not None and self.hybrid_snapshot_slots < 0:
+            raise ValueError(f"hybrid_snapshot_slots must be >= 0, got {self.hybrid_snapshot_slots}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0.0 < self.mem_fraction_static <= 1.0:

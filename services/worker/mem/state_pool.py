@@ -154,6 +154,12 @@ class HybridReqToTokenPool(ReqToTokenPool):
         self._req_to_state_cpu[row] = StatePool.PAD_ROW
         super().free(row)
 
+    def state_row(self, row: int) -> int:
+        """The state row of request row `row`; ValueError when it holds none (not allocated)."""
+        if not 0 <= row < self.size or self._req_to_state_cpu[row] == StatePool.PAD_ROW:
+            raise ValueError(f"request row {row} holds no state row")
+        return self._req_to_state_cpu[row]
+
     def clear(self) -> None:
         super().clear()
         self.state_pool.clear()

@@ -19,6 +19,7 @@ import torch
 from services.worker.config import ATTENTION_BACKENDS, EngineConfig
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, state_rows_for_budget
+from services.worker.mem.state_snapshots import SNAPSHOTS_PER_ROW, StateSnapshots, snapshot_slots_for_budget
 from services.worker.runtime import distributed
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.flashinfer_backend import (
@@ -218,6 +219,7 @@ class ModelRunner:
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
         state_shape = model_config.state_shape(self.tp_size) if model_config.is_hybrid else None
         rows = config.max_running_requests
+        snapshots = 0 if config.disable_radix_cache else config.hybrid_snapshot_slots  # prefix-cache state; None: sized below
         if config.max_total_tokens:
             size = config.max_total_tokens
         else:
@@ -225,11 +227,16 @@ class ModelRunner:
             if state_shape is not None:
                 rows = state_rows_for_budget(state_shape, budget, rows)
                 budget -= (rows + 1) * state_shape.bytes_per_row()
+                if snapshots is None:
+                    snapshots = snapshot_slots_for_budget(state_shape, budget, budget // bytes_per_token)
+                budget -= snapshots * state_shape.bytes_per_row()
             size = self._pool_size_from_budget(budget, bytes_per_token)
         if self.tp_size > 1:
-            agreed = torch.tensor([size, rows], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+            shares = [size, rows, -1 if snapshots is None else snapshots]  # (None on every rank or on none)
+            agreed = torch.tensor(shares, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            size, rows = (int(v) for v in agreed.tolist())
+            size, rows, agreed_snapshots = (int(v) for v in agreed.tolist())
+            snapshots = None if agreed_snapshots < 0 else agreed_snapshots
         self.max_total_tokens = size
         self.token_to_kv_pool = TokenToKVPool(
             size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device
@@ -237,15 +244,18 @@ class ModelRunner:
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(rows, size))
         self.state_pool: StatePool | None = None
+        self.state_snapshots: StateSnapshots | None = None
         if state_shape is not None:
             self.state_pool = StatePool(rows, state_shape, device)
             self.req_to_token_pool: ReqToTokenPool = HybridReqToTokenPool(
                 rows, model_config.context_len + 1, device, self.state_pool
             )
+            snapshots = min(size, SNAPSHOTS_PER_ROW * rows if snapshots is None else snapshots)  # (one per node)
+            self.state_snapshots = StateSnapshots(snapshots, self.req_to_token_pool)
             logger.info(
-                "hybrid model: state pool of %d request rows (%.1f MiB, %d linear-attention layers), KV pool "
-                "for %d attention layers; prefix cache off (linear-attention state is not cached)", rows, (rows + 1) * state_shape.bytes_per_row() / 2**20,
-                state_shape.num_layers, kv_layers,
+                "hybrid model: state pool of %d request rows (%.1f MiB, %d linear-attention layers), %d prefix "
+                "cache snapshots (%.1f MiB), KV pool for %d attention layers", rows, (rows + 1) * state_shape.bytes_per_row()
+                / 2**20, state_shape.num_layers, snapshots, self.state_snapshots.nbytes() / 2**20, kv_layers,
             )
         else:
             self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)

@@ -87,6 +87,9 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node: TreeNode | None = None
+        # Tokens of the last match with KV in the cache: past prefix_indices when a hybrid model's match
+        # stopped at the deepest state snapshot (then the first chunk ends here, see PrefillAdder).
+        self.cached_kv_len = 0
         self.kv_committed_len = 0
         # Tokens whose KV the current step makes resident (a prefix of all_ids for a chunk).
         self.fill_ids: list[int] = []
@@ -225,6 +228,7 @@ class Req:
         self.req_pool_idx = None
         self.prefix_indices = _EMPTY
         self.last_node = None
+        self.cached_kv_len = 0
         self.kv_committed_len = 0
         self.fill_ids = []
         self.extend_input_len = 0

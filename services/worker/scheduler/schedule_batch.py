@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_runner import prompt_logprobs
 from services.worker.runtime.sampling.penalties import to_device_async
@@ -70,6 +71,10 @@ class ScheduleBatch:
                 if rows is None:
                     raise OutOfKVSlots("no free request rows")
                 req.req_pool_idx = rows[0]
+                if isinstance(mem.tree_cache, HybridRadixCache):
+                    # The linear layers resume from the snapshot at the prefix's end; with no prefix
+                    # the row keeps the zero state it was allocated with.
+                    mem.tree_cache.restore_prefix_state(req)
             prefix_len = len(req.prefix_indices)
             if req.kv_committed_len < prefix_len:
                 writes.add(req.req_pool_idx, req.kv_committed_len, req.prefix_indices[req.kv_committed_len :])

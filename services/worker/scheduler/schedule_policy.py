@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from services.worker.mem.hybrid_radix_cache import HybridMatchResult
 from services.worker.scheduler.req import Req
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def match_prefix(req: Req, tree_cache: RadixCache) -> None:
         ids = ids[:first]
     result = tree_cache.match_prefix(ids)
     req.prefix_indices, req.last_node = result.indices, result.last_node
+    req.cached_kv_len = result.kv_len if isinstance(result, HybridMatchResult) else len(result.indices)
 
 
 class SchedulePolicy:
@@ -253,6 +255,19 @@ class PrefillAdder:
         req.fill_ids = req.fill_ids[: len(req.prefix_indices) + req.extend_input_len]
         return True
 
+    def _end_at_branch(self, req: Req) -> bool:
+        """A hybrid model's match stops at the deepest state snapshot, while the cache may hold KV
+        further (requests that shared this head, then diverged): end the first chunk where that KV
+        ends, so caching the chunk leaves a snapshot at the branch point and the next request with
+        this head resumes there (a later chunk of a longer stretch still ends there). True when it
+        cut the request."""
+        end = req.cached_kv_len
+        if not len(req.prefix_indices) < end < len(req.fill_ids):
+            return False
+        req.fill_ids = req.fill_ids[:end]
+        req.extend_input_len = end - len(req.prefix_indices)
+        return True
+
     def add_chunked_req(self, req: Req) -> bool:
         """The request chunked last step continues (its prefix is locked already), as far as the
         chunk and the pool allow; False when there is no room at all this step."""
@@ -261,7 +276,8 @@ class PrefillAdder:
             return False
         if self.rem_chunk_tokens is None or self.rem_chunk_tokens > self.room:
             self.rem_chunk_tokens = self.room
-        if self._truncate(req):
+        cut = self._end_at_branch(req)
+        if self._truncate(req) or cut:
             self.new_chunked_req = req
         self._take(req)
         return True
@@ -289,7 +305,8 @@ class PrefillAdder:
             self.rem_total_tokens -= delta
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_TOKEN
-        if self._truncate(req):
+        cut = self._end_at_branch(req)
+        if self._truncate(req) or cut:
             self.new_chunked_req = req
             self._take(req)
             return AddResult.OTHER

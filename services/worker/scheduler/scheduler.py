@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.worker.config import EngineConfig
+from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.mem.radix_cache import RadixCache
 from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.forward_batch import ForwardMode
@@ -51,6 +52,22 @@ class SchedulerStats:
     generated_tokens: int = 0
 
 
+def make_tree_cache(config: EngineConfig, runner: ModelRunner) -> RadixCache:
+    """The prefix cache: a hybrid model's also keeps its linear layers' state at radix nodes (snapshots,
+    see mem/hybrid_radix_cache.py), so a prefix hit resumes that state too. With no snapshot slots a
+    hybrid model's cached KV could never be matched: its cache is off."""
+    snapshots = runner.state_snapshots
+    if snapshots is not None and snapshots.total > 0 and not config.disable_radix_cache:
+        return HybridRadixCache(
+            runner.req_to_token_pool, runner.allocator, snapshots.slots, snapshots.copy_state,
+            snapshots.restore_state, eviction_policy=config.radix_eviction_policy,
+        )
+    return RadixCache(
+        runner.req_to_token_pool, runner.allocator, eviction_policy=config.radix_eviction_policy,
+        disable=config.disable_radix_cache or snapshots is not None,
+    )
+
+
 class Scheduler:
     """Continuous batching over one model runner (one TP rank)."""
 
@@ -70,12 +87,7 @@ class Scheduler:
             self._keys_per_token = model_keys_per_token(runner.model_config)
             self._min_mixed_chunk = runner.attn_backend.min_extend_chunk_tokens()
         self.decode_tail = decode_tail
-        self.tree_cache = RadixCache(
-            runner.req_to_token_pool,
-            runner.allocator,
-            eviction_policy=config.radix_eviction_policy,
-            disable=config.disable_radix_cache or runner.model_config.is_hybrid,  # see ARCHITECTURE.md
-        )
+        self.tree_cache = make_tree_cache(config, runner)
         self.mem = MemoryContext(
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
@@ -147,6 +159,8 @@ class Scheduler:
         self.tree_cache.reset()
         self.runner.allocator.clear()
         self.runner.req_to_token_pool.clear()
+        if isinstance(self.tree_cache, HybridRadixCache):
+            self.tree_cache.state_slots.clear()
         return True
 
     # ---- the step ------------------------------------------------------------------------------
@@ -391,7 +405,8 @@ class Scheduler:
         return sum(r.kv_committed_len - len(r.prefix_indices) for r in holders)
 
     def check_pool_invariant(self) -> None:
-        """free + evictable + protected + held by running requests == total slots."""
+        """free + evictable + protected + held by running requests == total slots; for a hybrid model
+        also free + held state rows == all rows, and free + held snapshot slots == all slots."""
         total = self.runner.allocator.size
         parts = (
             self.runner.allocator.available_size(),
@@ -403,5 +418,7 @@ class Scheduler:
             raise AssertionError(f"KV pool leak: free+evictable+protected+running={parts} != {total}")
         if isinstance(self.runner.req_to_token_pool, HybridReqToTokenPool):
             self.runner.req_to_token_pool.check_state_invariant(len(self._holders()))
+        if isinstance(self.tree_cache, HybridRadixCache):
+            self.tree_cache.check_snapshot_slots()
         if self.spec is not None:
             self.spec.check_pool_invariant()
