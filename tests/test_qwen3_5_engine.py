@@ -157,7 +157,8 @@ def test_state_pool_comes_out_of_the_memory_budget_first(
     assert shape.num_layers == 2 and shape.bytes_per_row() == 2 * (96 * 3 * 4 + 4 * 16 * 8 * 4)  # conv 2*2*16 + 4*8 channels
     budget = 20 * shape.bytes_per_row()
     monkeypatch.setattr(model_runner, "_available_ram_bytes", lambda: int(budget / model_runner.CPU_MEM_SHARE))
-    scheduler = make_scheduler(qwen3_5_path, max_running_requests=64)
+    # Without the prefix cache there are no state snapshots (their share: tests/test_qwen3_5_prefix_cache.py).
+    scheduler = make_scheduler(qwen3_5_path, max_running_requests=64, disable_radix_cache=True)
     runner = scheduler.runner
     rows = int(budget * MAX_STATE_SHARE) // shape.bytes_per_row() - 1  # one more row is the padding row
     assert runner.state_pool.size == runner.req_to_token_pool.size == rows == 9
