@@ -167,6 +167,7 @@ def test_conditional_generation_checkpoint_serves_its_text_model(
     path = multimodal_checkpoint(text_path, tmp_path / "mm", stacked_experts=which != "dense")
     config = ModelConfig.from_path(path, dtype="float32")
     assert config.architecture.endswith("ForConditionalGeneration") and config.is_hybrid
+    assert config.eos_token_ids == (2,)  # from the text_config: the outer config names none
     hf = AutoModelForCausalLM.from_pretrained(text_path, dtype=torch.float32).eval()
     prompt = seeded_prompt(12, seed=7)
     driver = BatchDriver(load_model(config, "cpu"), config)

@@ -29,7 +29,7 @@ MAX_STATE_SHARE = 0.5
 
 @dataclass(frozen=True)
 class StateShape:
-    """One linear layer's state geometry (this rank's share)."""
+    """The per-request state geometry of the linear-attention layers (this rank's share of the heads)."""
 
     num_layers: int  # linear-attention layers
     conv_dim: int  # channels of the causal conv1d (q, k and v of the layer)
@@ -151,7 +151,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         if state_row == StatePool.PAD_ROW:
             raise ValueError(f"request row {row} holds no state row (freed twice?)")
         self.state_pool.free(state_row)
+        # A free request row maps to the padding row, so nothing that still names it (a padded batch
+        # row) reaches the state row's next owner.
         self._req_to_state_cpu[row] = StatePool.PAD_ROW
+        self.req_to_state[row] = StatePool.PAD_ROW
         super().free(row)
 
     def state_row(self, row: int) -> int:

@@ -112,7 +112,11 @@ class ModelConfig:
         generation = (
             _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
         )
-        eos = _as_id_list(raw.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id"))
+        eos = (
+            _as_id_list(raw.get("eos_token_id"))
+            + _as_id_list((raw.get("text_config") or {}).get("eos_token_id"))
+            + _as_id_list(generation.get("eos_token_id"))
+        )
         num_experts = int(
             getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0) or 0
         )
