@@ -69,17 +69,18 @@ def test_mixed_chunks_and_overlap_give_the_same_tokens(qwen3_5_tied_path: Path) 
     assert mixed == plain
 
 
-def test_prefix_cache_is_off_for_hybrid_models(qwen3_5_path: Path) -> None:
-    """The same prompt again, and n=2 copies of it, are prefilled whole, each from a zeroed state."""
+def test_repeated_prompts_and_n_copies_give_transformers_tokens_and_hit_the_prefix_cache(qwen3_5_path: Path) -> None:
+    """The same prompt three times, then n=2 copies of it: every answer is transformers' greedy one, and
+    once a snapshot sits at the branch point (the second request leaves it) later ones resume from it."""
     prompt = random_prompts(1, 20, 20, seed=6)[0]
     params = {**GREEDY, "max_new_tokens": 8}
     with Engine(str(qwen3_5_path)) as engine:
-        first = engine.generate(input_ids=prompt, sampling_params=params)
-        again = engine.generate(input_ids=prompt, sampling_params=params)
+        runs = [engine.generate(input_ids=prompt, sampling_params=params) for _ in range(3)]
         pair = engine.generate(input_ids=prompt, sampling_params={**params, "n": 2})
-    assert again["meta_info"]["cached_tokens"] == 0 and all(p["meta_info"]["cached_tokens"] == 0 for p in pair)
-    assert again["output_ids"] == first["output_ids"] == hf_greedy(qwen3_5_path, prompt, 8)
-    assert [p["output_ids"] for p in pair] == [first["output_ids"]] * 2
+    assert runs[0]["meta_info"]["cached_tokens"] == 0 and runs[2]["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert all(p["meta_info"]["cached_tokens"] == len(prompt) - 1 for p in pair)
+    assert [r["output_ids"] for r in runs] == [hf_greedy(qwen3_5_path, prompt, 8)] * 3
+    assert [p["output_ids"] for p in pair] == [runs[0]["output_ids"]] * 2
 
 
 def hf_argmax_tokens(path: Path, prompt: list[int], n: int) -> list[int]:
