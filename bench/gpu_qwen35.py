@@ -1,7 +1,8 @@
 """Qwen3.5 hybrid models (Gated DeltaNet + gated attention) through the offline Engine on one GPU, at
 published sizes with seeded random bf16 weights (nothing can be downloaded on the device machine).
 
-    python bench/gpu_qwen35.py [--models 9b,35b-a3b] [--steps 256] [--scale 1.0] [--moe-layers 40]
+    python bench/gpu_qwen35.py [--models 9b,35b-a3b] [--figures decode,peer,offline,prefix] [--steps 256]
+                               [--scale 1.0] [--moe-layers 40]
     python bench/gpu_qwen35.py --tiny      # every step at toy sizes, on CPU when there is no GPU
 
 Shapes (the published configs; transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults mirror
@@ -237,17 +238,23 @@ def run_model(name: str, args: argparse.Namespace, bw: float, device: str, engin
     total, per_step = step_bytes(path)
     ceiling = bw / per_step
     res: dict[str, Any] = {**meta, "weight_bytes": total, "step_bytes": per_step, "ceiling_tok_s": ceiling}
-    tps, ours = decode_speed(path, args.steps, vocab, engine_kw)
-    res.update(decode_tok_s=tps, decode_ratio=tps / ceiling)
-    if not args.skip_hf:
+    figures = set(args.figures.split(","))
+    ours: list[int] = []
+    if "decode" in figures:
+        tps, ours = decode_speed(path, args.steps, vocab, engine_kw)
+        res.update(decode_tok_s=tps, decode_ratio=tps / ceiling)
+    if "peer" in figures:
         hf_steps = min(args.steps, args.hf_steps)
         hf_tps, theirs = hf_peer(path, hf_steps, vocab, device)
-        agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        res.update(hf_eager_tok_s=hf_tps, vs_hf=tps / hf_tps, greedy_agreement_steps=agree, hf_steps=hf_steps)
-    lengths = (100, 1024) if not args.tiny else (8, 24)
-    res["offline"] = offline(path, args.scale, vocab, lengths, engine_kw)
-    sizes = (2048, 128, 256) if not args.tiny else (48, 6, 8)
-    res["prefix"] = shared_prefix(path, args.scale, vocab, sizes, engine_kw)
+        res.update(hf_eager_tok_s=hf_tps, hf_steps=hf_steps)
+        if ours:
+            res.update(vs_hf=res["decode_tok_s"] / hf_tps, greedy_agreement_steps=next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))))
+    if "offline" in figures:
+        res["offline"] = offline(path, args.scale, vocab, (100, 1024) if not args.tiny else (8, 24), engine_kw)
+    if "prefix" in figures:
+        sizes = (2048, 128, 256) if not args.tiny else (48, 6, 8)
+        res["prefix"] = shared_prefix(path, args.scale, vocab, sizes, engine_kw)
     return res
 
 
@@ -259,10 +266,17 @@ def table(results: dict) -> list[str]:
         if "error" in r:
             rows.append(f"{name:9s} error: {r['error']}")
             continue
-        hf = f"; HF eager {r['hf_eager_tok_s']:.1f} tok/s (x{r['vs_hf']:.1f})" if "hf_eager_tok_s" in r else ""
-        rows.append(f"{name:9s} decode bs1 {r['decode_tok_s']:.1f} tok/s; ceiling {r['ceiling_tok_s']:.1f}; "
-                    f"ratio {r['decode_ratio']:.3f}{hf}")
-        rows.append(f"{name:9s} offline {r['offline']['tok_s']:.1f} tok/s ({r['offline']['requests']} requests)")
+        if "decode_tok_s" in r:
+            rows.append(f"{name:9s} decode bs1 {r['decode_tok_s']:.1f} tok/s; ceiling {r['ceiling_tok_s']:.1f}; "
+                        f"ratio {r['decode_ratio']:.3f}")
+        if "hf_eager_tok_s" in r:
+            rows.append(f"{name:9s} transformers eager generate {r['hf_eager_tok_s']:.1f} tok/s"
+                        + (f" (engine x{r['vs_hf']:.1f}; same greedy tokens for {r['greedy_agreement_steps']} "
+                           f"of {r['hf_steps']} steps)" if "vs_hf" in r else ""))
+        if "offline" in r:
+            rows.append(f"{name:9s} offline {r['offline']['tok_s']:.1f} tok/s ({r['offline']['requests']} requests)")
+        if "prefix" not in r:
+            continue
         p = r["prefix"]
         rows.append(f"{name:9s} shared prefix: cache on {p['cache_on']['tok_s']:.1f} tok/s (hit "
                     f"{p['cache_on']['hit_rate']:.2f} of ideal {p['ideal_hit_rate']:.2f}), off "
@@ -277,7 +291,8 @@ def main() -> int:
     ap.add_argument("--hf-steps", type=int, default=64, help="steps of transformers' generate (eager is slow)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrinks the request counts (a quick look)")
     ap.add_argument("--moe-layers", type=int, default=None, help="keep the first N layers of 35b-a3b")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--figures", default="decode,peer,offline,prefix",
+                    help="which figures (one device call is at most 10 minutes: split them over calls)")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: from free memory)")
     ap.add_argument("--tiny", action="store_true", help="toy shapes, every step, on CPU without a GPU")
     args = ap.parse_args()
