@@ -5,6 +5,8 @@ test_qwen3_5_engine.py / test_qwen3_5_prefix_cache.py):
   (with repetition): the argmax of transformers' logits penalised step by step, as OpenAI defines them;
 - constrained decoding (JSON schema, regex, EBNF): transformers' generate masked by an llguidance
   matcher of its own (tests/test_grammar.py's reference), and the output parses / matches;
+- grammars, penalties and seeded sampling through retraction, chunked prefill and the overlap schedule:
+  the tokens of an ample pool without overlap;
 - seeded sampling with n=3: copy i is the request with seed + i, alone or in a mixed batch;
 - top-k log-probs: transformers' log-softmax and its top k;
 - finish reasons: max_new_tokens (length), a stop token id, a stop string (the text cut before it);
@@ -98,10 +100,14 @@ def test_penalties_give_the_tokens_of_transformers_penalised_logits(hybrid: Path
     assert got[1] != penalised_greedy(hybrid, prompts[1], n, 1.0, 0.0, 0.0)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_constrained_tokens_match_transformers_with_a_masking_processor(hybrid: Path, overlap: bool) -> None:
+@pytest.mark.parametrize(("name", "overlap"), [("qwen3_5_path", False), ("qwen3_5_moe_tok_path", True)])
+def test_constrained_tokens_match_transformers_with_a_masking_processor(
+    name: str, overlap: bool, request: pytest.FixtureRequest
+) -> None:
     """JSON schema, regex and EBNF requests beside an unconstrained one: transformers' tokens under the
-    same masks, outputs that fit their grammar, and the unconstrained tokens as alone."""
+    same masks, outputs that fit their grammar, and the unconstrained tokens as alone (dense without the
+    overlap schedule, MoE with it)."""
+    hybrid = request.getfixturevalue(name)
     prompts = random_prompts(4, 5, 12, seed=31)
     eos = AutoTokenizer.from_pretrained(hybrid).eos_token_id
     refs = [hf_constrained(hybrid, p, c, 60) for p, c in zip(prompts, CONSTRAINTS)]
@@ -176,6 +182,32 @@ def test_finish_reasons_length_stop_token_and_stop_string(qwen3_5_path: Path) ->
     assert len(text) > 8 and cut["text"] == text[: text.index(stop)]
     assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert len(cut["output_ids"]) < len(ids)
+
+
+def test_grammars_penalties_and_seeds_survive_retraction_and_overlap(qwen3_5_moe_tok_path: Path) -> None:
+    """Twelve requests (constrained, penalised, seeded sampling) in a pool small enough to retract, with
+    the overlap schedule and chunked prefill: the tokens of an ample pool without overlap (a retracted
+    request recomputes its linear-attention state from its prompt and output, and keeps its matcher,
+    penalty counts and seed)."""
+    prompts = random_prompts(12, 10, 20, seed=61)
+    kinds = [
+        *[{"temperature": 0, **c} for c in CONSTRAINTS],
+        {"temperature": 0, "ignore_eos": True, "frequency_penalty": 1.5, "presence_penalty": 0.8},
+        {"temperature": 1.0, "ignore_eos": True, "seed": 5, "repetition_penalty": 1.3},
+        {"temperature": 0.8, "top_k": 20, "ignore_eos": True, "seed": 9},
+    ]
+    params = [{**kinds[i % len(kinds)], "max_new_tokens": 40} for i in range(len(prompts))]
+    runs = []
+    for options in ({"disable_overlap_schedule": True},
+                    {"disable_overlap_schedule": False, "max_total_tokens": 100, "chunked_prefill_size": 8}):
+        with Engine(str(qwen3_5_moe_tok_path), **options) as engine:
+            runs.append(engine.generate(input_ids=prompts, sampling_params=params))
+            stats = engine.get_server_info()["stats"]
+    assert stats["num_retractions"] > 0
+    assert output_ids(runs[1]) == output_ids(runs[0])
+    for i, result in enumerate(runs[1]):
+        if i % len(kinds) < len(CONSTRAINTS):
+            assert fits(CONSTRAINTS[i % len(kinds)], result["text"]), result["text"]
 
 
 @pytest.fixture(scope="module")
