@@ -7,6 +7,9 @@ So a pool of `size` usable slots has `size + 1` rows.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -87,8 +90,8 @@ class TokenToKVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size + 1, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
+        self.v_buffer = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -104,6 +107,17 @@ class TokenToKVPool:
         """k, v: [n, num_kv_heads, head_dim] (or flattened heads) written at slots `loc`."""
         self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
         self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on CPU in fresh anonymous memory: the kernel gives zero-filled pages on first
+    touch, so a pool costs nothing until its slots are used. torch.zeros writes every byte at once, and
+    the default CPU pool (a quarter of free RAM) took 13-23 s of a worker's start on a small VM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 class TokenToKVPoolAllocator:
