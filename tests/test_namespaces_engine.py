@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is"
 
 
 def test_two_namespaces_on_one_nats_answer_as_if_alone(
-    nats: NatsServer, default_model_path: Path, tmp_path: Path
+    nats: NatsServer, default_model_path: Path, engine: Engine, tmp_path: Path
 ) -> None:
     suffix = uuid.uuid4().hex[:6]
     namespaces = [f"one{suffix}", f"two{suffix}"]
@@ -77,8 +77,7 @@ def test_two_namespaces_on_one_nats_answer_as_if_alone(
             gateway.close()
         for worker in workers:
             worker.kill()
-    with Engine(str(default_model_path), max_total_tokens=4096) as engine:
-        expected = {p: engine.generate(p, {"temperature": 0, "max_new_tokens": 12}) for p in PROMPTS}
+    expected = {p: engine.generate(p, {"temperature": 0, "max_new_tokens": 12}) for p in PROMPTS}
     for g, prompt, answer in answers:
         assert answer.status_code == 200, answer.text
         choice = answer.json()["choices"][0]
