@@ -221,8 +221,11 @@ class ModelRunner:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             size = int(agreed.item())
         self.max_total_tokens = size
+        # A pool sized from free memory takes memory as it is used; one sized by max_total_tokens is
+        # committed at start, so its memory is there (and measured, as bench/soak.py's RSS check expects).
         self.token_to_kv_pool = TokenToKVPool(
-            size, model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype, device
+            size, model_config.num_layers, kv_heads, model_config.head_dim, model_config.dtype, device,
+            commit_at_start=bool(config.max_total_tokens),
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(config.max_running_requests, size))
