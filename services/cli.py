@@ -210,6 +210,9 @@ def _run_service(build_config: Callable[[], object], make_service: Callable[[obj
 
 
 def _run_tokenizer(args: argparse.Namespace) -> int:
+    from shared.hf_tokenizer import keep_torch_out
+
+    keep_torch_out()  # it only tokenizes: torch would cost seconds of start and memory for nothing
     from services.tokenizer.config import TokenizerConfig
     from services.tokenizer.service import TokenizerService
     from shared import flags
@@ -229,6 +232,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _run_detokenizer(args: argparse.Namespace) -> int:
+    from shared.hf_tokenizer import keep_torch_out
+
+    keep_torch_out()  # it only tokenizes: torch would cost seconds of start and memory for nothing
     from services.detokenizer.config import DetokenizerConfig
     from services.detokenizer.service import DetokenizerService
     from shared import flags
@@ -237,6 +243,9 @@ def _run_detokenizer(args: argparse.Namespace) -> int:
 
 
 def _run_gateway(args: argparse.Namespace) -> int:
+    from shared.hf_tokenizer import keep_torch_out
+
+    keep_torch_out()  # it only tokenizes: torch would cost seconds of start and memory for nothing
     from services.gateway.config import GatewayConfig
     from services.gateway.service import GatewayService
     from shared import flags

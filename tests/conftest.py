@@ -1,5 +1,5 @@
 """Shared fixtures: tiny seeded HF checkpoints (written once per test session), the offline Engine on
-the default model per test module that compares with it, and per test module for the gateway tests a
+the default model (one per session, for every module that compares with it), and per test module for the gateway tests a
 nats-server, a FakePipeline with worker w1, a gateway that has heard it and an HTTP client of it
 (tests/gateway_helpers.py). A module overrides any of them by defining its own, as
 test_gateway_faults.py does for a small max_payload and its gateway's first-output timeout."""
@@ -116,9 +116,11 @@ def default_model_path() -> Path:
     return fetch_default_model(progress=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine(default_model_path: Path) -> Iterator[Engine]:
-    """The offline Engine on the default model (4,096 tokens of KV), to compare the services with."""
+    """The offline Engine on the default model (4,096 tokens of KV), to compare the services with: one
+    for the session, since loading it costs seconds per module; greedy answers do not depend on what
+    its radix cache holds (tests/test_engine.py checks that), so the modules cannot disturb each other."""
     # Imported here: torch and the worker load only in the modules that use the engine.
     from services.worker.frontend.engine import Engine
 

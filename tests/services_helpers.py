@@ -127,7 +127,7 @@ def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = R
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"up did not come up (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     return proc
 
 

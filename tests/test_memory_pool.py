@@ -142,8 +142,10 @@ def test_req_to_token_pool_read_is_a_copy() -> None:
     assert out.tolist() == [1, 2]
 
 
-def test_token_to_kv_pool_has_a_padding_row_and_writes_at_slots() -> None:
-    pool = TokenToKVPool(size=6, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+@pytest.mark.parametrize("commit_at_start", [True, False])  # False: zero pages given on first touch
+def test_token_to_kv_pool_has_a_padding_row_and_writes_at_slots(commit_at_start: bool) -> None:
+    pool = TokenToKVPool(size=6, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu",
+                         commit_at_start=commit_at_start)
     assert pool.get_key_buffer(0).shape == (7, 2, 4)
     assert pool.get_value_buffer(1).shape == (7, 2, 4)
     loc = torch.tensor([3, 5])
@@ -154,6 +156,17 @@ def test_token_to_kv_pool_has_a_padding_row_and_writes_at_slots() -> None:
     assert torch.equal(pool.get_value_buffer(1)[loc], v)
     assert pool.get_key_buffer(0).abs().sum() == 0
     assert pool.get_key_buffer(1)[[0, 1, 2, 4, 6]].abs().sum() == 0
+
+
+def test_a_pool_committed_on_first_touch_reads_as_torch_zeros_in_every_dtype() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lazy = TokenToKVPool(size=5000, num_layers=2, num_kv_heads=2, head_dim=64, dtype=dtype, device="cpu",
+                             commit_at_start=False)
+        for buffer in (*lazy.k_buffer, *lazy.v_buffer):
+            assert buffer.dtype == dtype and buffer.is_contiguous()
+            assert torch.equal(buffer, torch.zeros(5001, 2, 64, dtype=dtype))
+        lazy.set_kv_buffer(1, torch.tensor([4999]), torch.ones(1, 2, 64), torch.full((1, 2, 64), 2.0))
+        assert lazy.get_value_buffer(1)[4999].eq(2).all() and lazy.get_key_buffer(1)[:4999].abs().sum() == 0
 
 
 def test_bytes_per_token_counts_k_and_v_of_every_layer() -> None:

@@ -1,5 +1,5 @@
 """Two deployments on one NATS, with real workers (tests/test_namespaces.py does the same with the
-scripted pipeline): each under its own namespace (--subject-prefix, or its alias --namespace), both
+scripted pipeline) on a tiny seeded Qwen3 (the namespaces are the point here, not the model): each under its own namespace (--subject-prefix, or its alias --namespace), both
 with a worker called w0, under interleaved load. Every answer equals the offline Engine's, as if each deployment were alone
 (sharing the prefix, both workers took every request and answers came back doubled), and an API key
 kept in Redis for one namespace is unknown to the other.
@@ -25,7 +25,7 @@ PROMPTS = ["The capital of France is", "Water boils at", "The largest planet is"
 
 
 def test_two_namespaces_on_one_nats_answer_as_if_alone(
-    nats: NatsServer, default_model_path: Path, tmp_path: Path
+    nats: NatsServer, qwen3_path: Path, tmp_path: Path
 ) -> None:
     suffix = uuid.uuid4().hex[:6]
     namespaces = [f"one{suffix}", f"two{suffix}"]
@@ -37,7 +37,7 @@ def test_two_namespaces_on_one_nats_answer_as_if_alone(
         ServiceProcess.start(
             "worker",
             ["--nats-url", nats.url, "--namespace" if i else "--subject-prefix", ns, "--metrics-port", "0",
-             "--model-path", str(default_model_path), "--worker-id", "w0", "--with-detokenizer",
+             "--model-path", str(qwen3_path), "--worker-id", "w0", "--with-detokenizer",
              "--max-total-tokens", "4096"],
             tmp_path, label=ns,
         )
@@ -48,7 +48,7 @@ def test_two_namespaces_on_one_nats_answer_as_if_alone(
         for worker in workers:
             worker.wait_ready()
         gateways = [
-            GatewayThread(nats.url, subject_prefix=ns, local_tokenizer=str(default_model_path), redis_url=REDIS_URL,
+            GatewayThread(nats.url, subject_prefix=ns, local_tokenizer=str(qwen3_path), redis_url=REDIS_URL,
                           api_key="static-unused")
             for ns in namespaces
         ]
@@ -59,7 +59,7 @@ def test_two_namespaces_on_one_nats_answer_as_if_alone(
             g, prompt = job
             gateway = gateways[g]
             key = keys[gateway.config.subject_prefix]
-            body = {"model": default_model_path.name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            body = {"model": qwen3_path.name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
             answer = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=120,
                                 headers={"Authorization": f"Bearer {key}"})
             return g, prompt, answer
@@ -70,14 +70,14 @@ def test_two_namespaces_on_one_nats_answer_as_if_alone(
         # A key of one namespace is unknown in the other.
         crossed = httpx.post(
             f"{gateways[1].url}/v1/completions", timeout=30, headers={"Authorization": f"Bearer {keys[namespaces[0]]}"},
-            json={"model": default_model_path.name, "prompt": "hi", "max_tokens": 2},
+            json={"model": qwen3_path.name, "prompt": "hi", "max_tokens": 2},
         )
     finally:
         for gateway in gateways:
             gateway.close()
         for worker in workers:
             worker.kill()
-    with Engine(str(default_model_path), max_total_tokens=4096) as engine:
+    with Engine(str(qwen3_path), max_total_tokens=4096) as engine:
         expected = {p: engine.generate(p, {"temperature": 0, "max_new_tokens": 12}) for p in PROMPTS}
     for g, prompt, answer in answers:
         assert answer.status_code == 200, answer.text

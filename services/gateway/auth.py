@@ -38,12 +38,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-
 from services.gateway.errors import FORBIDDEN, GatewayError
 
 if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+    from starlette.types import ASGIApp, Receive, Scope, Send
+
     from services.gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
@@ -225,6 +225,10 @@ def require_admin(store: KeyStore, key: ApiKey | None, action: str) -> None:
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     kind = {UNAUTHORIZED: "authentication_error", TOO_MANY_REQUESTS: "rate_limit_error"}.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    # Imported here: `radixserve keys` and every other command's parser import this module, and only
+    # a gateway needs fastapi (a second of CPU at each start of a worker, tokenizer or health check).
+    from fastapi.responses import JSONResponse
+
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +28,7 @@ from services.worker.runtime.attention.flashinfer_backend import (
 )
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch
+from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
 from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
@@ -152,17 +152,6 @@ def make_attn_backend(name: str) -> AttentionBackend:
     raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
 
 
-def _available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class ModelRunner:
     """Runs forwards and sampling for one TP rank."""
 
@@ -238,8 +227,10 @@ class ModelRunner:
             size, rows, agreed_snapshots = (int(v) for v in agreed.tolist())
             snapshots = None if agreed_snapshots < 0 else agreed_snapshots
         self.max_total_tokens = size
+        # Sized from free memory: taken as used; by max_total_tokens: committed at start (soak.py's RSS check).
         self.token_to_kv_pool = TokenToKVPool(
-            size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device
+            size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device,
+            commit_at_start=bool(config.max_total_tokens),
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(rows, size))
