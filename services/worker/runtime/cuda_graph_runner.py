@@ -21,6 +21,10 @@ A graph replays the exact kernels and addresses it saw, so:
   query block, so attention leaves their rows alone and every other layer works row by row: they never
   touch a real token's values. The logits rows (each request's last new token) are gathered with an
   index the graph computes from the static offsets;
+- hybrid models (linear-attention layers, mem/state_pool.py): a decode graph's layers read each row's
+  state row from a static buffer filled before the replay (request row -> state row, on the device);
+  padded rows take state row 0, the padding row, so they never touch a request's state (request row 0
+  may be a live request). Their extend steps run eagerly (no extend graphs);
 - the logits are copied into one static buffer [rows, vocab]; a step returns a view of its rows,
   valid until the next replay (the scheduler samples from it before then).
 All graphs share one memory pool, captured largest (most tokens) first; they never run concurrently, so
@@ -42,6 +46,7 @@ from typing import Protocol
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
+from services.worker.mem.state_pool import HybridReqToTokenPool, StateMetadata, StatePool
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.triton_backend import (
     EXTEND_METADATA_ROWS,
@@ -54,9 +59,10 @@ from services.worker.runtime.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 # Rows of the static integer buffer: per-token inputs (ids, positions, KV slots) and per-request ones
-# (request rows, lengths). Positions .. out_cache_loc are in the order of ForwardBatch.packed_rows
-# (ScheduleBatch packs a decode step's inputs so), which replay() copies as one block.
-_INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC = range(5)
+# (request rows, lengths, state rows). Positions .. out_cache_loc are in the order of
+# ForwardBatch.packed_rows (ScheduleBatch packs a decode step's inputs so), which replay() copies as one
+# block.
+_INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC, _STATE_INDICES = range(6)
 # Eager forwards per graph before capture: compiles the Triton kernels and lets cuBLAS pick its
 # algorithms outside the graph.
 _WARMUP_RUNS = 2
@@ -137,13 +143,23 @@ class CudaGraphRunner:
             self.device,
         )
         rows = runner.req_to_token_pool.size
+        pool = runner.req_to_token_pool
+        self.hybrid = pool if isinstance(pool, HybridReqToTokenPool) else None
+        if self.hybrid is not None and max_extend_tokens:
+            logger.info("hybrid model: extend steps run eagerly (cuda_graph_max_extend_tokens=%d unused)",
+                        max_extend_tokens)  # fmt: skip
+            max_extend_tokens = 0
         self.decode_graphs = [self._graph(ForwardMode.DECODE, bs, bs) for bs in self.batch_sizes]
         self.extend_graphs = [
             self._graph(ForwardMode.EXTEND, tokens, min(tokens, rows))
             for tokens in extend_token_buckets(max_extend_tokens)
         ]
         width = max(g.num_tokens for g in self.decode_graphs + self.extend_graphs)
-        self.inputs = torch.zeros((5, width), dtype=torch.int64, device=self.device)
+        self.inputs = torch.zeros((6, width), dtype=torch.int64, device=self.device)
+        # A decode step's per-row state metadata besides the state rows: every row continues a state,
+        # one token each (the decode ops read neither, but the metadata names them).
+        self.decode_has_state = torch.ones(self.max_bs, dtype=torch.bool, device=self.device)
+        self.decode_cu_seqlens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=self.device)
         bound = backend.extend_blocks_bound
         meta_width = max(
             (max(g.batch_size + 1, bound(g.num_tokens, g.batch_size)) for g in self.extend_graphs), default=1
@@ -189,6 +205,8 @@ class CudaGraphRunner:
             batch = self._static_batch(mode, num_tokens, bs)
             if mode.is_decode():
                 runner.attn_backend.init_forward_metadata(batch)
+                if self.hybrid is not None:
+                    batch.state_metadata = self._decode_state_metadata(self.hybrid.state_pool, bs)
             else:
                 # A block table long enough for any batch the bucket takes: its length is the grid.
                 num_blocks = self.backend.extend_blocks_bound(num_tokens, bs)
@@ -199,6 +217,14 @@ class CudaGraphRunner:
             return runner.model(batch.input_ids, batch.positions, batch)
 
         return forward
+
+    def _decode_state_metadata(self, state_pool: StatePool, bs: int) -> StateMetadata:
+        return StateMetadata(
+            state_pool=state_pool,
+            state_indices=self.inputs[_STATE_INDICES, :bs],
+            has_initial_state=self.decode_has_state[:bs],
+            cu_seqlens=self.decode_cu_seqlens[: bs + 1],
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -267,8 +293,8 @@ class CudaGraphRunner:
             prefix_lens, extend_lens = batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu
             bound = self.backend.extend_blocks_bound(g.num_tokens, g.batch_size)
             self.backend.fill_extend_metadata(self.extend_meta, prefix_lens, extend_lens, bound)
-        # Padding: token 0 at position 0 into KV slot 0; request row 0 of length 0 (one launch: a graph
-        # has no more requests than tokens, and the copies below overwrite the real part).
+        # Padding: token 0 at position 0 into KV slot 0; request row 0 of length 0, state row 0 (one
+        # launch: a graph has no more requests than tokens, and the copies below overwrite the real part).
         if min(bs, num_tokens) < g.num_tokens:
             self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
         self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
@@ -279,6 +305,9 @@ class CudaGraphRunner:
             self.inputs[_OUT_CACHE_LOC, :num_tokens].copy_(batch.out_cache_loc)
             self.inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
             self.inputs[_SEQ_LENS, :bs].copy_(batch.seq_lens)
+        if self.hybrid is not None:  # decode only: each request row's state row
+            rows = self.inputs[_REQ_POOL_INDICES, :bs]
+            torch.index_select(self.hybrid.req_to_state, 0, rows, out=self.inputs[_STATE_INDICES, :bs])
         if g.graph is not None:
             g.graph.replay()
         else:

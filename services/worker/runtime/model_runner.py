@@ -254,10 +254,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":
-            if model_config.is_hybrid:
-                logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs are not captured for hybrid "
-                               "(linear-attention) models yet", config.cuda_graph_max_bs)
-            elif backend == "triton":
+            if backend == "triton":
                 # Imported here, like the triton backend itself: it needs triton, an optional
                 # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner

@@ -166,16 +166,48 @@ def tokens_within_cost(prefix: int, budget: int, keys_per_token: float) -> int:
 def model_keys_per_token(mc: ModelConfig) -> float:
     """attention_keys_per_token for this model: a mixed step sizes its prefill chunk by
     what the chunk costs with its prefix, so the decodes riding in it wait about as long late in a
-    long prompt as early (P6 in bench/RESULTS.md)."""
+    long prompt as early (P6 in bench/RESULTS.md). Hybrid models: hybrid_keys_per_token."""
     hf = mc.hf_config
     if mc.num_experts:
         inter = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
         active = getattr(hf, "num_experts_per_tok", 1)
     else:
         inter, active = hf.intermediate_size, 1
+    if mc.is_hybrid:
+        return hybrid_keys_per_token(mc, inter, active)
     return attention_keys_per_token(
         mc.num_layers, mc.hidden_size, mc.num_attention_heads, mc.num_kv_heads, mc.head_dim, inter, active
     )
+
+
+def hybrid_keys_per_token(mc: ModelConfig, intermediate_size: int, active_experts: int) -> float:
+    """attention_keys_per_token for a hybrid model (Qwen3.5): only its full-attention layers read keys,
+    while every layer has linear FLOPs, so K is the linear FLOPs per token of all layers over the
+    attention FLOPs per key of the attention layers. A token's linear FLOPs: 2 per weight of the
+    attention layers' projections (q_proj also gives the output gate: 2 * heads * head_dim rows), the
+    Gated DeltaNet layers' in_proj (q, k, v, z, b, a), conv1d and out_proj, and every layer's MLP (the
+    active experts, the shared expert and the router for MoE); plus the delta rule's state update, about
+    4 FLOPs per state element [Hv, Dk, Dv] (decay, k^T S, the rank-1 write, q^T S)."""
+    hf, hidden = mc.hf_config, mc.hidden_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    linear = mc.state_shape()
+    value_dim = linear.num_v_heads * linear.v_head_dim
+    mlp = 3 * hidden * intermediate_size * active_experts
+    if mc.num_experts:
+        shared = int(getattr(hf, "shared_expert_intermediate_size", 0) or 0)
+        mlp += hidden * mc.num_experts + (3 * hidden * shared + hidden if shared else 0)
+    attention_weights = hidden * (2 * q + q + 2 * kv) + mlp
+    gdn_weights = (
+        hidden * (linear.conv_dim + value_dim + 2 * linear.num_v_heads)
+        + linear.conv_dim * linear.conv_width
+        + value_dim * hidden
+        + mlp
+    )
+    recurrent_flops = 4 * linear.num_v_heads * linear.k_head_dim * linear.v_head_dim
+    num_attention, num_linear = mc.num_attention_layers, linear.num_layers
+    flops = 2 * (num_attention * attention_weights + num_linear * gdn_weights) + num_linear * recurrent_flops
+    per_key = num_attention * 4 * mc.num_attention_heads * mc.head_dim * ATTENTION_SLOWDOWN
+    return flops / per_key
 
 
 class AddResult(enum.Enum):

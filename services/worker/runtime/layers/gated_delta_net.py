@@ -12,24 +12,25 @@ only its heads.
 
 Both states live in the StatePool (mem/state_pool.py), one row per request, found through
 batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
-the one-token update; the ops are gdn_ops.py's (the Triton kernels implement the same signatures).
+the one-token update. The ops follow the step's attention backend: the torch backend (CPU, and the
+reference on CUDA) runs gdn_ops.py's torch ops; the GPU backends (triton, flashinfer) run the Triton
+kernels of the same signatures (kernels/causal_conv1d.py, kernels/gated_delta_rule.py), which never sync
+with the host, so a CUDA graph captures a decode step (cuda_graph_runner.py: padded rows use state row
+0, the padding row).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size
-from services.worker.runtime.layers.gdn_ops import (
-    causal_conv1d_fwd,
-    causal_conv1d_update,
-    chunk_gated_delta_rule,
-    fused_recurrent_gated_delta_rule_update,
-)
+from services.worker.runtime.layers import gdn_ops
 from services.worker.runtime.layers.linear import (
     LoadedWeight,
     MergedColumnParallelLinear,
@@ -45,6 +46,34 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from services.worker.runtime.forward_batch import ForwardBatch
+
+
+class _TritonOps:
+    """The Triton kernels under gdn_ops' names, imported at first use: triton is needed (and installed)
+    only where a GPU backend runs (or under the interpreter in tests)."""
+
+    def __init__(self) -> None:
+        from kernels import causal_conv1d, gated_delta_rule
+
+        self.causal_conv1d_fwd = causal_conv1d.causal_conv1d_fwd
+        self.causal_conv1d_update = causal_conv1d.causal_conv1d_update
+        self.chunk_gated_delta_rule = gated_delta_rule.chunk_gated_delta_rule
+        self.fused_recurrent_gated_delta_rule_update = (
+            gated_delta_rule.fused_recurrent_gated_delta_rule_update
+        )
+
+
+_triton_ops: _TritonOps | None = None
+
+
+def gdn_ops_for(batch: ForwardBatch) -> ModuleType | _TritonOps:
+    """gdn_ops (torch) on the torch attention backend, the Triton kernels on any other."""
+    global _triton_ops
+    if isinstance(batch.attn_backend, TorchAttnBackend):
+        return gdn_ops
+    if _triton_ops is None:
+        _triton_ops = _TritonOps()
+    return _triton_ops
 
 
 class GatedRMSNorm(nn.Module):
@@ -151,14 +180,15 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
+        ops = gdn_ops_for(batch)
         decode = batch.forward_mode.is_decode()
         if decode:
-            mixed = causal_conv1d_update(
+            mixed = ops.causal_conv1d_update(
                 mixed, self.conv_weight, None, conv_state=conv_state, state_indices=meta.state_indices,
                 activation=self.activation,
             )
         else:
-            mixed = causal_conv1d_fwd(
+            mixed = ops.causal_conv1d_fwd(
                 mixed, self.conv_weight, None, conv_state=conv_state, state_indices=meta.state_indices,
                 cu_seqlens=meta.cu_seqlens, has_initial_state=meta.has_initial_state, activation=self.activation,
             )
@@ -170,11 +200,11 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
-            core = fused_recurrent_gated_delta_rule_update(
+            core = ops.fused_recurrent_gated_delta_rule_update(
                 q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices, scale=self.scale
             )
         else:
-            core = chunk_gated_delta_rule(
+            core = ops.chunk_gated_delta_rule(
                 q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices,
                 cu_seqlens=meta.cu_seqlens, scale=self.scale,
             )
