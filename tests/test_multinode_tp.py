@@ -1,0 +1,154 @@
+"""Tensor parallelism across nodes on CPU (gloo): node 0 is an Engine in this process (nnodes 2,
+node_rank 0), node 1 a `radixserve worker --node-rank 1` process with no NATS at all. Greedy tokens
+match TP=1, and every start-up failure ends with a clear error on every node within dist_timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+from services.worker.frontend.engine import Engine
+from tests.engine_helpers import GREEDY, output_ids, random_prompts
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = random_prompts(3, 5, 20, seed=25)
+NEW_TOKENS = 12
+JOIN_TIMEOUT_S = 60.0  # generous: node 1's process imports torch and spawns its ranks on a loaded host
+SHORT_TIMEOUT_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def node(path: Path, port: int, tp_size: int, node_rank: int = 1, timeout_s: float = JOIN_TIMEOUT_S,
+         nnodes: int = 2) -> Iterator[subprocess.Popen[str]]:
+    """`radixserve worker --node-rank N` as its own process (a node of its own), without NATS flags."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "worker", "--model-path", str(path), "--tp-size", str(tp_size),
+         "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", f"127.0.0.1:{port}",
+         "--dist-timeout", str(timeout_s), "--device", "cpu"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def node0(path: Path, port: int, tp_size: int, timeout_s: float = JOIN_TIMEOUT_S) -> Engine:
+    return Engine(str(path), tp_size=tp_size, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}",
+                  dist_timeout=timeout_s, device="cpu", cpu_threads=1)
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    return output_ids(engine.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "max_new_tokens": NEW_TOKENS}))
+
+
+def reference(path: Path) -> list[list[int]]:
+    with Engine(str(path), device="cpu") as engine:
+        return greedy(engine)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "llama"])
+def test_tp2_over_two_nodes_matches_tp1(model: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(f"{model}_path")
+    port = free_port()
+    with node(path, port, tp_size=2) as other:
+        with node0(path, port, tp_size=2) as engine:
+            ours = greedy(engine)
+        # Node 0's shutdown ends the group: node 1 exits 0 on its own.
+        out, _ = other.communicate(timeout=60)
+    assert ours == reference(path)
+    assert other.returncode == 0, out
+    assert "runs ranks only (no NATS, no HTTP)" in out and "the TP group ended" in out
+
+
+def test_tp4_as_two_nodes_of_two_ranks_matches_tp1(qwen3_path: Path) -> None:
+    port = free_port()
+    with node(qwen3_path, port, tp_size=4) as other:
+        with node0(qwen3_path, port, tp_size=4) as engine:
+            ours = greedy(engine)
+        out, _ = other.communicate(timeout=60)
+    assert ours == reference(qwen3_path)
+    assert other.returncode == 0, out
+    assert "TP ranks 2-3 of 4" in out
+
+
+def test_node_1_never_started_fails_node_0_within_dist_timeout(qwen3_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"the group did not form at tcp://127\.0\.0\.1:\d+ within 3 s"):
+        node0(qwen3_path, free_port(), tp_size=2, timeout_s=SHORT_TIMEOUT_S)
+
+
+def test_node_1_at_a_wrong_address_exits_1_within_dist_timeout(qwen3_path: Path) -> None:
+    with node(qwen3_path, free_port(), tp_size=2, timeout_s=SHORT_TIMEOUT_S) as other:
+        out, _ = other.communicate(timeout=60)
+    assert other.returncode == 1
+    assert "the group did not form" in out and "TP rank 1 exited with code 1" in out
+
+
+def test_a_different_model_on_node_1_fails_both_nodes_naming_both(qwen3_path: Path, llama_path: Path) -> None:
+    port = free_port()
+    with node(llama_path, port, tp_size=2) as other:
+        with pytest.raises(ValueError, match="the TP group's ranks run different things") as failed:
+            node0(qwen3_path, port, tp_size=2)
+        out, _ = other.communicate(timeout=60)
+    message = str(failed.value)
+    assert f"model_path {qwen3_path}" in message and f"model_path {llama_path}" in message
+    assert "Qwen3ForCausalLM" in message and "LlamaForCausalLM" in message
+    assert other.returncode == 1 and "the TP group's ranks run different things" in out
+
+
+def test_node_1_killed_brings_node_0_down_with_a_clear_error(qwen3_path: Path) -> None:
+    port = free_port()
+    with node(qwen3_path, port, tp_size=2) as other, node0(qwen3_path, port, tp_size=2) as engine:
+        assert greedy(engine) == reference(qwen3_path)
+        other.send_signal(signal.SIGKILL)  # its ranks die with it (die_with_parent)
+        other.wait()
+        deadline = time.monotonic() + 60
+        with pytest.raises(RuntimeError, match="the TP group failed on rank 0") as failed:
+            # The idle rank 0 notices within its idle beat; until then requests may still be taken.
+            while time.monotonic() < deadline:
+                greedy(engine)
+                time.sleep(0.2)
+    assert "another rank exited" in str(failed.value)
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--tp-size", "3", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:5000"],
+     "tp_size 3 is not divisible by nnodes 2"),
+    (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "127.0.0.1:5000"],
+     r"node_rank must be in \[0, nnodes - 1\] = \[0, 1\], got 2"),
+    (["--tp-size", "2", "--nnodes", "2", "--node-rank", "1"], "nnodes > 1 needs dist_init_addr"),
+    (["--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "node0"],
+     "dist_init_addr must be host:port"),
+])
+def test_bad_node_flags_are_a_usage_error(qwen3_path: Path, argv: list[str], error: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--model-path", str(qwen3_path), *argv]) == 2
+    assert re.search(error, capsys.readouterr().err)
+
+
+def test_dist_init_addr_takes_both_spellings(qwen3_path: Path) -> None:
+    from services.worker.config import EngineConfig
+
+    for addr in ("10.0.0.1:5000", "tcp://10.0.0.1:5000"):
+        config = EngineConfig(model_path=str(qwen3_path), tp_size=4, nnodes=2, node_rank=1, dist_init_addr=addr)
+        assert (config.dist_init_addr, list(config.local_ranks())) == ("tcp://10.0.0.1:5000", [2, 3])
