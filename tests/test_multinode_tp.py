@@ -11,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,3 +137,53 @@ def test_dist_init_addr_takes_both_spellings(qwen3_path: Path) -> None:
     for addr in ("10.0.0.1:5000", "tcp://10.0.0.1:5000"):
         config = EngineConfig(model_path=str(qwen3_path), tp_size=4, nnodes=2, node_rank=1, dist_init_addr=addr)
         assert (config.dist_init_addr, list(config.local_ranks())) == ("tcp://10.0.0.1:5000", [2, 3])
+
+
+def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
+    qwen3_path: Path, tmp_path: Path
+) -> None:
+    """Node 0 as `radixserve worker` on NATS: when node 1 dies its last WorkerLoad says draining (gateways
+    stop routing to it at once) and it exits 1 naming the failed group."""
+    import asyncio
+
+    import nats as nats_client
+
+    from shared.natsd import start_nats_server
+    from shared.protocol import Subjects, WorkerLoad, decoder
+    from tests.services_helpers import ServiceProcess
+
+    async def draining_load(url: str, kill: Callable[[], None]) -> WorkerLoad:
+        nc = await nats_client.connect(url)
+        loads: asyncio.Queue[WorkerLoad] = asyncio.Queue()
+        read = decoder(WorkerLoad)
+        async def on_load(msg: Any) -> None:
+            loads.put_nowait(read.decode(msg.data))
+
+        await nc.subscribe(Subjects("rs").workers_load, cb=on_load)
+        try:
+            first = await asyncio.wait_for(loads.get(), 60)
+            assert not first.draining and first.worker_id == "mn0"
+            kill()
+            while not (load := await asyncio.wait_for(loads.get(), 60)).draining:
+                pass
+            return load
+        finally:
+            await nc.close()
+
+    port = free_port()
+    with start_nats_server() as server, node(qwen3_path, port, tp_size=2) as other:
+        worker = ServiceProcess.start("worker", [
+            "--nats-url", server.url, "--worker-id", "mn0", "--model-path", str(qwen3_path), "--tp-size", "2",
+            "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{port}",
+            "--dist-timeout", str(JOIN_TIMEOUT_S), "--device", "cpu", "--metrics-port", "none",
+        ], tmp_path)
+        try:
+            worker.wait_ready()
+            load = asyncio.run(draining_load(server.url, other.kill))
+            assert load.worker_id == "mn0"
+            assert worker.proc.wait(timeout=60) == 1
+        finally:
+            worker.kill()
+    log = worker.log()
+    assert "this is node 0, the others join at tcp://127.0.0.1" in log
+    assert "the TP group failed on rank 0 (node 0): another rank exited" in log
