@@ -116,6 +116,20 @@ def test_a_different_model_on_node_1_fails_both_nodes_naming_both(qwen3_path: Pa
     assert "TP rank 1 exited with code 1" in out
 
 
+def test_a_local_rank_lost_while_rank_0_hangs_is_killed_and_fails_the_engine(qwen3_path: Path) -> None:
+    """Rank 0 reports a lost peer itself when its collective fails (gloo); a rank 0 that cannot (stopped
+    here, as an NCCL collective waiting for a dead peer would hang) is killed by the client's watchdog,
+    which fails the engine naming the rank that died."""
+    with Engine(str(qwen3_path), tp_size=2, device="cpu", cpu_threads=1) as engine:
+        assert greedy(engine) == reference(qwen3_path)
+        rank0, rank1 = engine._client._procs
+        os.kill(rank0.pid, signal.SIGSTOP)
+        os.kill(rank1.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=rf"TP rank 1 \(pid {rank1.pid}\) exited with code -9; the TP group is down"):
+            greedy(engine)
+        assert not rank0.is_alive()
+
+
 @pytest.mark.parametrize(("argv", "error"), [
     (["--tp-size", "3", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:5000"],
      "tp_size 3 is not divisible by nnodes 2"),
