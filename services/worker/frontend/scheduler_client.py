@@ -13,6 +13,7 @@ outputs to a callback on its dispatcher thread:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing as mp
 import pickle
@@ -169,6 +170,10 @@ class SchedulerClient:
             except queue.Empty:
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead:
+                    with contextlib.suppress(queue.Empty):
+                        # Another rank's failure (a group that did not form, a node with another model)
+                        # is rank 0's too, and rank 0 says why.
+                        return self._outbox.get(timeout=RANK_EXIT_GRACE_S if self._procs[0].is_alive() else 0.5)
                     self._stop_processes()
                     raise RuntimeError(
                         f"a scheduler process exited during start-up (exit code {dead[0].exitcode}); the "
