@@ -1,6 +1,9 @@
 """Tensor parallelism across nodes on CPU (gloo): node 0 is an Engine in this process (nnodes 2,
-node_rank 0), node 1 a `radixserve worker --node-rank 1` process with no NATS at all. Greedy tokens
-match TP=1, and every start-up failure ends with a clear error on every node within dist_timeout."""
+node_rank 0) or a `radixserve worker` on NATS, node 1 a `radixserve worker --node-rank 1` process with
+no NATS at all. Greedy tokens match TP=1 (Qwen3 at 2x1, Qwen3-MoE at 2x2); every start-up failure ends
+with a clear error on every node within dist_timeout; a lost rank ends the group on every node, and
+node 0's worker leaves the gateways' routing. Each group costs a process start per rank (torch's
+import), so tests that can share one do."""
 
 from __future__ import annotations
 
@@ -188,3 +191,14 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
     log = worker.log()
     assert "this is node 0, the others join at tcp://127.0.0.1" in log
     assert "the TP group failed on rank 0 (node 0): another rank exited" in log
+
+
+@pytest.mark.parametrize("argv", [
+    ["--node-rank", "1"],
+    ["--node-rank", "0", "--workers", "2"],
+])
+def test_up_runs_only_node_0_as_its_one_worker(qwen3_path: Path, argv: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--model-path", str(qwen3_path), "--tp-size", "2", "--nnodes", "2",
+                 "--dist-init-addr", "127.0.0.1:5000", *argv]) == 2
+    assert "`up` runs node 0 of a multi-node TP group" in capsys.readouterr().err
