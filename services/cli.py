@@ -218,8 +218,6 @@ def _run_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from services.detokenizer.service import StreamPublisher
-    from services.worker.frontend.service import WorkerService
     from services.worker.frontend.service_config import WorkerServiceConfig
 
     try:
@@ -234,6 +232,9 @@ def _run_worker(args: argparse.Namespace) -> int:
 
         setup_logging(config.log_level)
         return serve_node(config.engine)
+    from services.detokenizer.service import StreamPublisher
+    from services.worker.frontend.service import WorkerService
+
     # The worker and the detokenizer meet here: with --with-detokenizer the worker runs the
     # detokenizer's StreamPublisher in its own process; neither package imports the other.
     return _run_service(lambda: config, lambda config: WorkerService(

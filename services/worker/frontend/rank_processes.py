@@ -20,7 +20,6 @@ import threading
 from typing import Any
 
 from services.worker.config import EngineConfig
-from services.worker.frontend.scheduler_loop import run_scheduler_loop
 from shared.service import die_with_parent, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -38,6 +37,9 @@ def run_rank_process(
     group, but draining is the parent's job (it shuts the ranks down after), so ranks ignore SIGINT;
     they die with their parent, so a killed worker leaves no rank behind. `log_level`: configure
     logging here (multi-node ranks log that they joined; a lone node's ranks stay quiet as before)."""
+    # Imported here: torch and the model code load in the rank processes, not in a node's parent.
+    from services.worker.frontend.scheduler_loop import run_scheduler_loop
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
     if log_level is not None:
