@@ -221,13 +221,26 @@ def _run_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from services.worker.frontend.service_config import WorkerServiceConfig
+
+    try:
+        config = WorkerServiceConfig.from_args(args)
+    except ValueError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
+    if config.engine.node_rank > 0:
+        # A node after node 0 of a multi-node TP group: its ranks only; node 0 alone talks to NATS.
+        from services.worker.frontend.rank_processes import serve_node
+        from shared.service import setup_logging
+
+        setup_logging(config.log_level)
+        return serve_node(config.engine)
     from services.detokenizer.service import StreamPublisher
     from services.worker.frontend.service import WorkerService
-    from services.worker.frontend.service_config import WorkerServiceConfig
 
     # The worker and the detokenizer meet here: with --with-detokenizer the worker runs the
     # detokenizer's StreamPublisher in its own process; neither package imports the other.
-    return _run_service(lambda: WorkerServiceConfig.from_args(args), lambda config: WorkerService(
+    return _run_service(lambda: config, lambda config: WorkerService(
         config, lambda bus, tokenizer: StreamPublisher(bus, tokenizer, config.model_name)))
 
 

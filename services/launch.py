@@ -218,6 +218,10 @@ def run_up(args: argparse.Namespace) -> int:
     if args.workers < 1:
         print("radixserve: error: --workers must be >= 1", file=sys.stderr)
         return 2
+    if engine.node_rank > 0 or (engine.nnodes > 1 and args.workers > 1):
+        print("radixserve: error: `up` runs node 0 of a multi-node TP group, as its one worker (--workers 1); "
+              "the other nodes run `radixserve worker --node-rank N`", file=sys.stderr)
+        return 2
     if args.gateways < 1 or (args.gateways > 1 and args.port == 0):
         print("radixserve: error: --gateways must be >= 1, and more than one needs a fixed --port", file=sys.stderr)
         return 2

@@ -154,8 +154,22 @@ class EngineConfig:
     )
     speculative_ngram_max_match: int = _help("'ngram': longest suffix of a request looked up in its own tokens", 12)
     speculative_ngram_min_match: int = _help("'ngram': shortest suffix that counts as a match", 1)
-    # TP rendezvous.
-    dist_init_addr: str | None = _help("tcp://host:port for the TP group; default: a free local port", None)
+    # TP rendezvous; several nodes (machines) as in SGLang: --nnodes 2 --node-rank 0|1 --dist-init-addr H:P.
+    dist_init_addr: str | None = _help(
+        "host:port (or tcp://host:port) where the TP group meets: node 0's address and a free port every node "
+        "reaches; default: a free local port (one node only)",
+        None,
+    )
+    nnodes: int = _help("machines the TP group spans; each runs tp_size / nnodes ranks", 1)
+    node_rank: int = _help(
+        "this machine's index among nnodes: node 0 serves (NATS, the scheduler's requests), the others run ranks only",
+        0,
+    )
+    dist_timeout: float = _help(
+        "seconds the TP group waits for every rank to join, and any collective for every rank to arrive: a node "
+        "that never starts, or a rank that hangs, ends the group with an error after this long",
+        300.0,
+    )
 
     def __post_init__(self) -> None:
         # SGLang's and vLLM's spellings are taken as they are given and stored in ours, once, while the
@@ -170,6 +184,7 @@ class EngineConfig:
         chat_template_text(self.chat_template)  # a file that is not there fails here, before any load
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        self._check_nodes()
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -213,6 +228,30 @@ class EngineConfig:
                 f"{architecture} (a hybrid model with Gated DeltaNet layers): a rejected draft would need the "
                 "recurrent state rolled back"
             )
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size {self.tp_size} is not divisible by nnodes {self.nnodes}: every node runs tp_size / nnodes ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes - 1] = [0, {self.nnodes - 1}], got {self.node_rank}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.dist_init_addr is not None:
+            object.__setattr__(self, "dist_init_addr", tcp_init_method(self.dist_init_addr))
+        elif self.nnodes > 1:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, the same on every node)")
+
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    def local_ranks(self) -> range:
+        """The global TP ranks this node runs: node_rank * ranks_per_node + local rank."""
+        first = self.node_rank * self.ranks_per_node()
+        return range(first, first + self.ranks_per_node())
 
     def _check_speculative(self) -> None:
         algorithm = self.speculative_algorithm
@@ -308,6 +347,16 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def tcp_init_method(addr: str) -> str:
+    """'host:port' (SGLang's spelling) or 'tcp://host:port' as torch's tcp:// init method; ValueError
+    naming what is wrong. An IPv6 host goes in brackets: [::1]:5000."""
+    rest = addr.removeprefix("tcp://")
+    host, sep, port = rest.rpartition(":")
+    if "://" in rest or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be host:port (or tcp://host:port) with a port in [1, 65535], got {addr!r}")
+    return f"tcp://{host}:{port}"
 
 
 def pick_architecture(architectures: object) -> str:

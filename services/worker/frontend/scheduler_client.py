@@ -1,7 +1,8 @@
 """SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
 
-It starts the scheduler (one spawned process per rank; at tp_size 1 on CPU a thread, see
-EngineConfig.scheduler_process), turns a validated request into `Req`s (seeds drawn here, so every
+It starts the scheduler (one spawned process per rank of this node, rank_processes.py; at tp_size 1
+on CPU a thread, see EngineConfig.scheduler_process; with nnodes > 1 this is node 0, the other nodes
+run rank_processes.serve_node), turns a validated request into `Req`s (seeds drawn here, so every
 sampled token is reproducible), sends commands, answers request/reply controls, and hands every step's
 outputs to a callback on its dispatcher thread:
 
@@ -12,12 +13,12 @@ outputs to a callback on its dispatcher thread:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing as mp
 import pickle
 import queue
 import random
-import signal
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Any
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.ipc import PipeChannel
+from services.worker.frontend.rank_processes import RANK_EXIT_GRACE_S, end_group, start_ranks, wait_for_exit
 from services.worker.frontend.scheduler_loop import (
     AbortReq,
     AddReq,
@@ -44,7 +46,6 @@ from services.worker.scheduler.req import FinishReason, Req
 from shared.grammar_spec import GRAMMAR_FIELDS
 from shared.input_ids import check_logprob_start_len, validate_input_ids
 from shared.sampling_params import SamplingParams
-from shared.service import die_with_parent
 
 START_TIMEOUT_S = 600.0
 LOOP_READ_BATCH = 16
@@ -58,15 +59,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _run_rank_process(config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any) -> None:
-    """A TP rank's process. Ctrl-C reaches the whole process group, but draining is the parent's job
-    (it shuts the ranks down after), so ranks ignore SIGINT; they die with their parent, so a killed
-    worker leaves no rank behind."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent(signal.SIGKILL)
-    run_scheduler_loop(config, rank, init_method, inbox, outbox, own_process=True)
 
 
 class _InlineOutbox(queue.Queue):  # type: ignore[type-arg]
@@ -128,6 +120,11 @@ class SchedulerClient:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def _start(self) -> None:
+        if self.config.node_rank != 0:
+            raise ValueError(
+                f"node_rank {self.config.node_rank} runs TP ranks only, and node 0 takes the requests: start it "
+                "with `radixserve worker --node-rank N` (rank_processes.serve_node), not as an Engine or worker"
+            )
         init_method = self.config.dist_init_addr or f"tcp://127.0.0.1:{_free_port()}"
         if not self.config.scheduler_in_process():
             self._inbox: Any = queue.Queue()
@@ -144,13 +141,7 @@ class SchedulerClient:
             # Pipes written on the caller's thread, not multiprocessing queues: no feeder thread to
             # wake on the way to or from the scheduler (ipc.py).
             self._inbox, self._outbox = PipeChannel(ctx), PipeChannel(ctx)
-            for rank in range(self.config.tp_size):
-                io = (self._inbox, self._outbox) if rank == 0 else (None, None)
-                proc = ctx.Process(
-                    target=_run_rank_process, args=(self.config, rank, init_method, *io), daemon=True
-                )
-                proc.start()
-                self._procs.append(proc)
+            self._procs = start_ranks(self.config, init_method, self._inbox, self._outbox)
         first = self._wait_ready()
         if isinstance(first, LoopFailed):
             self._stop_processes()
@@ -159,6 +150,9 @@ class SchedulerClient:
             raise RuntimeError(f"the scheduler failed to start: {first.message}")
         assert isinstance(first, Ready)
         self.server_info: dict[str, Any] = first.info
+        if len(self._procs) > 1:
+            threading.Thread(target=self._watch_ranks, args=(list(self._procs),), name="radixserve-ranks",
+                             daemon=True).start()
         if self._outputs_loop is not None:
             self._outputs_loop.call_soon_threadsafe(self._outputs_loop.add_reader, self._outbox.fileno(), self._read_on_loop)
             return
@@ -176,6 +170,10 @@ class SchedulerClient:
             except queue.Empty:
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead:
+                    with contextlib.suppress(queue.Empty):
+                        # Another rank's failure (a group that did not form, a node with another model)
+                        # is rank 0's too, and rank 0 says why.
+                        return self._outbox.get(timeout=RANK_EXIT_GRACE_S if self._procs[0].is_alive() else 0.5)
                     self._stop_processes()
                     raise RuntimeError(
                         f"a scheduler process exited during start-up (exit code {dead[0].exitcode}); the "
@@ -186,6 +184,21 @@ class SchedulerClient:
                 if time.monotonic() > deadline:
                     self._stop_processes()
                     raise RuntimeError(f"the scheduler did not start within {START_TIMEOUT_S:.0f} s") from None
+
+    def _watch_ranks(self, procs: list[Any]) -> None:
+        """A local rank other than rank 0 that exits while this client runs has taken the TP group down.
+        Rank 0 says so itself when its next collective fails (gloo at once, or within the idle beat),
+        with the collective's error; if it has not exited RANK_EXIT_GRACE_S later (an NCCL collective
+        would wait dist_timeout), every rank is killed and the client fails naming the rank."""
+        proc = wait_for_exit(procs[1:])
+        if self._closed or proc is None:
+            return
+        rank = self.config.local_ranks()[procs.index(proc)]
+        procs[0].join(timeout=RANK_EXIT_GRACE_S)
+        if self._closed or not procs[0].is_alive():
+            return
+        end_group(procs, grace_s=0.0)
+        self._fail(f"TP rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; the TP group is down")
 
     def shutdown(self) -> None:
         """Stop the scheduler and the dispatcher; pending controls get None."""
@@ -271,7 +284,10 @@ class SchedulerClient:
         return not self._closed
 
     def _fail(self, message: str) -> None:
+        """Once: the first report of a dead scheduler wins (a rank's watchdog, or rank 0's own)."""
         with self._replies_lock:
+            if self._dead:
+                return
             self._dead = True
         self._fail_replies()
         self._on_failure(message)

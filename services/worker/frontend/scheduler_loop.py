@@ -2,19 +2,26 @@
 
 Rank 0 takes commands from its inbox (blocking only when idle) and, with TP, broadcasts them so
 every rank applies the same commands before the same step. With tp_size 1 the loop runs in a thread
-of the Engine's process; with TP every rank is its own process.
+of the Engine's process; with TP every rank is its own process, on one node or several (global rank
+= node_rank * ranks_per_node + local rank). An idle rank 0 still broadcasts an empty list every
+IDLE_BEAT_S, so the other ranks' wait never reaches the group's timeout and a lost rank is noticed
+while idle too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
+import hashlib
 import logging
 import os
 import queue
+import socket
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +39,7 @@ from shared.hf_tokenizer import load_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 CLEANUP_TRACE_S = 10.0
+IDLE_BEAT_S = 2.0  # at most; a quarter of dist_timeout when that is shorter
 
 
 @dataclass
@@ -89,12 +97,28 @@ def load_tokenizer(config: EngineConfig) -> Any | None:
 
 
 def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of global TP rank `rank`: on CUDA, the GPU of its local rank on this node."""
     device = torch.device(config.device) if config.device else default_device()
     if device.type == "cuda":
-        index = (device.index or 0) + rank
+        index = (device.index or 0) + rank - config.local_ranks().start
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return device
+
+
+def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
+    """What every rank of a TP group must agree on: the model (its config.json's digest, the size of its
+    weight files, the shapes that decide the shards), the dtype and the group's shape. Paths may differ
+    between nodes (another mount point), so they are named in errors but not compared."""
+    path = Path(config.model_path)
+    digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    mc = model_config
+    return (
+        f"{mc.architecture} (config.json sha256 {digest}, {weights} bytes of safetensors, {mc.num_layers} layers, "
+        f"hidden {mc.hidden_size}, vocab {mc.vocab_size}) in {str(mc.dtype).removeprefix('torch.')} with "
+        f"tp_size {config.tp_size} over nnodes {config.nnodes}"
+    )
 
 
 FAULT_STALL_ENV = "RS_FAULT_STALL"
@@ -122,10 +146,15 @@ class SchedulerLoop:
         if threads is not None:
             torch.set_num_threads(threads)
             logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
-        distributed.init_tp(rank, config.tp_size, init_method, device)
+        distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout)
         model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
         )
+        distributed.check_same_everywhere(
+            group_fingerprint(config, model_config),
+            f"node {config.node_rank} on {socket.gethostname()}, model_path {config.model_path}",
+        )
+        self._idle_beat_s = min(IDLE_BEAT_S, config.dist_timeout / 4)
         self.runner = ModelRunner(config, model_config, device)
         tokenizer = load_tokenizer(config)
         grammar = GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None
@@ -188,7 +217,11 @@ class SchedulerLoop:
         cmds: list[object] = []
         if self.rank == 0:
             if not self.scheduler.has_work():
-                cmds.append(inbox.get())
+                if self.config.tp_size == 1:
+                    cmds.append(inbox.get())
+                else:
+                    with contextlib.suppress(queue.Empty):  # an empty broadcast: the idle beat
+                        cmds.append(inbox.get(timeout=self._idle_beat_s))
             while True:
                 try:
                     cmds.append(inbox.get_nowait())
@@ -228,21 +261,34 @@ class SchedulerLoop:
 
 def run_scheduler_loop(
     config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any, own_process: bool = False
-) -> None:
-    """Entry point of a rank (thread or process). Reports Ready or LoopFailed on the outbox. In its own
-    process, a clean-up that takes over CLEANUP_TRACE_S prints every thread's stack to stderr (the
-    parent kills a rank that has not exited 30 s after shutdown; this says where it was)."""
+) -> bool:
+    """Entry point of a rank (thread or process); False when it failed. Reports Ready or LoopFailed on
+    the outbox (rank 0). In its own process, a clean-up that takes over CLEANUP_TRACE_S prints every
+    thread's stack to stderr (the parent kills a rank that has not exited 30 s after shutdown; this
+    says where it was)."""
     loop = None
+    ready = False
     try:
         loop = SchedulerLoop(config, rank, init_method)
         if outbox is not None:
             outbox.put(Ready(loop.info()))
+        ready = True
         loop.run(inbox, outbox, pack=own_process)
+        return True
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
-        logger.exception("scheduler loop of rank %d failed", rank)
+        message = f"{type(exc).__name__}: {exc}"
+        if ready and config.tp_size > 1 and isinstance(exc, RuntimeError):
+            # A collective failed: gloo says at once when a peer's process is gone, NCCL after dist_timeout.
+            message = (f"the TP group failed on rank {rank} (node {config.node_rank}): another rank exited or did "
+                       f"not answer within {config.dist_timeout:g} s (dist_timeout): {exc}")
+        if isinstance(exc, ValueError):
+            logger.error("scheduler loop of rank %d failed: %s", rank, exc)
+        else:
+            logger.exception("scheduler loop of rank %d failed", rank)
         if outbox is not None:
             invalid = str(exc) if isinstance(exc, ValueError) else None
-            outbox.put(LoopFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", invalid))
+            outbox.put(LoopFailed(f"{message}\n{traceback.format_exc()}", invalid))
+        return False
     finally:
         if own_process:
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)

@@ -1,6 +1,7 @@
 # Over 400 lines: every handler here shares the flight table, the scheduler client and the bus of one NATS service.
 """The worker service: the scheduler (through SchedulerClient) behind NATS. Rank 0's process alone talks
-to NATS; with tp_size > 1 the ranks are its child processes.
+to NATS; with tp_size > 1 the ranks are its child processes (with nnodes > 1, this node's; the other
+nodes run `radixserve worker --node-rank N`, rank_processes.serve_node, with no NATS).
 
     {p}.worker.{wid}.requests  in   GenerateRequest -> a Req (validated, seeded) on the scheduler
     {p}.worker.{wid}.control   in   ControlRequest abort | flush_cache | get_info -> ControlReply
@@ -131,7 +132,10 @@ class WorkerService(Service):
         self._loop = asyncio.get_running_loop()
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
         await self._claim_id()
-        logger.info("worker %s loading %s (tp_size %d)", self.worker_id, cfg.engine.model_path, cfg.engine.tp_size)
+        engine = cfg.engine
+        logger.info("worker %s loading %s (tp_size %d over %d node(s)%s)", self.worker_id, engine.model_path,
+                    engine.tp_size, engine.nnodes,
+                    f"; this is node 0, the others join at {engine.dist_init_addr}" if engine.nnodes > 1 else "")
         self._loop_thread = threading.get_ident()
         # A scheduler thread hands its outputs over itself (outputs_inline); a scheduler process's
         # outbox is read on this loop (outputs_loop). Either way no dispatcher thread wakes in between.

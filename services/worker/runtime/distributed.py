@@ -29,17 +29,46 @@ _GROUP = TPGroup()
 def init_tp(
     rank: int, size: int, init_method: str, device: torch.device, timeout_s: float | None = None
 ) -> None:
-    """Join the TP process group (one process per rank). init_method: e.g. 'tcp://127.0.0.1:29500';
-    timeout_s: how long a collective may wait for the other ranks (None: torch's default)."""
+    """Join the TP process group (one process per rank, on one node or several). init_method: e.g.
+    'tcp://10.0.0.1:29500', where global rank 0 listens; timeout_s: how long the rendezvous waits for
+    every rank, and a collective for the other ranks (None: torch's default). A group that does not
+    form in time is a RuntimeError saying what to check, never a hang."""
     global _GROUP
     if size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
             timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-            dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
-            )
+            try:
+                dist.init_process_group(
+                    backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout
+                )
+            except (dist.DistError, RuntimeError) as exc:  # DistStoreError (a rendezvous timeout) is a DistError
+                waited = "torch's default timeout" if timeout_s is None else f"{timeout_s:g} s (dist_timeout)"
+                raise RuntimeError(
+                    f"TP rank {rank} of {size}: the group did not form at {init_method} within {waited}: {exc}. "
+                    "Every node must be started, with the same dist_init_addr (node 0's address), nnodes and "
+                    "tp_size, and node 0's port must be reachable from every node"
+                ) from None
+        logger.info("TP rank %d of %d joined the group at %s (%s)", rank, size, init_method, backend)
     _GROUP = TPGroup(rank=rank, size=size)
+
+
+def check_same_everywhere(fingerprint: str, where: str) -> None:
+    """Collective: ValueError on every rank when some rank's `fingerprint` (what it runs: model config,
+    group shape) differs from rank 0's, naming both ranks' `where` (node, host, model path) and both
+    fingerprints. Nodes started with different models or flags fail here, before any weight loads."""
+    if _GROUP.size == 1:
+        return
+    every: list[object] = [None] * _GROUP.size
+    dist.all_gather_object(every, (fingerprint, where))
+    first_print, first_where = every[0]  # type: ignore[misc]
+    for rank, (other_print, other_where) in enumerate(every):  # type: ignore[misc]
+        if other_print != first_print:
+            raise ValueError(
+                f"the TP group's ranks run different things: rank 0 ({first_where}) runs {first_print}; rank "
+                f"{rank} ({other_where}) runs {other_print}. Start every node with the same model and the "
+                "same tp_size, nnodes and dtype"
+            )
 
 
 class FastAllReduce:
