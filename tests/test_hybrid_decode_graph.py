@@ -28,9 +28,14 @@ MAX_REQUESTS = 5
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
-    # 16-wide value heads: the Triton kernels' smallest (tl.dot).
+    # One linear and one full attention layer (the interpreter's cost is per kernel launch), 16-wide
+    # value heads (the Triton kernels' smallest, for tl.dot).
     path = write_checkpoint(
-        tmp_path_factory.mktemp("qwen3_5_graph"), tiny_qwen3_5_config(linear_value_head_dim=16), seed=3
+        tmp_path_factory.mktemp("qwen3_5_graph"),
+        tiny_qwen3_5_config(
+            num_hidden_layers=2, layer_types=["full_attention", "linear_attention"], linear_value_head_dim=16
+        ),
+        seed=3,
     )
     config = EngineConfig(
         model_path=str(path),
