@@ -104,6 +104,17 @@ def qwen3_5_tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_5_v16_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5 dense for the Triton interpreter: one linear and one full attention layer (its cost is per
+    kernel launch), 16-wide value heads (the Triton kernels' smallest, for tl.dot); GQA in both kinds."""
+    path = tmp_path_factory.mktemp("qwen3_5_v16")
+    config = tiny_qwen3_5_config(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_value_head_dim=16
+    )
+    return write_checkpoint(path, config, seed=11)
+
+
+@pytest.fixture(scope="session")
 def qwen3_5_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3.5-MoE: linear, full, linear attention; 8 experts top-2 plus a shared expert."""
     path = tmp_path_factory.mktemp("qwen3_5_moe")

@@ -4,7 +4,8 @@ the torch backend's logits (gdn_ops.py, the reference) within a float32 toleranc
 tokens: a chunked prefill whose first chunk spans two 64-token delta-rule chunks, prefills continued over a carried state beside a fresh
 request, and decode steps.
 
-The checkpoint uses 16-wide value heads (the kernels' smallest, for tl.dot) instead of conftest's 8."""
+The checkpoint (conftest's qwen3_5_v16_path) has one layer of each kind and 16-wide value heads (the
+kernels' smallest, for tl.dot) instead of qwen3_5_path's 8."""
 
 from __future__ import annotations
 
@@ -19,17 +20,10 @@ from services.worker.runtime.layers import gdn_ops
 from services.worker.runtime.layers.gated_delta_net import gdn_ops_for
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.checkpoints import tiny_qwen3_5_config, write_checkpoint
 from tests.forward_helpers import BatchDriver, run_mixed_steps, seeded_prompt
 
 TOLERANCE = 2e-4  # max absolute logit difference, float32 (logits are O(1))
-DECODE_STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_v16_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = tiny_qwen3_5_config(linear_value_head_dim=16)
-    return write_checkpoint(tmp_path_factory.mktemp("qwen3_5_v16"), config, seed=11)
+DECODE_STEPS = 2
 
 
 @pytest.fixture(scope="module")
