@@ -36,7 +36,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(policy=st.sampled_from(POLICIES), num_slots=st.integers(0, 4), ops=ops)
 def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_slots: int, ops: list) -> None:
     cache, states = make_cache(size=400, snapshots=num_slots, policy=policy)
