@@ -142,7 +142,7 @@ def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
     harness.check_idle()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     policy=st.sampled_from(POLICIES),
     num_slots=st.integers(0, 4),
@@ -157,7 +157,7 @@ def test_requests_restore_the_snapshotted_state_without_leaking(
     _serve(Harness(size, num_slots, policy), specs, data)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(specs=st.lists(request, min_size=1, max_size=4), data=st.data())
 def test_disabled_cache_keeps_no_kv_and_no_snapshot(specs: list[tuple], data: st.DataObject) -> None:
     harness = Harness(sum(len(i) + len(o) for i, o, _, _ in specs), 4, disable=True)
