@@ -31,6 +31,7 @@ from tests.checkpoints import (
     tiny_qwen3_moe_config,
     write_checkpoint,
 )
+from tests.engine_helpers import EnginePool
 from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
 from tests.tiny_up import tiny_up  # noqa: F401 (a session fixture: one `up` shared by several modules)
 
@@ -137,6 +138,14 @@ def engine(default_model_path: Path) -> Iterator[Engine]:
 
     with Engine(str(default_model_path), max_total_tokens=4096) as eng:
         yield eng
+
+
+@pytest.fixture(scope="module")
+def engine_pool() -> Iterator[EnginePool]:
+    """Engines shared by one module's tests, one per (model, options), each test's from an empty cache."""
+    pool = EnginePool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")

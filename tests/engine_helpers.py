@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,15 +21,20 @@ def hf_model(path: str) -> torch.nn.Module:
 
 
 def hf_greedy(path: Path | str, prompt: list[int], n: int) -> list[int]:
-    """transformers' own greedy continuation (no early stop)."""
-    model = hf_model(str(path))
+    """transformers' own greedy continuation (no early stop). Cached for the session: several tests
+    compare against the same continuation."""
+    return list(_hf_greedy(str(path), tuple(prompt), n))
+
+
+@lru_cache(maxsize=256)
+def _hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(
+        out = hf_model(path).generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
             do_sample=False, pad_token_id=0,
         )
-    return out[0, len(prompt) :].tolist()
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 def random_prompts(count: int, low: int, high: int, seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
@@ -41,3 +47,27 @@ def random_prompts(count: int, low: int, high: int, seed: int = 0, prefix: list[
 
 def output_ids(results: list[dict]) -> list[list[int]]:
     return [r["output_ids"] for r in results]
+
+
+class EnginePool:
+    """Engines shared by a module's tests, one per (model, options); `get` empties the engine's prefix
+    cache first, so each test starts from what a fresh Engine holds, without paying another start."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[str, tuple[tuple[str, object], ...]], Any] = {}
+
+    def get(self, path: Path | str, **kwargs: object) -> Any:  # an Engine
+        from services.worker.frontend.engine import Engine
+
+        key = (str(path), tuple(sorted(kwargs.items())))
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = self._engines[key] = Engine(str(path), **kwargs)
+        else:
+            assert engine.flush_cache(), "a shared Engine still has requests in flight"
+        return engine
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.shutdown()
+        self._engines.clear()
