@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer
 from tests.checkpoints import tiny_qwen3_5_moe_config, write_checkpoint
-from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
+from tests.engine_helpers import GREEDY, EnginePool, hf_model, output_ids, random_prompts
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess
 from tests.test_grammar import CONSTRAINTS, fits, hf_constrained, without_eos
@@ -80,7 +80,7 @@ def penalised_greedy(path: Path, prompt: list[int], n: int, rep: float, freq: fl
     return output
 
 
-def test_penalties_give_the_tokens_of_transformers_penalised_logits(hybrid: Path) -> None:
+def test_penalties_give_the_tokens_of_transformers_penalised_logits(hybrid: Path, engine_pool: EnginePool) -> None:
     """One batch: a repetition-penalty request, a frequency + presence (+ repetition) one, and a plain
     one; each gets its reference's tokens, and the penalties changed the tokens."""
     prompts = random_prompts(3, 6, 14, seed=51)
@@ -90,8 +90,7 @@ def test_penalties_give_the_tokens_of_transformers_penalised_logits(hybrid: Path
         {**GREEDY, "max_new_tokens": n, "frequency_penalty": 1.5, "presence_penalty": 0.8, "repetition_penalty": 1.1},
         {**GREEDY, "max_new_tokens": n},
     ]
-    with Engine(str(hybrid)) as engine:
-        got = output_ids(engine.generate(input_ids=prompts, sampling_params=params))
+    got = output_ids(engine_pool.get(hybrid).generate(input_ids=prompts, sampling_params=params))
     plain = penalised_greedy(hybrid, prompts[2], n, 1.0, 0.0, 0.0)
     assert got[2] == plain
     assert got[0] == hf_repetition_greedy(hybrid, prompts[0], n, 5.0)
@@ -102,7 +101,7 @@ def test_penalties_give_the_tokens_of_transformers_penalised_logits(hybrid: Path
 
 @pytest.mark.parametrize(("name", "overlap"), [("qwen3_5_path", False), ("qwen3_5_moe_tok_path", True)])
 def test_constrained_tokens_match_transformers_with_a_masking_processor(
-    name: str, overlap: bool, request: pytest.FixtureRequest
+    name: str, overlap: bool, request: pytest.FixtureRequest, engine_pool: EnginePool
 ) -> None:
     """JSON schema, regex and EBNF requests beside an unconstrained one: transformers' tokens under the
     same masks, outputs that fit their grammar, and the unconstrained tokens as alone (dense without the
@@ -111,10 +110,10 @@ def test_constrained_tokens_match_transformers_with_a_masking_processor(
     prompts = random_prompts(4, 5, 12, seed=31)
     eos = AutoTokenizer.from_pretrained(hybrid).eos_token_id
     refs = [hf_constrained(hybrid, p, c, 60) for p, c in zip(prompts, CONSTRAINTS)]
-    with Engine(str(hybrid), disable_overlap_schedule=not overlap) as engine:
-        free = engine.generate(input_ids=prompts[3], sampling_params={"temperature": 0, "max_new_tokens": 16})
-        params = [{"temperature": 0, "max_new_tokens": 60, **c} for c in CONSTRAINTS]
-        results = engine.generate(input_ids=prompts, sampling_params=[*params, {"temperature": 0, "max_new_tokens": 16}])
+    engine = engine_pool.get(hybrid, disable_overlap_schedule=not overlap)
+    free = engine.generate(input_ids=prompts[3], sampling_params={"temperature": 0, "max_new_tokens": 16})
+    params = [{"temperature": 0, "max_new_tokens": 60, **c} for c in CONSTRAINTS]
+    results = engine.generate(input_ids=prompts, sampling_params=[*params, {"temperature": 0, "max_new_tokens": 16}])
     got = output_ids(results)
     assert [without_eos(g, eos) for g in got[:3]] == refs
     assert got[3] == free["output_ids"]
@@ -123,36 +122,37 @@ def test_constrained_tokens_match_transformers_with_a_masking_processor(
         assert fits(constraint, result["text"]), result["text"]
 
 
-def test_seeded_n_copies_are_the_requests_with_seed_plus_i_alone_and_in_a_batch(qwen3_5_moe_path: Path) -> None:
+def test_seeded_n_copies_are_the_requests_with_seed_plus_i_alone_and_in_a_batch(
+    qwen3_5_moe_path: Path, engine_pool: EnginePool
+) -> None:
     """n=3 with seed 42 at temperature 1: copy i's tokens are those of a lone request with seed 42 + i,
     also when the copies share a batch with other sampled and greedy requests; the copies differ."""
     prompt = random_prompts(1, 10, 10, seed=8)[0]
     others = random_prompts(3, 3, 30, seed=9)
     sampled = {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}
-    with Engine(str(qwen3_5_moe_path)) as engine:
-        alone = [engine.generate(input_ids=prompt, sampling_params={**sampled, "seed": 42 + i}) for i in range(3)]
-        copies = engine.generate(input_ids=prompt, sampling_params={**sampled, "seed": 42, "n": 3})
-        mixed = engine.generate(
-            input_ids=[others[0], prompt, *others[1:]],
-            sampling_params=[
-                {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 9},
-                {**sampled, "seed": 42, "n": 3},
-                {"temperature": 0.0, "max_new_tokens": 20},
-                {"temperature": 1.3, "top_k": 5, "max_new_tokens": 16, "frequency_penalty": 0.5},
-            ],
-        )
+    engine = engine_pool.get(qwen3_5_moe_path)
+    alone = [engine.generate(input_ids=prompt, sampling_params={**sampled, "seed": 42 + i}) for i in range(3)]
+    copies = engine.generate(input_ids=prompt, sampling_params={**sampled, "seed": 42, "n": 3})
+    mixed = engine.generate(
+        input_ids=[others[0], prompt, *others[1:]],
+        sampling_params=[
+            {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 9},
+            {**sampled, "seed": 42, "n": 3},
+            {"temperature": 0.0, "max_new_tokens": 20},
+            {"temperature": 1.3, "top_k": 5, "max_new_tokens": 16, "frequency_penalty": 0.5},
+        ],
+    )
     expected = output_ids(alone)
     assert len({tuple(e) for e in expected}) == 3
     assert output_ids(copies) == expected
     assert output_ids(mixed[1:4]) == expected
 
 
-def test_top_logprobs_equal_transformers_log_softmax(qwen3_5_moe_path: Path) -> None:
+def test_top_logprobs_equal_transformers_log_softmax(qwen3_5_moe_path: Path, engine_pool: EnginePool) -> None:
     prompt = random_prompts(1, 12, 12, seed=10)[0]
-    with Engine(str(qwen3_5_moe_path)) as engine:
-        out = engine.generate(
-            input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6}, return_logprob=True, top_logprobs_num=3
-        )
+    out = engine_pool.get(qwen3_5_moe_path).generate(
+        input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6}, return_logprob=True, top_logprobs_num=3
+    )
     ids = torch.tensor([prompt + out["output_ids"]])
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(str(qwen3_5_moe_path))(ids).logits[0].float(), dim=-1)
@@ -167,15 +167,15 @@ def test_top_logprobs_equal_transformers_log_softmax(qwen3_5_moe_path: Path) -> 
             assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-4)
 
 
-def test_finish_reasons_length_stop_token_and_stop_string(qwen3_5_path: Path) -> None:
+def test_finish_reasons_length_stop_token_and_stop_string(qwen3_5_path: Path, engine_pool: EnginePool) -> None:
     prompt = "The capital of France is"
-    with Engine(str(qwen3_5_path)) as engine:
-        free = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24})
-        text, ids = free["text"], free["output_ids"]
-        stop_id = ids[3]
-        by_id = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24, "stop_token_ids": [stop_id]})
-        stop = text[len(text) // 2 : len(text) // 2 + 3]
-        cut = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24, "stop": [stop]})
+    engine = engine_pool.get(qwen3_5_path)
+    free = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24})
+    text, ids = free["text"], free["output_ids"]
+    stop_id = ids[3]
+    by_id = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24, "stop_token_ids": [stop_id]})
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = engine.generate(prompt, {**GREEDY, "max_new_tokens": 24, "stop": [stop]})
     assert free["meta_info"]["finish_reason"] == {"type": "length", "matched": 24} and len(ids) == 24
     assert by_id["output_ids"] == ids[: ids.index(stop_id) + 1]
     assert by_id["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
@@ -235,14 +235,16 @@ def qwen3_5_gateway(qwen3_5_path: Path, nats: NatsServer, tmp_path_factory: pyte
         worker.kill()
 
 
-def test_the_gateway_serves_openai_requests_with_the_engine_s_tokens(qwen3_5_path: Path, qwen3_5_gateway: str) -> None:
+def test_the_gateway_serves_openai_requests_with_the_engine_s_tokens(
+    qwen3_5_path: Path, qwen3_5_gateway: str, engine_pool: EnginePool
+) -> None:
     """A completion and a chat completion through the gateway (the openai client): the Engine's greedy
     text and token counts for the same prompt (the chat prompt through the checkpoint's template)."""
     messages = [{"role": "user", "content": "hello there"}]
     prompt = "The capital of France is"
-    with Engine(str(qwen3_5_path)) as engine:
-        want_text = engine.generate(prompt, {**GREEDY, "max_new_tokens": 12})
-        want_chat = engine.generate(engine.apply_chat_template(messages), {**GREEDY, "max_new_tokens": 12})
+    engine = engine_pool.get(qwen3_5_path)
+    want_text = engine.generate(prompt, {**GREEDY, "max_new_tokens": 12})
+    want_chat = engine.generate(engine.apply_chat_template(messages), {**GREEDY, "max_new_tokens": 12})
     client = openai.OpenAI(base_url=f"{qwen3_5_gateway}/v1", api_key="unused")
     done = client.completions.create(
         model="tiny35", prompt=prompt, temperature=0, max_tokens=12, extra_body={"ignore_eos": True}
