@@ -20,7 +20,7 @@ from services.worker.runtime import model_runner
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.scheduler.req import Req
 from shared.sampling_params import SamplingParams
-from tests.engine_helpers import GREEDY, hf_greedy, hf_model, output_ids, random_prompts
+from tests.engine_helpers import GREEDY, EnginePool, hf_greedy, hf_model, output_ids, random_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,51 +32,59 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def generate_ids(path: Path, prompts: list[list[int]], n: int = 16, **engine_kwargs: object) -> list[list[int]]:
-    with Engine(str(path), **engine_kwargs) as engine:
-        return output_ids(engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": n}))
+def generate_ids(
+    pool: EnginePool, path: Path, prompts: list[list[int]], n: int = 16, **engine_kwargs: object
+) -> list[list[int]]:
+    """Greedy tokens from the module's Engine for (path, engine_kwargs), its prefix cache emptied first."""
+    engine = pool.get(path, **engine_kwargs)
+    return output_ids(engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": n}))
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_path", "qwen3_5_moe_path"])
-def test_greedy_matches_transformers_for_32_steps(name: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_matches_transformers_for_32_steps(
+    name: str, request: pytest.FixtureRequest, engine_pool: EnginePool
+) -> None:
     path = request.getfixturevalue(name)
     prompts = random_prompts(3, 5, 30, seed=1)
-    for prompt, got in zip(prompts, generate_ids(path, prompts, n=32)):
+    for prompt, got in zip(prompts, generate_ids(engine_pool, path, prompts, n=32)):
         assert got == hf_greedy(path, prompt, 32)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_chunked_prefill_matches_unchunked(qwen3_5_path: Path, chunk: int) -> None:
+def test_chunked_prefill_matches_unchunked(qwen3_5_path: Path, chunk: int, engine_pool: EnginePool) -> None:
     prompts = random_prompts(4, 10, 80, seed=2)
-    assert generate_ids(qwen3_5_path, prompts, chunked_prefill_size=chunk) == generate_ids(
-        qwen3_5_path, prompts, chunked_prefill_size=None
+    assert generate_ids(engine_pool, qwen3_5_path, prompts, chunked_prefill_size=chunk) == generate_ids(
+        engine_pool, qwen3_5_path, prompts, chunked_prefill_size=None
     )
 
 
-def test_request_batched_with_15_others_matches_alone(qwen3_5_moe_path: Path) -> None:
+def test_request_batched_with_15_others_matches_alone(qwen3_5_moe_path: Path, engine_pool: EnginePool) -> None:
     prompts = random_prompts(16, 3, 40, seed=3)
-    batched = generate_ids(qwen3_5_moe_path, prompts, n=20)
-    alone = generate_ids(qwen3_5_moe_path, prompts[7:8], n=20)
+    batched = generate_ids(engine_pool, qwen3_5_moe_path, prompts, n=20)
+    alone = generate_ids(engine_pool, qwen3_5_moe_path, prompts[7:8], n=20)
     assert batched[7] == alone[0]
 
 
-def test_mixed_chunks_and_overlap_give_the_same_tokens(qwen3_5_tied_path: Path) -> None:
+def test_mixed_chunks_and_overlap_give_the_same_tokens(qwen3_5_tied_path: Path, engine_pool: EnginePool) -> None:
     prompts = random_prompts(6, 5, 40, seed=4)
-    plain = generate_ids(qwen3_5_tied_path, prompts, disable_overlap_schedule=True)
+    plain = generate_ids(engine_pool, qwen3_5_tied_path, prompts, disable_overlap_schedule=True)
     mixed = generate_ids(
+        engine_pool,
         qwen3_5_tied_path, prompts, enable_mixed_chunk=True, chunked_prefill_size=16, disable_overlap_schedule=False
     )
     assert mixed == plain
 
 
-def test_repeated_prompts_and_n_copies_give_transformers_tokens_and_hit_the_prefix_cache(qwen3_5_path: Path) -> None:
+def test_repeated_prompts_and_n_copies_give_transformers_tokens_and_hit_the_prefix_cache(
+    qwen3_5_path: Path, engine_pool: EnginePool
+) -> None:
     """The same prompt three times, then n=2 copies of it: every answer is transformers' greedy one, and
     once a snapshot sits at the branch point (the second request leaves it) later ones resume from it."""
     prompt = random_prompts(1, 20, 20, seed=6)[0]
     params = {**GREEDY, "max_new_tokens": 8}
-    with Engine(str(qwen3_5_path)) as engine:
-        runs = [engine.generate(input_ids=prompt, sampling_params=params) for _ in range(3)]
-        pair = engine.generate(input_ids=prompt, sampling_params={**params, "n": 2})
+    engine = engine_pool.get(qwen3_5_path)  # its prefix cache empty
+    runs = [engine.generate(input_ids=prompt, sampling_params=params) for _ in range(3)]
+    pair = engine.generate(input_ids=prompt, sampling_params={**params, "n": 2})
     assert runs[0]["meta_info"]["cached_tokens"] == 0 and runs[2]["meta_info"]["cached_tokens"] == len(prompt) - 1
     assert all(p["meta_info"]["cached_tokens"] == len(prompt) - 1 for p in pair)
     assert [r["output_ids"] for r in runs] == [hf_greedy(qwen3_5_path, prompt, 8)] * 3
@@ -171,11 +179,13 @@ def test_state_pool_comes_out_of_the_memory_budget_first(
     assert len(runner.token_to_kv_pool.k_buffer) == 2
 
 
-def test_tensor_parallel_2_matches_1(qwen3_5_moe_path: Path) -> None:
+def test_tensor_parallel_2_matches_1(qwen3_5_moe_path: Path, engine_pool: EnginePool) -> None:
     """Linear-attention heads, conv channels and states split over two gloo ranks, beside the gated
     attention, routed experts and shared expert: the same greedy tokens as one rank."""
     prompts = random_prompts(4, 5, 25, seed=8)
-    assert generate_ids(qwen3_5_moe_path, prompts, tp_size=2) == generate_ids(qwen3_5_moe_path, prompts)
+    assert generate_ids(engine_pool, qwen3_5_moe_path, prompts, tp_size=2) == generate_ids(
+        engine_pool, qwen3_5_moe_path, prompts
+    )
 
 
 def test_speculative_decoding_is_refused_at_start(qwen3_5_moe_path: Path, qwen3_path: Path) -> None:
