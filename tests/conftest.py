@@ -33,7 +33,6 @@ from tests.checkpoints import (
 )
 from tests.engine_helpers import EnginePool
 from tests.gateway_helpers import FakePipeline, GatewayThread, serving_gateway
-from tests.tiny_up import tiny_up  # noqa: F401 (a session fixture: one `up` shared by several modules)
 
 if TYPE_CHECKING:
     from services.worker.frontend.engine import Engine

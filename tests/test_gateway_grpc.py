@@ -83,7 +83,7 @@ def test_generate_from_token_ids_and_chat_with_logprobs(stub: Any) -> None:
 
 def test_logprob_start_len_reaches_the_tokenizer_and_a_bad_one_is_invalid_argument(stub: Any, pipeline: FakePipeline) -> None:
     """Set, it goes on with the request; unset or -1, the request asks for no prompt log-probs; below -1
-    it is refused at the door. (Past the prompt's end only the worker can tell: tests/test_echo_logprobs_api.py.)"""
+    it is refused at the door. (Past the prompt's end only the worker can tell: tests/api_stack/test_echo_logprobs_api.py.)"""
     for rid, fields in (("g-start", {"logprob_start_len": 2}), ("g-unset", {}), ("g-none", {"logprob_start_len": -1})):
         list(stub.Generate(request(text="a b c", rid=rid, return_logprob=True, **fields), timeout=10))
     sent = {r.rid: r.logprob_start_len for r in pipeline.requests if r.rid in ("g-start", "g-unset", "g-none")}

@@ -93,7 +93,7 @@ def test_a_grammar_reaches_the_worker_and_a_bad_one_is_an_error_final(
 def test_logprob_start_len_reaches_the_tokenizer_and_a_bad_one_is_an_error_final(
     nats: NatsServer, gateways: list[GatewayThread], pipeline: FakePipeline
 ) -> None:
-    """(Past the prompt's end only the worker can tell: tests/test_echo_logprobs_api.py.)"""
+    """(Past the prompt's end only the worker can tell: tests/api_stack/test_echo_logprobs_api.py.)"""
     chunks = run_in_new_loop(generate(nats.url, request(text="a b", rid="n-start", return_logprob=True, logprob_start_len=1)))
     assert chunks[-1].error is None
     assert next(r for r in pipeline.requests if r.rid == "n-start").logprob_start_len == 1

@@ -21,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.worker.frontend.engine import Engine
-from tests.tiny_up import Up
+from tests.api_stack.conftest import Up
 
 MODEL = "tiny"
 CONTEXT = 256  # tiny_qwen3_config's max_position_embeddings

@@ -23,7 +23,7 @@ import pytest
 from services.gateway.protos import radixserve_pb2, radixserve_pb2_grpc
 from services.worker.frontend.engine import Engine
 from shared.protocol import PROTOCOL_VERSION, NatsGenerateChunk, NatsGenerateRequest, Sampling, encode
-from tests.tiny_up import Up
+from tests.api_stack.conftest import Up
 
 PROMPT = "hello there, general"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

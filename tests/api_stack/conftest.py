@@ -1,6 +1,7 @@
-"""One `radixserve up` on the tiny seeded Qwen3, shared by the test modules that drive a whole stack
-through its three doors (HTTP, gRPC, the NATS front door) and change nothing in it: starting one costs
-most of such a module's time. conftest.py registers the fixture."""
+"""One `radixserve up` on the tiny seeded Qwen3, shared by this package's test modules, which drive a
+whole stack through its three doors (HTTP, gRPC, the NATS front door) and change nothing in it: starting
+one costs most of such a module's time. It is package-scoped, so it stops when the package's last test
+has run: other tests look for `services.cli` processes in /proc and must not find these."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Up:
     nats: dict[str, str]  # the NATS front door's client login, as `up` wrote it: url, user, password, namespace
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_up(qwen3_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     """`up` serving qwen3_path as "tiny" with the hermes tool-call parser, a 2,048-token pool, its own
     nats-server (RS_NATS_URL names an address nothing answers on) and one compute thread per service."""
