@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from services.worker.runtime.layers.linear import LoadedWeight, ReplicatedLinear, full_weight
-from services.worker.runtime.layers.moe import FusedMoE, expert_weight_target
+from services.worker.runtime.layers.moe import expert_weight_target
 from services.worker.runtime.models.llama import LlamaMLP
 from services.worker.runtime.models.qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM, Qwen3_5Model
+from services.worker.runtime.models.qwen3_moe import Qwen3MoeSparseMoeBlock
 
 if TYPE_CHECKING:
     from services.worker.runtime.model_config import ModelConfig
@@ -26,28 +27,19 @@ if TYPE_CHECKING:
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
-class Qwen3_5MoeSparseMoeBlock(nn.Module):
-    """Router (replicated), routed experts and the gated shared expert."""
+class Qwen3_5MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
+    """Qwen3-MoE's router and routed experts (the kept weights always renormalised), plus the gated
+    shared expert."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+        super().__init__(config, renormalize=True)
         hf = config.hf_config
-        if hf.hidden_act != "silu":
-            raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported for MoE (only 'silu')")
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedMoE(
-            num_experts=config.num_experts,
-            top_k=int(hf.num_experts_per_tok),
-            hidden_size=config.hidden_size,
-            intermediate_size=int(hf.moe_intermediate_size),
-            renormalize=True,
-        )
         self.shared_expert = LlamaMLP(config.hidden_size, int(hf.shared_expert_intermediate_size), hf.hidden_act)
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return self.experts(hidden, self.gate(hidden)) + shared
+        return super().forward(hidden) + shared
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    """Router (replicated) + experts (TP-split by intermediate dim)."""
+    """Router (replicated) + experts (TP-split by intermediate dim). `renormalize` (rescale the kept
+    top-k weights to sum to 1) defaults to the config's `norm_topk_prob`."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, renormalize: bool | None = None) -> None:
         super().__init__()
         hf = config.hf_config
         if hf.hidden_act != "silu":
@@ -34,7 +35,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             top_k=int(hf.num_experts_per_tok),
             hidden_size=config.hidden_size,
             intermediate_size=int(hf.moe_intermediate_size),
-            renormalize=bool(hf.norm_topk_prob),
+            renormalize=bool(hf.norm_topk_prob) if renormalize is None else renormalize,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
