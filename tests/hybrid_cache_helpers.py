@@ -1,20 +1,16 @@
 """Shared pieces of the HybridRadixCache tests: a fake state memory whose states are the tokens they
-consumed, the naive reference's queries, and a walk of the tree that checks its structure."""
+consumed, the naive reference's snapshot queries, and a walk of the tree that checks its structure.
+The pieces the RadixCache tests share too are in tests/radix_cache_helpers.py."""
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 
-from services.worker.mem.eviction_policy import EVICTION_POLICIES
 from services.worker.mem.hybrid_radix_cache import HybridRadixCache, HybridTreeNode, SnapshotSlots
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from tests.radix_cache_helpers import Prefix, cached_len, free_slots
 
-POLICIES = sorted(EVICTION_POLICIES)
 ROW = 0  # the state row the tree-level tests snapshot from
-Prefix = tuple[int, ...]
 
 
 class FakeStates:
@@ -72,36 +68,9 @@ def contents(cache: HybridRadixCache, states: FakeStates) -> tuple[dict[Prefix, 
     return kv, snaps
 
 
-def free_kv(cache: HybridRadixCache) -> list[int]:
-    allocator = cache.token_to_kv_pool_allocator
-    slots = allocator.alloc(allocator.available_size())
-    assert slots is not None
-    allocator.free(slots)
-    return slots.tolist()
-
-
-def path_key(node: HybridTreeNode) -> list[int]:
-    parts: list[list[int]] = []
-    while node.parent is not None:
-        parts.append(node.key)
-        node = node.parent
-    return [t for part in reversed(parts) for t in part]
-
-
-def cached_len(ref: dict[Prefix, int], key: list[int]) -> int:
-    n = 0
-    while n < len(key) and tuple(key[: n + 1]) in ref:
-        n += 1
-    return n
-
-
 def snapshot_len(ref: dict[Prefix, int], snaps: set[Prefix], key: list[int]) -> int:
     """The reference match: the longest cached prefix of key that has a snapshot."""
     return max((n for n in range(1, cached_len(ref, key) + 1) if tuple(key[:n]) in snaps), default=0)
-
-
-def on_locked_path(locked: Counter[Prefix]) -> set[Prefix]:
-    return {key[:i] for key in +locked for i in range(1, len(key) + 1)}
 
 
 def insert_fresh(
@@ -117,25 +86,8 @@ def insert_fresh(
 
 def check_pools(cache: HybridRadixCache, kv: dict[Prefix, int], snaps: set[Prefix], owned: list[int]) -> None:
     size = cache.token_to_kv_pool_allocator.size
-    assert sorted(free_kv(cache) + list(kv.values()) + owned) == list(range(1, size + 1))
+    assert sorted(free_slots(cache) + list(kv.values()) + owned) == list(range(1, size + 1))
     assert cache.evictable_size() + cache.protected_size() == cache.total_size() == len(kv)
     cache.check_snapshot_slots()
     assert cache.snapshot_count() == len(snaps)
 
-
-@dataclass
-class FakeReq:
-    req_pool_idx: int | None
-    origin_input_ids: list[int]
-    prefix_indices: torch.Tensor
-    last_node: HybridTreeNode | None
-    kv_committed_len: int
-    target_output: list[int] = field(default_factory=list)
-    chunk: int = 1
-    priority: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids

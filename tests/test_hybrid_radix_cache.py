@@ -5,25 +5,21 @@ targeted cases: splits, matches, snapshot eviction, no free slot, eviction order
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.mem.hybrid_radix_cache import HybridTreeNode, SnapshotSlots
-from tests.hybrid_cache_helpers import (
+from services.worker.mem.hybrid_radix_cache import SnapshotSlots
+from tests.hybrid_cache_helpers import check_pools, contents, insert_fresh, make_cache, snapshot_len
+from tests.radix_cache_helpers import (
+    INSERT_ABC,
     POLICIES,
     FakeReq,
+    Locks,
     Prefix,
     cached_len,
-    check_pools,
-    contents,
-    insert_fresh,
-    make_cache,
-    on_locked_path,
+    locked_prefixes,
     path_key,
-    snapshot_len,
 )
 
 ops = st.lists(
@@ -42,10 +38,9 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_s
     cache, states = make_cache(size=400, snapshots=num_slots, policy=policy)
     ref: dict[Prefix, int] = {}
     snaps: set[Prefix] = set()
-    locks: list[tuple[HybridTreeNode, Prefix]] = []
-    locked: Counter[Prefix] = Counter()
+    locks = Locks()
     for op, arg, flag in ops:
-        protected = {key for key in +locked if key}  # lock points hold a snapshot, which is theirs
+        protected = {key for key in +locks.count if key}  # lock points hold a snapshot, which is theirs
         if op == "insert":
             expected = cached_len(ref, arg)
             free_before = cache.state_slots.available_size()
@@ -60,7 +55,7 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_s
                 (victim,) = snaps - new_snaps
                 assert victim not in protected and new_snaps == snaps - {victim} | {key}
                 gone = (ref | added).keys() - kv.keys()
-                assert all(victim[: len(p)] == p for p in gone) and gone.isdisjoint(on_locked_path(locked))
+                assert all(victim[: len(p)] == p for p in gone) and gone.isdisjoint(locked_prefixes(locks.count))
             else:
                 assert new_snaps == snaps and kv == ref | added
             ref, snaps = kv, new_snaps
@@ -73,27 +68,19 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_s
             if n:
                 assert states.slots[match.snapshot].tolist() == arg[:n]
             if op == "lock":
-                before = on_locked_path(locked)
-                newly = sum(tuple(arg[:i]) not in before for i in range(1, n + 1))
-                assert cache.inc_lock_ref(match.last_node) == -newly
-                locks.append((match.last_node, tuple(arg[:n])))
-                locked[tuple(arg[:n])] += 1
-        elif op == "unlock" and locks:
-            node, key = locks.pop(arg % len(locks))
-            assert tuple(path_key(node)) == key
-            locked[key] -= 1
-            still = on_locked_path(locked)
-            assert cache.dec_lock_ref(node) == sum(key[:i] not in still for i in range(1, len(key) + 1))
+                locks.lock(cache, match.last_node, tuple(arg[:n]))
+        elif op == "unlock" and locks.held:
+            locks.unlock(cache, arg)
         elif op == "evict":
             evictable = cache.evictable_size()
-            useless = {p for p in ref if not any(s[: len(p)] == p for s in snaps)} - on_locked_path(locked)
+            useless = {p for p in ref if not any(s[: len(p)] == p for s in snaps)} - locked_prefixes(locks.count)
             freed = cache.evict(arg)
             assert min(arg, evictable) <= freed <= evictable
             assert freed >= arg or cache.evictable_size() == 0
             kv, new_snaps = contents(cache, states)
             gone = ref.keys() - kv.keys()
             assert kv == {k: ref[k] for k in kv} and len(gone) == freed
-            assert gone.isdisjoint(on_locked_path(locked)) and new_snaps == snaps & kv.keys()
+            assert gone.isdisjoint(locked_prefixes(locks.count)) and new_snaps == snaps & kv.keys()
             if new_snaps != snaps:
                 assert useless <= gone  # unmatchable KV goes before any snapshot
             ref, snaps = kv, new_snaps
@@ -105,13 +92,13 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, num_s
             assert new_snaps <= snaps and len(dropped) == freed and dropped.isdisjoint(protected)
             for s in dropped:  # a node left an unlocked leaf goes with its snapshot; others keep their KV
                 leaf = not any(len(p) > len(s) and p[: len(s)] == s for p in kv)
-                assert (s in kv) == (not leaf or s in on_locked_path(locked))
+                assert (s in kv) == (not leaf or s in locked_prefixes(locks.count))
             assert all(any(s[: len(p)] == p for s in dropped) for p in ref.keys() - kv.keys())
             ref, snaps = kv, new_snaps
         assert contents(cache, states) == (ref, snaps)
-        assert cache.protected_size() == len(on_locked_path(locked))
-        assert cache.protected_snapshot_count() == len({key for key in +locked if key})
-        assert cache.evictable_snapshot_count() == len(snaps - {key for key in +locked if key})
+        assert cache.protected_size() == len(locked_prefixes(locks.count))
+        assert cache.protected_snapshot_count() == len({key for key in +locks.count if key})
+        assert cache.evictable_snapshot_count() == len(snaps - {key for key in +locks.count if key})
         check_pools(cache, ref, snaps, [])
 
 
@@ -199,9 +186,6 @@ def _snapshot_evicted_first(policy: str, setup: list[tuple[str, list[int], int]]
     gone = [key for key in ([1, 1], [2, 2], [3, 3]) if cache.match_prefix(key).snapshot is None]
     assert len(gone) == 1
     return gone[0]
-
-
-INSERT_ABC = [("insert", [1, 1], 0), ("insert", [2, 2], 0), ("insert", [3, 3], 0)]
 
 
 @pytest.mark.parametrize(

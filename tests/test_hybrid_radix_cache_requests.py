@@ -9,27 +9,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.hybrid_cache_helpers import (
-    POLICIES,
-    FakeReq,
-    Prefix,
-    cached_len,
-    check_pools,
-    contents,
-    make_cache,
-    snapshot_len,
-)
+from tests.hybrid_cache_helpers import check_pools, contents, make_cache, snapshot_len
+from tests.radix_cache_helpers import POLICIES, FakeReq, RequestHarness, cached_len, request
 
 
-class Harness:
-    """A scheduler and a model in miniature: `kv` maps each KV slot to the prefix it holds, and a
-    request's state row grows by the tokens each forward consumes."""
+class Harness(RequestHarness):
+    """RequestHarness over a HybridRadixCache, with a model in miniature: a request's state row grows
+    by the tokens each forward consumes."""
 
     def __init__(self, size: int, snapshots: int, policy: str = "lru", disable: bool = False) -> None:
-        self.cache, self.states = make_cache(size, snapshots, policy, disable)
-        self.pool = self.cache.req_to_token_pool
-        self.allocator = self.cache.token_to_kv_pool_allocator
-        self.kv: dict[int, Prefix] = {}
+        cache, self.states = make_cache(size, snapshots, policy, disable)
+        super().__init__(cache)
+        self.cache = cache  # the hybrid type, for its snapshot methods
 
     def admit(self, input_ids: list[int], output: list[int], chunk: int = 64, priority: int = 0) -> FakeReq:
         key = input_ids[:-1]  # the last prompt token is always computed
@@ -47,39 +38,13 @@ class Harness:
         assert self.states.rows[rows[0]].tolist() == input_ids[:n]  # the state at the hit point
         return req
 
-    def compute(self, req: FakeReq, end: int) -> None:
+    def compute_kv(self, req: FakeReq, end: int) -> None:
+        """RequestHarness.compute_kv, and the state row consumes the same tokens."""
         start = req.kv_committed_len
-        short = end - start - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        slots = self.allocator.alloc(end - start)
-        assert slots is not None and req.req_pool_idx is not None
-        self.pool.write(req.req_pool_idx, start, slots)
-        ids = req.all_ids
-        self.kv.update({slot: tuple(ids[: pos + 1]) for pos, slot in zip(range(start, end), slots.tolist())})
-        row = req.req_pool_idx
-        self.states.rows[row] = torch.cat((self.states.rows[row], torch.tensor(ids[start:end], dtype=torch.int64)))
-        req.kv_committed_len = end
-
-    def step(self, req: FakeReq, cache_after: bool = False) -> bool:
-        num_input = len(req.origin_input_ids)
-        if req.kv_committed_len < num_input:
-            end = min(num_input, req.kv_committed_len + req.chunk)
-            req.fill_ids = req.origin_input_ids[:end]
-            self.compute(req, end)
-            if end < num_input:
-                self.cache.cache_unfinished_req(req)
-                return False
-        else:
-            self.compute(req, req.kv_committed_len + 1)
-        req.output_ids.append(req.target_output[len(req.output_ids)])
-        if len(req.output_ids) == len(req.target_output):
-            self.cache.cache_finished_req(req)
-            return True
-        if cache_after:
-            req.fill_ids = req.all_ids
-            self.cache.cache_unfinished_req(req)
-        return False
+        super().compute_kv(req, end)
+        assert req.req_pool_idx is not None
+        row, consumed = req.req_pool_idx, torch.tensor(req.all_ids[start:end], dtype=torch.int64)
+        self.states.rows[row] = torch.cat((self.states.rows[row], consumed))
 
     def check(self, running: list[FakeReq]) -> None:
         owned: list[int] = []
@@ -106,14 +71,6 @@ class Harness:
         assert cache.state_slots.available_size() == cache.state_slots.total
         cache.reset()
         assert cache.match_prefix([0, 1, 2]).kv_len == 0
-
-
-request = st.tuples(
-    st.lists(st.integers(0, 2), min_size=1, max_size=10),
-    st.lists(st.integers(0, 2), min_size=1, max_size=4),
-    st.integers(1, 6),
-    st.integers(0, 3),
-)
 
 
 def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
@@ -183,7 +140,7 @@ def test_finished_req_is_snapshotted_where_its_state_and_kv_agree() -> None:
     kv, snaps = contents(harness.cache, harness.states)
     assert snaps == {(1, 2, 3, 4)} and len(kv) == 4
     dropped = harness.admit([7, 8, 9], [])
-    harness.compute(dropped, 4)  # a committed position whose token was dropped: state has 4 tokens
+    harness.compute_kv(dropped, 4)  # a committed position whose token was dropped: state has 4 tokens
     harness.cache.cache_finished_req(dropped)
     assert contents(harness.cache, harness.states)[1] == {(1, 2, 3, 4)}
     harness.check_idle()

@@ -5,18 +5,28 @@ edges split), policy order per eviction policy, and the request glue driven like
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.mem.eviction_policy import EVICTION_POLICIES
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from services.worker.mem.radix_cache import RadixCache, TreeNode
+from tests.radix_cache_helpers import (
+    INSERT_ABC,
+    POLICIES,
+    FakeReq,
+    Locks,
+    Prefix,
+    RequestHarness,
+    cached_len,
+    free_slots,
+    locked_prefixes,
+    path_key,
+    request,
+)
 
-POLICIES = sorted(EVICTION_POLICIES)
 keys = st.lists(st.integers(0, 2), max_size=8)
 
 
@@ -24,18 +34,10 @@ def make_cache(size: int = 64, policy: str = "lru", disable: bool = False) -> Ra
     return RadixCache(ReqToTokenPool(8, 32, "cpu"), TokenToKVPoolAllocator(size, "cpu"), policy, disable)
 
 
-def path_key(node: TreeNode) -> list[int]:
-    parts: list[list[int]] = []
-    while node.parent is not None:
-        parts.append(node.key)
-        node = node.parent
-    return [t for part in reversed(parts) for t in part]
-
-
-def tree_contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
+def tree_contents(cache: RadixCache) -> dict[Prefix, int]:
     """Every cached prefix -> slot of its last token; checks the tree's structural invariants."""
-    out: dict[tuple[int, ...], int] = {}
-    stack: list[tuple[TreeNode, tuple[int, ...]]] = [(cache.root, ())]
+    out: dict[Prefix, int] = {}
+    stack: list[tuple[TreeNode, Prefix]] = [(cache.root, ())]
     while stack:
         node, prefix = stack.pop()
         for first, child in node.children.items():
@@ -50,26 +52,6 @@ def tree_contents(cache: RadixCache) -> dict[tuple[int, ...], int]:
     return out
 
 
-def free_slots(cache: RadixCache) -> list[int]:
-    allocator = cache.token_to_kv_pool_allocator
-    slots = allocator.alloc(allocator.available_size())
-    assert slots is not None
-    allocator.free(slots)
-    return slots.tolist()
-
-
-def cached_len(ref: dict[tuple[int, ...], int], key: list[int]) -> int:
-    n = 0
-    while n < len(key) and tuple(key[: n + 1]) in ref:
-        n += 1
-    return n
-
-
-def locked_prefixes(locked: Counter[tuple[int, ...]]) -> set[tuple[int, ...]]:
-    """Every token prefix on a path that some lock holds."""
-    return {key[:i] for key in +locked for i in range(1, len(key) + 1)}
-
-
 def insert_fresh(cache: RadixCache, key: list[int], priority: int = 0) -> torch.Tensor:
     """Insert `key` with new slots the way a caller does: free its copies of the cached prefix."""
     slots = cache.token_to_kv_pool_allocator.alloc(len(key))
@@ -79,7 +61,7 @@ def insert_fresh(cache: RadixCache, key: list[int], priority: int = 0) -> torch.
     return slots
 
 
-def check_sizes(cache: RadixCache, ref: dict[tuple[int, ...], int], locked: Counter[tuple[int, ...]]) -> None:
+def check_sizes(cache: RadixCache, ref: dict[Prefix, int], locked: Counter[Prefix]) -> None:
     assert tree_contents(cache) == ref
     assert cache.protected_size() == len(locked_prefixes(locked))
     assert cache.evictable_size() + cache.protected_size() == cache.total_size() == len(ref)
@@ -101,9 +83,8 @@ ops = st.lists(
 @given(policy=st.sampled_from(POLICIES), ops=ops)
 def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, ops: list[tuple]) -> None:
     cache = make_cache(size=400, policy=policy)
-    ref: dict[tuple[int, ...], int] = {}
-    locks: list[tuple[TreeNode, tuple[int, ...]]] = []
-    locked: Counter[tuple[int, ...]] = Counter()
+    ref: dict[Prefix, int] = {}
+    locks = Locks()
     for op, arg in ops:
         if op == "insert":
             expected = cached_len(ref, arg)
@@ -119,17 +100,9 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, ops: 
             assert match.indices.tolist() == [ref[tuple(arg[: i + 1])] for i in range(n)]
             assert path_key(match.last_node) == arg[:n]
             if op == "lock":
-                before = locked_prefixes(locked)
-                newly = sum(tuple(arg[:i]) not in before for i in range(1, n + 1))
-                assert cache.inc_lock_ref(match.last_node) == -newly
-                locks.append((match.last_node, tuple(arg[:n])))
-                locked[tuple(arg[:n])] += 1
-        elif op == "unlock" and locks:
-            node, key = locks.pop(arg % len(locks))
-            assert tuple(path_key(node)) == key
-            locked[key] -= 1
-            still = locked_prefixes(locked)
-            assert cache.dec_lock_ref(node) == sum(key[:i] not in still for i in range(1, len(key) + 1))
+                locks.lock(cache, match.last_node, tuple(arg[:n]))
+        elif op == "unlock" and locks.held:
+            locks.unlock(cache, arg)
         elif op == "evict":
             evictable = cache.evictable_size()
             freed = cache.evict(arg)
@@ -139,9 +112,9 @@ def test_tree_matches_reference_under_insert_match_lock_evict(policy: str, ops: 
             assert after == {k: ref[k] for k in after}
             removed = ref.keys() - after.keys()
             assert len(removed) == freed
-            assert removed.isdisjoint(locked_prefixes(locked))
+            assert removed.isdisjoint(locked_prefixes(locks.count))
             ref = after
-        check_sizes(cache, ref, locked)
+        check_sizes(cache, ref, locks.count)
 
 
 def test_match_ending_inside_an_edge_splits_it() -> None:
@@ -198,9 +171,6 @@ def _evicted_first(policy: str, setup: list[tuple[str, list[int], int]]) -> list
     gone = [key for key in ([1, 1], [2, 2], [3, 3]) if len(cache.match_prefix(key).indices) == 0]
     assert len(gone) == 1
     return gone[0]
-
-
-INSERT_ABC = [("insert", [1, 1], 0), ("insert", [2, 2], 0), ("insert", [3, 3], 0)]
 
 
 @pytest.mark.parametrize(
@@ -278,35 +248,11 @@ def test_reset_drops_the_tree_and_leaves_freeing_to_the_allocator() -> None:
 # Request glue, driven the way the scheduler drives it.
 
 
-@dataclass
-class FakeReq:
-    """The attributes the cache reads on a request, plus the test's script for it."""
-
-    req_pool_idx: int
-    origin_input_ids: list[int]
-    prefix_indices: torch.Tensor
-    last_node: TreeNode | None
-    kv_committed_len: int
-    target_output: list[int] = field(default_factory=list)
-    chunk: int = 1
-    priority: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    fill_ids: list[int] = field(default_factory=list)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
-
-
-class Harness:
-    """A scheduler in miniature: admits, prefills in chunks, decodes, finishes. `kv` stands in for
-    the KV pool: the token prefix whose KV each slot holds."""
+class Harness(RequestHarness):
+    """RequestHarness over a RadixCache, admitting requests the way the scheduler does."""
 
     def __init__(self, size: int, policy: str = "lru", disable: bool = False) -> None:
-        self.cache = make_cache(size, policy, disable)
-        self.pool = self.cache.req_to_token_pool
-        self.allocator = self.cache.token_to_kv_pool_allocator
-        self.kv: dict[int, tuple[int, ...]] = {}
+        super().__init__(make_cache(size, policy, disable))
 
     def admit(self, input_ids: list[int], output: list[int], chunk: int = 64, priority: int = 0) -> FakeReq:
         match = self.cache.match_prefix(input_ids[:-1])  # the last prompt token is always computed
@@ -317,40 +263,6 @@ class Harness:
         return FakeReq(
             rows[0], input_ids, match.indices, match.last_node, len(match.indices), output, chunk, priority
         )
-
-    def compute_kv(self, req: FakeReq, end: int) -> None:
-        start = req.kv_committed_len
-        short = end - start - self.allocator.available_size()
-        if short > 0:
-            self.cache.evict(short)
-        slots = self.allocator.alloc(end - start)
-        assert slots is not None
-        self.pool.write(req.req_pool_idx, start, slots)
-        ids = req.all_ids
-        for pos, slot in zip(range(start, end), slots.tolist()):
-            self.kv[slot] = tuple(ids[: pos + 1])
-        req.kv_committed_len = end
-
-    def step(self, req: FakeReq, cache_after: bool = False) -> bool:
-        """One forward of `req`; returns whether it finished."""
-        num_input = len(req.origin_input_ids)
-        if req.kv_committed_len < num_input:
-            end = min(num_input, req.kv_committed_len + req.chunk)
-            req.fill_ids = req.origin_input_ids[:end]
-            self.compute_kv(req, end)
-            if end < num_input:
-                self.cache.cache_unfinished_req(req)
-                return False
-        else:
-            self.compute_kv(req, req.kv_committed_len + 1)  # KV of the last sampled token
-        req.output_ids.append(req.target_output[len(req.output_ids)])
-        if len(req.output_ids) == len(req.target_output):
-            self.cache.cache_finished_req(req)
-            return True
-        if cache_after:
-            req.fill_ids = req.all_ids
-            self.cache.cache_unfinished_req(req)
-        return False
 
     def check(self, running: list[FakeReq]) -> None:
         cache, owned = self.cache, []
@@ -377,14 +289,6 @@ class Harness:
         self.check([])
         assert self.cache.protected_size() == 0
         assert self.pool.available_size() == self.pool.size
-
-
-request = st.tuples(
-    st.lists(st.integers(0, 2), min_size=1, max_size=10),
-    st.lists(st.integers(0, 2), min_size=1, max_size=4),
-    st.integers(1, 6),
-    st.integers(0, 3),
-)
 
 
 def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
@@ -465,6 +369,6 @@ def test_committed_slot_past_the_request_tokens_is_freed() -> None:
 def test_finishing_a_req_without_a_pool_row_is_rejected() -> None:
     harness = Harness(size=8)
     req = harness.admit([1, 2], [3])
-    req.req_pool_idx = None  # type: ignore[assignment]
+    req.req_pool_idx = None
     with pytest.raises(ValueError, match="req_pool_idx"):
         harness.cache.cache_finished_req(req)
