@@ -172,3 +172,16 @@ def gateway(nats: NatsServer, pipeline: FakePipeline) -> Iterator[GatewayThread]
 def http(gateway: GatewayThread) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, timeout=10) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch single-threaded for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    transformers' depthwise conv1d (its torch fallback, in the Qwen3.5 references) took ~80 ms a call
+    with two OpenMP threads on a busy 2-core machine, 0.2 ms with one."""
+    import torch  # here, as in `engine`: only the modules that use it load torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -6,7 +6,6 @@ Checkpoints: full attention first and last (dense), linear first and tied (dense
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,8 @@ REL_TOL = 1e-4
 DECODE_STEPS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """transformers' depthwise conv1d (its torch fallback) took ~80 ms a call with two OpenMP threads on
-    a busy 2-core machine, 0.2 ms with one: the references run single-threaded."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The transformers references run single-threaded (tests/conftest.py's one_thread says why).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_rows_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = REL_TOL) -> None:

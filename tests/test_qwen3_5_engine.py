@@ -6,7 +6,6 @@ matches TP=1; speculative decoding is refused at start."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,14 +21,8 @@ from services.worker.scheduler.req import Req
 from shared.sampling_params import SamplingParams
 from tests.engine_helpers import GREEDY, EnginePool, hf_greedy, hf_model, output_ids, random_prompts
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The transformers references run single-threaded (see test_qwen3_5.py's one_thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The transformers references run single-threaded (tests/conftest.py's one_thread says why).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def generate_ids(

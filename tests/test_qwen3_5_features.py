@@ -32,14 +32,8 @@ from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess
 from tests.test_grammar import CONSTRAINTS, fits, hf_constrained, without_eos
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The transformers references run single-threaded (see test_qwen3_5.py's one_thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# The transformers references run single-threaded (tests/conftest.py's one_thread says why).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
