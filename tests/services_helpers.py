@@ -17,6 +17,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,6 +48,13 @@ from shared.service import die_with_parent, ready_line
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 180.0
 STREAM_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 class ServiceProcess:

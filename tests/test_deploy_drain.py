@@ -13,8 +13,7 @@ import pytest
 
 from shared.natsd import start_nats_server
 from shared.protocol import Sampling
-from tests.services_helpers import FakeGateway, ServiceProcess, run
-from tests.wiring_helpers import free_port
+from tests.services_helpers import FakeGateway, ServiceProcess, free_port, run
 
 pytestmark = pytest.mark.slow
 DRAIN_TIMEOUT_S = 1.0

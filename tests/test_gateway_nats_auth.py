@@ -7,7 +7,6 @@ at REDIS_URL (and, for the outage, a redis-server of the test's own)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import uuid
@@ -29,6 +28,7 @@ from tests.gateway_helpers import (
     wait_for_workers,
 )
 from tests.keys_helpers import REDIS_URL, keys_cli, redis_namespace
+from tests.services_helpers import free_port
 
 ADMIN = "admin-secret"
 CHUNK = msgspec.msgpack.Decoder(NatsGenerateChunk)
@@ -162,14 +162,8 @@ def test_an_abort_by_an_admin_aborts_any_request(nats: NatsServer, prefix: str, 
     assert final.finish is not None and final.finish.type == "abort"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_an_unreachable_redis_gets_a_503_final(nats: NatsServer) -> None:
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                "--appendonly", "no"], stdout=subprocess.DEVNULL)
     url, prefix = f"redis://127.0.0.1:{port}", f"outage{uuid.uuid4().hex[:8]}"

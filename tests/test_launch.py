@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -15,13 +14,7 @@ import httpx
 import openai
 import yaml
 
-from tests.services_helpers import start_up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.services_helpers import free_port, start_up
 
 
 def children_of(pid: int) -> set[int]:

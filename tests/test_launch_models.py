@@ -8,23 +8,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 from pathlib import Path
 
 import httpx
 import openai
 from transformers import AutoTokenizer
 
-from tests.services_helpers import start_up
+from tests.services_helpers import free_port, start_up
 from tests.test_model_hub import COMMIT, place_in_hub_cache
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_up_serves_a_hub_model_with_the_flags_users_type(qwen3_path: Path, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -23,18 +22,13 @@ import pytest
 from services.cli import main
 from services.worker.frontend.engine import Engine
 from tests.engine_helpers import GREEDY, output_ids, random_prompts
+from tests.services_helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts(2, 5, 20, seed=25)
 NEW_TOKENS = 8
 JOIN_TIMEOUT_S = 60.0  # generous: node 1's process imports torch and spawns its ranks on a loaded host
 SHORT_TIMEOUT_S = 1.0  # nothing ever joins: any timeout fails the same way
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -12,8 +12,7 @@ import pytest
 
 from services.probe import probe_url
 from shared.natsd import NatsServer
-from tests.services_helpers import REPO_ROOT, ServiceProcess
-from tests.wiring_helpers import free_port
+from tests.services_helpers import REPO_ROOT, ServiceProcess, free_port
 
 ENTRY = ["/opt/venv/bin/python", "/opt/venv/bin/radixserve"]
 

@@ -7,7 +7,6 @@ intermediate dimension.
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from services.worker.runtime.distributed import destroy_tp, init_tp
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
+from tests.services_helpers import free_port
 
 TP_SIZE = 2
 DECODE_STEPS = 6
@@ -44,12 +44,6 @@ def _tp_rank_main(rank: int, port: int, path: str, out_dir: str) -> None:
         torch.save(run_model(Path(path), TP_SIZE), Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_tp()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_tp2(path: Path, out_dir: Path) -> list[dict[str, object]]:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import time
@@ -36,16 +35,10 @@ from shared.protocol import (
     decoder,
     encode,
 )
-from tests.services_helpers import start_up
+from tests.services_helpers import free_port, start_up
 
 NS = "blue"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,12 +33,6 @@ from tests.services_helpers import REPO_ROOT, ServiceProcess
 # Settings that open a port, and their flags.
 PORT_SETTINGS = {"RS_PORT": "--port", "RS_GRPC_PORT": "--grpc-port", "RS_METRICS_PORT": "--metrics-port"}
 _ADDRESS = re.compile(r"\b([A-Za-z][\w.-]*):(\d+)\b")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def env_names(service: str) -> set[str]:

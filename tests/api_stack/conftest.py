@@ -9,22 +9,15 @@ import json
 import os
 import re
 import signal
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.services_helpers import start_up
+from tests.services_helpers import free_port, start_up
 
 SERVED_MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
