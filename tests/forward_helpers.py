@@ -4,6 +4,7 @@ tests can run prefill, chunked extend and decode steps on real pools and the tor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class BatchDriver:
@@ -132,6 +136,19 @@ def step_batch(
 def seeded_prompt(length: int, seed: int) -> list[int]:
     """`length` token ids in [3, 300), the same for the same seed."""
     return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_rows_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = 1e-4) -> None:
+    """Every row's relative error ||a - b|| / ||b|| is within rel_tol."""
+    assert ours.shape == ref.shape
+    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert rel.max().item() <= rel_tol, f"relative error per row: {rel.tolist()}"
+
+
+@torch.no_grad()
+def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    """transformers' float32 logits at every position of one prompt."""
+    return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def run_mixed_steps(drivers: dict[str, BatchDriver], check: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -11,23 +11,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver
+from tests.forward_helpers import BatchDriver, assert_rows_close, hf_logits, seeded_prompt
 
 ARCHITECTURES = ["qwen3_path", "qwen3_moe_path", "llama_path"]
-REL_TOL = 1e-4
 DECODE_STEPS = 32
-
-
-def random_prompt(length: int, seed: int) -> list[int]:
-    # Ids 3.. avoid the special tokens; any id below the vocab size is valid input.
-    return torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def assert_rows_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = REL_TOL) -> None:
-    """Every row's relative error ||a - b|| / ||b|| is within rel_tol."""
-    assert ours.shape == ref.shape
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() <= rel_tol, f"relative error per row: {rel.tolist()}"
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -38,14 +25,9 @@ def models(request: pytest.FixtureRequest) -> tuple[ModelConfig, torch.nn.Module
     return config, load_model(config, "cpu"), hf
 
 
-@torch.no_grad()
-def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([tokens])).logits[0].float()
-
-
 def test_prefill_logits_match_hf_at_every_position(models) -> None:
     config, model, hf = models
-    prompt = random_prompt(20, seed=1)
+    prompt = seeded_prompt(20, seed=1)
     driver = BatchDriver(model, config)
     logits = driver.extend([(driver.new_request(), prompt)], return_all_logits=True)
     assert logits.dtype == torch.float32
@@ -54,7 +36,7 @@ def test_prefill_logits_match_hf_at_every_position(models) -> None:
 
 def test_greedy_decode_matches_hf_generate(models) -> None:
     config, model, hf = models
-    prompt = random_prompt(20, seed=2)
+    prompt = seeded_prompt(20, seed=2)
     with torch.no_grad():
         ref = hf.generate(
             torch.tensor([prompt]),
@@ -81,7 +63,7 @@ def test_greedy_decode_matches_hf_generate(models) -> None:
 
 def test_batched_requests_match_each_request_alone(models) -> None:
     config, model, hf = models
-    long_prompt, short_prompt = random_prompt(20, seed=3), random_prompt(11, seed=4)
+    long_prompt, short_prompt = seeded_prompt(20, seed=3), seeded_prompt(11, seed=4)
     driver = BatchDriver(model, config)
     rows = driver.new_request(), driver.new_request()
     last = driver.extend([(rows[0], long_prompt), (rows[1], short_prompt)])
@@ -97,7 +79,7 @@ def test_batched_requests_match_each_request_alone(models) -> None:
 
 def test_batched_extend_returns_all_logits_in_token_order(models) -> None:
     config, model, hf = models
-    first, second = random_prompt(9, seed=5), random_prompt(14, seed=6)
+    first, second = seeded_prompt(9, seed=5), seeded_prompt(14, seed=6)
     driver = BatchDriver(model, config)
     logits = driver.extend(
         [(driver.new_request(), first), (driver.new_request(), second)], return_all_logits=True
@@ -107,7 +89,7 @@ def test_batched_extend_returns_all_logits_in_token_order(models) -> None:
 
 def test_extend_after_cached_prefix_matches_one_shot_prefill(models) -> None:
     config, model, _ = models
-    prompt = random_prompt(20, seed=7)
+    prompt = seeded_prompt(20, seed=7)
     one_shot = BatchDriver(model, config)
     whole = one_shot.extend([(one_shot.new_request(), prompt)], return_all_logits=True)
 
@@ -120,7 +102,7 @@ def test_extend_after_cached_prefix_matches_one_shot_prefill(models) -> None:
 
 def test_extend_mixes_cached_and_fresh_requests(models) -> None:
     config, model, hf = models
-    cached_prompt, fresh_prompt = random_prompt(20, seed=8), random_prompt(6, seed=9)
+    cached_prompt, fresh_prompt = seeded_prompt(20, seed=8), seeded_prompt(6, seed=9)
     driver = BatchDriver(model, config)
     cached_row = driver.new_request()
     driver.extend([(cached_row, cached_prompt[:8])])
@@ -145,12 +127,12 @@ def test_single_request_decode_with_consecutive_or_scattered_slots_matches_hf(
     monkeypatch.setattr(torch_backend, "_decode_metadata", lambda batch: seen.append(build(batch).first_slot) or build(batch))
     driver = BatchDriver(model, config)
     a, b = driver.new_request(), driver.new_request()
-    prompt = random_prompt(12, seed=9)
+    prompt = seeded_prompt(12, seed=9)
     token = int(driver.extend([(a, prompt)])[-1].argmax())
     step = driver.decode([(a, token)])  # slots 1..13: consecutive
     assert seen == [1]
     assert_rows_close(step, hf_logits(hf, prompt + [token])[-1:])
-    driver.extend([(b, random_prompt(5, seed=10))])  # takes slots 14..18
+    driver.extend([(b, seeded_prompt(5, seed=10))])  # takes slots 14..18
     second = int(step[0].argmax())
     step = driver.decode([(a, second)])  # slot 19 follows 1..13: scattered
     assert seen[-1] is None

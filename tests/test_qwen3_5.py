@@ -15,21 +15,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver, seeded_prompt
+from tests.forward_helpers import BatchDriver, assert_rows_close, hf_logits, seeded_prompt
 
-REL_TOL = 1e-4
 DECODE_STEPS = 32
 
 
 # The transformers references run single-threaded (tests/conftest.py's one_thread says why).
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def assert_rows_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = REL_TOL) -> None:
-    """Every row's relative error ||a - b|| / ||b|| is within rel_tol."""
-    assert ours.shape == ref.shape
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() <= rel_tol, f"relative error per row: {rel.tolist()}"
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_path", "qwen3_5_tied_path", "qwen3_5_moe_path"])
@@ -38,11 +30,6 @@ def models(request: pytest.FixtureRequest) -> tuple[ModelConfig, torch.nn.Module
     config = ModelConfig.from_path(path, dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return config, load_model(config, "cpu"), hf
-
-
-@torch.no_grad()
-def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([tokens])).logits[0].float()
 
 
 def test_layer_kinds_come_from_the_checkpoint(models) -> None:

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from services.worker.runtime.distributed import destroy_tp, init_tp
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver
+from tests.forward_helpers import BatchDriver, assert_rows_close
 from tests.services_helpers import free_port
 
 TP_SIZE = 2
@@ -58,11 +58,6 @@ def run_tp2(path: Path, out_dir: Path) -> list[dict[str, object]]:
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(TP_SIZE)]
 
 
-def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = 1e-5) -> None:
-    rel = (ours - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel.max().item() <= rel_tol, f"relative error per row: {rel.tolist()}"
-
-
 @pytest.mark.parametrize("fixture", ["qwen3_path", "qwen3_one_kv_head_path", "qwen3_moe_path"])
 def test_tp2_matches_tp1_logits_and_greedy_tokens(
     fixture: str, request: pytest.FixtureRequest, tmp_path: Path
@@ -72,8 +67,8 @@ def test_tp2_matches_tp1_logits_and_greedy_tokens(
     ranks = run_tp2(path, tmp_path)
     for result in ranks:
         assert result["prefill"].shape == reference["prefill"].shape
-        assert_close(result["prefill"], reference["prefill"])
-        assert_close(result["decode"], reference["decode"])
+        assert_rows_close(result["prefill"], reference["prefill"], rel_tol=1e-5)
+        assert_rows_close(result["decode"], reference["decode"], rel_tol=1e-5)
         assert result["tokens"] == reference["tokens"]
     # Every rank returns the full, identical logits (the scheduler samples on each rank).
     assert torch.equal(ranks[0]["prefill"], ranks[1]["prefill"])
