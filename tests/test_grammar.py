@@ -98,25 +98,32 @@ def without_eos(ids: list[int], eos: int) -> list[int]:
     return ids[:-1] if ids and ids[-1] == eos else ids
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_greedy_constrained_tokens_match_transformers_with_a_masking_processor(qwen3_path: Path, overlap: bool) -> None:
-    """Three constrained requests and an unconstrained one in one batch: each constrained request's
-    tokens are transformers' under the same masks, and they fit their grammar; the unconstrained
-    request's tokens are its tokens alone."""
+def check_constrained_batch(engine: Engine, path: Path) -> list[list[int]]:
+    """Three constrained requests (CONSTRAINTS) and an unconstrained one in one batch on `engine`
+    (serving the checkpoint at `path`): each constrained request's tokens are transformers' under the
+    same masks, and they fit their grammar; the unconstrained request's tokens are its tokens alone.
+    Returns the four prompts."""
     prompts = random_prompts(4, 5, 12, seed=31)
-    eos = AutoTokenizer.from_pretrained(qwen3_path).eos_token_id
-    refs = [hf_constrained(qwen3_path, p, c, 60) for p, c in zip(prompts, CONSTRAINTS)]
-    with Engine(str(qwen3_path), disable_overlap_schedule=not overlap) as engine:
-        free = engine.generate(input_ids=prompts[3], sampling_params={"temperature": 0, "max_new_tokens": 16})
-        params = [{"temperature": 0, "max_new_tokens": 60, **c} for c in CONSTRAINTS]
-        params.append({"temperature": 0, "max_new_tokens": 16})
-        results = engine.generate(input_ids=prompts, sampling_params=params)
+    eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    refs = [hf_constrained(path, p, c, 60) for p, c in zip(prompts, CONSTRAINTS)]
+    free = engine.generate(input_ids=prompts[3], sampling_params={"temperature": 0, "max_new_tokens": 16})
+    params = [{"temperature": 0, "max_new_tokens": 60, **c} for c in CONSTRAINTS]
+    params.append({"temperature": 0, "max_new_tokens": 16})
+    results = engine.generate(input_ids=prompts, sampling_params=params)
     got = output_ids(results)
     assert [without_eos(g, eos) for g in got[:3]] == refs
     assert got[3] == free["output_ids"]
     for constraint, result in zip(CONSTRAINTS, results):
         assert result["meta_info"]["finish_reason"]["type"] == "stop", result
         assert fits(constraint, result["text"]), result["text"]
+    return prompts
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_constrained_tokens_match_transformers_with_a_masking_processor(qwen3_path: Path, overlap: bool) -> None:
+    """check_constrained_batch on Qwen3, with and without the overlap schedule."""
+    with Engine(str(qwen3_path), disable_overlap_schedule=not overlap) as engine:
+        prompts = check_constrained_batch(engine, qwen3_path)
     # Without the constraint the same model writes something else: the masks did the work.
     assert not any(fits(c, r["text"]) for c, r in zip(CONSTRAINTS, engine_free_texts(qwen3_path, prompts[:3])))
 

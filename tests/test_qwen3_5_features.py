@@ -22,7 +22,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from services.worker.frontend.engine import Engine
 from shared.natsd import NatsServer
@@ -30,7 +29,7 @@ from tests.checkpoints import tiny_qwen3_5_moe_config, write_checkpoint
 from tests.engine_helpers import GREEDY, EnginePool, hf_model, output_ids, random_prompts
 from tests.gateway_helpers import GatewayThread, wait_for_workers
 from tests.services_helpers import ServiceProcess
-from tests.test_grammar import CONSTRAINTS, fits, hf_constrained, without_eos
+from tests.test_grammar import CONSTRAINTS, check_constrained_batch, fits
 
 # The transformers references run single-threaded (tests/conftest.py's one_thread says why).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,19 +100,7 @@ def test_constrained_tokens_match_transformers_with_a_masking_processor(
     same masks, outputs that fit their grammar, and the unconstrained tokens as alone (dense without the
     overlap schedule, MoE with it)."""
     hybrid = request.getfixturevalue(name)
-    prompts = random_prompts(4, 5, 12, seed=31)
-    eos = AutoTokenizer.from_pretrained(hybrid).eos_token_id
-    refs = [hf_constrained(hybrid, p, c, 60) for p, c in zip(prompts, CONSTRAINTS)]
-    engine = engine_pool.get(hybrid, disable_overlap_schedule=not overlap)
-    free = engine.generate(input_ids=prompts[3], sampling_params={"temperature": 0, "max_new_tokens": 16})
-    params = [{"temperature": 0, "max_new_tokens": 60, **c} for c in CONSTRAINTS]
-    results = engine.generate(input_ids=prompts, sampling_params=[*params, {"temperature": 0, "max_new_tokens": 16}])
-    got = output_ids(results)
-    assert [without_eos(g, eos) for g in got[:3]] == refs
-    assert got[3] == free["output_ids"]
-    for constraint, result in zip(CONSTRAINTS, results):
-        assert result["meta_info"]["finish_reason"]["type"] == "stop", result
-        assert fits(constraint, result["text"]), result["text"]
+    check_constrained_batch(engine_pool.get(hybrid, disable_overlap_schedule=not overlap), hybrid)
 
 
 def test_seeded_n_copies_are_the_requests_with_seed_plus_i_alone_and_in_a_batch(
