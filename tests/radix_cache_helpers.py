@@ -149,3 +149,16 @@ class RequestHarness:
             req.fill_ids = req.all_ids
             self.cache.cache_unfinished_req(req)
         return False
+
+    def fits(self, running: list[FakeReq], waiting: list[tuple]) -> bool:
+        """Whether the first waiting (prompt, output, ...) fits beside the running requests: their total
+        tokens stay within the pool, as the scheduler's budget keeps them."""
+        need = sum(len(r.origin_input_ids) + len(r.target_output) for r in running)
+        return bool(waiting) and need + len(waiting[0][0]) + len(waiting[0][1]) <= self.allocator.size
+
+    def step_drawn(self, running: list[FakeReq], data: st.DataObject) -> None:
+        """Step a running request that `data` draws (caching it after, if drawn); a finished one leaves
+        `running`."""
+        req = running[data.draw(st.integers(0, len(running) - 1), label="req")]
+        if self.step(req, cache_after=data.draw(st.booleans(), label="cache after")):
+            running.remove(req)

@@ -83,18 +83,14 @@ def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
             harness.cache.evict(data.draw(st.integers(0, 6), label="tokens"))
         elif what == "evict_snapshots":
             harness.cache.evict_snapshots(data.draw(st.integers(0, 2), label="snapshots"))
-        need = sum(len(r.origin_input_ids) + len(r.target_output) for r in running)
-        fits = waiting and need + len(waiting[0][0]) + len(waiting[0][1]) <= harness.allocator.size
-        if fits and (not running or data.draw(st.booleans(), label="admit")):
+        if harness.fits(running, waiting) and (not running or data.draw(st.booleans(), label="admit")):
             running.append(harness.admit(*waiting.pop(0)))
         elif what == "retract" and running:
             req = running.pop(data.draw(st.integers(0, len(running) - 1), label="victim"))
             harness.cache.cache_finished_req(req)  # as retract() does; it frees the request's row
             waiting.append((req.all_ids, req.target_output[len(req.output_ids) :], req.chunk, req.priority))
         elif running:
-            req = running[data.draw(st.integers(0, len(running) - 1), label="req")]
-            if harness.step(req, cache_after=data.draw(st.booleans(), label="cache after")):
-                running.remove(req)
+            harness.step_drawn(running, data)
         harness.check(running)
     harness.check_idle()
 

@@ -298,14 +298,10 @@ def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
     while waiting or running:
         if data.draw(st.booleans(), label="evict first"):
             harness.cache.evict(data.draw(st.integers(0, 6), label="evict"))
-        need = sum(len(r.origin_input_ids) + len(r.target_output) for r in running)
-        fits = waiting and need + len(waiting[0][0]) + len(waiting[0][1]) <= harness.allocator.size
-        if fits and (not running or data.draw(st.booleans(), label="admit")):
+        if harness.fits(running, waiting) and (not running or data.draw(st.booleans(), label="admit")):
             running.append(harness.admit(*waiting.pop(0)))
         else:
-            req = running[data.draw(st.integers(0, len(running) - 1), label="req")]
-            if harness.step(req, cache_after=data.draw(st.booleans(), label="cache after")):
-                running.remove(req)
+            harness.step_drawn(running, data)
         harness.check(running)
     harness.check_idle()
 
