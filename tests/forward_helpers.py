@@ -151,6 +151,26 @@ def hf_logits(hf: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
     return hf(torch.tensor([tokens])).logits[0].float()
 
 
+def check_greedy_decode(config: ModelConfig, model: nn.Module, hf: PreTrainedModel, prompt: list[int], steps: int) -> None:
+    """A prefill of `prompt` and `steps` greedy decode steps on a BatchDriver give transformers' greedy
+    tokens, and logits within assert_rows_close of its logits at every step."""
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=steps + 1, do_sample=False, eos_token_id=None,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+    assert len(ref.logits) == steps + 1
+    driver = BatchDriver(model, config)
+    row = driver.new_request()
+    prefill = driver.extend([(row, prompt)])
+    assert prefill.shape == (1, config.vocab_size)
+    assert_rows_close(prefill, ref.logits[0].float())
+    tokens, step_logits = driver.greedy_decode(row, int(prefill[0].argmax()), steps)
+    assert tokens == ref.sequences[0, len(prompt) :].tolist()
+    assert_rows_close(torch.stack(step_logits), torch.cat(ref.logits[1:]).float())
+    assert len(set(tokens)) > 4, "the seeded model should not just repeat one token"
+
+
 def run_mixed_steps(drivers: dict[str, BatchDriver], check: Callable[[dict[str, torch.Tensor]], None]) -> None:
     """The same five steps on every driver (each over its own pools), `check` given each step's logits
     by driver name: a prefill of two prompts, a continued (chunked) prefill over request 0's cached

@@ -11,7 +11,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver, assert_rows_close, hf_logits, seeded_prompt
+from tests.forward_helpers import (
+    BatchDriver,
+    assert_rows_close,
+    check_greedy_decode,
+    hf_logits,
+    seeded_prompt,
+)
 
 ARCHITECTURES = ["qwen3_path", "qwen3_moe_path", "llama_path"]
 DECODE_STEPS = 32
@@ -36,29 +42,7 @@ def test_prefill_logits_match_hf_at_every_position(models) -> None:
 
 def test_greedy_decode_matches_hf_generate(models) -> None:
     config, model, hf = models
-    prompt = seeded_prompt(20, seed=2)
-    with torch.no_grad():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=DECODE_STEPS + 1,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    ref_tokens = ref.sequences[0, len(prompt) :].tolist()
-    assert len(ref.logits) == DECODE_STEPS + 1
-
-    driver = BatchDriver(model, config)
-    row = driver.new_request()
-    prefill = driver.extend([(row, prompt)])
-    assert prefill.shape == (1, config.vocab_size)
-    assert_rows_close(prefill, ref.logits[0].float())
-    tokens, step_logits = driver.greedy_decode(row, int(prefill[0].argmax()), DECODE_STEPS)
-    assert tokens == ref_tokens
-    assert_rows_close(torch.stack(step_logits), torch.cat(ref.logits[1:]).float())
-    assert len(set(tokens)) > 4, "the seeded model should not just repeat one token"
+    check_greedy_decode(config, model, hf, seeded_prompt(20, seed=2), DECODE_STEPS)
 
 
 def test_batched_requests_match_each_request_alone(models) -> None:
