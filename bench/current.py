@@ -342,6 +342,79 @@ CPU = Area(
 )
 
 
+Q35 = "python bench/gpu_qwen35.py"
+
+
+def _q35(d: dict[str, Any]) -> dict[str, Any]:
+    return next(iter(d["models"].values()))
+
+
+def _gdn(d: dict[str, Any], case: str, kernel: str) -> dict[str, Any]:
+    return _row(d["timings"], case=case, kernel=kernel)
+
+
+QWEN35_GPU = Area(
+    "qwen35_gpu", "Qwen3.5 hybrid models (Gated DeltaNet + gated attention), GPU", H200,
+    (
+        Figure("batch-1 decode, Qwen3.5-9B shape (8.95 B)", "gpu_qwen35_2026-12-02_a.json",
+               lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _q35(d)["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
+               target=Target(">=", 0.8, "≥ 0.8 of the ceiling"),
+               command=f"{Q35} --models 9b --figures decode,peer"),
+        Figure("batch-1 decode vs transformers' eager generate, 9B shape", "gpu_qwen35_2026-12-02_a.json",
+               lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _q35(d)["hf_eager_tok_s"], peer_label="transformers (torch GDN fallback)",
+               ratio_fmt="{:.1f}×", command=f"{Q35} --models 9b --figures decode,peer"),
+        Figure("offline throughput, nano-vllm recipe (256 requests), 9B shape", "gpu_qwen35_2026-12-02_b.json",
+               lambda d: _q35(d)["offline"]["tok_s"], "{:,.0f} tok/s",
+               command=f"{Q35} --models 9b --figures offline"),
+        Figure("prefix cache (state snapshots), 16 groups × 16 prompts sharing 2,048 tokens, 9B shape",
+               "gpu_qwen35_2026-12-02_c.json",
+               lambda d: _q35(d)["prefix"]["cache_on"]["tok_s"], "{:,.0f} tok/s",
+               peer=lambda d: _q35(d)["prefix"]["cache_off"]["tok_s"], peer_label="cache off",
+               ratio_fmt="{:.2f}×", target=Target(">=", 2.0, "≥ 2×"),
+               command=f"{Q35} --models 9b --figures prefix --scale 0.25"),
+        Figure("prefix cache hit rate, 9B shape", "gpu_qwen35_2026-12-02_c.json",
+               lambda d: _q35(d)["prefix"]["cache_on"]["hit_rate"], "{:.2%}",
+               peer=lambda d: _q35(d)["prefix"]["ideal_hit_rate"], peer_label="ideal", peer_fmt="{:.2%}",
+               ratio_fmt="{:.2f} of the ideal", target=Target(">=", 0.95, "≥ 0.95 of the ideal"),
+               command=f"{Q35} --models 9b --figures prefix --scale 0.25"),
+        Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers", "gpu_qwen35_2026-12-02_d.json",
+               lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _q35(d)["ceiling_tok_s"], peer_label="ceiling: bytes read (top-8 experts) / copy bw",
+               target=Target(">=", 0.8, "≥ 0.8 of the ceiling"),
+               command=f"{Q35} --models 35b-a3b --moe-layers 12 --hf-steps 16"),
+        Figure("batch-1 decode vs transformers' eager generate, 35B-A3B shape (12 layers)",
+               "gpu_qwen35_2026-12-02_d.json",
+               lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
+               peer=lambda d: _q35(d)["hf_eager_tok_s"], peer_label="transformers (torch GDN fallback)",
+               ratio_fmt="{:.1f}×", command=f"{Q35} --models 35b-a3b --moe-layers 12 --hf-steps 16"),
+        Figure("offline throughput, nano-vllm recipe, 35B-A3B shape (12 layers)", "gpu_qwen35_2026-12-02_d.json",
+               lambda d: _q35(d)["offline"]["tok_s"], "{:,.0f} tok/s",
+               command=f"{Q35} --models 35b-a3b --moe-layers 12 --hf-steps 16"),
+        Figure("CUDA graphs vs eager and Triton vs torch GDN: required checks with identical tokens",
+               "gpu_qwen35_check_2026-12-02_a.json",
+               lambda d: sum(d["results"][k]["tokens_identical"] for k in
+                             ("float32_graphs_vs_eager", "bfloat16_graphs_vs_eager", "float32_triton_vs_torch_backend")),
+               "{:d} of 3", target=Target("==", 3, "3 of 3", on="value"),
+               command="python bench/gpu_qwen35_check.py"),
+        Figure("GDN chunked prefill kernel, 1 × 4,096 tokens, bf16", "gpu_gdn_2026-12-02_b.json",
+               lambda d: _gdn(d, "prefill 1x4096 bf16", "chunk_gated_delta_rule")["us"], "{:,.0f} µs",
+               peer=lambda d: _gdn(d, "prefill 1x4096 bf16", "chunk_gated_delta_rule")["torch_chunk_us"],
+               peer_label="transformers' torch chunked fallback", ratio_fmt="{:.3f} of its time",
+               command="python bench/gpu_gdn.py"),
+        Figure("GDN decode update kernel, batch 64, bf16", "gpu_gdn_2026-12-02_b.json",
+               lambda d: _gdn(d, "decode bs64 bf16", "fused_recurrent_update")["gbps"], "{:,.0f} GB/s",
+               peer=lambda d: d["copy_gbps"], peer_label="copy bandwidth", peer_fmt="{:,.0f} GB/s",
+               command="python bench/gpu_gdn.py"),
+    ),
+    note="Seeded random bf16 checkpoints of the published shapes built on the device (nothing can be "
+         "downloaded there); the 35B-A3B model is cut to its first 12 layers to fit the 64 GiB disk. Greedy "
+         "tokens of random-weight models in bf16 diverge early between any two implementations (near-ties); "
+         "exact parity with transformers is proven in float32 on CPU (tests/test_qwen3_5*.py).",
+)
+
+
 def _grammar(file: str, schema: str, batch: int, command: str) -> Figure:
     return Figure(f"`{schema}` schema, batch {batch}", file,
                   lambda d: _row(d["rows"], schema=schema, batch=batch)["constrained_tok_s"], "{:,.1f} tok/s",
@@ -362,7 +435,7 @@ GRAMMAR_CPU = Area(
           for s in ("plain", "bounded") for b in (1, 8)),
 )
 
-AREAS: tuple[Area, ...] = (GPU_ENGINE, TP, PIPELINE_GPU, PIPELINE_CPU, CPU, GRAMMAR_GPU, GRAMMAR_CPU)
+AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU, GRAMMAR_GPU, GRAMMAR_CPU)
 
 # Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
 SOAK_GLOB = "soak_cpu_*.json"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -78,14 +79,22 @@ def compare(a: tuple[list[list[int]], list[list[float]]], b: tuple[list[list[int
     return {"tokens_identical": ids_a == ids_b, "first_divergence_per_request": diverge, "max_abs_logprob_diff": lp_diff}
 
 
+def timed(fn, path: Path, **kw: object):  # noqa: ANN201 - greedy's result
+    """greedy(), with a progress line (an Engine start, graph capture and Triton compiles take tens of s)."""
+    t0 = time.perf_counter()
+    out = fn(path, **kw)
+    print(f"  ran {kw} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
 def main() -> int:
     path = build_checkpoint()
     results: dict[str, dict] = {}
     required: list[str] = []
     for dtype in ("float32", "bfloat16"):
-        eager = greedy(path, attention_backend="triton", dtype=dtype, cuda_graph_max_bs=0)
-        graphs = greedy(path, attention_backend="triton", dtype=dtype, cuda_graph_max_bs=32)
-        torch_backend = greedy(path, attention_backend="torch", dtype=dtype, cuda_graph_max_bs=0)
+        eager = timed(greedy, path, attention_backend="triton", dtype=dtype, cuda_graph_max_bs=0)
+        graphs = timed(greedy, path, attention_backend="triton", dtype=dtype, cuda_graph_max_bs=32)
+        torch_backend = timed(greedy, path, attention_backend="torch", dtype=dtype, cuda_graph_max_bs=0)
         results[f"{dtype}_graphs_vs_eager"] = compare(graphs, eager)
         results[f"{dtype}_triton_vs_torch_backend"] = compare(eager, torch_backend)
         required.append(f"{dtype}_graphs_vs_eager")
