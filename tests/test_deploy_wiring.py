@@ -27,11 +27,10 @@ import yaml
 from services.probe import read_process
 from tests.deploy_helpers import COMPOSE_SERVICES, compose_environment, dockerfile_stages, load_compose
 from tests.keys_helpers import REDIS_URL
-from tests.services_helpers import REPO_ROOT, ServiceProcess
+from tests.services_helpers import REPO_ROOT, ServiceProcess, free_port
 from tests.wiring_helpers import (
     HostService,
     env_names,
-    free_port,
     http_status,
     http_text,
     metric_total,

@@ -21,10 +21,9 @@ import pytest
 from tests.deploy_helpers import dockerfile_stages
 from tests.helm_helpers import FULLNAME, containers, find, render_chart, values_set
 from tests.keys_helpers import REDIS_URL
-from tests.services_helpers import REPO_ROOT, ServiceProcess
+from tests.services_helpers import REPO_ROOT, ServiceProcess, free_port
 from tests.wiring_helpers import (
     HostService,
-    free_port,
     http_status,
     start_host_services,
     start_nats,
