@@ -2,8 +2,9 @@
 """The scheduler: one step = admit → build a batch → forward → sample → finish → free.
 
 Prefill has priority: when requests wait (or a chunked prefill is in progress) the step is an
-EXTEND batch; otherwise the running requests decode. Every TP rank runs this same scheduler on the
-same inputs, so they take the same decisions without talking.
+EXTEND batch; otherwise the running requests decode. Every rank (every TP rank of every pipeline
+stage) runs this same scheduler on the same inputs, so they take the same decisions without talking;
+with pipeline stages the last stage's sampled tokens are broadcast to all of them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.mem.radix_cache import RadixCache
 from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.forward_batch import ForwardMode
+from services.worker.runtime.model_runner import SampledOnLastStage
 from services.worker.scheduler.output import ReqOutput, final_output, sampled_output
 from services.worker.scheduler.req import FinishReason, Req
-from services.worker.scheduler.schedule_batch import InFlight, MemoryContext, ScheduleBatch
+from services.worker.scheduler.schedule_batch import InFlight, MemoryContext, PromptLogprobs, ScheduleBatch
 from services.worker.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
@@ -31,6 +33,9 @@ from services.worker.scheduler.schedule_policy import (
 from services.worker.scheduler.spec.spec_worker import SpecStep, SpecWorker
 
 if TYPE_CHECKING:
+    import torch
+
+    from services.worker.runtime.forward_batch import ForwardBatch
     from services.worker.runtime.model_runner import ModelRunner, SampledTokens
     from services.worker.runtime.sampling.grammar import GrammarBackend
 
@@ -213,11 +218,14 @@ class Scheduler:
             future = (prev.handle.token_ids, {id(r): j for j, r in enumerate(prev.sampled)})
         forward_batch = batch.prepare_decode(future) if batch.mode.is_decode() else batch.prepare_extend()
         logits = self.runner.forward(forward_batch)
-        batch.commit(forward_batch, logits)
         sampled_idx = [
             i for i, req in enumerate(batch.reqs) if batch.mode.is_decode() or len(req.fill_ids) == req.seq_len
         ]
         sampled = [batch.reqs[i] for i in sampled_idx]
+        if self.runner.pp.size > 1:
+            return self._launch_pipelined(batch, forward_batch, logits, sampled_idx, sampled)
+        assert logits is not None
+        batch.commit(forward_batch, logits)
         rows = logits if len(sampled_idx) == len(logits) else logits[sampled_idx]  # (past bs: prompt rows)
         if prev is not None and any(r.grammar is not None and r.num_inflight for r in sampled):
             self._finish_inflight(outputs)
@@ -226,6 +234,24 @@ class Scheduler:
         for req in sampled:
             req.num_inflight += 1
         return InFlight(batch, sampled, handle)
+
+    def _launch_pipelined(
+        self, batch: ScheduleBatch, forward_batch: ForwardBatch, logits: torch.Tensor | None,
+        sampled_idx: list[int], sampled: list[Req],
+    ) -> InFlight:
+        """With pipeline stages only the last has logits: it samples (and takes the prompt log-probs)
+        and every rank receives the result, so every rank's scheduler advances the same requests."""
+
+        def on_last_stage() -> tuple[SampledTokens, PromptLogprobs | None]:
+            assert logits is not None
+            rows = logits if len(sampled_idx) == len(logits) else logits[sampled_idx]
+            return self.runner.sample(rows, sampled), batch.prompt_logprobs_of(logits)
+
+        tokens, prompt = self.runner.pipeline_sample(on_last_stage)
+        batch.commit(forward_batch, prompt=prompt)
+        for req in sampled:
+            req.num_inflight += 1
+        return InFlight(batch, sampled, SampledOnLastStage(tokens))
 
     def _finish_inflight(self, outputs: list[ReqOutput]) -> None:
         if self._inflight is not None:
