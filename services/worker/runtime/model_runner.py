@@ -1,3 +1,4 @@
+# Over 400 lines: one rank's model, pools and their sizing, forward (pipelined or not) and sampling share their state.
 """ModelRunner: the model, its KV pools and attention backend on one device, and the sampler.
 
 The scheduler hands it ForwardBatches and gets logits, then next tokens, back. Pool sizes come from
