@@ -5,8 +5,8 @@ first the embedding, the last the norm and LM head; a tied head its own embeddin
 KV pool of its layers; prefill, a chunked extend over a cached prefix and decodes give the last stage
 the logits of the one-process model, for Qwen3, Llama (tied) and Qwen3-MoE (3 layers: stages of 2, 1).
 Engine level (rank processes over gloo): PP=2 and PP=2 x TP=2 engines give the greedy tokens of a TP=1
-engine, with chunked prefill, a prefix cache hit, an abort and retraction (a small KV pool), and the
-last stage's prompt log-probs reach rank 0. Bad configurations fail at start with a clear error.
+engine, with chunked prefill, a prefix cache hit, an abort and retraction (a small KV pool), steps of
+several requests going through as two micro-batches, and the last stage's prompt log-probs reach rank 0. Bad configurations fail at start with a clear error.
 """
 
 from __future__ import annotations
@@ -152,6 +152,18 @@ def test_pp2_greedy_tokens_match_tp1_with_chunked_prefill(pp2: Engine, reference
     assert greedy(pp2, long_prompt, 6) == greedy(reference, long_prompt, 6)
     assert stats(pp2)["num_prefill_steps"] - before == 5  # 40 prompt tokens in chunks of 8
     assert greedy(pp2, prompts, 12) == greedy(reference, prompts, 12)
+
+
+def test_pp2_steps_of_several_requests_go_as_two_micro_batches(pp2: Engine, reference: Engine) -> None:
+    prompts = random_prompts(4, 2, 2, seed=28)  # 8 prompt tokens: one prefill step (chunks of 8), then decodes
+    before = stats(pp2)
+    assert greedy(pp2, prompts, 10) == greedy(reference, prompts, 10)
+    after = stats(pp2)
+    steps = after["num_steps"] - before["num_steps"]
+    assert steps == 10 and after["num_micro_batches"] - before["num_micro_batches"] == 2 * steps
+    # A lone request stays whole.
+    assert greedy(pp2, prompts[:1], 3) == greedy(reference, prompts[:1], 3)
+    assert stats(pp2)["num_micro_batches"] - after["num_micro_batches"] == stats(pp2)["num_steps"] - after["num_steps"]
 
 
 def test_pp2_prefix_cache_hit_gives_the_same_tokens(pp2: Engine, reference: Engine) -> None:

@@ -5,8 +5,8 @@ The scheduler hands it ForwardBatches and gets logits, then next tokens, back. P
 `max_total_tokens` or from free memory (device memory × mem_fraction_static on CUDA; a share of
 available RAM on CPU), agreed across all ranks. With pipeline stages (runtime/pipeline.py) a runner
 holds its stage's layers and a KV pool for those layers only; its forward receives the previous
-stage's activations and sends its own on, and only the last stage has logits (pipeline_sample hands
-its sampled tokens to every rank).
+stage's activations and sends its own on without waiting (so it can start the next micro-batch), and
+only the last stage has logits (pipeline_sample hands its sampled tokens to every rank).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from services.worker.runtime.layers.linear import cpu_prepack_available, prepack
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from services.worker.runtime.pipeline import recv_from_prev_stage, send_to_next_stage
+from services.worker.runtime.pipeline import PendingSends, recv_from_prev_stage
 from services.worker.runtime.sampling.grammar import MaskBuffers
 from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.runtime.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -184,6 +184,7 @@ class ModelRunner:
         self.device = device
         self.tp_size = distributed.get_tp_size()
         self.pp = distributed.get_pp_group()
+        self._sends = PendingSends()
         backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
         if backend == "flashinfer":
             # Before the weights load: a CPU or float32 run cannot use it, and the package may be missing.
@@ -339,7 +340,7 @@ class ModelRunner:
         out = self.model(batch.input_ids, batch.positions, batch, proxy)
         if self.pp.is_last:
             return out
-        send_to_next_stage(out)
+        self._sends.send(out)
         return None
 
     def pipeline_sample(self, make: Callable[[], tuple[SampledTokens, Any]]) -> tuple[SampledTokens, Any]:
@@ -347,6 +348,7 @@ class ModelRunner:
         else only its logits give) and its first TP rank broadcasts what it returns to every rank of
         every stage; the other stages do not call `make`."""
         result = make() if self.pp.is_last else None
+        self._sends.wait()
         return distributed.broadcast_object(result, src=self.pp.global_rank(self.pp.size - 1, 0))  # type: ignore[return-value]
 
     def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:

@@ -5,8 +5,9 @@ stage_layers(L, s, pp_size) (the first L % pp_size stages one more than the othe
 also the embedding, the last the final norm and the LM head (SGLang's start_layer / end_layer). A
 stage's hidden states and residual stream go to the same TP rank of the next stage with
 torch.distributed point-to-point (gloo on CPU, NCCL on CUDA), as one [2, tokens, hidden] tensor (SGLang's
-PPProxyTensors). Every rank schedules the same batch (the scheduler's commands are broadcast to all),
-so the receiver knows the tensor's shape without being told.
+PPProxyTensors), sent without waiting so a stage goes on with its next micro-batch. Every rank schedules
+the same batch (the scheduler's commands are broadcast to all), so the receiver knows the tensor's
+shape without being told.
 """
 
 from __future__ import annotations
@@ -38,11 +39,26 @@ class PPMissingLayer(nn.Module):
         raise RuntimeError("a layer of another pipeline stage was called on this one")
 
 
-def send_to_next_stage(proxy: ProxyTensors) -> None:
-    """Hand this stage's output to the same TP rank of the next stage."""
-    pp = get_pp_group()
-    assert not pp.is_last, "the last stage samples; it sends no activations"
-    dist.send(torch.stack(proxy).contiguous(), dst=pp.global_rank(pp.rank + 1, get_tp_rank()))
+class PendingSends:
+    """Activations on their way to the next stage (isend): a stage starts its next micro-batch without
+    waiting for the next stage to take this one; `wait` before anything that must follow them."""
+
+    def __init__(self) -> None:
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # the tensor lives until its send is done
+
+    def send(self, proxy: ProxyTensors) -> None:
+        """Hand this stage's output to the same TP rank of the next stage."""
+        pp = get_pp_group()
+        assert not pp.is_last, "the last stage samples; it sends no activations"
+        tensor = torch.stack(proxy).contiguous()
+        work = dist.isend(tensor, dst=pp.global_rank(pp.rank + 1, get_tp_rank()))
+        assert work is not None
+        self._sends.append((work, tensor))
+
+    def wait(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
 
 
 def recv_from_prev_stage(num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> ProxyTensors:

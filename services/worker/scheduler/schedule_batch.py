@@ -63,6 +63,23 @@ class ScheduleBatch:
         self.prompt_logprob_counts: list[tuple[Req, int]] = []
         self.prompt_logprob_targets: list[int] = []
 
+    def split(self, parts: int) -> list[ScheduleBatch]:
+        """The batch as up to `parts` batches of consecutive requests (pipeline micro-batches), sized as
+        evenly as the request count allows; a batch of one request stays whole."""
+        parts = max(1, min(parts, len(self.reqs)))
+        if parts == 1:
+            return [self]
+        base, extra = divmod(len(self.reqs), parts)
+        bounds = [0]
+        for k in range(parts):
+            bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+        return [ScheduleBatch(self.reqs[a:b], self.mode, self.mem) for a, b in zip(bounds, bounds[1:])]
+
+    def sampled_rows(self) -> list[int]:
+        """The requests that get a token from this step, by index: all of a decode, and those of an
+        extend whose prefill completes (a chunk that leaves prompt tokens for later samples nothing)."""
+        return [i for i, req in enumerate(self.reqs) if self.mode.is_decode() or len(req.fill_ids) == req.seq_len]
+
     def prepare_extend(self) -> ForwardBatch:
         """Give each request a req_to_token row, map its cached prefix, and allocate KV for its
         new tokens (req.fill_ids[len(prefix):])."""
