@@ -4,7 +4,6 @@ tests can run prefill, chunked extend and decode steps on real pools and the tor
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,9 +14,6 @@ from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from services.worker.runtime.model_runner import ModelRunner
 
 
 class BatchDriver:
@@ -49,21 +45,6 @@ class BatchDriver:
         self.allocator = TokenToKVPoolAllocator(max_tokens, self.device)
         self.backend = TorchAttnBackend()
         self.seq_lens: dict[int, int] = {}
-
-    @classmethod
-    def on_runner(cls, runner: ModelRunner) -> BatchDriver:
-        """A driver over a ModelRunner's own pools and attention backend, stepping through
-        runner.forward (so a pipeline stage's step receives and sends its activations; its result is
-        None off the last stage)."""
-        driver = cls.__new__(cls)
-        driver.model = lambda input_ids, positions, batch: runner.forward(batch)  # type: ignore[assignment]
-        driver.device = runner.device
-        driver.req_pool, driver.kv_pool, driver.allocator = (
-            runner.req_to_token_pool, runner.token_to_kv_pool, runner.allocator,
-        )
-        driver.backend = runner.attn_backend
-        driver.seq_lens = {}
-        return driver
 
     def new_request(self) -> int:
         rows = self.req_pool.alloc(1)

@@ -93,9 +93,10 @@ def serve_node(config: EngineConfig) -> int:
     assert config.dist_init_addr is not None  # EngineConfig requires it for nnodes > 1
     ranks = config.local_ranks()
     logger.info(
-        "node %d of %d: TP ranks %d-%d of %d (%s), joining the group at %s within %g s; node 0 serves "
+        "node %d of %d: %s ranks %d-%d of %d (%s), joining the group at %s within %g s; node 0 serves "
         "requests, this node runs ranks only (no NATS, no HTTP)",
-        config.node_rank, config.nnodes, ranks.start, ranks.stop - 1, config.world_size(), config.model_path,
+        config.node_rank, config.nnodes, "TP" if config.pp_size == 1 else f"pp_size {config.pp_size} x tp_size "
+        f"{config.tp_size}: global", ranks.start, ranks.stop - 1, config.world_size(), config.model_path,
         config.dist_init_addr, config.dist_timeout,
     )
     stop = threading.Event()

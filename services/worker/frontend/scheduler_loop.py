@@ -107,10 +107,20 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+# Every rank runs the same scheduler on the same commands and must take the same decisions, so these
+# must agree too (the KV pool's size is agreed separately: the smallest rank's).
+SCHEDULING_FIELDS = (
+    "context_length", "max_running_requests", "schedule_policy", "chunked_prefill_size", "max_prefill_tokens",
+    "enable_mixed_chunk", "disable_radix_cache", "radix_eviction_policy", "schedule_conservativeness",
+    "random_seed", "disable_overlap_schedule", "speculative_algorithm", "speculative_num_draft_tokens",
+)
+
+
 def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
     """What every rank of a TP group must agree on: the model (its config.json's digest, the size of its
-    weight files, the shapes that decide the shards), the dtype and the group's shape. Paths may differ
-    between nodes (another mount point), so they are named in errors but not compared."""
+    weight files, the shapes that decide the shards), the dtype, the group's shape and the scheduling
+    settings (SCHEDULING_FIELDS). Paths may differ between nodes (another mount point), so they are
+    named in errors but not compared."""
     path = Path(config.model_path)
     digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -118,7 +128,8 @@ def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
     return (
         f"{mc.architecture} (config.json sha256 {digest}, {weights} bytes of safetensors, {mc.num_layers} layers, "
         f"hidden {mc.hidden_size}, vocab {mc.vocab_size}) in {str(mc.dtype).removeprefix('torch.')} with "
-        f"tp_size {config.tp_size}, pp_size {config.pp_size} over nnodes {config.nnodes}"
+        f"tp_size {config.tp_size}, pp_size {config.pp_size} over nnodes {config.nnodes}; scheduling "
+        + ", ".join(f"{name}={getattr(config, name)}" for name in SCHEDULING_FIELDS)
     )
 
 

@@ -200,10 +200,6 @@ def get_world_size() -> int:
     return _GROUP.size * _PP.size
 
 
-def get_global_rank() -> int:
-    return _PP.global_rank(_PP.rank, _GROUP.rank)
-
-
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks: in place through NCCL, or a new tensor through FastAllReduce; use the result."""
     if _GROUP.size == 1:
