@@ -25,6 +25,7 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
+from services.worker.frontend.scheduler_loop import group_fingerprint
 from services.worker.mem.memory_pool import TokenToKVPool
 from services.worker.runtime import distributed
 from services.worker.runtime.forward_batch import ForwardBatch
@@ -288,3 +289,14 @@ def test_bad_pipeline_configs_fail_at_start(qwen3_path: Path, qwen3_5_path: Path
                           dist_init_addr="127.0.0.1:5000")
     assert (config.world_size(), config.local_ranks()) == (4, range(2, 4))
     assert not config.overlap_enabled("cuda")
+
+
+def test_ranks_with_other_scheduling_flags_do_not_agree(qwen3_path: Path) -> None:
+    """Every rank replays the same scheduler: a node started with another chunk size or running limit
+    would take other decisions, so the ranks' start-up comparison (check_same_everywhere) includes them."""
+    model = ModelConfig.from_path(qwen3_path)
+    base = EngineConfig(model_path=str(qwen3_path), pp_size=2)
+    assert group_fingerprint(base, model) == group_fingerprint(base.replace(max_total_tokens=64, cpu_threads=1), model)
+    for change in ({"chunked_prefill_size": 8}, {"max_running_requests": 4}, {"schedule_policy": "lpm"},
+                   {"pp_size": 1}, {"disable_radix_cache": True}):
+        assert group_fingerprint(base, model) != group_fingerprint(base.replace(**change), model), change
