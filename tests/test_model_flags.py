@@ -43,6 +43,8 @@ ALIASES = [
     (["--model", "{model}"], "model_path", "{model}"),
     (["--tp", "2"], "tp_size", 2),
     (["--tensor-parallel-size", "2"], "tp_size", 2),
+    (["--pp-size", "2"], "pp_size", 2),
+    (["--pipeline-parallel-size", "2"], "pp_size", 2),
     (["--max-model-len", "64"], "context_length", 64),
     (["--chunked-prefill-size", "-1"], "chunked_prefill_size", None),
     (["--dtype", "half"], "dtype", "float16"),

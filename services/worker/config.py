@@ -1,3 +1,4 @@
+# Over 400 lines: every worker knob with its help text and its checks, one frozen dataclass read in one place.
 """EngineConfig: every knob of the worker (scheduler, memory, model runner), in one frozen dataclass.
 
 Built once, from keyword arguments (the offline Engine), CLI flags or RS_* environment variables (the
@@ -49,7 +50,7 @@ def _help(text: str, default: object, *aliases: str) -> object:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Configuration of one worker (all TP ranks share it)."""
+    """Configuration of one worker (all its ranks share it)."""
 
     model_path: str = _help(
         "HF checkpoint directory, a model name under $RS_HOME/models, or a Hugging Face hub id (Qwen/Qwen3-8B: "
@@ -69,6 +70,12 @@ class EngineConfig:
         False,
     )
     tp_size: int = _help("tensor-parallel ranks (one process each)", 1, "tensor_parallel_size", "tp")
+    pp_size: int = _help(
+        "pipeline-parallel stages: the decoder layers split into pp_size contiguous stages of tp_size ranks each "
+        "(pp_size x tp_size processes; the first stage embeds, the last samples; each stage's KV pool holds its "
+        "layers). Not with speculative decoding or hybrid (Qwen3.5) models",
+        1, "pipeline_parallel_size", "pp",
+    )
     scheduler_process: bool | None = _help(
         "tp_size 1: run the scheduler in its own process rather than a thread of the caller's (so the "
         "caller's Python work never waits on, or stalls, the scheduler's for the GIL); default: on CUDA",
@@ -160,7 +167,7 @@ class EngineConfig:
         "reaches; default: a free local port (one node only)",
         None,
     )
-    nnodes: int = _help("machines the TP group spans; each runs tp_size / nnodes ranks", 1)
+    nnodes: int = _help("machines the worker's ranks span; each runs pp_size x tp_size / nnodes ranks", 1)
     node_rank: int = _help(
         "this machine's index among nnodes: node 0 serves (NATS, the scheduler's requests), the others run ranks only",
         0,
@@ -184,6 +191,8 @@ class EngineConfig:
         chat_template_text(self.chat_template)  # a file that is not there fails here, before any load
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.pp_size < 1:
+            raise ValueError(f"pp_size must be >= 1, got {self.pp_size}")
         self._check_nodes()
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
@@ -220,6 +229,28 @@ class EngineConfig:
         architectures = _checkpoint_config(self.model_path).get("architectures")
         if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
             self._check_hybrid(pick_architecture(architectures))
+        if self.pp_size > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.speculative_algorithm is not None:
+            raise ValueError(
+                f"speculative_algorithm={self.speculative_algorithm!r} is not supported with pp_size "
+                f"{self.pp_size}: speculative decoding runs with one pipeline stage only"
+            )
+        raw = _checkpoint_config(self.model_path)
+        architectures = raw.get("architectures")
+        if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
+            raise ValueError(
+                f"pp_size {self.pp_size} is not supported for {pick_architecture(architectures)} (a hybrid model "
+                "with Gated DeltaNet layers); run it with pp_size 1 (tp_size and nnodes still apply)"
+            )
+        layers = raw.get("num_hidden_layers") or (raw.get("text_config") or {}).get("num_hidden_layers")
+        if isinstance(layers, int) and layers < self.pp_size:
+            raise ValueError(
+                f"pp_size {self.pp_size} is larger than the model's {layers} decoder layers: every pipeline "
+                "stage needs at least one layer"
+            )
 
     def _check_hybrid(self, architecture: str) -> None:
         if self.speculative_algorithm is not None:
@@ -232,9 +263,11 @@ class EngineConfig:
     def _check_nodes(self) -> None:
         if self.nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
-        if self.tp_size % self.nnodes:
+        if self.world_size() % self.nnodes:
+            shape = f"tp_size {self.tp_size}" if self.pp_size == 1 else f"pp_size x tp_size {self.world_size()}"
             raise ValueError(
-                f"tp_size {self.tp_size} is not divisible by nnodes {self.nnodes}: every node runs tp_size / nnodes ranks"
+                f"{shape} is not divisible by nnodes {self.nnodes}: every node runs "
+                f"{'tp_size' if self.pp_size == 1 else 'pp_size x tp_size'} / nnodes ranks"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes - 1] = [0, {self.nnodes - 1}], got {self.node_rank}")
@@ -245,11 +278,16 @@ class EngineConfig:
         elif self.nnodes > 1:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, the same on every node)")
 
+    def world_size(self) -> int:
+        """Every rank of the worker: tp_size ranks in each of pp_size stages."""
+        return self.tp_size * self.pp_size
+
     def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
+        return self.world_size() // self.nnodes
 
     def local_ranks(self) -> range:
-        """The global TP ranks this node runs: node_rank * ranks_per_node + local rank."""
+        """The global ranks this node runs: node_rank * ranks_per_node + local rank (a global rank is
+        pp_rank * tp_size + tp_rank, so consecutive nodes hold consecutive stages)."""
         first = self.node_rank * self.ranks_per_node()
         return range(first, first + self.ranks_per_node())
 
@@ -301,7 +339,7 @@ class EngineConfig:
 
     def scheduler_in_process(self) -> bool:
         """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""
-        if self.tp_size > 1:
+        if self.world_size() > 1:
             return True
         if self.scheduler_process is not None:
             return self.scheduler_process
@@ -316,8 +354,8 @@ class EngineConfig:
         """Overlap pays where the device runs asynchronously to the host (CUDA); it can be forced on
         anywhere with disable_overlap_schedule=False (the CPU tests do, to check it). Speculative
         decoding needs each step's accepted tokens on the host before the next step is built, so it
-        turns overlap off."""
-        if self.speculative_algorithm is not None:
+        turns overlap off; so do pipeline stages (the last stage's tokens reach the first as host ids)."""
+        if self.speculative_algorithm is not None or self.pp_size > 1:
             return False
         if self.disable_overlap_schedule is None:
             return device_type == "cuda"

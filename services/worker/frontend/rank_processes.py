@@ -1,8 +1,8 @@
 """The TP rank processes of one node: spawning them, and serving a node other than node 0.
 
-A TP group of tp_size ranks spans nnodes machines, tp_size / nnodes ranks each (SGLang's --nnodes,
---node-rank, --dist-init-addr). Node 0 runs the SchedulerClient (scheduler_client.py), whose rank 0
-alone takes requests (from the Engine, or from NATS in the worker service); every other node runs
+A TP group of tp_size ranks (pp_size x tp_size with pipeline stages) spans nnodes machines,
+pp_size x tp_size / nnodes ranks each (SGLang's --nnodes, --node-rank, --dist-init-addr). Node 0 runs
+the SchedulerClient (scheduler_client.py), whose rank 0 alone takes requests (from the Engine, or from NATS in the worker service); every other node runs
 `serve_node`: its ranks join the group at node 0's address and follow rank 0's broadcasts until the
 group ends. Such a node has no NATS connection and no HTTP port.
 
@@ -93,9 +93,10 @@ def serve_node(config: EngineConfig) -> int:
     assert config.dist_init_addr is not None  # EngineConfig requires it for nnodes > 1
     ranks = config.local_ranks()
     logger.info(
-        "node %d of %d: TP ranks %d-%d of %d (%s), joining the group at %s within %g s; node 0 serves "
+        "node %d of %d: %s ranks %d-%d of %d (%s), joining the group at %s within %g s; node 0 serves "
         "requests, this node runs ranks only (no NATS, no HTTP)",
-        config.node_rank, config.nnodes, ranks.start, ranks.stop - 1, config.tp_size, config.model_path,
+        config.node_rank, config.nnodes, "TP" if config.pp_size == 1 else f"pp_size {config.pp_size} x tp_size "
+        f"{config.tp_size}: global", ranks.start, ranks.stop - 1, config.world_size(), config.model_path,
         config.dist_init_addr, config.dist_timeout,
     )
     stop = threading.Event()

@@ -1,9 +1,10 @@
-"""The scheduler's event loop for one TP rank: commands in, per-step outputs out.
+"""The scheduler's event loop for one rank: commands in, per-step outputs out.
 
-Rank 0 takes commands from its inbox (blocking only when idle) and, with TP, broadcasts them so
-every rank applies the same commands before the same step. With tp_size 1 the loop runs in a thread
-of the Engine's process; with TP every rank is its own process, on one node or several (global rank
-= node_rank * ranks_per_node + local rank). An idle rank 0 still broadcasts an empty list every
+Rank 0 (TP rank 0 of the first pipeline stage) takes commands from its inbox (blocking only when
+idle) and, with TP or PP, broadcasts them so every rank of every stage applies the same commands
+before the same step. With one rank the loop runs in a thread of the Engine's process; otherwise every
+rank is its own process, on one node or several (global rank = node_rank * ranks_per_node + local
+rank = pp_rank * tp_size + tp_rank). An idle rank 0 still broadcasts an empty list every
 IDLE_BEAT_S, so the other ranks' wait never reaches the group's timeout and a lost rank is noticed
 while idle too.
 """
@@ -106,10 +107,20 @@ def resolve_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+# Every rank runs the same scheduler on the same commands and must take the same decisions, so these
+# must agree too (the KV pool's size is agreed separately: the smallest rank's).
+SCHEDULING_FIELDS = (
+    "context_length", "max_running_requests", "schedule_policy", "chunked_prefill_size", "max_prefill_tokens",
+    "enable_mixed_chunk", "disable_radix_cache", "radix_eviction_policy", "schedule_conservativeness",
+    "random_seed", "disable_overlap_schedule", "speculative_algorithm", "speculative_num_draft_tokens",
+)
+
+
 def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
     """What every rank of a TP group must agree on: the model (its config.json's digest, the size of its
-    weight files, the shapes that decide the shards), the dtype and the group's shape. Paths may differ
-    between nodes (another mount point), so they are named in errors but not compared."""
+    weight files, the shapes that decide the shards), the dtype, the group's shape and the scheduling
+    settings (SCHEDULING_FIELDS). Paths may differ between nodes (another mount point), so they are
+    named in errors but not compared."""
     path = Path(config.model_path)
     digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:12]
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -117,7 +128,8 @@ def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
     return (
         f"{mc.architecture} (config.json sha256 {digest}, {weights} bytes of safetensors, {mc.num_layers} layers, "
         f"hidden {mc.hidden_size}, vocab {mc.vocab_size}) in {str(mc.dtype).removeprefix('torch.')} with "
-        f"tp_size {config.tp_size} over nnodes {config.nnodes}"
+        f"tp_size {config.tp_size}, pp_size {config.pp_size} over nnodes {config.nnodes}; scheduling "
+        + ", ".join(f"{name}={getattr(config, name)}" for name in SCHEDULING_FIELDS)
     )
 
 
@@ -146,7 +158,7 @@ class SchedulerLoop:
         if threads is not None:
             torch.set_num_threads(threads)
             logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
-        distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout)
+        distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout, pp_size=config.pp_size)
         model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
         )
@@ -217,7 +229,7 @@ class SchedulerLoop:
         cmds: list[object] = []
         if self.rank == 0:
             if not self.scheduler.has_work():
-                if self.config.tp_size == 1:
+                if self.config.world_size() == 1:
                     cmds.append(inbox.get())
                 else:
                     with contextlib.suppress(queue.Empty):  # an empty broadcast: the idle beat
@@ -227,8 +239,8 @@ class SchedulerLoop:
                     cmds.append(inbox.get_nowait())
                 except queue.Empty:
                     break
-        if self.config.tp_size > 1:
-            cmds = distributed.tp_broadcast_object(cmds)  # type: ignore[assignment]
+        if self.config.world_size() > 1:
+            cmds = distributed.broadcast_object(cmds)  # type: ignore[assignment]
         return cmds
 
     def run(self, inbox: Any, outbox: Any, pack: bool = False) -> None:
@@ -277,7 +289,7 @@ def run_scheduler_loop(
         return True
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails its requests
         message = f"{type(exc).__name__}: {exc}"
-        if ready and config.tp_size > 1 and isinstance(exc, RuntimeError):
+        if ready and config.world_size() > 1 and isinstance(exc, RuntimeError):
             # A collective failed: gloo says at once when a peer's process is gone, NCCL after dist_timeout.
             message = (f"the TP group failed on rank {rank} (node {config.node_rank}): another rank exited or did "
                        f"not answer within {config.dist_timeout:g} s (dist_timeout): {exc}")

@@ -133,8 +133,8 @@ class WorkerService(Service):
         self.bus = await connect_bus(cfg, f"worker-{self.worker_id}")
         await self._claim_id()
         engine = cfg.engine
-        logger.info("worker %s loading %s (tp_size %d over %d node(s)%s)", self.worker_id, engine.model_path,
-                    engine.tp_size, engine.nnodes,
+        logger.info("worker %s loading %s (tp_size %d%s over %d node(s)%s)", self.worker_id, engine.model_path,
+                    engine.tp_size, f" x pp_size {engine.pp_size}" if engine.pp_size > 1 else "", engine.nnodes,
                     f"; this is node 0, the others join at {engine.dist_init_addr}" if engine.nnodes > 1 else "")
         self._loop_thread = threading.get_ident()
         # A scheduler thread hands its outputs over itself (outputs_inline); a scheduler process's

@@ -1,15 +1,19 @@
+# Over 400 lines: one rank's model, pools and their sizing, forward (pipelined or not) and sampling share their state.
 """ModelRunner: the model, its KV pools and attention backend on one device, and the sampler.
 
 The scheduler hands it ForwardBatches and gets logits, then next tokens, back. Pool sizes come from
 `max_total_tokens` or from free memory (device memory × mem_fraction_static on CUDA; a share of
-available RAM on CPU), agreed across TP ranks.
+available RAM on CPU), agreed across all ranks. With pipeline stages (runtime/pipeline.py) a runner
+holds its stage's layers and a KV pool for those layers only; its forward receives the previous
+stage's activations and sends its own on without waiting (so it can start the next micro-batch), and
+only the last stage has logits (pipeline_sample hands its sampled tokens to every rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +37,7 @@ from services.worker.runtime.layers.linear import cpu_prepack_available, prepack
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
+from services.worker.runtime.pipeline import PendingSends, recv_from_prev_stage
 from services.worker.runtime.sampling.grammar import MaskBuffers
 from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.runtime.sampling.sampler import SampleOutput, Sampler, SamplingBatchInfo
@@ -79,6 +84,19 @@ class SamplingRequest(Protocol):
 
 
 FutureTokens = tuple[torch.Tensor, dict[int, int]]  # device token ids of a step, row of each id(req)
+
+
+class SampledOnLastStage:
+    """A pipelined step's sampling result, already on the host of every rank (pipeline_sample): the
+    PendingSample interface without device ids (pipelining runs without the overlap schedule)."""
+
+    token_ids = None
+
+    def __init__(self, tokens: SampledTokens) -> None:
+        self._tokens = tokens
+
+    def result(self) -> SampledTokens:
+        return self._tokens
 
 
 class PendingSample:
@@ -165,6 +183,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.tp_size = distributed.get_tp_size()
+        self.pp = distributed.get_pp_group()
+        self._sends = PendingSends()
         backend = config.attention_backend or ("triton" if device.type == "cuda" else "torch")
         if backend == "flashinfer":
             # Before the weights load: a CPU or float32 run cannot use it, and the package may be missing.
@@ -204,6 +224,8 @@ class ModelRunner:
 
         kv_heads = model_config.num_kv_heads_per_rank(self.tp_size)
         kv_layers = model_config.num_attention_layers
+        if self.pp.size > 1:  # this stage's layers only (hybrid models are refused with pp_size > 1)
+            kv_layers = self.model.model.end_layer - self.model.model.start_layer
         bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
         state_shape = model_config.state_shape(self.tp_size) if model_config.is_hybrid else None
@@ -220,7 +242,7 @@ class ModelRunner:
                     snapshots = snapshot_slots_for_budget(state_shape, budget, budget // bytes_per_token)
                 budget -= snapshots * state_shape.bytes_per_row()
             size = self._pool_size_from_budget(budget, bytes_per_token)
-        if self.tp_size > 1:
+        if distributed.get_world_size() > 1:
             shares = [size, rows, -1 if snapshots is None else snapshots]  # (None on every rank or on none)
             agreed = torch.tensor(shares, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
@@ -254,7 +276,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":
-            if backend == "triton":
+            if self.pp.size > 1:
+                logger.warning("cuda_graph_max_bs=%d ignored: pipeline stages run eagerly", config.cuda_graph_max_bs)
+            elif backend == "triton":
                 # Imported here, like the triton backend itself: it needs triton, an optional
                 # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
@@ -266,9 +290,11 @@ class ModelRunner:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
         logger.info(
-            "model %s on %s (%s): KV pool %d tokens (%.1f MiB), %d request rows, %s attention",
+            "model %s on %s (%s): KV pool %d tokens (%.1f MiB, %d layers), %d request rows, %s attention%s",
             model_config.architecture, device, model_config.dtype, size,
-            size * bytes_per_token / 2**20, rows, backend,
+            size * bytes_per_token / 2**20, kv_layers, rows, backend,
+            f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
+            f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",
         )
 
     def _memory_budget(self) -> int:
@@ -296,15 +322,34 @@ class ModelRunner:
         return self.graph_runner.max_bs if self.graph_runner is not None else None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits [bs or tokens, vocab] float32. Decode batches up to cuda_graph_max_bs and extend batches
         up to cuda_graph_max_extend_tokens replay a CUDA graph; their logits are then a view that the next
-        forward overwrites."""
+        forward overwrites. A pipeline stage other than the last returns None, once it has sent its
+        activations on."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         batch.init_state_metadata()
-        return self.model(batch.input_ids, batch.positions, batch)
+        if self.pp.size == 1:
+            return self.model(batch.input_ids, batch.positions, batch)
+        proxy = None
+        if not self.pp.is_first:
+            mc = self.model_config
+            proxy = recv_from_prev_stage(batch.input_ids.shape[0], mc.hidden_size, mc.dtype, self.device)
+        out = self.model(batch.input_ids, batch.positions, batch, proxy)
+        if self.pp.is_last:
+            return out
+        self._sends.send(out)
+        return None
+
+    def pipeline_sample(self, make: Callable[[], tuple[SampledTokens, Any]]) -> tuple[SampledTokens, Any]:
+        """A pipelined step's result on every rank: the last stage runs `make` (sampling, and whatever
+        else only its logits give) and its first TP rank broadcasts what it returns to every rank of
+        every stage; the other stages do not call `make`."""
+        result = make() if self.pp.is_last else None
+        self._sends.wait()
+        return distributed.broadcast_object(result, src=self.pp.global_rank(self.pp.size - 1, 0))  # type: ignore[return-value]
 
     def _reusable_sampling_info(self, reqs: Sequence[SamplingRequest]) -> SamplingBatchInfo | None:
         """The last step's sampling tensors if `reqs` are the same requests and nothing in them can

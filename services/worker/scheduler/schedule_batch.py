@@ -15,11 +15,14 @@ from services.worker.runtime.model_runner import prompt_logprobs
 from services.worker.runtime.sampling.penalties import to_device_async
 from services.worker.scheduler.req import Req
 
+# Prompt log-probs of a step: each prompt row's value, and its top log-probs when asked (model_runner.prompt_logprobs).
+PromptLogprobs = tuple[list[float], list[list[tuple[int, float]]] | None]
+
 if TYPE_CHECKING:
     from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
     from services.worker.mem.radix_cache import RadixCache
     from services.worker.runtime.attention.base import AttentionBackend
-    from services.worker.runtime.model_runner import FutureTokens, PendingSample
+    from services.worker.runtime.model_runner import FutureTokens, PendingSample, SampledOnLastStage
 
 
 class OutOfKVSlots(RuntimeError):
@@ -59,6 +62,23 @@ class ScheduleBatch:
         # rows this step (in batch order), and the token each row's logits score (the next one).
         self.prompt_logprob_counts: list[tuple[Req, int]] = []
         self.prompt_logprob_targets: list[int] = []
+
+    def split(self, parts: int) -> list[ScheduleBatch]:
+        """The batch as up to `parts` batches of consecutive requests (pipeline micro-batches), sized as
+        evenly as the request count allows; a batch of one request stays whole."""
+        parts = max(1, min(parts, len(self.reqs)))
+        if parts == 1:
+            return [self]
+        base, extra = divmod(len(self.reqs), parts)
+        bounds = [0]
+        for k in range(parts):
+            bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+        return [ScheduleBatch(self.reqs[a:b], self.mode, self.mem) for a, b in zip(bounds, bounds[1:])]
+
+    def sampled_rows(self) -> list[int]:
+        """The requests that get a token from this step, by index: all of a decode, and those of an
+        extend whose prefill completes (a chunk that leaves prompt tokens for later samples nothing)."""
+        return [i for i, req in enumerate(self.reqs) if self.mode.is_decode() or len(req.fill_ids) == req.seq_len]
 
     def prepare_extend(self) -> ForwardBatch:
         """Give each request a req_to_token row, map its cached prefix, and allocate KV for its
@@ -157,22 +177,34 @@ class ScheduleBatch:
             [1] * len(positions), writes, future_index=future_index, pool_rows=pool_rows,
         )
 
-    def commit(self, batch: ForwardBatch, logits: torch.Tensor | None = None) -> None:
+    def commit(
+        self, batch: ForwardBatch, logits: torch.Tensor | None = None, prompt: PromptLogprobs | None = None
+    ) -> None:
         """After the forward: the new tokens' KV is resident, and requests asking for prompt log-probs
-        keep those of this step's prompt rows (the rows of `logits` past the first len(reqs))."""
+        keep those of this step's prompt rows (the rows of `logits` past the first len(reqs)), or
+        `prompt`, those log-probs as prompt_logprobs_of gave them on another rank (pipeline stages)."""
         for req, seq_len in zip(self.reqs, batch.seq_lens_cpu):
             req.kv_committed_len = seq_len
         if not self.prompt_logprob_counts:
             return
-        assert logits is not None, "an extend step with prompt log-probs commits with its logits"
-        top_n = max(req.top_logprobs_num for req, _ in self.prompt_logprob_counts)
-        values, top = prompt_logprobs(logits[len(self.reqs) :], self.prompt_logprob_targets, top_n)
+        if prompt is None:
+            assert logits is not None, "an extend step with prompt log-probs commits with its logits"
+            prompt = self.prompt_logprobs_of(logits)
+        assert prompt is not None
+        values, top = prompt
         start = 0
         for req, count in self.prompt_logprob_counts:
             req.input_logprobs.extend(values[start : start + count])
             if req.top_logprobs_num and top is not None:
                 req.input_top_logprobs.extend(row[: req.top_logprobs_num] for row in top[start : start + count])
             start += count
+
+    def prompt_logprobs_of(self, logits: torch.Tensor) -> PromptLogprobs | None:
+        """This step's prompt log-probs (and top log-probs) from its logits; None when none asked."""
+        if not self.prompt_logprob_counts:
+            return None
+        top_n = max(req.top_logprobs_num for req, _ in self.prompt_logprob_counts)
+        return prompt_logprobs(logits[len(self.reqs) :], self.prompt_logprob_targets, top_n)
 
     def _forward_batch(
         self,
@@ -273,4 +305,4 @@ class InFlight:
 
     batch: ScheduleBatch
     sampled: list[Req]  # requests that get a token from this step, in row order
-    handle: PendingSample
+    handle: PendingSample | SampledOnLastStage

@@ -2,8 +2,9 @@
 """The scheduler: one step = admit → build a batch → forward → sample → finish → free.
 
 Prefill has priority: when requests wait (or a chunked prefill is in progress) the step is an
-EXTEND batch; otherwise the running requests decode. Every TP rank runs this same scheduler on the
-same inputs, so they take the same decisions without talking.
+EXTEND batch; otherwise the running requests decode. Every rank (every TP rank of every pipeline
+stage) runs this same scheduler on the same inputs, so they take the same decisions without talking;
+with pipeline stages the last stage's sampled tokens are broadcast to all of them.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from services.worker.config import EngineConfig
 from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.mem.radix_cache import RadixCache
 from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.forward_batch import ForwardMode
+from services.worker.runtime.model_runner import SampledOnLastStage
 from services.worker.scheduler.output import ReqOutput, final_output, sampled_output
 from services.worker.scheduler.req import FinishReason, Req
-from services.worker.scheduler.schedule_batch import InFlight, MemoryContext, ScheduleBatch
+from services.worker.scheduler.schedule_batch import InFlight, MemoryContext, PromptLogprobs, ScheduleBatch
 from services.worker.scheduler.schedule_policy import (
     PrefillAdder,
     SchedulePolicy,
@@ -47,6 +51,7 @@ class SchedulerStats:
     num_prefill_steps: int = 0
     num_decode_steps: int = 0
     num_retractions: int = 0
+    num_micro_batches: int = 0  # pipeline stages: micro-batches the steps went through as
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -207,17 +212,18 @@ class Scheduler:
         in flight is read back (into `outputs`) once this forward is queued, and the grammars advance
         and compute their masks while it runs, as SGLang's overlap schedule does."""
         self.stats.num_steps += 1
+        if self.runner.pp.size > 1:
+            return self._launch_pipelined(batch)
         prev = self._inflight
         future = None
         if prev is not None and batch.mode.is_decode():
             future = (prev.handle.token_ids, {id(r): j for j, r in enumerate(prev.sampled)})
         forward_batch = batch.prepare_decode(future) if batch.mode.is_decode() else batch.prepare_extend()
         logits = self.runner.forward(forward_batch)
-        batch.commit(forward_batch, logits)
-        sampled_idx = [
-            i for i, req in enumerate(batch.reqs) if batch.mode.is_decode() or len(req.fill_ids) == req.seq_len
-        ]
+        assert logits is not None
+        sampled_idx = batch.sampled_rows()
         sampled = [batch.reqs[i] for i in sampled_idx]
+        batch.commit(forward_batch, logits)
         rows = logits if len(sampled_idx) == len(logits) else logits[sampled_idx]  # (past bs: prompt rows)
         if prev is not None and any(r.grammar is not None and r.num_inflight for r in sampled):
             self._finish_inflight(outputs)
@@ -226,6 +232,36 @@ class Scheduler:
         for req in sampled:
             req.num_inflight += 1
         return InFlight(batch, sampled, handle)
+
+    def _launch_pipelined(self, batch: ScheduleBatch) -> InFlight:
+        """With pipeline stages the batch goes through as up to pp_size micro-batches (consecutive
+        requests; a single request stays whole): each stage sends a micro-batch's activations on without
+        waiting and starts the next, so stage s works on micro-batch k while stage s + 1 works on k - 1.
+        Only the last stage has logits: it samples every micro-batch's rows (and takes the prompt
+        log-probs) and every rank receives the result, so every rank's scheduler advances the same
+        requests. The next step needs these tokens, so steps do not overlap."""
+        parts = batch.split(self.runner.pp.size)
+        self.stats.num_micro_batches += len(parts)
+        runs = []
+        for part in parts:
+            forward_batch = part.prepare_decode() if part.mode.is_decode() else part.prepare_extend()
+            runs.append((part, forward_batch, self.runner.forward(forward_batch), part.sampled_rows()))
+        sampled = [part.reqs[i] for part, _, _, rows in runs for i in rows]
+
+        def on_last_stage() -> tuple[SampledTokens, list[PromptLogprobs | None]]:
+            picked = []
+            for _, _, logits, rows in runs:
+                assert logits is not None
+                picked.append(logits if len(rows) == len(logits) else logits[rows])
+            prompts = [part.prompt_logprobs_of(logits) for part, _, logits, _ in runs]  # type: ignore[arg-type]
+            return self.runner.sample(torch.cat(picked), sampled), prompts
+
+        tokens, prompts = self.runner.pipeline_sample(on_last_stage)
+        for (part, forward_batch, _, _), prompt in zip(runs, prompts):
+            part.commit(forward_batch, prompt=prompt)
+        for req in sampled:
+            req.num_inflight += 1
+        return InFlight(batch, sampled, SampledOnLastStage(tokens))
 
     def _finish_inflight(self, outputs: list[ReqOutput]) -> None:
         if self._inflight is not None:

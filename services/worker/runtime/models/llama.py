@@ -4,17 +4,22 @@ Pre-norm decoder layers of attention (fused QKV, neox RoPE, GQA) and a SwiGLU ML
 with RMSNorm fused into the residual adds. Subclasses swap parts through class attributes and small
 hooks: `LlamaAttention.q_norm` / `k_norm` (per-head norms before RoPE), `LlamaDecoderLayer.make_mlp`,
 and the checkpoint-name mapping of `LlamaForCausalLM.weight_target`.
+
+With pipeline parallelism (runtime/pipeline.py) each stage builds and loads only its layers (the others
+are PPMissingLayer), the first stage the embedding, the last the final norm and the LM head (with tied
+embeddings, the last stage keeps its own copy of the embedding as its head).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from services.worker.runtime.distributed import get_tp_size
+from services.worker.runtime.distributed import get_pp_group, get_tp_size
 from services.worker.runtime.layers.activation import get_act_and_mul
 from services.worker.runtime.layers.attention import RadixAttention
 from services.worker.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,6 +34,7 @@ from services.worker.runtime.layers.linear import (
 )
 from services.worker.runtime.layers.logits_processor import LogitsProcessor
 from services.worker.runtime.layers.rotary import RotaryEmbedding, get_rope
+from services.worker.runtime.pipeline import PPMissingLayer, ProxyTensors, stage_layers
 
 if TYPE_CHECKING:
     from services.worker.runtime.forward_batch import ForwardBatch
@@ -62,7 +68,10 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention with this rank's share of the heads; o_proj all-reduces."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, kv_layer: int | None = None
+    ) -> None:
+        """kv_layer: the layer's index in this stage's KV pool (default: layer_id, one stage)."""
         super().__init__()
         hf = config.hf_config
         bias = bool(getattr(hf, "attention_bias", False))
@@ -78,7 +87,8 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb
         self.attn = RadixAttention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+            layer_id if kv_layer is None else kv_layer,
         )
         # Per-head RMSNorm of q and k before RoPE: none in Llama (Qwen3 sets both).
         self.q_norm: RMSNorm | None = None
@@ -101,10 +111,12 @@ class LlamaDecoderLayer(nn.Module):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, kv_layer: int | None = None
+    ) -> None:
         super().__init__()
         eps = float(config.hf_config.rms_norm_eps)
-        self.self_attn = self.attention_cls(config, layer_id, rotary_emb)
+        self.self_attn = self.attention_cls(config, layer_id, rotary_emb, kv_layer)
         self.mlp = self.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -133,25 +145,49 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers (sharing one rotary table) and the final norm."""
+    """Embedding, decoder layers (sharing one rotary table) and the final norm; with pipeline stages,
+    this stage's share of them (`start_layer` to `end_layer`)."""
 
     layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()
+        self.pp_first, self.pp_last = pp.is_first, pp.is_last
+        own = stage_layers(config.num_layers, pp.rank, pp.size)
+        self.start_layer, self.end_layer = own.start, own.stop
+        # The last stage of a tied model uses the embedding as its LM head.
+        keep_embedding = pp.is_first or (pp.is_last and config.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if keep_embedding else None
         max_position = max(config.context_len, int(config.hf_config.max_position_embeddings))
         rotary_emb = get_rope(config.hf_config, config.head_dim, max_position)
-        self.layers = nn.ModuleList(self.layer_cls(config, i, rotary_emb) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, float(config.hf_config.rms_norm_eps))
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, i, rotary_emb, i - own.start) if i in own else PPMissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, float(config.hf_config.rms_norm_eps)) if pp.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, proxy: ProxyTensors | None = None
+    ) -> torch.Tensor | ProxyTensors:
+        """The final normed hidden states on the last stage; (hidden, residual) for the next stage on
+        the others. `proxy`: what the previous stage sent (None on the first)."""
+        if self.pp_first:
+            assert self.embed_tokens is not None
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert proxy is not None, "a later pipeline stage runs on the previous stage's activations"
+            hidden, residual = proxy
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, batch)
+        if self.norm is None:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,15 +207,22 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp_size = get_tp_size()
+        self.pp_last = get_pp_group().is_last
         self.model = self.model_cls(config)
-        if config.tie_word_embeddings:
+        self.lm_head: nn.Module | None = None
+        if config.tie_word_embeddings and self.pp_last:
             self.lm_head = self.model.embed_tokens
-        else:
+        elif self.pp_last:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, batch)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, proxy: ProxyTensors | None = None
+    ) -> torch.Tensor | ProxyTensors:
+        """float32 logits on the last pipeline stage; the activations for the next stage on the others."""
+        hidden = self.model(input_ids, positions, batch) if proxy is None else self.model(input_ids, positions, batch, proxy)
+        if not self.pp_last:
+            return hidden
         return self.logits_processor(hidden, self.lm_head, batch)
 
     def weight_target(self, name: str) -> tuple[str, tuple[Any, ...]]:
@@ -191,7 +234,27 @@ class LlamaForCausalLM(nn.Module):
 
     def skip_weight(self, name: str) -> bool:
         # Old checkpoints store the rotary table; tied checkpoints may still carry lm_head.
-        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")
+        return (
+            "rotary_emb.inv_freq" in name
+            or (self.config.tie_word_embeddings and name == "lm_head.weight")
+            or self.other_stage_weight(name)
+        )
+
+    def other_stage_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to another pipeline stage (never with one stage)."""
+        model = self.model
+        if not isinstance(model, LlamaModel):
+            return False
+        layer = _LAYER_NAME.match(name)
+        if layer is not None:
+            return not model.start_layer <= int(layer[1]) < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return model.embed_tokens is None
+        if name.startswith("model.norm."):
+            return model.norm is None
+        if name.startswith("lm_head."):
+            return self.lm_head is None
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Copy HF-named checkpoint tensors into this rank's parameters; returns the parameters set."""

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 class Qwen3Attention(LlamaAttention):
     """Llama attention with per-head q_norm and k_norm (weights [head_dim], shared by all heads)."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(config, layer_id, rotary_emb)
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, kv_layer: int | None = None
+    ) -> None:
+        super().__init__(config, layer_id, rotary_emb, kv_layer)
         eps = float(config.hf_config.rms_norm_eps)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
