@@ -1,4 +1,4 @@
-# Over 400 lines: the chunked prefill and the recurrent decode (plain and gating-fused) share their checks and conventions.
+# Over 400 lines: the chunked prefill and the recurrent decode share their checks and conventions.
 """The gated delta rule of Gated DeltaNet layers (Qwen3.5): chunked prefill and fused recurrent decode.
 
 Per value head, with a state S [Dk, Dv] and for each token: S = S * exp(g); delta = beta * (v - k^T S);
