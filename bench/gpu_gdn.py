@@ -1,5 +1,5 @@
-"""Check and time the Gated DeltaNet kernels (kernels/gated_delta_rule.py, kernels/causal_conv1d.py) at
-Qwen3.5's linear-attention sizes (16 q/k heads, 32 value heads, head dims 128, conv width 4) on one GPU.
+"""Check and time the Gated DeltaNet kernels (kernels/gated_delta_rule.py, kernels/causal_conv1d.py,
+kernels/gated_rms_norm.py) at Qwen3.5's linear-attention sizes (16 q/k heads, 32 value heads, head dims 128, conv width 4) on one GPU.
 
     python bench/gpu_gdn.py            (from the repository root; needs torch + triton + transformers, a GPU)
 
@@ -7,7 +7,9 @@ Correctness, float32 and bf16 inputs: the chunked prefill (varlen, initial state
 token-by-token Triton prefill, the decode update with padded rows, and both conv kernels against
 transformers' Qwen3.5 torch paths (per-token torch_recurrent_gated_delta_rule per sequence,
 torch_chunk_gated_delta_rule, causal_conv1d_fn / causal_conv1d_update), plus decode replayed from a
-CUDA graph. Timing (bf16): prefill of 1x4096 and 8x512 tokens against transformers' per-token and
+CUDA graph; the decode update with the gating fused in and the gated RMSNorm against their torch forms
+(layers/gdn_ops.py; in bf16 the norm should round as torch does: "differing" is the share of elements
+that do not). Timing also compares the layer's decode tail (gating, update, gated norm) fused and not. Timing (bf16): prefill of 1x4096 and 8x512 tokens against transformers' per-token and
 chunked torch paths; decode at batch 1 and 64 against the bytes of state it must read and write,
 divided by the copy bandwidth measured in the same run (state rows rotate through a pool > 4x L2).
 Prints one JSON line and a table; with $OUT set the JSON also goes to $OUT/gpu_gdn.json.
@@ -42,8 +44,11 @@ from kernels.causal_conv1d import causal_conv1d_update as conv_update  # noqa: E
 from kernels.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule_update,
+    fused_sigmoid_gating_delta_rule_update,
     recurrent_gated_delta_rule,
 )
+from kernels.gated_rms_norm import gated_rms_norm  # noqa: E402
+from services.worker.runtime.layers import gdn_ops  # noqa: E402
 
 DEV = torch.device("cuda")
 HK, HV, DK, DV = 16, 32, 128, 128
@@ -92,6 +97,16 @@ def gdn_inputs(tokens: int, dtype: torch.dtype):
     g = -a_scale * F.softplus(torch.randn((tokens, HV), device=DEV) - 4)
     beta = torch.sigmoid(torch.randn((tokens, HV), device=DEV))
     return q, k, v, g, beta
+
+
+def raw_gates(bs: int, dtype: torch.dtype):
+    """The layer's raw a and b (strided slices of one projection, as it splits in_proj), A_log, dt_bias;
+    some a + dt_bias past softplus' threshold (20)."""
+    proj = torch.randn((bs, 3 * HV), device=DEV).to(dtype)
+    a, b = proj[:, :HV], proj[:, 2 * HV :]
+    a[:, :2] += 25
+    a_log = torch.empty(HV, device=DEV).uniform_(-4.6, 2.8)  # A in (0.01, 16)
+    return a, b, a_log.to(dtype), torch.randn(HV, device=DEV).to(dtype)
 
 
 def hf_heads(q, k, v, g, beta):
@@ -173,6 +188,32 @@ def check_decode(results: dict, dtype: torch.dtype) -> None:
     rows = idx[:real].long()
     results[f"fused_recurrent_update {name} cuda graph == eager"] = (
         float(not torch.equal(out[:real], eager[:real])), float(not torch.equal(work[rows], eager_pool[rows])))  # fmt: skip
+
+
+def check_fused(results: dict, dtype: torch.dtype) -> None:
+    name = str(dtype).split(".")[-1]
+    bs, real = 64, 60  # padded as in check_decode
+    q, k, v, _, _ = gdn_inputs(bs, dtype)
+    a, b, a_log, dt_bias = raw_gates(bs, dtype)
+    pool = torch.randn((bs + 1, HV, DK, DV), device=DEV) * 0.1
+    idx = torch.cat((torch.randperm(bs, device=DEV)[:real] + 1, torch.tensor([0, 0, -1, -1], device=DEV)))
+    idx = idx.to(torch.int32)
+    ref_pool = pool.clone()
+    o = fused_sigmoid_gating_delta_rule_update(q, k, v, a, b, a_log, dt_bias, state=pool, state_indices=idx,
+                                               scale=SCALE)  # fmt: skip
+    ref_o = gdn_ops.fused_sigmoid_gating_delta_rule_update(
+        q[:real], k[:real], v[:real], a[:real], b[:real], a_log, dt_bias, state=ref_pool,
+        state_indices=idx[:real], scale=SCALE,
+    )  # fmt: skip
+    rows = idx[:real].long()
+    results[f"fused_sigmoid_gating_update {name} bs64 padded"] = (
+        rel_err(o[:real], ref_o), rel_err(pool[rows], ref_pool[rows]))  # fmt: skip
+    x = torch.randn((bs, HV, DV), device=DEV).to(dtype)
+    z = torch.randn((bs, HV * DV + 8), device=DEV).to(dtype)[:, : HV * DV].view(bs, HV, DV)
+    w = (1 + 0.1 * torch.randn(DV, device=DEV)).to(dtype)
+    out, ref = gated_rms_norm(x, z, w, 1e-6), gdn_ops.gated_rms_norm(x, z, w, 1e-6)
+    differing = 0.0 if dtype == torch.float32 else (out != ref).float().mean().item()
+    results[f"gated_rms_norm {name} (err, differing)"] = (rel_err(out, ref), differing)
 
 
 def check_conv(results: dict, dtype: torch.dtype) -> None:
@@ -259,6 +300,25 @@ def time_decode(rows: list[dict], bs: int, pool: torch.Tensor, copy_gbps: float)
     cpool = torch.zeros((pool.shape[0], CONV_CH, WIDTH - 1), device=DEV, dtype=torch.bfloat16)
     conv_calls = [lambda ix=ix: conv_update(xb, weight, None, conv_state=cpool, state_indices=ix) for ix in sets]
     rows.append(dict(kernel="causal_conv1d_update", case=f"decode bs{bs} bf16", us=graph_us(conv_calls)))
+    # The layer's decode tail after the conv: gating, update, gated norm; fused (the triton backend's
+    # calls) against the torch gating and norm around the plain update (before the fusion).
+    a, b, a_log, dt_bias = raw_gates(bs, torch.bfloat16)
+    z = torch.randn((bs, HV, DV), device=DEV, dtype=torch.bfloat16)
+    w = torch.ones(DV, device=DEV, dtype=torch.bfloat16)
+
+    def unfused(ix: torch.Tensor) -> torch.Tensor:
+        gg, bb = gdn_ops.sigmoid_gating(a, b, a_log, dt_bias)
+        o = fused_recurrent_gated_delta_rule_update(q, k, v, gg, bb, state=pool, state_indices=ix, scale=SCALE)
+        return gdn_ops.gated_rms_norm(o, z, w, 1e-6)
+
+    def fused(ix: torch.Tensor) -> torch.Tensor:
+        o = fused_sigmoid_gating_delta_rule_update(q, k, v, a, b, a_log, dt_bias, state=pool, state_indices=ix,
+                                                   scale=SCALE)  # fmt: skip
+        return gated_rms_norm(o, z, w, 1e-6)
+
+    rows.append(dict(kernel="gating+update+norm", case=f"decode bs{bs} bf16",
+                     us=graph_us([lambda ix=ix: fused(ix) for ix in sets]),
+                     unfused_us=graph_us([lambda ix=ix: unfused(ix) for ix in sets])))  # fmt: skip
 
 
 def main() -> int:
@@ -269,7 +329,7 @@ def main() -> int:
     print(f"copy bandwidth {copy_gbps:.0f} GB/s (read + write)", flush=True)
     checks: dict[str, tuple[float, float]] = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for check in (check_prefill, check_decode, check_conv):
+        for check in (check_prefill, check_decode, check_fused, check_conv):
             try:
                 check(checks, dtype)
             except Exception as exc:  # report it and go on to the other checks and the timings

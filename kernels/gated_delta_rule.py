@@ -1,3 +1,4 @@
+# Over 400 lines: the chunked prefill and the recurrent decode share their checks and conventions.
 """The gated delta rule of Gated DeltaNet layers (Qwen3.5): chunked prefill and fused recurrent decode.
 
 Per value head, with a state S [Dk, Dv] and for each token: S = S * exp(g); delta = beta * (v - k^T S);
@@ -16,9 +17,12 @@ tile), keeping its slice of the state in registers, so no per-chunk states are w
 Every exponent is <= 0, so nothing overflows however long the chunk's decay.
 
 Decode (fused_recurrent_gated_delta_rule_update) is the per-token recurrence, one program per
-(sequence, head, Dv tile). Neither path syncs with the host (chunks are mapped to sequences on the
-device), so both can be captured in a CUDA graph. A negative state index reads a zero state and
-writes none; the state pool is float32 [N, Hv, Dk, Dv].
+(sequence, head, Dv tile). fused_sigmoid_gating_delta_rule_update (SGLang's name) is the same launch
+computing g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) itself from the layer's raw a
+and b, which saves a decode step the handful of tiny elementwise kernels that would form them.
+Neither path syncs with the host (chunks are mapped to sequences on the device), so both can be
+captured in a CUDA graph. A negative state index reads a zero state and writes none; the state pool
+is float32 [N, Hv, Dk, Dv].
 """
 
 from __future__ import annotations
@@ -45,6 +49,17 @@ def _load_rows(Ptr, tok, t_ok, head, stride_t, stride_h, n_cols, L2NORM: tl.cons
     if L2NORM:
         x = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
     return x
+
+
+@triton.jit
+def _softplus(x):
+    """F.softplus with its defaults (beta 1, threshold 20): x above 20, else log1p(exp(x)), with log1p
+    by Kahan's trick (log(1 + u) * u / ((1 + u) - 1)) since log(1 + u) alone loses u below ~1e-7."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    w = 1.0 + u
+    d = w - 1.0
+    log1p = tl.where(d == 0.0, u, tl.log(w) * (u / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x > 20.0, x, log1p)
 
 
 @triton.jit
@@ -185,12 +200,14 @@ def _chunk_scan_kernel(
 
 @triton.jit
 def _recurrent_kernel(
-    Q, K, V, G, Beta, State, StateIdx, Cu, Out,
+    Q, K, V, G, Beta, ALog, DtBias, State, StateIdx, Cu, Out,
     n_q_per_k, dk, dv, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
     stride_ot, stride_oh, stride_sn, stride_sh, stride_sk,
-    VARLEN: tl.constexpr, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    VARLEN: tl.constexpr, GATING: tl.constexpr, L2NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
+    """With GATING, G and Beta hold the raw a and b (beta rounded to b's dtype, as b.sigmoid() is)."""
     seq = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // n_q_per_k
@@ -217,8 +234,14 @@ def _recurrent_kernel(
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         v = tl.load(V + t64 * stride_vt + h * stride_vh + cols, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(G + t64 * stride_gt + h)
-        beta = tl.load(Beta + t64 * stride_gt + h)
+        if GATING:
+            x = tl.load(G + t64 * stride_gt + h).to(tl.float32) + tl.load(DtBias + h).to(tl.float32)
+            g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * _softplus(x)
+            beta = tl.sigmoid(tl.load(Beta + t64 * stride_bt + h).to(tl.float32))
+            beta = beta.to(Beta.dtype.element_ty).to(tl.float32)
+        else:
+            g = tl.load(G + t64 * stride_gt + h)
+            beta = tl.load(Beta + t64 * stride_bt + h)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -236,8 +259,10 @@ def _check(
     state: torch.Tensor,
     state_indices: torch.Tensor,
     batch: int,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[int, int, int, int]:
-    """Shapes and layouts both paths need; returns (Hk, Hv, Dk, Dv)."""
+    """Shapes and layouts both paths need; returns (Hk, Hv, Dk, Dv). With `gating` (A_log, dt_bias),
+    g and beta are the raw a and b."""
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(
             f"q, k must be [T, Hk, Dk] and v [T, Hv, Dv] over the same tokens, got shapes "
@@ -249,10 +274,20 @@ def _check(
         raise ValueError(f"the value heads ({hv}) must be a multiple of the key heads ({hk})")
     if any(x.stride(-1) != 1 for x in (q, k, v)):
         raise ValueError("q, k and v need a contiguous last axis")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (tokens, hv) or x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 [{tokens}, {hv}], got "
-                             f"{x.dtype} {tuple(x.shape)}")  # fmt: skip
+    if gating is None:
+        for name, x in (("g", g), ("beta", beta)):
+            if x.shape != (tokens, hv) or x.dtype != torch.float32 or not x.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous float32 [{tokens}, {hv}], got "
+                                 f"{x.dtype} {tuple(x.shape)}")  # fmt: skip
+    else:
+        for name, x in (("a", g), ("b", beta)):
+            if x.shape != (tokens, hv) or not x.is_floating_point() or x.stride(-1) != 1:
+                raise ValueError(f"{name} must be a floating-point [{tokens}, {hv}] with a contiguous last "
+                                 f"axis, got {x.dtype} {tuple(x.shape)}")  # fmt: skip
+        for name, x in zip(("A_log", "dt_bias"), gating):
+            if x.shape != (hv,) or not x.is_floating_point() or not x.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous floating-point [{hv}], got "
+                                 f"{x.dtype} {tuple(x.shape)}")  # fmt: skip
     if state.dim() != 4 or state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32:
         raise ValueError(f"state must be a float32 pool [N, {hv}, {dk}, {dv}], got {state.dtype} "
                          f"{tuple(state.shape)}")  # fmt: skip
@@ -345,20 +380,22 @@ def _recurrent(
     cu_seqlens: torch.Tensor | None,
     scale: float,
     use_qk_l2norm: bool,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     batch = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    hk, hv, dk, dv = _check(q, k, v, g, beta, state, state_indices, batch)
+    hk, hv, dk, dv = _check(q, k, v, g, beta, state, state_indices, batch, gating)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch == 0 or q.shape[0] == 0:
         return o
     block_v = _v_block(dv, batch * hv)
     cu = state_indices if cu_seqlens is None else cu_seqlens.to(torch.int32)  # Cu is unread in decode
+    a_log, dt_bias = (g, g) if gating is None else gating  # unread without GATING
     _recurrent_kernel[(batch, hv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, state_indices, cu, o,
+        q, k, v, g, beta, a_log, dt_bias, state, state_indices, cu, o,
         hv // hk, dk, dv, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        o.stride(0), o.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm,
+        beta.stride(0), o.stride(0), o.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        VARLEN=cu_seqlens is not None, GATING=gating is not None, L2NORM=use_qk_l2norm,
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4,
     )  # fmt: skip
     return o
@@ -379,6 +416,26 @@ def fused_recurrent_gated_delta_rule_update(
     """Decode: one token per sequence (q, k [B, Hk, Dk], v [B, Hv, Dv], g and beta [B, Hv]); sequence b's
     state is state[state_indices[b]], updated in place. Returns o [B, Hv, Dv] in v's dtype."""
     return _recurrent(q, k, v, g, beta, state, state_indices, None, scale, use_qk_l2norm)
+
+
+def fused_sigmoid_gating_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """fused_recurrent_gated_delta_rule_update with the gating computed in the kernel from the layer's raw
+    a, b [B, Hv] (any row stride, e.g. views of the in_proj output) and A_log, dt_bias [Hv]:
+    g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b) rounded to b's dtype."""
+    return _recurrent(q, k, v, a, b, state, state_indices, None, scale, use_qk_l2norm, (A_log, dt_bias))
 
 
 def recurrent_gated_delta_rule(

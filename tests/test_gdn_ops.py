@@ -159,3 +159,28 @@ def test_more_qk_heads_than_v_heads_is_refused() -> None:
             q, k, rand(2, 2, DV, seed=32), torch.zeros(2, 2), torch.ones(2, 2),
             state=torch.zeros(3, 2, DK, DV), state_indices=torch.tensor([1, 2]), scale=1.0,
         )
+
+
+def test_sigmoid_gating_update_matches_transformers_gating_and_recurrence() -> None:
+    # transformers' Qwen3.5 forms beta = b.sigmoid() and g = -exp(A_log) * softplus(a + dt_bias) from the
+    # raw projections (in their dtype) before torch_recurrent_gated_delta_rule; softplus' threshold (20)
+    # keeps a + dt_bias = 100 finite.
+    q, k, v = rand(3, HK, DK, seed=33), rand(3, HK, DK, seed=34), rand(3, HV, DV, seed=35)
+    a, b = (rand(3, HV, seed=36) * 4).bfloat16(), rand(3, HV, seed=37).bfloat16()
+    a[0, 0] = 100.0
+    a_log, dt_bias = rand(HV, seed=38) - 2, rand(HV, seed=39)
+    state = rand(POOL_ROWS, HV, DK, DV, seed=40)
+    rows = torch.tensor([5, 3, 1])
+    initial = state.clone()
+    out = gdn_ops.fused_sigmoid_gating_delta_rule_update(
+        q, k, v, a, b, a_log, dt_bias, state=state, state_indices=rows, scale=DK**-0.5
+    )
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    assert torch.isfinite(g).all()
+    ref_out, ref_state = torch_recurrent_gated_delta_rule(
+        q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None].float(), initial_state=initial[rows],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    assert_close(out, ref_out[:, 0])
+    assert_close(state[rows], ref_state)

@@ -50,21 +50,32 @@ def test_the_backend_picks_the_ops(model) -> None:
     ops = gdn_ops_for_backend(both["triton"])
     assert ops is not gdn_ops and ops.chunk_gated_delta_rule.__module__ == "kernels.gated_delta_rule"
     assert ops.causal_conv1d_update.__module__ == "kernels.causal_conv1d"
+    assert ops.gated_rms_norm.__module__ == "kernels.gated_rms_norm"
     assert gdn_ops_for_backend(both["torch"]) is gdn_ops
-    # The layer really calls them: count the Triton decode kernels' calls in one decode step.
-    original = ops.fused_recurrent_gated_delta_rule_update
+    # The layer really calls them: count the calls of the Triton decode update (the gating fused in) and
+    # gated norm over an extend and a decode step.
+    names = ["fused_sigmoid_gating_delta_rule_update", "gated_rms_norm"]
+    originals = {name: getattr(ops, name) for name in names}
 
-    def counted(*args, **kwargs):
-        calls.append("recurrent")
-        return original(*args, **kwargs)
+    def counted(name: str):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
 
-    ops.fused_recurrent_gated_delta_rule_update = counted
+        return call
+
+    for name in names:
+        setattr(ops, name, counted(name))
     try:
         both["triton"].extend([(row, [5, 6, 7])])
+        extend_calls = list(calls)
         both["triton"].decode([(row, 8)])
     finally:
-        ops.fused_recurrent_gated_delta_rule_update = original
-    assert calls == ["recurrent"] * config.state_shape(1).num_layers
+        for name, original in originals.items():
+            setattr(ops, name, original)
+    layers = config.state_shape(1).num_layers
+    assert extend_calls == ["gated_rms_norm"] * layers
+    assert calls[len(extend_calls) :] == names * layers
 
 
 def test_triton_backend_matches_torch_over_mixed_steps(model) -> None:

@@ -14,9 +14,11 @@ Both states live in the StatePool (mem/state_pool.py), one row per request, foun
 batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
 the one-token update. The ops follow the step's attention backend: the torch backend (CPU, and the
 reference on CUDA) runs gdn_ops.py's torch ops; the GPU backends (triton, flashinfer) run the Triton
-kernels of the same signatures (kernels/causal_conv1d.py, kernels/gated_delta_rule.py), which never sync
-with the host, so a CUDA graph captures a decode step (cuda_graph_runner.py: padded rows use state row
-0, the padding row).
+kernels of the same signatures (kernels/causal_conv1d.py, kernels/gated_delta_rule.py,
+kernels/gated_rms_norm.py), which never sync with the host, so a CUDA graph captures a decode step
+(cuda_graph_runner.py: padded rows use state row 0, the padding row). A decode step hands the raw a and
+b to fused_sigmoid_gating_delta_rule_update, whose Triton kernel forms g and beta itself: with the
+one-pass gated norm that spares each layer ~20 tiny elementwise launches per step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
@@ -53,7 +54,7 @@ class _TritonOps:
     only where a GPU backend runs (or under the interpreter in tests)."""
 
     def __init__(self) -> None:
-        from kernels import causal_conv1d, gated_delta_rule
+        from kernels import causal_conv1d, gated_delta_rule, gated_rms_norm
 
         self.causal_conv1d_fwd = causal_conv1d.causal_conv1d_fwd
         self.causal_conv1d_update = causal_conv1d.causal_conv1d_update
@@ -61,6 +62,10 @@ class _TritonOps:
         self.fused_recurrent_gated_delta_rule_update = (
             gated_delta_rule.fused_recurrent_gated_delta_rule_update
         )
+        self.fused_sigmoid_gating_delta_rule_update = (
+            gated_delta_rule.fused_sigmoid_gating_delta_rule_update
+        )
+        self.gated_rms_norm = gated_rms_norm.gated_rms_norm
 
 
 _triton_ops: _TritonOps | None = None
@@ -78,7 +83,8 @@ def gdn_ops_for(batch: ForwardBatch) -> ModuleType | _TritonOps:
 
 class GatedRMSNorm(nn.Module):
     """norm(x) * weight * silu(gate) per head (transformers' Qwen3_5RMSNormGated, rounding included:
-    the norm in float32, the scale in the input dtype, the gate in float32)."""
+    the norm in float32, the scale in the input dtype, the gate in float32), by `ops`' gated_rms_norm:
+    gdn_ops' torch form by default, the Triton kernel's on the GPU backends."""
 
     def __init__(self, head_dim: int, eps: float) -> None:
         super().__init__()
@@ -86,11 +92,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = new_parameter((head_dim,), default_weight_loader)
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+    def forward(
+        self, x: torch.Tensor, gate: torch.Tensor, ops: ModuleType | _TritonOps = gdn_ops
+    ) -> torch.Tensor:
+        return ops.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNetInProj(MergedColumnParallelLinear):
@@ -197,16 +202,17 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if decode:
-            core = ops.fused_recurrent_gated_delta_rule_update(
-                q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices, scale=self.scale
+            core = ops.fused_sigmoid_gating_delta_rule_update(
+                q, k, v, a, b, self.A_log, self.dt_bias, state=recurrent_state,
+                state_indices=meta.state_indices, scale=self.scale,
             )
         else:
+            g, beta = gdn_ops.sigmoid_gating(a, b, self.A_log, self.dt_bias)
             core = ops.chunk_gated_delta_rule(
                 q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices,
                 cu_seqlens=meta.cu_seqlens, scale=self.scale,
             )
-        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        # Per head: z viewed as [T, Hv, Dv] in place (a strided slice of the in_proj output, not copied).
+        out = self.norm(core, z.view(tokens, self.num_v_heads, self.head_v_dim), ops)
         return self.out_proj(out.reshape(tokens, self.value_dim))

@@ -1,8 +1,9 @@
 """The Gated DeltaNet ops in torch: the causal depthwise conv1d and the gated delta rule, over the
 state pool (mem/state_pool.py), for varlen extend batches and for decode.
 
-These are the reference (and the CPU path); kernels/gated_delta_rule.py and kernels/causal_conv1d.py
-implement the same four signatures in Triton. Conventions shared by all four:
+These are the reference (and the CPU path); kernels/gated_delta_rule.py, kernels/causal_conv1d.py and
+kernels/gated_rms_norm.py implement the same signatures in Triton (the decode update with the gating
+fused in, fused_sigmoid_gating_delta_rule_update, and the gated RMSNorm too). Conventions shared by all four:
 
 - Sequences are packed: token rows of sequence i are cu_seqlens[i] .. cu_seqlens[i+1]-1 (int32 [B+1]);
   decode ops take one row per sequence.
@@ -147,6 +148,47 @@ def fused_recurrent_gated_delta_rule_update(
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     state[rows] = s.to(state.dtype)
     return (s * q.unsqueeze(-1)).sum(dim=-2).to(v.dtype)
+
+
+def sigmoid_gating(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's raw a, b [T, Hv] to (g, beta), float32 [T, Hv]: g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b) (in b's dtype, then float32), as transformers' Qwen3.5 forms them."""
+    beta = b.sigmoid().float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+def fused_sigmoid_gating_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Decode from the raw gates: sigmoid_gating, then fused_recurrent_gated_delta_rule_update (the
+    Triton twin computes the gating inside its kernel)."""
+    g, beta = sigmoid_gating(a, b, A_log, dt_bias)
+    return fused_recurrent_gated_delta_rule_update(
+        q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * weight * silu(gate) over the last axis (transformers' Qwen3_5RMSNormGated, rounding
+    included: the norm in float32, the scale in the input dtype, the gate in float32)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
 def causal_conv1d_fwd(
