@@ -69,15 +69,18 @@ def ready_line(name: str) -> str:
     return f"{name} ready"
 
 
-async def publish_error(bus: Bus, gateway_id: str, rid: str, message: str, status: int | None = None) -> None:
+async def publish_error(
+    bus: Bus, gateway_id: str, rid: str, message: str, status: int | None = None, param: str | None = None,
+) -> None:
     """End request `rid` at its gateway with an error final (what a gateway shows the client; `status`:
-    Finish.status, None for the request's own fault)."""
-    final = StreamOut(rid=rid, text="", token_ids=[], finish=Finish(type="error", message=message, status=status))
+    Finish.status, None for the request's own fault; `param`: Finish.param, the field at fault)."""
+    final = StreamOut(rid=rid, text="", token_ids=[], finish=Finish(type="error", message=message, status=status,
+                                                                   param=param))
     try:
         await bus.publish(bus.subjects.gateway_stream(gateway_id), BatchStreamOut(v=PROTOCOL_VERSION, items=[final]))
     except PayloadTooLarge:
         # Only an absurdly long message can do this; the short form always fits.
-        final.finish = Finish(type="error", message=message[:1000], status=status)
+        final.finish = Finish(type="error", message=message[:1000], status=status, param=param)
         await bus.publish(bus.subjects.gateway_stream(gateway_id), BatchStreamOut(v=PROTOCOL_VERSION, items=[final]))
 
 

@@ -271,8 +271,11 @@ class FakePipeline:
         self.requests.append(msg)
         prompt = _prompt_of(msg)
         if prompt.startswith("ERROR"):
+            # As the tokenizer service refuses a prompt too long: naming the field it came in.
+            field = "text" if msg.text is not None else "messages" if msg.messages is not None else "input_ids"
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
-                type="error", message="the prompt has 9999 tokens; the model's context is 64 (`input_ids` too long)")))
+                type="error", message=f"the prompt has 9999 tokens; the model's context is 64 (`{field}` too long)",
+                param=field)))
             return
         if prompt.startswith("DOWN"):
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(

@@ -173,6 +173,15 @@ def test_prompt_refused_by_the_pipeline_is_400_with_its_message(http: httpx.Clie
     status, _, message = error_of(http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long"}))
     assert status == 400
     assert "too long" in message
+    # The services name the prompt `text` (or `messages`, `input_ids`); the client sent `prompt`.
+    reply = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long"})
+    assert (reply.json()["error"]["param"], reply.json()["error"]["message"]) == (
+        "prompt", "the prompt has 9999 tokens; the model's context is 64 (`prompt` too long)")
+    chat = http.post("/v1/chat/completions", json={"model": FAKE_MODEL, "messages": [{"role": "user", "content": "ERROR"}]})
+    assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")
+    assert "(`messages` too long)" in chat.json()["error"]["message"]
+    native = http.post("/generate", json={"text": "ERROR long"})
+    assert (native.status_code, native.json()["error"]["param"]) == (400, "text")
     # Streaming too: the response starts only once the first output is known.
     streamed = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long", "stream": True})
     assert streamed.status_code == 400
