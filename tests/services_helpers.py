@@ -131,6 +131,31 @@ def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = R
     return proc
 
 
+def children_of(pid: int) -> set[int]:
+    """Every descendant of pid, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def metric_value(text: str, name: str, labels: str = "") -> float:
     """A sample's value from Prometheus text format (`labels` as written, e.g. 'status="ok"')."""
     wanted = f"{name}{{{labels}}}" if labels else name
