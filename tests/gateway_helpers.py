@@ -72,6 +72,8 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()  # its selector and self-pipe, else left to the garbage collector
 
 
 class GatewayThread:
@@ -82,7 +84,11 @@ class GatewayThread:
         self.config = GatewayConfig(**{**values, **overrides})
         self.service = GatewayService(self.config)
         self.thread = LoopThread(f"gateway-{self.config.gateway_id}")
-        self.thread.run(self.service.start())
+        try:
+            self.thread.run(self.service.start())
+        except BaseException:
+            self.close()  # what it started (its NATS connection) and its thread, before the error goes on
+            raise
 
     @property
     def url(self) -> str:

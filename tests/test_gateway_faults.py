@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -323,3 +324,12 @@ def test_a_final_with_negative_counts_ends_its_request_and_spares_the_rest_of_it
     assert [a.json()["meta_info"]["finish_reason"]["type"] for a in answers] == ["stop", "stop"]
     for rid in ("neg-1", "neg-2"):
         httpx.post(f"{gateway.url}/abort_request", json={"rid": rid}, timeout=5)
+
+
+def test_a_gateway_that_fails_to_start_leaves_no_thread_behind(nats: NatsServer) -> None:
+    """Its event loop's thread, with what the service had started (its NATS connection), would run on
+    past the test and log into whatever the test run has closed by then."""
+    before = set(threading.enumerate())
+    with pytest.raises(ConnectionError, match="unreachable"):
+        GatewayThread(nats.url, subject_prefix="nostart", redis_url="redis://127.0.0.1:1")
+    assert not [t.name for t in threading.enumerate() if t not in before and t.name.startswith("gateway-")]
