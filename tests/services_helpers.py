@@ -118,9 +118,10 @@ def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = R
     """`radixserve up *args` with `env`, its output in `log`; returns once it says it is up
     (AssertionError with its output if it exits first or takes longer than `timeout`)."""
     with log.open("wb") as out:
+        # SIGTERM to `up` if the test run dies first: it then stops all it started.
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", *args],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
         )
     deadline = time.monotonic() + timeout
     while "radixserve is up" not in log.read_text():

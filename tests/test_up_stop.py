@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from shared.service import die_with_parent
 from tests.services_helpers import REPO_ROOT, alive, children_of, start_up
 
 STOP_TIMEOUT_S = 3.0
@@ -85,7 +86,8 @@ def test_sigint_while_the_services_start_stops_those_started(qwen3_path: Path, t
     log = tmp_path / "up.out"
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *up_args(qwen3_path, tmp_path)],
-                                cwd=REPO_ROOT, env=up_env(), stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO_ROOT, env=up_env(), stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
     deadline = time.monotonic() + 60
     while service_pid(proc.pid, "worker") is None:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
