@@ -13,7 +13,10 @@ prefix, so several deployments can share one NATS. Engine options given to `up` 
 `--api-key` (the gateways') and `--log-level`. Each service's Prometheus metrics port (the gateways' too,
 besides /metrics on the HTTP port) is picked free (so several `up`s can share a machine), logged in its
 log file, and listed in RUN_DIR/prometheus.yml (services/up_metrics.py). Ctrl-C or SIGTERM drains the gateway first (no new
-work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running.
+work, in-flight requests finish), then the tokenizer, the workers and NATS; nothing is left running: the
+whole stop takes at most --stop-timeout seconds, then every service still there is killed with anything
+it started (each service runs in a process group of its own), and a signal during the start stops what
+has started so far.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from shared.service import DEFAULT_NATS_URL, ServiceConfig, die_with_parent, rea
 
 logger = logging.getLogger("radixserve.up")
 READY_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 60.0
+# The services' own drains take up to 30 s (the gateways' in-flight requests, then the workers'), so the
+# ordered stop gets 45; with NATS's stop after it, `up` is gone within a minute of Ctrl-C.
+STOP_TIMEOUT_S = 45.0
 # `up --gateway-tokenizes short`: a prompt up to this size costs a gateway ~0.25 ms to tokenize, less
 # than the tokenizer service's hop adds to its first token (~0.5 ms on this CPU, ~0.8 ms on the GPU host,
 # bench/pipeline_hops.py); longer prompts would hold the gateway's event loop for longer, so they go to
@@ -70,6 +75,7 @@ class Child:
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
+            check_stop()
             if ready_line(self.service) in self.log():
                 return
             if self.proc.poll() is not None:
@@ -77,15 +83,55 @@ class Child:
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} was not ready in time:\n{self.log()[-3000:]}")
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def wait_until(self, deadline: float) -> None:
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill_group(self) -> None:
+        """SIGKILL the child's process group: the child if it is still there (it ignored SIGTERM, or hung),
+        and whatever it started that outlived it."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop within %.0f s: killed", self.name, timeout)
-                self.proc.kill()
-                self.proc.wait()
+            logger.warning("%s did not stop in time: killed", self.name)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass  # no process is left in its group
+        self.proc.wait()
+
+
+def stop_children(groups: list[list[Child]], timeout: float) -> None:
+    """SIGTERM each group of children in turn, the next once the previous has exited, all within
+    `timeout` seconds; then kill every child's process group."""
+    deadline = time.monotonic() + timeout
+    for group in groups:
+        for child in group:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in group:
+            child.wait_until(deadline)
+    for group in groups:
+        for child in group:
+            child.kill_group()
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached `up` while it was starting the services."""
+
+
+_stop_signals: list[int] = []
+
+
+def _on_stop_signal(signum: int, frame: object) -> None:
+    """`up`'s SIGINT and SIGTERM only mark that it should stop; starting checks the mark between steps
+    (check_stop), so a signal never lands between a child's start and `up`'s record of it."""
+    _stop_signals.append(signum)
+
+
+def check_stop() -> None:
+    if _stop_signals:
+        raise Interrupted
 
 
 def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -127,6 +173,9 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
                          "RS_API_KEY; passed to the gateways in their environment, never on a command line)")
     up.add_argument("--log-level", default=None, type=str.upper, choices=LOG_LEVELS,
                     help="log level of `up` and of every service (env RS_LOG_LEVEL; default INFO)")
+    up.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S,
+                    help="seconds the ordered stop on Ctrl-C or SIGTERM may take (the gateways drain first, then "
+                         f"the rest) before every service left is killed, with what it started (default {STOP_TIMEOUT_S:g})")
     flags.add_arguments(up, EngineConfig)
     up.set_defaults(handler=run_up)
 
@@ -135,10 +184,12 @@ def _spawn(name: str, service: str, args: list[str], env: dict[str, str], run_di
     """Start `radixserve SERVICE ARGS` with `env` (its NATS credentials among it, unseen by `ps`)."""
     log_path = run_dir / f"{name}.log"
     with log_path.open("wb") as log:
+        # A process group of its own: what the service starts can be killed with it, and a terminal's
+        # Ctrl-C reaches `up` alone, which stops the services in order.
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", service, *args],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent, start_new_session=True,
         )
     return Child(name, service, proc, log_path)
 
@@ -152,6 +203,7 @@ def _get_json(url: str, timeout: float = 5.0, api_key: str = "") -> dict:
 def _wait_for_model(base: str, deadline: float, gateway: Child, api_key: str = "") -> dict:
     """The gateway answers /v1/models with a model once a worker has reported its load."""
     while time.monotonic() < deadline:
+        check_stop()
         if gateway.proc.poll() is not None:
             raise RuntimeError(f"the gateway exited:\n{gateway.log()[-3000:]}")
         try:
@@ -162,11 +214,6 @@ def _wait_for_model(base: str, deadline: float, gateway: Child, api_key: str = "
             pass
         time.sleep(0.3)
     raise RuntimeError("no worker reached the gateway in time")
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM stops `up` the way Ctrl-C does."""
-    raise KeyboardInterrupt
 
 
 def _busy_poll_ms(flag: float | None, engine: EngineConfig) -> float:
@@ -225,6 +272,9 @@ def run_up(args: argparse.Namespace) -> int:
     if args.gateways < 1 or (args.gateways > 1 and args.port == 0):
         print("radixserve: error: --gateways must be >= 1, and more than one needs a fixed --port", file=sys.stderr)
         return 2
+    if not args.stop_timeout >= 0:
+        print(f"radixserve: error: --stop-timeout must be >= 0, got {args.stop_timeout}", file=sys.stderr)
+        return 2
     run_dir = args.run_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -232,52 +282,45 @@ def run_up(args: argparse.Namespace) -> int:
     nats_server: NatsServer | None = None
     client_file: Path | None = None
     role_env: dict[str, dict[str, str]] = {}
-    if not is_reachable(args.nats_url):
-        users = generate_users(namespace)
-        try:
-            nats_server = start_nats_server(
-                host=args.nats_host, users=[user.server_entry(namespace) for user in users.values()]
-            )
-        except RuntimeError as exc:
-            print(f"radixserve: error: {exc}", file=sys.stderr)
-            return 1
-        connection = NatsConnection(nats_url=nats_server.url, subject_prefix=namespace)
-        role_env = {role: user.env() for role, user in users.items()}
-        client_file = run_dir / "nats-client.json"
-        write_client_credentials(client_file, nats_server.url, namespace, users[CLIENT_ROLE])
-        logger.info("started nats-server at %s (max_payload 8 MB; a user per role; client credentials in %s)",
-                    nats_server.url, client_file)
-    else:
-        logger.info("using NATS at %s as %s", connection.nats_url_for_logs, connection.nats_identity)
-    nats_url = connection.nats_url_for_logs
+    children: list[Child] = []  # each recorded as it starts
 
-    # The settings `up` passes under their own names replace any other spelling of them it inherited.
-    inherited = {k: v for k, v in os.environ.items() if k not in flags.alias_env_names(EngineConfig)}
-    env = {**inherited, "PYTHONUNBUFFERED": "1", **model_env, "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}",
-           **connection.env()}
-
-    def env_of(role: str) -> dict[str, str]:
-        return {**env, **role_env.get(role, {})}
-    children: list[Child] = []
-    stopping = False
-
-    def stop_all(*_: object) -> None:
-        nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        # The ordered stop is bounded (each child gets STOP_TIMEOUT_S, then is killed): repeated
-        # signals must not cut it short and leave processes behind.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logger.info("stopping: gateway, tokenizer, workers, then NATS")
-        for child in children:  # started in dependency order, so the front door goes first
-            child.stop()
+    def stop_all() -> None:
+        logger.info("stopping: the gateways, then the tokenizer and workers, then NATS (what is left after %g s is killed)",
+                    args.stop_timeout)
+        gateways = [child for child in children if child.service == "gateway"]
+        stop_children([gateways, [child for child in children if child not in gateways]], args.stop_timeout)
         if nats_server is not None:
             nats_server.stop()
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_signals.clear()
+    previous_handlers = {signum: signal.signal(signum, _on_stop_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
+        if not is_reachable(args.nats_url):
+            users = generate_users(namespace)
+            nats_server = start_nats_server(
+                host=args.nats_host, users=[user.server_entry(namespace) for user in users.values()]
+            )
+            connection = NatsConnection(nats_url=nats_server.url, subject_prefix=namespace)
+            role_env = {role: user.env() for role, user in users.items()}
+            client_file = run_dir / "nats-client.json"
+            write_client_credentials(client_file, nats_server.url, namespace, users[CLIENT_ROLE])
+            logger.info("started nats-server at %s (max_payload 8 MB; a user per role; client credentials in %s)",
+                        nats_server.url, client_file)
+        else:
+            logger.info("using NATS at %s as %s", connection.nats_url_for_logs, connection.nats_identity)
+        nats_url = connection.nats_url_for_logs
+
+        # The settings `up` passes under their own names replace any other spelling of them it inherited.
+        inherited = {k: v for k, v in os.environ.items() if k not in flags.alias_env_names(EngineConfig)}
+        env = {**inherited, "PYTHONUNBUFFERED": "1", **model_env, "RS_BUSY_POLL_MS": f"{busy_poll_ms:g}",
+               **connection.env()}
+
+        def spawn(name: str, service: str, service_args: list[str]) -> Child:
+            check_stop()
+            child = _spawn(name, service, service_args, {**env, **role_env.get(service, {})}, run_dir)
+            children.append(child)
+            return child
+
         deadline = time.monotonic() + READY_TIMEOUT_S
         gateway_args = ["--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
         if args.gateway_tokenizes != "none":
@@ -294,18 +337,12 @@ def run_up(args: argparse.Namespace) -> int:
             gateway_args += ["--tool-call-parser", args.tool_call_parser]
         if args.allowed_origins:
             gateway_args += ["--allowed-origins", args.allowed_origins]
-        gateways = [
-            _spawn("gateway" if i == 0 else f"gateway-{i}", "gateway", gateway_args, env_of("gateway"), run_dir)
-            for i in range(args.gateways)
-        ]
-        gateway = gateways[0]
-        tokenizer = _spawn("tokenizer", "tokenizer", ["--metrics-port", "0"], env_of("tokenizer"), run_dir)
-        workers = [
-            _spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer",
-                                            "--metrics-port", "0"], env_of("worker"), run_dir)
-            for i in range(args.workers)
-        ]
-        children += [*gateways, tokenizer, *workers]
+        gateway = spawn("gateway", "gateway", gateway_args)
+        for i in range(1, args.gateways):
+            spawn(f"gateway-{i}", "gateway", gateway_args)
+        spawn("tokenizer", "tokenizer", ["--metrics-port", "0"])
+        for i in range(args.workers):
+            spawn(f"worker-{i}", "worker", ["--worker-id", f"w{i}", "--with-detokenizer", "--metrics-port", "0"])
         for child in children:
             child.wait_ready(deadline)
         targets: dict[str, list[str]] = {}
@@ -329,15 +366,21 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": "
               "\"What is the capital of France?\"}]}'")
         print("  Ctrl-C stops everything.\n", flush=True)
-        while all(child.proc.poll() is None for child in children):
+        while not _stop_signals and all(child.proc.poll() is None for child in children):
             time.sleep(0.5)
+        if _stop_signals:
+            return 0
         dead = next(child for child in children if child.proc.poll() is not None)
         logger.error("%s exited with %s; stopping the rest:\n%s", dead.name, dead.proc.returncode, dead.log()[-2000:])
         return 1
-    except KeyboardInterrupt:
+    except Interrupted:
         return 0
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # nats-server or a service could not start
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all()
+        try:
+            stop_all()
+        finally:
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)

@@ -5,22 +5,34 @@ from __future__ import annotations
 
 from typing import Any
 
+# The request fields a prompt comes in (shared.protocol.TokenizeRequest's); a gateway's client may have
+# named it otherwise (OpenAI's completions: `prompt`), and the gateway renames them in what it answers.
+PROMPT_FIELDS = frozenset({"text", "messages", "input_ids"})
 
-def validate_input_ids(ids: Any, vocab_size: int, context_len: int, pool_tokens: int) -> None:
-    """ValueError, naming `input_ids`, for anything the model cannot take."""
+
+class PromptError(ValueError):
+    """A prompt the model cannot take; `param` is the request field it came in (one of PROMPT_FIELDS)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate_input_ids(ids: Any, vocab_size: int, context_len: int, pool_tokens: int, field: str = "input_ids") -> None:
+    """PromptError, naming `field` (the request field the prompt came in), for anything the model cannot take."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError("`input_ids` must be a list of integers")
+        raise PromptError(f"`{field}` must be a list of integers", field)
     if not ids:
-        raise ValueError("the prompt is empty (`input_ids` has no tokens)")
+        raise PromptError(f"the prompt is empty (`{field}` has no tokens)", field)
     if len(ids) >= context_len:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; the model's context is {context_len} (`input_ids` too long)"
+        raise PromptError(
+            f"the prompt has {len(ids)} tokens; the model's context is {context_len} (`{field}` too long)", field
         )
     if len(ids) + 1 > pool_tokens:
-        raise ValueError(f"the prompt has {len(ids)} tokens; the KV pool holds {pool_tokens} (`input_ids` too long)")
+        raise PromptError(f"the prompt has {len(ids)} tokens; the KV pool holds {pool_tokens} (`{field}` too long)", field)
     low, high = min(ids), max(ids)
     if low < 0 or high >= vocab_size:
-        raise ValueError(f"`input_ids` holds a token id outside [0, {vocab_size}): {low if low < 0 else high}")
+        raise PromptError(f"`{field}` holds a token id outside [0, {vocab_size}): {low if low < 0 else high}", field)
 
 
 def check_logprob_start_len(value: Any, prompt_len: int | None = None) -> int | None:

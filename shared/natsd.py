@@ -133,8 +133,11 @@ def start_nats_server(
         str(nats_server_binary()), "-a", host, "-p", str(-1 if port is None else port),
         "-c", str(config), "--ports_file_dir", str(workdir),
     ]
+    # A process group of its own: a terminal's Ctrl-C goes to whoever started it (`up`), which stops it
+    # after the services that use it have drained.
     process = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+        start_new_session=True,
     )
     log.close()
     server = NatsServer(process, "", workdir, max_payload)

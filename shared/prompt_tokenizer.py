@@ -147,7 +147,8 @@ class PromptTokenizer:
         """The worker's request; ValueError naming the field for anything a worker would refuse."""
         ids = self.prompt_ids(req)
         # The KV pool is the worker's to check; the context and vocabulary are the model's.
-        validate_input_ids(ids, self.vocab_size, self.context_len, sys.maxsize)
+        field = "input_ids" if req.input_ids is not None else "text" if req.text is not None else "messages"
+        validate_input_ids(ids, self.vocab_size, self.context_len, sys.maxsize, field)
         return generate_request(req, ids)
 
 

@@ -120,12 +120,15 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
 class Finish(msgspec.Struct, omit_defaults=True):
     """Why a request ended: type 'stop' | 'length' | 'abort' | 'error'; matched token id or string.
     `status`, on an 'error' final: the HTTP status every door answers it with (None: 400, the
-    request's own fault; 5xx: the server could not serve it, e.g. 503 for a worker shutting down)."""
+    request's own fault; 5xx: the server could not serve it, e.g. 503 for a worker shutting down).
+    `param`, on an 'error' final: the request field at fault, when one is (a prompt's: `text`,
+    `messages` or `input_ids`, which a gateway renames to the field its client sent)."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
     status: int | None = None
+    param: str | None = None
 
 
 class Usage(msgspec.Struct, omit_defaults=True):

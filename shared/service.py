@@ -69,15 +69,18 @@ def ready_line(name: str) -> str:
     return f"{name} ready"
 
 
-async def publish_error(bus: Bus, gateway_id: str, rid: str, message: str, status: int | None = None) -> None:
+async def publish_error(
+    bus: Bus, gateway_id: str, rid: str, message: str, status: int | None = None, param: str | None = None,
+) -> None:
     """End request `rid` at its gateway with an error final (what a gateway shows the client; `status`:
-    Finish.status, None for the request's own fault)."""
-    final = StreamOut(rid=rid, text="", token_ids=[], finish=Finish(type="error", message=message, status=status))
+    Finish.status, None for the request's own fault; `param`: Finish.param, the field at fault)."""
+    final = StreamOut(rid=rid, text="", token_ids=[], finish=Finish(type="error", message=message, status=status,
+                                                                   param=param))
     try:
         await bus.publish(bus.subjects.gateway_stream(gateway_id), BatchStreamOut(v=PROTOCOL_VERSION, items=[final]))
     except PayloadTooLarge:
         # Only an absurdly long message can do this; the short form always fits.
-        final.finish = Finish(type="error", message=message[:1000], status=status)
+        final.finish = Finish(type="error", message=message[:1000], status=status, param=param)
         await bus.publish(bus.subjects.gateway_stream(gateway_id), BatchStreamOut(v=PROTOCOL_VERSION, items=[final]))
 
 
@@ -221,7 +224,21 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run_service(service: Service, log_level: str = "INFO") -> int:
     """Set up logging and run `service` to completion on the event loop event_loop_factory picks;
-    returns its exit code."""
+    returns its exit code. The root logger's handlers and level are put back after: run in-process
+    (tests call the CLI's main), its handler is on the caller's sys.stderr, which the caller may close
+    (pytest's capture), and every later record of the process would fail on it."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    for handler in handlers:  # set aside, not closed (setup_logging's force would close them)
+        root.removeHandler(handler)
     setup_logging(log_level)
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        return runner.run(service.serve())
+    try:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(service.serve())
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+            handler.close()
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)

@@ -72,6 +72,8 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()  # its selector and self-pipe, else left to the garbage collector
 
 
 class GatewayThread:
@@ -82,7 +84,11 @@ class GatewayThread:
         self.config = GatewayConfig(**{**values, **overrides})
         self.service = GatewayService(self.config)
         self.thread = LoopThread(f"gateway-{self.config.gateway_id}")
-        self.thread.run(self.service.start())
+        try:
+            self.thread.run(self.service.start())
+        except BaseException:
+            self.close()  # what it started (its NATS connection) and its thread, before the error goes on
+            raise
 
     @property
     def url(self) -> str:
@@ -271,8 +277,11 @@ class FakePipeline:
         self.requests.append(msg)
         prompt = _prompt_of(msg)
         if prompt.startswith("ERROR"):
+            # As the tokenizer service refuses a prompt too long: naming the field it came in.
+            field = "text" if msg.text is not None else "messages" if msg.messages is not None else "input_ids"
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(
-                type="error", message="the prompt has 9999 tokens; the model's context is 64 (`input_ids` too long)")))
+                type="error", message=f"the prompt has 9999 tokens; the model's context is 64 (`{field}` too long)",
+                param=field)))
             return
         if prompt.startswith("DOWN"):
             await self._send(msg, StreamOut(rid=msg.rid, text="", token_ids=[], finish=Finish(

@@ -126,9 +126,10 @@ def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = R
     """`radixserve up *args` with `env`, its output in `log`; returns once it says it is up
     (AssertionError with its output if it exits first or takes longer than `timeout`)."""
     with log.open("wb") as out:
+        # SIGTERM to `up` if the test run dies first: it then stops all it started.
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", *args],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
         )
     deadline = time.monotonic() + timeout
     while "radixserve is up" not in log.read_text():
@@ -137,6 +138,31 @@ def start_up(args: list[str], env: dict[str, str], log: Path, timeout: float = R
             raise AssertionError(f"up did not come up (exit {proc.poll()}):\n{log.read_text()[-4000:]}")
         time.sleep(0.1)
     return proc
+
+
+def children_of(pid: int) -> set[int]:
+    """Every descendant of pid, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:

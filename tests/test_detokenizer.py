@@ -108,3 +108,23 @@ def test_logprob_requests_get_each_tokens_own_text(tokenizer) -> None:  # noqa: 
     (out,) = Detokenizer(tokenizer).process(step(1, item))["g"].items
     assert out.logprobs.texts == [tokenizer.decode(ids[:1])]
     assert out.logprobs.top_texts == [[tokenizer.decode(ids[:1]), tokenizer.decode([IM_END_ID])]]
+
+
+@pytest.mark.parametrize(("text", "n_cut", "expected"), [
+    ("ab\ufffd", 0, "ab"),  # a real U+FFFD, the last character
+    ("ab 🚀", 3, "ab "),  # the request ends inside the rocket's 4 bytes: U+FFFD is its final text
+])
+def test_a_stop_string_in_the_last_text_is_cut_from_the_stream_too(tokenizer, text: str, n_cut: int, expected: str) -> None:  # noqa: ANN001
+    # Text ending in U+FFFD is held back until the final; the final's stop cut must cover it too.
+    ids = tokenizer.encode(text)
+    ids = ids[: len(ids) - n_cut]
+    assert tokenizer.decode(ids) == expected + "\ufffd"
+    deltas = stream_text(Detokenizer(tokenizer), token_outs(ids, stop=["\ufffd"]))
+    assert "".join(deltas) == expected
+
+
+def test_a_real_u_fffd_stop_string_is_cut_where_the_text_has_it(tokenizer) -> None:  # noqa: ANN001
+    ids = tokenizer.encode("東a\ufffdb 京")
+    outs = token_outs(ids, finish=Finish("stop", matched="\ufffd"), stop=["\ufffd"])
+    deltas = stream_text(Detokenizer(tokenizer), outs)
+    assert "".join(deltas) == "東a"

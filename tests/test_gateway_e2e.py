@@ -279,7 +279,8 @@ def test_a_gateway_with_a_local_tokenizer_answers_alike_without_the_tokenizer_se
     for gateway, rid in ((stack.gateways[1], "local-bad"), (stack.gateways[0], "remote-bad")):
         response = httpx.post(f"{gateway.url}/generate", json={"text": too_long, "rid": rid}, timeout=30)
         assert response.status_code == 400, response.text
-        assert "`input_ids` too long" in response.json()["error"]["message"]
+        assert "`text` too long" in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "text"
     _wait_for_line(tokenizer, "remote-bad")
     assert "local-bad" not in tokenizer.log()
     # Token ids have nothing to tokenize: g0 sends them straight to a worker, which refuses ids outside
@@ -336,7 +337,7 @@ def test_a_gateway_tokenizes_short_prompts_and_leaves_long_ones_to_the_tokenizer
     # A long prompt the model cannot take is refused by the tokenizer service (which logs it), still a 400.
     response = httpx.post(f"{g3.url}/generate", json={"text": "word " * 9000, "rid": "g3-too-long"}, timeout=30)
     assert response.status_code == 400, response.text
-    assert "`input_ids` too long" in response.json()["error"]["message"]
+    assert "`text` too long" in response.json()["error"]["message"]
     _wait_for_line(stack.tokenizer, "g3-too-long")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 from collections.abc import Iterator
 
 import httpx
@@ -173,6 +174,15 @@ def test_prompt_refused_by_the_pipeline_is_400_with_its_message(http: httpx.Clie
     status, _, message = error_of(http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long"}))
     assert status == 400
     assert "too long" in message
+    # The services name the prompt `text` (or `messages`, `input_ids`); the client sent `prompt`.
+    reply = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long"})
+    assert (reply.json()["error"]["param"], reply.json()["error"]["message"]) == (
+        "prompt", "the prompt has 9999 tokens; the model's context is 64 (`prompt` too long)")
+    chat = http.post("/v1/chat/completions", json={"model": FAKE_MODEL, "messages": [{"role": "user", "content": "ERROR"}]})
+    assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages")
+    assert "(`messages` too long)" in chat.json()["error"]["message"]
+    native = http.post("/generate", json={"text": "ERROR long"})
+    assert (native.status_code, native.json()["error"]["param"]) == (400, "text")
     # Streaming too: the response starts only once the first output is known.
     streamed = http.post("/v1/completions", json={"model": FAKE_MODEL, "prompt": "ERROR long", "stream": True})
     assert streamed.status_code == 400
@@ -314,3 +324,12 @@ def test_a_final_with_negative_counts_ends_its_request_and_spares_the_rest_of_it
     assert [a.json()["meta_info"]["finish_reason"]["type"] for a in answers] == ["stop", "stop"]
     for rid in ("neg-1", "neg-2"):
         httpx.post(f"{gateway.url}/abort_request", json={"rid": rid}, timeout=5)
+
+
+def test_a_gateway_that_fails_to_start_leaves_no_thread_behind(nats: NatsServer) -> None:
+    """Its event loop's thread, with what the service had started (its NATS connection), would run on
+    past the test and log into whatever the test run has closed by then."""
+    before = set(threading.enumerate())
+    with pytest.raises(ConnectionError, match="unreachable"):
+        GatewayThread(nats.url, subject_prefix="nostart", redis_url="redis://127.0.0.1:1")
+    assert not [t.name for t in threading.enumerate() if t not in before and t.name.startswith("gateway-")]

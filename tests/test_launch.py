@@ -14,32 +14,7 @@ import httpx
 import openai
 import yaml
 
-from tests.services_helpers import free_port, start_up
-
-
-def children_of(pid: int) -> set[int]:
-    """Every descendant of pid, from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+from tests.services_helpers import alive, children_of, free_port, start_up
 
 
 def assert_every_metrics_port_answers(scrape_config: Path, gateways: int) -> None:

@@ -5,6 +5,7 @@ traceback. The cache is laid out by the test exactly as huggingface_hub writes i
 from __future__ import annotations
 
 import argparse
+import logging
 import shutil
 from pathlib import Path
 
@@ -89,6 +90,20 @@ def test_the_cli_names_a_missing_hub_id_without_a_traceback(
     err = capsys.readouterr().err
     assert "model_path: 'TinyOrg/Absent' is not a local directory, and Hugging Face hub model TinyOrg/Absent" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("service", ["tokenizer", "detokenizer"])
+def test_a_service_run_in_process_leaves_the_root_logger_as_it_found_it(
+    hub_home: Path, service: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The service logs to this test's captured stderr, which closes with the test: a handler on it left
+    on the root logger made every later record (a gateway thread's in a later test, and at the end of
+    the run) a 'Logging error ... I/O operation on closed file'."""
+    root = logging.getLogger()
+    before = (root.handlers[:], root.level)
+    assert main([service, "--model-path", "TinyOrg/Absent"]) == 1
+    assert (root.handlers, root.level) == before
+    assert f"{service} failed to start" in capsys.readouterr().err
 
 
 def test_a_draft_model_may_be_a_hub_id_too(hub_home: Path) -> None:

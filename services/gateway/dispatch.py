@@ -28,11 +28,13 @@ from services.gateway.auth import ApiKey, KeyStore, StoreUnavailable, current_ke
 from services.gateway.completion import Completion, collect
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import (
+    BAD_REQUEST,
     NOT_FOUND,
     PAYLOAD_TOO_LARGE,
     SERVICE_UNAVAILABLE,
     GatewayError,
     bad_request,
+    pipeline_error,
 )
 from services.gateway.generate_spec import GenerateSpec, field_of
 from services.gateway.liveness import Watchdog
@@ -137,6 +139,7 @@ class Dispatcher:
         trace.mark(rid, "gateway.submit")
         stream = self.hub.open(rid, worker.load.worker_id, worker.load.model)
         stream.api_key = current_key.get()
+        stream.prompt_param = spec.prompt_field()
         stream.instance, stream.model = worker.load.instance, spec.model
         if spec.timeout is not None:
             stream.deadline = stream.started + spec.timeout
@@ -163,9 +166,10 @@ class Dispatcher:
         except PayloadTooLarge as exc:
             self.hub.close(stream)
             raise GatewayError(PAYLOAD_TOO_LARGE, f"the request is too large: {exc}") from None
-        except ValueError as exc:
+        except ValueError as exc:  # the local tokenizer's refusal
             self.hub.close(stream)
-            raise bad_request(str(exc), field_of(str(exc))) from None
+            raise pipeline_error(BAD_REQUEST, str(exc), getattr(exc, "param", None) or field_of(str(exc)),
+                                 stream.prompt_param) from None
         except Exception:
             self.hub.close(stream)
             raise

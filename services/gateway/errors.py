@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from shared.input_ids import PROMPT_FIELDS
+
 BAD_REQUEST = 400
 FORBIDDEN = 403  # a key without the scope the action needs (services/gateway/auth.py)
 NOT_FOUND = 404
@@ -46,3 +48,13 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(BAD_REQUEST, message, param)
+
+
+def pipeline_error(status: int, message: str, param: str | None, prompt_param: str) -> GatewayError:
+    """An error a service reported about a request, naming the prompt field as the client sent it
+    (`prompt_param`): the services name the prompt `text`, `messages` or `input_ids`, which is not
+    what OpenAI's completions call it, nor what a chat's tokenized ids were sent as."""
+    if param in PROMPT_FIELDS and param != prompt_param:
+        message = message.replace(f"`{param}`", f"`{prompt_param}`")
+        param = prompt_param
+    return GatewayError(status, message, param)

@@ -42,6 +42,14 @@ class GenerateSpec:
     # final, not every step (services/worker/frontend/output_batcher.py).
     stream: bool = True
     timeout: float | None = None  # seconds the whole request may take before it is aborted (504)
+    # The field the client sent the prompt in, when not text, messages or input_ids (OpenAI's `prompt`).
+    prompt_param: str | None = None
+
+    def prompt_field(self) -> str:
+        """The field the client sent the prompt in: what an error about the prompt names."""
+        if self.prompt_param is not None:
+            return self.prompt_param
+        return "text" if self.text is not None else "messages" if self.messages is not None else "input_ids"
 
     def validate(self) -> None:
         """GatewayError 400, naming the field, for anything no worker could run."""

@@ -88,6 +88,7 @@ def spec_from_proto(request: Any) -> GenerateSpec:
         return_logprob=request.return_logprob,
         top_logprobs_num=request.top_logprobs_num,
         logprob_start_len=request.logprob_start_len if request.HasField("logprob_start_len") else None,
+        prompt_param=kind,  # text, input_ids or chat
     )
 
 

@@ -352,6 +352,7 @@ class CompletionRequest(SamplingFields):
                         return_logprob=self.logprobs is not None or (self.echo and isinstance(prompt, list)),
                         logprob_start_len=0 if self.echo and (self.logprobs is not None or isinstance(prompt, list)) else None,
                         timeout=self.timeout,
+                        prompt_param="prompt",
                     )
                 )
         return specs

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from nats.aio.msg import Msg
 
 from services.gateway.auth import ApiKey
-from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, GatewayError, bad_request
+from services.gateway.errors import BAD_REQUEST, SERVICE_UNAVAILABLE, bad_request, pipeline_error
 from services.gateway.metrics import GatewayMetrics, observe_many
 from shared import trace
 from shared.bus import Bus
@@ -47,6 +47,7 @@ class RequestStream:
         self.last_output_at: float | None = None
         self.finished = False  # the final (real or made here) has been queued
         self.error_status = BAD_REQUEST  # status of an error final from the pipeline (bad input)
+        self.prompt_param = "text"  # the field its client sent the prompt in (GenerateSpec.prompt_field)
         self.api_key: ApiKey | None = None  # the HTTP request's key, when keys are required
         # What migration needs (migration.py): the request as published, the worker process it went to,
         # the model asked for, and what the client has received so far.
@@ -85,7 +86,8 @@ class RequestStream:
             out = await self._queue.get()
             if is_error(out):
                 assert out.finish is not None
-                raise GatewayError(self.error_status, out.finish.message or "the request failed")
+                raise pipeline_error(self.error_status, out.finish.message or "the request failed", out.finish.param,
+                                     self.prompt_param)
             yield out
             if out.finish is not None:
                 return

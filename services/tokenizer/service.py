@@ -108,7 +108,7 @@ class TokenizerService(Service):
             # PayloadTooLarge is a ValueError too: a prompt too big for NATS is the client's error.
             self.metrics.count_request("error")
             logger.info("request %s refused: %s", req.rid, exc)
-            await publish_error(self.bus, req.gateway_id, req.rid, str(exc))
+            await publish_error(self.bus, req.gateway_id, req.rid, str(exc), param=getattr(exc, "param", None))
         else:
             self.metrics.count_request("ok")
             self.metrics.prompt_tokens.inc(len(out.input_ids))

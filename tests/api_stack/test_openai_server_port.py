@@ -337,19 +337,38 @@ def test_the_openai_client_raises_not_found_and_bad_request(client: openai.OpenA
     assert (bad.value.status_code, bad.value.param, bad.value.type) == (400, "temperature", "invalid_request_error")
 
 
-def test_a_prompt_longer_than_the_context_is_a_400(client: openai.OpenAI, tokenizer: PreTrainedTokenizerBase) -> None:
+def test_a_prompt_longer_than_the_context_is_a_400_naming_the_field_sent(
+    client: openai.OpenAI, http: httpx.Client, tokenizer: PreTrainedTokenizerBase,
+) -> None:
     long = "hello " * 200
     count = len(tokenizer.encode(long))
     assert count > CONTEXT
     with pytest.raises(openai.BadRequestError) as text:
         client.completions.create(model=MODEL, prompt=long, max_tokens=2)
-    assert f"the prompt has {count} tokens; the model's context is {CONTEXT}" in text.value.body["message"]
+    assert text.value.body["message"] == (
+        f"the prompt has {count} tokens; the model's context is {CONTEXT} (`prompt` too long)")
+    assert text.value.param == "prompt"
+    # Token ids go straight to a worker, which refuses them: the same field.
     with pytest.raises(openai.BadRequestError) as ids:
         client.completions.create(model=MODEL, prompt=list(range(3, 3 + CONTEXT)), max_tokens=2)
-    assert f"the model's context is {CONTEXT}" in ids.value.body["message"]
+    assert ids.value.body["message"] == (
+        f"the prompt has {CONTEXT} tokens; the model's context is {CONTEXT} (`prompt` too long)")
+    assert ids.value.param == "prompt"
+    messages = [{"role": "user", "content": long}]
     with pytest.raises(openai.BadRequestError) as chat:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}])
-    assert f"the model's context is {CONTEXT}" in chat.value.body["message"]
+        client.chat.completions.create(model=MODEL, messages=messages)
+    chat_count = len(chat_ids(tokenizer, messages))
+    assert chat.value.body["message"] == (
+        f"the prompt has {chat_count} tokens; the model's context is {CONTEXT} (`messages` too long)")
+    assert chat.value.param == "messages"
+    # A stream is refused before its first output, as an HTTP status too; and the native door's fields.
+    for path, body, param in (("/v1/chat/completions", {"model": MODEL, "messages": messages, "stream": True}, "messages"),
+                              ("/generate", {"text": long}, "text"),
+                              ("/generate", {"input_ids": list(range(3, 3 + CONTEXT))}, "input_ids")):
+        reply = http.post(path, json=body)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], f"(`{param}` too long)" in error["message"]) == (param, True), error
 
 
 # ---- where we differ on purpose (docs/API.md, "Differences from OpenAI, vLLM and SGLang") ----------

@@ -386,10 +386,12 @@ class WorkerService(Service):
 
     # ---- NATS -> scheduler ----------------------------------------------------------------------
 
-    async def _refuse(self, gateway_id: str, rid: str, message: str, status: int | None = None) -> None:
+    async def _refuse(
+        self, gateway_id: str, rid: str, message: str, status: int | None = None, param: str | None = None,
+    ) -> None:
         assert self.bus is not None
         self.metrics.count_request("error")
-        await publish_error(self.bus, gateway_id, rid, message, status)
+        await publish_error(self.bus, gateway_id, rid, message, status, param)
 
     async def _on_generate(self, msg: GenerateRequest, raw: Msg) -> None:
         assert self.client is not None
@@ -412,7 +414,7 @@ class WorkerService(Service):
             )
         except ValueError as exc:
             logger.info("worker %s refused request %s: %s", self.worker_id, msg.rid, exc)
-            await self._refuse(msg.gateway_id, msg.rid, str(exc))
+            await self._refuse(msg.gateway_id, msg.rid, str(exc), param=getattr(exc, "param", None))
             return
         params = req.sampling_params
         self._flights[req.rid] = Flight(

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shared.detokenize import finished_text
+
 if TYPE_CHECKING:
     from services.worker.mem.radix_cache import TreeNode
     from services.worker.runtime.sampling.grammar import GrammarBackend
@@ -82,6 +84,11 @@ class Req:
         self.output_logprobs: list[float] = []
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.finished_reason: FinishReason | None = None
+        # Stop strings are matched against the output's finished text (whole characters): its window
+        # into output_ids (see shared.detokenize.finished_text) and its last characters so far.
+        self._text_prefix = 0
+        self._text_read = 0
+        self._text_tail = ""
 
         # Memory state.
         self.req_pool_idx: int | None = None
@@ -186,6 +193,16 @@ class Req:
                     self.finished_reason = FinishReason("stop", stop)
                     return
 
+    def _finished_tail(self, decode: Callable[[list[int]], str], longest: int) -> str:
+        """The finished text the last token added, after the `longest - 1` characters before it (the
+        most a stop string that ends in the new text reaches back). A window of the last ids would
+        show U+FFFD for a character still incomplete at its end or cut at its start, and a stop
+        string containing U+FFFD would match it."""
+        new, self._text_prefix, self._text_read = finished_text(decode, self.output_ids, self._text_prefix, self._text_read)
+        tail = self._text_tail + new
+        self._text_tail = tail[max(0, len(tail) - longest + 1) :] if longest > 1 else ""
+        return tail
+
     def attach_grammar(self, backend: GrammarBackend | None) -> None:
         """Compile the request's grammar into its matcher; ValueError when it cannot be (or there is
         no backend). A migrated request's grammar resumes after its tokens so far."""
@@ -197,14 +214,13 @@ class Req:
                 raise ValueError("the migrated tokens left the grammar")
 
     def append_output_token(self, token: int, decode_tail: Callable[[list[int]], str]) -> None:
-        """Take a generated token and check for a finish (`decode_tail` detokenizes the output's tail,
-        read only when the request has stop strings)."""
+        """Take a generated token and check for a finish (`decode_tail` detokenizes a few of the
+        output's last ids, called only when the request has stop strings)."""
         self.output_ids.append(token)
         tail = None
         stops = self.sampling_params.stop_strings()
         if stops:
-            longest = max(len(s) for s in stops)
-            tail = decode_tail(self.output_ids[-(longest + 2) :])
+            tail = self._finished_tail(decode_tail, max(len(s) for s in stops))
         if self.grammar is not None:
             self.advance_grammar(token)
         self.check_finished(tail)
