@@ -185,10 +185,20 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return _VARIABLE.sub(one, text)
 
 
+def interpolate_values(node: Any, env: dict[str, str]) -> Any:
+    """`node` (parsed YAML) with `interpolate` applied to every string value, as compose does it: after
+    parsing, so a value's quotes, `#` or `: ` stay in the string and it stays a string (`12345`, `true`)."""
+    if isinstance(node, dict):
+        return {key: interpolate_values(value, env) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolate_values(value, env) for value in node]
+    return interpolate(node, env) if isinstance(node, str) else node
+
+
 def load_compose(env: dict[str, str], path: Path = COMPOSE_FILE) -> dict[str, Any]:
-    """docker-compose.yml as compose reads it: variables substituted from `env`, YAML anchors and merge
-    keys resolved."""
-    return yaml.safe_load(interpolate(path.read_text(), env))
+    """docker-compose.yml as compose reads it: YAML anchors and merge keys resolved, then variables
+    substituted from `env` into the string values."""
+    return interpolate_values(yaml.safe_load(path.read_text()), env)
 
 
 def compose_environment(service: dict[str, Any]) -> dict[str, str]:
@@ -196,3 +206,9 @@ def compose_environment(service: dict[str, Any]) -> dict[str, str]:
     if isinstance(environment, list):
         environment = dict(item.split("=", 1) for item in environment)
     return {key: "" if value is None else str(value) for key, value in environment.items()}
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    """The word after `flag` in `argv` (exactly one `flag` there)."""
+    assert argv.count(flag) == 1, f"{flag} {argv.count(flag)} times in the command"
+    return argv[argv.index(flag) + 1]

@@ -3,11 +3,14 @@ objects it makes.
 
     objects = render_chart(values_set("gpu-tp2"))
     worker = find(objects, "StatefulSet", "worker")
+    env = resolve_env(container, pod_name, secret_values)   # what the kubelet gives the container
+    argv = [kubernetes_expand(a, env) for a in container["args"]]
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +65,39 @@ def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
 def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """A container's env entries by name."""
     return {e["name"]: e for e in container.get("env", [])}
+
+
+def resolve_env(container: dict[str, Any], pod_name: str, secret_values: Mapping[tuple[str, str], str]) -> dict[str, str]:
+    """A container's environment as the kubelet makes it: values as written, the pod's name for the
+    metadata.name fieldRef, secretKeyRefs from `secret_values` ((Secret name, key) -> value; a missing
+    one must be optional)."""
+    env = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = str(entry["value"])
+        elif "fieldRef" in entry["valueFrom"]:
+            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            env[entry["name"]] = pod_name
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            if (ref["name"], ref["key"]) in secret_values:
+                env[entry["name"]] = secret_values[(ref["name"], ref["key"])]
+            else:
+                assert ref.get("optional"), f"{entry['name']}: no Secret {ref['name']}/{ref['key']}"
+    return env
+
+
+_REFERENCE = re.compile(r"\$(\$|\(([^)]*)\))")
+
+
+def kubernetes_expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' expansion of a container's command and args: $(NAME) becomes NAME's value when the
+    container's env has it (left as written when not), $$ a literal $, in one pass (a value is not
+    expanded again)."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(1) == "$":
+            return "$"
+        return env.get(match.group(2), match.group(0))
+
+    return _REFERENCE.sub(one, text)

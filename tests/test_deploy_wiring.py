@@ -1,10 +1,11 @@
-"""docker-compose.yml really runs: NATS with the file's own config and login, and every radixserve
-service with the command and environment written there (the image's ENV under them), started here as
-real processes with the compose addresses (`nats:4222`, `redis:6379`, each service's ports) mapped to
-this machine's. A chat request goes through the gateway with the embedded model, each compose health
-check passes against its process, every target ops/prometheus.yml names answers with its service's
-metrics, /ready follows the worker, and SIGTERM drains each process to exit 0. A flag or RS_* name
-misspelt in the compose file fails here."""
+"""docker-compose.yml really runs: NATS with the file's own config and login (a password beginning
+`1e5`, which NATS's config parser would take for a number), and every radixserve service with the
+command and environment written there (the image's ENV under them), started here as real processes with
+the compose addresses (`nats:4222`, `redis:6379`, each service's ports) mapped to this machine's. A chat
+request goes through the gateway with the embedded model, each compose health check passes against its
+process, every target ops/prometheus.yml names answers with its service's metrics, /ready follows the
+worker, and SIGTERM drains each process to exit 0. A flag or RS_* name misspelt in the compose file
+fails here."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.keys_helpers import REDIS_URL
 from tests.services_helpers import REPO_ROOT, ServiceProcess, free_port
 from tests.wiring_helpers import (
     HostService,
+    compose_nats,
     env_names,
     http_status,
     http_text,
@@ -66,7 +68,8 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"RS_NATS_PASSWORD": secrets.token_urlsafe(16), "RS_API_KEY": secrets.token_urlsafe(16),
+    # A password nats-server's config parser would take for a number (1e5...): NATS gets it as a flag.
+    env = {"RS_NATS_PASSWORD": "1e5" + secrets.token_urlsafe(16), "RS_API_KEY": secrets.token_urlsafe(16),
            "RS_NAMESPACE": f"wire{secrets.token_hex(3)}"}
     compose = load_compose(env)
     services = compose["services"]
@@ -79,9 +82,8 @@ def stack(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) ->
     nats_port, monitor_port = free_port(), free_port()
     addresses[("nats", 4222)] = ("127.0.0.1", nats_port)
     addresses[("nats", 8222)] = ("127.0.0.1", monitor_port)
-    mounts = {v.split(":")[1]: REPO_ROOT / v.split(":")[0] for v in nats_service["volumes"]}
-    nats_argv = [str(mounts.get(a, a)) for a in nats_service["command"]]
-    nats_proc = start_nats(nats_argv, compose_environment(nats_service), nats_port, monitor_port, log_dir / "nats.log")
+    nats_argv, nats_env = compose_nats(compose)
+    nats_proc = start_nats(nats_argv, nats_env, nats_port, monitor_port, log_dir / "nats.log")
     specs = []
     for name in ORDER:
         service = services[name]

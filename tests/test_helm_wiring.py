@@ -1,5 +1,6 @@
-"""The chart's rendered containers really run: NATS with the chart's own nats.conf and generated
-password, and every radixserve container with the args and env the chart gives it (secrets resolved
+"""The chart's rendered containers really run: NATS with the chart's own nats.conf and args and a
+password from the user's Secret (one beginning `1e5`, which NATS's config parser would take for a
+number), and every radixserve container with the args and env the chart gives it (secrets resolved
 from the rendered Secret or the user's, the pod name for fieldRefs, the image's ENV under them), started
 here as processes with the chart's Service addresses mapped to this machine's. A chat request goes
 through the gateway, and every HTTP probe and Service metrics port the chart names answers."""
@@ -19,11 +20,12 @@ import grpc
 import pytest
 
 from tests.deploy_helpers import dockerfile_stages
-from tests.helm_helpers import FULLNAME, containers, find, render_chart, values_set
+from tests.helm_helpers import FULLNAME, containers, render_chart, resolve_env, values_set
 from tests.keys_helpers import REDIS_URL
 from tests.services_helpers import REPO_ROOT, ServiceProcess, free_port
 from tests.wiring_helpers import (
     HostService,
+    helm_nats,
     http_status,
     start_host_services,
     start_nats,
@@ -31,7 +33,7 @@ from tests.wiring_helpers import (
 )
 
 pytestmark = pytest.mark.slow
-KEYS_SECRET = "rs-test-keys"
+KEYS_SECRET, NATS_SECRET = "rs-test-keys", "rs-test-nats"
 ORDER = ("tokenizer", "detokenizer", "gateway", "worker")
 
 
@@ -51,30 +53,16 @@ class Pod:
         return self.addresses[(container, port)][1]
 
 
-def resolve_env(container: dict[str, Any], pod_name: str, secrets_by_ref: dict[tuple[str, str], str]) -> dict[str, str]:
-    env = {}
-    for entry in container.get("env", []):
-        if "value" in entry:
-            env[entry["name"]] = str(entry["value"])
-        elif "fieldRef" in entry["valueFrom"]:
-            assert entry["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-            env[entry["name"]] = pod_name
-        else:
-            ref = entry["valueFrom"]["secretKeyRef"]
-            if (ref["name"], ref["key"]) in secrets_by_ref:
-                env[entry["name"]] = secrets_by_ref[(ref["name"], ref["key"])]
-            else:
-                assert ref.get("optional"), f"{entry['name']}: no Secret {ref['name']}/{ref['key']}"
-    return env
-
-
 @pytest.fixture(scope="module")
 def pod(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
-    values = {**values_set("cpu-demo"), "apiKeys": {"existingSecret": KEYS_SECRET}, "namespace": f"helm{secrets.token_hex(3)}"}
+    demo = values_set("cpu-demo")
+    values = {**demo, "apiKeys": {"existingSecret": KEYS_SECRET}, "namespace": f"helm{secrets.token_hex(3)}",
+              "nats": {**demo["nats"], "existingSecret": NATS_SECRET}}
     objects = render_chart(values)
     log_dir = tmp_path_factory.mktemp("helm")
     api_key = secrets.token_urlsafe(16)
-    secret_values = {(KEYS_SECRET, "api-key"): api_key}
+    # A password nats-server's config parser would take for a number (1e5...): NATS gets it as a flag.
+    secret_values = {(KEYS_SECRET, "api-key"): api_key, (NATS_SECRET, "password"): "1e5" + secrets.token_urlsafe(16)}
     for secret in (o for o in objects if o["kind"] == "Secret"):
         for key, value in secret["data"].items():
             secret_values[(secret["metadata"]["name"], key)] = base64.b64decode(value).decode()
@@ -83,16 +71,7 @@ def pod(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     addresses = {(f"{FULLNAME}-nats", 4222): ("127.0.0.1", nats_port), (f"{FULLNAME}-redis", 6379): (redis_host, int(redis_port))}
 
     # NATS: the chart's config file and container, its volumes in a temporary directory.
-    nats_set = find(objects, "StatefulSet", "nats")
-    (nats_container,) = nats_set["spec"]["template"]["spec"]["containers"]
-    conf_dir, run_dir = log_dir / "nats-config", log_dir / "nats-run"
-    conf_dir.mkdir()
-    run_dir.mkdir()
-    conf = find(objects, "ConfigMap", "nats")["data"]["nats.conf"].replace("/var/run/nats", str(run_dir))
-    (conf_dir / "nats.conf").write_text(conf)
-    nats_env = resolve_env(nats_container, f"{FULLNAME}-nats-0", secret_values)
-    nats_argv = [a.replace("/etc/nats", str(conf_dir)) for a in nats_container["args"]]
-    nats_argv += ["--cluster", f"nats://127.0.0.1:{cluster_port}"]
+    nats_argv, nats_env = helm_nats(objects, secret_values, f"{FULLNAME}-nats-0", log_dir, cluster_port)
     nats_proc = start_nats(nats_argv, nats_env, nats_port, monitor_port, log_dir / "nats.log")
 
     stages = dockerfile_stages(REPO_ROOT / "Dockerfile")

@@ -2,7 +2,8 @@
 or a Helm chart gives each radixserve container, with its addresses (`nats:4222`, `redis:6379`, each
 service's own ports) rewritten to this machine's, started as real `radixserve` processes.
 
-    nats = start_nats(command, env, address_map)          # the deployment's own nats-server command
+    argv, env = compose_nats(load_compose(env))            # or helm_nats(objects, ...): the deployment's
+    nats = start_nats(argv, env, port, monitor_port, log)  # own nats-server command, run here
     specs = [HostService("gateway", ["gateway"], env, edge=True), ...]
     procs = start_host_services(specs, address_map, log_dir, model_home)
 """
@@ -21,13 +22,15 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.probe import config_classes
 from shared import flags
 from shared.model_path import RS_HOME_ENV
 from shared.natsd import nats_server_binary
 from shared.service import die_with_parent
-from tests.deploy_helpers import no_torch_pythonpath
+from tests.deploy_helpers import compose_environment, no_torch_pythonpath
+from tests.helm_helpers import find, kubernetes_expand, resolve_env
 from tests.services_helpers import REPO_ROOT, ServiceProcess
 
 # Settings that open a port, and their flags.
@@ -128,6 +131,33 @@ def start_nats(argv: list[str], env: Mapping[str, str], port: int, monitor_port:
     with log.open("wb") as out:
         return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, cwd=tempfile.gettempdir())
+
+
+def compose_nats(compose: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """docker-compose.yml's nats service (loaded, so its variables are substituted) as nats-server's argv
+    and environment here: its `command` as written, the mounted config file at its path in this checkout."""
+    service = compose["services"]["nats"]
+    mounts = {v.split(":")[1]: REPO_ROOT / v.split(":")[0] for v in service["volumes"]}
+    return [str(mounts.get(a, a)) for a in service["command"]], compose_environment(service)
+
+
+def helm_nats(objects: list[dict[str, Any]], secret_values: Mapping[tuple[str, str], str], pod_name: str,
+              directory: Path, cluster_port: int) -> tuple[list[str], dict[str, str]]:
+    """The rendered chart's NATS container as nats-server's argv and environment here: its ConfigMap's
+    nats.conf written under `directory` (the pid file's volume there too), its env as the kubelet gives
+    it (`resolve_env`), its args with $(NAME) expanded as Kubernetes does, routes listened for on
+    loopback's `cluster_port`."""
+    (container,) = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"]
+    conf_dir, run_dir = directory / "nats-config", directory / "nats-run"
+    conf_dir.mkdir(parents=True)
+    run_dir.mkdir()
+    conf = find(objects, "ConfigMap", "nats")["data"]["nats.conf"].replace("/var/run/nats", str(run_dir))
+    (conf_dir / "nats.conf").write_text(conf)
+    env = resolve_env(container, pod_name, secret_values)
+    mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "config")
+    # The mount path as written in the args, then the values Kubernetes puts in.
+    argv = [kubernetes_expand(a.replace(mount, str(conf_dir)), env) for a in container["args"]]
+    return [*argv, "--cluster", f"nats://127.0.0.1:{cluster_port}"], env
 
 
 def wait_http(url: str, timeout: float = 30.0) -> int:
