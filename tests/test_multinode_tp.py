@@ -64,7 +64,9 @@ def reference(path: Path) -> list[list[int]]:
         return greedy(engine)
 
 
-def test_tp2_over_two_nodes_matches_tp1(qwen3_path: Path) -> None:
+@pytest.mark.parametrize("model", ["qwen3_path", "llama_path"])
+def test_tp2_over_two_nodes_matches_tp1(model: str, request: pytest.FixtureRequest) -> None:
+    qwen3_path = request.getfixturevalue(model)  # Qwen3-MoE runs across nodes in the TP=4 test below
     port = free_port()
     with node(qwen3_path, port, tp_size=2) as other:
         with node0(qwen3_path, port, tp_size=2) as engine:
@@ -140,14 +142,18 @@ def test_dist_init_addr_takes_both_spellings(qwen3_path: Path) -> None:
 def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
     qwen3_path: Path, tmp_path: Path
 ) -> None:
-    """Node 0 as `radixserve worker` on NATS: when node 1 dies its last WorkerLoad says draining (gateways
-    stop routing to it at once) and it exits 1 naming the failed group."""
+    """Data parallel over NATS across "hosts": a gateway routes to two workers that share only the NATS
+    URL, one of them (mn0) node 0 of a two-node TP group, the other (dp1) a plain worker. When node 1
+    dies, mn0's last WorkerLoad says draining (gateways stop routing to it at once), it exits 1 naming
+    the failed group, and the gateway serves the same answers on dp1."""
     import asyncio
 
+    import httpx
     import nats as nats_client
 
     from shared.natsd import start_nats_server
     from shared.protocol import Subjects, WorkerLoad, decoder
+    from tests.gateway_helpers import GatewayThread, wait_for_workers
     from tests.services_helpers import ServiceProcess
 
     async def draining_load(url: str, kill: Callable[[], None]) -> WorkerLoad:
@@ -159,30 +165,51 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
 
         await nc.subscribe(Subjects("rs").workers_load, cb=on_load)
         try:
-            first = await asyncio.wait_for(loads.get(), 60)
-            assert not first.draining and first.worker_id == "mn0"
+            while (first := await asyncio.wait_for(loads.get(), 60)).worker_id != "mn0":
+                pass
+            assert not first.draining
             kill()
-            while not (load := await asyncio.wait_for(loads.get(), 60)).draining:
+            while not ((load := await asyncio.wait_for(loads.get(), 60)).draining and load.worker_id == "mn0"):
                 pass
             return load
         finally:
             await nc.close()
 
+    def complete(url: str) -> dict[str, Any]:
+        body = {"model": qwen3_path.name, "prompt": "a b c", "max_tokens": NEW_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    common = ["--model-path", str(qwen3_path), "--device", "cpu", "--metrics-port", "none", "--with-detokenizer",
+              "--load-interval", "0.2"]  # loads often: the draining one comes soon after the kill
     port = free_port()
+    gateway = None
     with start_nats_server() as server, node(qwen3_path, port, tp_size=2) as other:
         worker = ServiceProcess.start("worker", [
-            "--nats-url", server.url, "--worker-id", "mn0", "--model-path", str(qwen3_path), "--tp-size", "2",
-            "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{port}",
-            "--dist-timeout", str(JOIN_TIMEOUT_S), "--device", "cpu", "--metrics-port", "none",
-            "--load-interval", "0.2",  # the draining load comes sooner after the kill
+            "--nats-url", server.url, "--worker-id", "mn0", "--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
+            "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", str(JOIN_TIMEOUT_S), *common,
         ], tmp_path)
+        peer = ServiceProcess.start("worker", ["--nats-url", server.url, "--worker-id", "dp1", *common], tmp_path, "dp1")
         try:
             worker.wait_ready()
+            peer.wait_ready()
+            gateway = GatewayThread(server.url, local_tokenizer=str(qwen3_path))
+            wait_for_workers(gateway.url, 2, timeout=30)
+            # Greedy answers do not depend on which worker (TP=2 over two nodes, or TP=1) serves them.
+            before = [complete(gateway.url)["choices"][0]["text"] for _ in range(4)]
             load = asyncio.run(draining_load(server.url, other.kill))
             assert load.worker_id == "mn0"
+            assert {w.load.worker_id for w in gateway.service.dispatcher.registry.live()} == {"dp1"}
+            after = [complete(gateway.url)["choices"][0]["text"] for _ in range(2)]
             assert worker.proc.wait(timeout=60) == 1
         finally:
+            if gateway is not None:
+                gateway.close()
             worker.kill()
+            peer.kill()
+    assert len(set(before)) == 1 and after == before[:2]
     log = worker.log()
     assert "this is node 0, the others join at tcp://127.0.0.1" in log
     assert "the TP group failed on rank 0 (node 0): another rank exited" in log
