@@ -333,6 +333,8 @@ class WorkerInfo(msgspec.Struct):
     generated_tokens: int
     tp_size: int
     device: str
+    pp_size: int = 1  # pipeline stages, each a TP group of tp_size ranks
+    nnodes: int = 1  # hosts the worker's ranks span (node 0 is this worker)
 
 
 class ControlReply(msgspec.Struct, tag="control_reply", omit_defaults=True):

@@ -199,6 +199,10 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
             wait_for_workers(gateway.url, 2, timeout=30)
             # Greedy answers do not depend on which worker (TP=2 over two nodes, or TP=1) serves them.
             before = [complete(gateway.url)["choices"][0]["text"] for _ in range(4)]
+            info = httpx.get(f"{gateway.url}/get_server_info", timeout=30).json()
+            shapes = {w["worker_id"]: (w["info"]["tp_size"], w["info"]["pp_size"], w["info"]["nnodes"])
+                      for w in info["workers"]}
+            assert shapes == {"mn0": (2, 1, 2), "dp1": (1, 1, 1)}
             load = asyncio.run(draining_load(server.url, other.kill))
             assert load.worker_id == "mn0"
             assert {w.load.worker_id for w in gateway.service.dispatcher.registry.live()} == {"dp1"}

@@ -380,6 +380,8 @@ class WorkerService(Service):
             generated_tokens=stats["generated_tokens"],
             tp_size=self.config.engine.tp_size,
             device=raw["device"],
+            pp_size=self.config.engine.pp_size,
+            nnodes=self.config.engine.nnodes,
         )
         self.metrics.observe_info(raw, time.monotonic())
         return info
