@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# make test runs the modules over this many pytest-xdist processes, a module's tests together in one
+# (--dist loadfile: module fixtures such as a started stack are built once). Most of the suite waits on
+# processes it started (services, nats-server, rank processes), so two share a 2-core machine well.
+TEST_WORKERS ?= 2
 
 .PHONY: setup browser run test lint bench-cpu bench report fetch-model clean compose-config
 
@@ -52,7 +56,7 @@ run: fetch-model
 	@$(VENV)/bin/radixserve up --port $(PORT) $(RUN_ARGS)
 
 test: setup
-	@$(PY) -m pytest -q -x --durations=15 $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # docker-compose.yml checked by `docker-compose config -q` (Debian's docker-compose is installed when
 # missing and apt-get may run) and against the compose-spec schema; tests/test_deploy_compose.py.

@@ -229,7 +229,8 @@ def test_native_generate_streams_the_same_text_it_returns(stack: Stack) -> None:
 def test_prompt_longer_than_the_context_is_400(stack: Stack) -> None:
     response = httpx.post(f"{stack.gateways[0].url}/v1/completions", json={"prompt": [5] * 9000}, timeout=60)
     assert response.status_code == 400
-    assert "input_ids" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert "(`prompt` too long)" in error["message"] and error["param"] == "prompt"
 
 
 def test_grpc_generate_streams_and_health_serves(stack: Stack) -> None:

@@ -35,7 +35,7 @@ from shared.protocol import (
     decoder,
     encode,
 )
-from tests.services_helpers import free_port, start_up
+from tests.services_helpers import children_of, free_port, start_up
 
 NS = "blue"
 MODEL = "SmolLM2-135M-Instruct"
@@ -97,15 +97,15 @@ def test_up_namespace_reaches_every_child(up: Up) -> None:
 
 def test_up_children_log_in_as_their_role_through_the_environment(up: Up) -> None:
     children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-                if b"services.cli" in cmdline and len(cmdline) > 3 and cmdline[3] in (b"gateway", b"tokenizer", b"worker"):
-                    environ = dict(line.split(b"=", 1) for line in (entry / "environ").read_bytes().split(b"\0") if b"=" in line)
-                    children[cmdline[3].decode()] = (cmdline, environ)
-            except OSError:
-                continue
+    for pid in children_of(up.proc.pid):  # this `up`'s processes only: other tests may run their own
+        entry = Path(f"/proc/{pid}")
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"services.cli" in cmdline and len(cmdline) > 3 and cmdline[3] in (b"gateway", b"tokenizer", b"worker"):
+                environ = dict(line.split(b"=", 1) for line in (entry / "environ").read_bytes().split(b"\0") if b"=" in line)
+                children[cmdline[3].decode()] = (cmdline, environ)
+        except OSError:
+            continue
     assert set(children) == {"gateway", "tokenizer", "worker"}
     for role, (cmdline, environ) in children.items():
         assert environ[b"RS_NATS_USER"] == f"{NS}-{role}".encode()
