@@ -107,6 +107,24 @@ def test_fp8_checkpoint_loads_its_dequantized_weights(
     assert changed == {name for name in ours if name.endswith(("_proj.weight", ".w13_weight", ".w2_weight"))}
 
 
+def test_scales_in_another_shard_file_than_their_weights(fp8_qwen3: tuple[Path, Path], tmp_path: Path) -> None:
+    """A sharded checkpoint (index + files) whose scales sit in a different file from their weights."""
+    fp8_dir, deq_dir = fp8_qwen3
+    out = tmp_path / "sharded"
+    shutil.copytree(fp8_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    files = {"a.safetensors": {}, "b.safetensors": {}}
+    for name, tensor in tensors.items():
+        files["b.safetensors" if name.endswith("_scale_inv") else "a.safetensors"][name] = tensor
+    for file, part in files.items():
+        save_file(part, str(out / file), metadata={"format": "pt"})
+    weight_map = {name: file for file, part in files.items() for name in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ours, ref = load_params(out), load_params(deq_dir)
+    assert all(torch.equal(param, ref[name]) for name, param in ours.items())
+
+
 def prompt_logprobs(path: Path, prompts: list[list[int]], **engine_kwargs: object) -> tuple[list, list]:
     """(16 greedy tokens per prompt, the prompt's teacher-forced log-probs per prompt)."""
     with Engine(str(path), **engine_kwargs) as engine:
