@@ -17,6 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.config import pick_architecture
 from services.worker.mem.state_pool import StateShape
+from services.worker.runtime.layers.fp8 import Fp8Config, parse_quantization_config
 from services.worker.runtime.layers.rotary import rope_parameters
 from shared.sampling_params import generation_defaults
 
@@ -82,6 +83,8 @@ class ModelConfig:
     # Each layer's mixer: 'full_attention' (KV pool) or 'linear_attention' (StatePool); all
     # 'full_attention' unless the checkpoint is a hybrid model.
     layer_types: tuple[str, ...] = ()
+    # A block-wise FP8 checkpoint's scheme (layers/fp8.py), None for an unquantized one.
+    quantization: Fp8Config | None = None
 
     @classmethod
     def from_path(
@@ -138,6 +141,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             generation_defaults=generation_defaults(generation),
             layer_types=_layer_types(hf_config),
+            quantization=parse_quantization_config(raw.get("quantization_config")),
         )
 
     @property

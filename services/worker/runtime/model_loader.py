@@ -1,14 +1,17 @@
 """Build the model for this TP rank and fill it from the checkpoint's safetensors files.
 
 Tensors are handed to the model as lazy safetensors slices, so each rank reads only the rows or
-columns its parameters keep (a 235B checkpoint is never materialised whole on one rank).
+columns its parameters keep (a 235B checkpoint is never materialised whole on one rank). A block-wise
+FP8 checkpoint's quantized weights come wrapped (layers/fp8.py) so that the slice a rank reads is
+dequantized to float32 and copied into the parameter in the model's dtype: the reference path, which
+runs on the CPU; a GPU FP8 GEMM over the fp8 weights and their scales is to replace it there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -16,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.config import ARCHITECTURES
+from services.worker.runtime.layers.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, read_scales
 from services.worker.runtime.layers.linear import LoadedWeight
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.models.llama import LlamaForCausalLM
@@ -64,12 +68,23 @@ def safetensors_files(model_path: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_path: Path) -> Iterator[tuple[str, LoadedWeight]]:
-    """(HF name, lazy slice) for every tensor of the checkpoint; a slice is valid until the next file."""
+def iterate_weights(model_path: Path, names: Callable[[str], bool] = lambda _: True) -> Iterator[tuple[str, LoadedWeight]]:
+    """(HF name, lazy slice) for every tensor of the checkpoint (those `names` accepts); a slice is valid
+    until the next file."""
     for file in safetensors_files(model_path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_slice(name)
+                if names(name):
+                    yield name, f.get_slice(name)
+
+
+def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, LoadedWeight]]:
+    """What the model loads: the checkpoint's tensors, with an FP8 checkpoint's quantized weights
+    dequantized as they are read (layers/fp8.py; its scales are read first, in a pass of their own)."""
+    if config.quantization is None:
+        return iterate_weights(config.path)
+    scales = read_scales(iterate_weights(config.path, lambda name: name.endswith(SCALE_SUFFIX)))
+    return dequantize_fp8_weights(iterate_weights(config.path), scales, config.quantization)
 
 
 @contextlib.contextmanager
@@ -88,7 +103,7 @@ def load_model(config: ModelConfig, device: torch.device | str) -> nn.Module:
     model_cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = model_cls(config)
-    loaded = model.load_weights(iterate_weights(config.path))
+    loaded = model.load_weights(checkpoint_weights(config))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(config.path)!r} lacks weights for parameters: {missing}")
