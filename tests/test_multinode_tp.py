@@ -64,9 +64,7 @@ def reference(path: Path) -> list[list[int]]:
         return greedy(engine)
 
 
-@pytest.mark.parametrize("model", ["qwen3_path", "llama_path"])
-def test_tp2_over_two_nodes_matches_tp1(model: str, request: pytest.FixtureRequest) -> None:
-    qwen3_path = request.getfixturevalue(model)  # Qwen3-MoE runs across nodes in the TP=4 test below
+def test_tp2_over_two_nodes_matches_tp1(qwen3_path: Path) -> None:
     port = free_port()
     with node(qwen3_path, port, tp_size=2) as other:
         with node0(qwen3_path, port, tp_size=2) as engine:

@@ -1,7 +1,7 @@
 """Soak, the short variant of bench/soak.py: nats-server, a tokenizer, two workers and a gateway as real
 processes serving the embedded default model, four client threads sending every kind of request
 (chat and completions, streaming and not, n=2, JSON-schema constrained, streams the client closes,
-native streams aborted by rid, bad requests) for 36 s, while one worker is SIGKILLed in the middle
+native streams aborted by rid, bad requests) for 48 s, while one worker is SIGKILLed in the middle
 (with requests in flight) and started again under its id.
 
 One run, judged several ways: no request failed (each was answered, cleanly failed or aborted as asked),
@@ -20,7 +20,7 @@ from bench.soak import SoakConfig, SoakReport, run_soak
 
 @pytest.fixture(scope="module")
 def report(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> SoakReport:
-    config = SoakConfig(duration_s=36, restart_every_s=18, workers=2, gateways=1, concurrency=4,
+    config = SoakConfig(duration_s=48, restart_every_s=24, workers=2, gateways=1, concurrency=4,
                         model_path=str(default_model_path), request_timeout_s=60, warmup_s=10,
                         log_dir=str(tmp_path_factory.mktemp("soak_logs")), progress=False)
     return run_soak(config)
