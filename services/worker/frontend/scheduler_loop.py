@@ -172,6 +172,7 @@ class SchedulerLoop:
         grammar = GrammarBackend(tokenizer, model_config.vocab_size) if tokenizer is not None else None
         if grammar is not None:
             grammar.prebuild()
+        self.grammar = grammar
         self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
         self._stall = _fault_stall(os.environ.get(FAULT_STALL_ENV, ""))
         self._steps_with_outputs = 0
@@ -304,6 +305,8 @@ def run_scheduler_loop(
     finally:
         if own_process:
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
+        if loop is not None and loop.grammar is not None:
+            loop.grammar.close()
         distributed.destroy_tp(exiting=own_process)
         # Give the device memory back (pool, weights, graph pools): a later Engine in the same
         # process sizes its pool from what is free.

@@ -53,10 +53,19 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
         self._lock = threading.Lock()
+        self._prebuild: threading.Thread | None = None
 
     def prebuild(self) -> None:
         """Build the vocabulary index on a daemon thread now (errors surface at the first use)."""
-        threading.Thread(target=self._try_build, name="grammar-vocab", daemon=True).start()
+        self._prebuild = threading.Thread(target=self._try_build, name="grammar-vocab", daemon=True)
+        self._prebuild.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Wait for prebuild()'s thread: a process that exits while llguidance builds the index aborts
+        ("terminate called without an active exception", exit code -6), as a rank of a group that ended
+        less than a second after it started did."""
+        if self._prebuild is not None:
+            self._prebuild.join(timeout)
 
     def _try_build(self) -> None:
         with contextlib.suppress(Exception):
