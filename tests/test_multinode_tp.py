@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,7 +65,11 @@ def reference(path: Path) -> list[list[int]]:
         return greedy(engine)
 
 
-def test_tp2_over_two_nodes_matches_tp1(qwen3_path: Path) -> None:
+@pytest.mark.parametrize("model", ["qwen3_path", "llama_path"])
+def test_tp2_over_two_nodes_matches_tp1(model: str, request: pytest.FixtureRequest) -> None:
+    """For Llama as for Qwen3 (Qwen3-MoE runs across nodes in the TP=4 test below). Llama's ranks, whose
+    checkpoint has a tokenizer, once aborted at exit in 3 of 8 runs; rank processes now end by os._exit."""
+    qwen3_path = request.getfixturevalue(model)
     port = free_port()
     with node(qwen3_path, port, tp_size=2) as other:
         with node0(qwen3_path, port, tp_size=2) as engine:
@@ -203,7 +208,12 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
             assert shapes == {"mn0": (2, 1, 2), "dp1": (1, 1, 1)}
             load = asyncio.run(draining_load(server.url, other.kill))
             assert load.worker_id == "mn0"
-            assert {w.load.worker_id for w in gateway.service.dispatcher.registry.live()} == {"dp1"}
+            # The gateway hears the same draining load on its own subscription: within moments, not a TTL.
+            registry = gateway.service.dispatcher.registry
+            deadline = time.monotonic() + 2.0
+            while {w.load.worker_id for w in registry.live()} != {"dp1"} and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert {w.load.worker_id for w in registry.live()} == {"dp1"}
             after = [complete(gateway.url)["choices"][0]["text"] for _ in range(2)]
             assert worker.proc.wait(timeout=60) == 1
         finally:

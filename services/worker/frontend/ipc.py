@@ -120,6 +120,11 @@ class PipeChannel:
                 self._backlog[0] = head[written:]
             select.select([], [fd], [], 1.0)  # until there is room (or a second, then try again)
 
+    def wait_written(self) -> None:
+        """Until what was put has reached the pipe (at most EXIT_FLUSH_S), as a process's exit does:
+        for a process about to leave by os._exit, which runs no finalizers."""
+        _wait_written(self._wakeup, self._backlog)
+
     def backlog(self) -> int:
         """Frames waiting for room in the pipe (tests)."""
         with self._lock:
