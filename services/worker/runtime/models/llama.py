@@ -165,6 +165,8 @@ class LlamaModel(nn.Module):
             self.layer_cls(config, i, rotary_emb, i - own.start) if i in own else PPMissingLayer()
             for i in range(config.num_layers)
         )
+        # This stage's layers, sliced once: slicing a ModuleList builds a new one, each forward.
+        self._own_layers: tuple[nn.Module, ...] = tuple(self.layers[own.start : own.stop])
         self.norm = RMSNorm(config.hidden_size, float(config.hf_config.rms_norm_eps)) if pp.is_last else None
 
     def forward(
@@ -178,7 +180,7 @@ class LlamaModel(nn.Module):
         else:
             assert proxy is not None, "a later pipeline stage runs on the previous stage's activations"
             hidden, residual = proxy
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        for layer in self._own_layers:
             hidden, residual = layer(positions, hidden, residual, batch)
         if self.norm is None:
             assert residual is not None
