@@ -356,7 +356,7 @@ def _gdn(d: dict[str, Any], case: str, kernel: str) -> dict[str, Any]:
 QWEN35_GPU = Area(
     "qwen35_gpu", "Qwen3.5 hybrid models (Gated DeltaNet + gated attention), GPU", H200,
     (
-        Figure("batch-1 decode, Qwen3.5-9B shape (8.95 B)", "gpu_qwen35_2026-12-02_e.json",
+        Figure("batch-1 decode, Qwen3.5-9B shape (8.95 B)", "gpu_qwen35_2026-12-03_a.json",
                lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: _q35(d)["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
                target=Target(">=", 0.8, "≥ 0.8 of the ceiling"),
@@ -398,6 +398,11 @@ QWEN35_GPU = Area(
                              ("float32_graphs_vs_eager", "bfloat16_graphs_vs_eager", "float32_triton_vs_torch_backend")),
                "{:d} of 3", target=Target("==", 3, "3 of 3", on="value"),
                command="python bench/gpu_qwen35_check.py"),
+        Figure("CUDA graphs vs eager in bf16, with the Triton zero-centered RMSNorm: identical tokens",
+               "gpu_qwen35_check_2026-12-03_a.json",
+               lambda d: int(d["results"]["bfloat16_graphs_vs_eager"]["tokens_identical"]),
+               "{:d} of 1", target=Target("==", 1, "1 of 1", on="value"),
+               command="python bench/gpu_qwen35_check.py bfloat16"),
         Figure("GDN chunked prefill kernel, 1 × 4,096 tokens, bf16", "gpu_gdn_2026-12-02_c.json",
                lambda d: _gdn(d, "prefill 1x4096 bf16", "chunk_gated_delta_rule")["us"], "{:,.0f} µs",
                peer=lambda d: _gdn(d, "prefill 1x4096 bf16", "chunk_gated_delta_rule")["torch_chunk_us"],

@@ -6,6 +6,10 @@ write of each output instead of an add kernel plus a norm kernel. Rounding follo
 Llama/Qwen3 modules (the sum and the normalized value are rounded to the activation dtype before the
 next step uses them), so bf16 outputs match theirs.
 
+`zero_centered` (Qwen3.5, Gemma): the checkpoint stores the scale's offset from 1, and the whole
+norm stays in float32 until one final rounding: y = (x * rstd * (1 + weight)) rounded, as transformers'
+Qwen3_5RMSNorm computes it (layers/layernorm.py's ZeroCenteredRMSNorm is the torch form).
+
 Inputs are 2-D [rows, hidden] or 3-D [tokens, heads, head_dim] (Qwen3's per-head q/k norm on a strided
 view of the fused qkv output): the kernel walks rows through two strides, so no copy is needed.
 """
@@ -37,6 +41,7 @@ def _rmsnorm_kernel(
     stride_ro0,
     stride_ro1,
     HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -58,7 +63,10 @@ def _rmsnorm_kernel(
         x = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / n_cols + eps)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    y = (x * rstd[:, None]).to(Out.dtype.element_ty).to(tl.float32) * w[None, :]
+    if ZERO_CENTERED:
+        y = x * rstd[:, None] * (1.0 + w[None, :])
+    else:
+        y = (x * rstd[:, None]).to(Out.dtype.element_ty).to(tl.float32) * w[None, :]
     tl.store(
         Out + (outer * stride_o0 + inner * stride_o1)[:, None] + cols[None, :],
         y.to(Out.dtype.element_ty),
@@ -85,6 +93,7 @@ def _launch(
     eps: float,
     out: torch.Tensor,
     residual_out: torch.Tensor | None,
+    zero_centered: bool = False,
 ) -> None:
     hidden = weight.shape[0]
     x3 = _as_3d(x, hidden, "x")
@@ -114,6 +123,7 @@ def _launch(
         ro3.stride(0),
         ro3.stride(1),
         HAS_RESIDUAL=residual is not None,
+        ZERO_CENTERED=zero_centered,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
         num_warps=min(16, max(1, block_cols * block_rows // 256)),
@@ -121,22 +131,26 @@ def _launch(
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    zero_centered: bool = False,
 ) -> torch.Tensor:
     """RMSNorm over the last axis of x ([rows, hidden] or [tokens, heads, head_dim]). `out` may be x
-    itself (in place); by default a new contiguous tensor."""
+    itself (in place); by default a new contiguous tensor. `zero_centered`: scale by (1 + weight)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, weight, eps, out, None, zero_centered)
     return out
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) in one pass; both outputs are new tensors in x's dtype."""
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, residual, weight, eps, out, residual_out)
+    _launch(x, residual, weight, eps, out, residual_out, zero_centered)
     return out, residual_out

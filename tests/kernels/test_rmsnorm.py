@@ -62,3 +62,25 @@ def test_mismatched_residual_is_rejected(gen) -> None:
     x = torch.randn((2, 8), generator=gen)
     with pytest.raises(ValueError, match="residual"):
         fused_add_rmsnorm(x, torch.randn((2, 9), generator=gen), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_zero_centered_matches_the_qwen35_torch_norm(gen, with_residual) -> None:
+    # Qwen3.5's norms scale by (1 + weight) and stay in float32 until one final rounding: the kernel's
+    # zero-centered form against ZeroCenteredRMSNorm's torch form (what runs on the CPU).
+    from services.worker.runtime.layers.layernorm import ZeroCenteredRMSNorm
+
+    norm = ZeroCenteredRMSNorm(80, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(80, generator=gen))
+    x = torch.randn((9, 80), generator=gen) * 2
+    if with_residual:
+        residual = torch.randn((9, 80), generator=gen)
+        normed, total = fused_add_rmsnorm(x, residual, norm.weight.data, 1e-6, zero_centered=True)
+        ref_normed, ref_total = norm(x, residual)
+        assert torch.equal(total, ref_total)
+    else:
+        normed, ref_normed = rmsnorm(x, norm.weight.data, 1e-6, zero_centered=True), norm(x)
+    assert rel_error(normed, ref_normed) < 1e-5
+    # Not the plain form: (1 + w) is not w.
+    assert rel_error(rmsnorm(x, norm.weight.data, 1e-6), ref_normed) > 0.1

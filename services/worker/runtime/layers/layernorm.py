@@ -1,6 +1,6 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
 
-On CUDA it is one Triton launch (kernels/rmsnorm.py: the add, the statistics and the scaling in one
+On CUDA each is one Triton launch (kernels/rmsnorm.py: the add, the statistics and the scaling in one
 pass); elsewhere a few torch ops with the same rounding.
 """
 
@@ -49,7 +49,9 @@ class RMSNorm(nn.Module):
 
 class ZeroCenteredRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), all in float32 and cast back at the end (Qwen3.5, Gemma): the
-    checkpoint stores the scale's offset from 1. Same `residual` contract as RMSNorm."""
+    checkpoint stores the scale's offset from 1. Same `residual` contract as RMSNorm. On CUDA the
+    Triton kernel's zero-centered form: the torch form is ~11 launches per norm, which made ~700 of a
+    Qwen3.5-9B batch-1 decode step's ~850 kernels (1.2 of its 5.7 ms on the H200)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -65,6 +67,12 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+            if residual is None:
+                return rmsnorm(x, self.weight, self.eps, zero_centered=True)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, zero_centered=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
