@@ -97,9 +97,10 @@ def test_engine_with_quantization_fp8_serves_the_fp8_weights(fp8_moe_pair: tuple
     """Through the Engine (EngineConfig.quantization -> the scheduler's ModelConfig): the same greedy tokens
     and prompt log-probs as the dequantized-at-load default."""
     prompts = random_prompts(3, 6, 20, seed=5)
-    runs = []
+    runs, sizes = [], []
     for kwargs in ({"quantization": "fp8"}, {}):
         with Engine(str(fp8_moe_pair[0]), **kwargs) as engine:
+            sizes.append(engine.get_server_info()["weight_bytes"])
             greedy = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
             scored = engine.generate(
                 input_ids=prompts,
@@ -112,6 +113,7 @@ def test_engine_with_quantization_fp8_serves_the_fp8_weights(fp8_moe_pair: tuple
     (tokens, logprobs), (ref_tokens, ref_logprobs) = runs
     assert tokens == ref_tokens
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+    assert sizes[0] < sizes[1]  # the worker reports the FP8 model's smaller weights
 
 
 # -- --quantization fp8 on an unquantized checkpoint ----------------------------------------------------

@@ -199,6 +199,7 @@ class SchedulerLoop:
         s = self.scheduler
         return {
             "max_total_tokens": self.runner.max_total_tokens,
+            "weight_bytes": self.runner.weight_bytes,
             "max_running_requests": s.max_running,
             "num_running": s.num_running(),
             "num_waiting": len(s.waiting),

@@ -193,6 +193,8 @@ class ModelRunner:
             import_flashinfer()
         self.model = load_model(model_config, device)
         self.model.eval()
+        # Parameter bytes (FP8 weights at one byte each); on CUDA the KV pool's budget is what they leave free.
+        self.weight_bytes = weight_bytes(self.model)
         # CPU only: which product single rows use, and the one-pass times that chose it (get_info).
         self.single_row: dict[str, Any] | None = None
         if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
@@ -295,7 +297,7 @@ class ModelRunner:
             "%s attention%s",
             model_config.architecture, device, model_config.dtype,
             ", FP8 weights" if model_config.quantization and model_config.quantization.resident else "",
-            weight_bytes(self.model) / 2**20, size,
+            self.weight_bytes / 2**20, size,
             size * bytes_per_token / 2**20, kv_layers, rows, backend,
             f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
             f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",
