@@ -7,7 +7,6 @@ FP8 one must give exactly its parameters, tokens and log-probs."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -26,51 +25,7 @@ from services.worker.runtime.layers.linear import narrow_weight
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from tests.engine_helpers import GREEDY, hf_greedy, random_prompts
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-
-
-def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, scale_inv [ceil(N/bn), ceil(K/bk)]) with each block scaled so its amax is FP8_MAX."""
-    bn, bk = block
-    n, k = weight.shape
-    rows, cols = math.ceil(n / bn), math.ceil(k / bk)
-    scale = torch.empty(rows, cols)
-    for i in range(rows):
-        for j in range(cols):
-            scale[i, j] = weight[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].abs().amax().clamp(min=1e-12) / FP8_MAX
-    expanded = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return (weight / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def is_quantized(name: str) -> bool:
-    """The linear weights an official FP8 checkpoint quantizes (not embeddings, norms, lm_head, router)."""
-    return name.endswith("_proj.weight")
-
-
-def write_fp8_pair(src: Path, root: Path, block: tuple[int, int]) -> tuple[Path, Path]:
-    """(FP8 copy of src, plain copy of src holding the FP8 copy's dequantized weights)."""
-    fp8_dir, deq_dir = root / "fp8", root / "dequantized"
-    for out in (fp8_dir, deq_dir):
-        shutil.copytree(src, out)
-    tensors = load_file(str(src / "model.safetensors"))
-    fp8_tensors, deq_tensors = {}, {}
-    for name, tensor in tensors.items():
-        if is_quantized(name):
-            q, scale = quantize_blocks(tensor.float(), block)
-            fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale
-            deq_tensors[name] = q.float() * scale.repeat_interleave(block[0], 0)[: q.shape[0]].repeat_interleave(
-                block[1], 1
-            )[:, : q.shape[1]]
-        else:
-            fp8_tensors[name] = deq_tensors[name] = tensor
-    save_file(fp8_tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(deq_tensors, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {**QUANT, "weight_block_size": list(block)}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    return fp8_dir, deq_dir
+from tests.fp8_helpers import QUANT, quantize_blocks, write_fp8_pair
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +62,9 @@ def test_fp8_checkpoint_loads_its_dequantized_weights(
     assert changed == {name for name in ours if name.endswith(("_proj.weight", ".w13_weight", ".w2_weight"))}
 
 
-def test_scales_in_another_shard_file_than_their_weights(fp8_qwen3: tuple[Path, Path], tmp_path: Path) -> None:
+def test_scales_in_another_shard_file_than_their_weights(
+    fp8_qwen3: tuple[Path, Path], tmp_path: Path
+) -> None:
     """A sharded checkpoint (index + files) whose scales sit in a different file from their weights."""
     fp8_dir, deq_dir = fp8_qwen3
     out = tmp_path / "sharded"
@@ -130,7 +87,9 @@ def prompt_logprobs(path: Path, prompts: list[list[int]], **engine_kwargs: objec
     with Engine(str(path), **engine_kwargs) as engine:
         greedy = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 16})
         scored = engine.generate(
-            input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 1}, return_logprob=True,
+            input_ids=prompts,
+            sampling_params={**GREEDY, "max_new_tokens": 1},
+            return_logprob=True,
             logprob_start_len=0,
         )
     logprobs = [[lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]] for out in scored]
@@ -145,7 +104,9 @@ MEAN_LOGPROB_DIFF = 0.25
 
 
 @pytest.mark.parametrize("fixture", ["fp8_qwen3", "fp8_qwen3_moe"])
-def test_engine_on_fp8_equals_dequantized_and_is_close_to_original(request: pytest.FixtureRequest, fixture: str) -> None:
+def test_engine_on_fp8_equals_dequantized_and_is_close_to_original(
+    request: pytest.FixtureRequest, fixture: str
+) -> None:
     fp8_dir, deq_dir = request.getfixturevalue(fixture)
     original = request.getfixturevalue(fixture.removeprefix("fp8_") + "_path")
     prompts = random_prompts(3, 6, 20, seed=11)
@@ -165,12 +126,15 @@ def test_engine_on_fp8_matches_transformers_fp8_loading(request: pytest.FixtureR
     """transformers' own FineGrainedFP8 loading with dequantize=True (its CPU path) as a second reference:
     same greedy tokens, prompt log-probs within 1e-4. transformers requires accelerate to load any FP8
     checkpoint, and accelerate is not one of our dependencies, so this runs where it is installed."""
-    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate installed")
+    pytest.importorskip(
+        "accelerate", reason="transformers loads FP8 checkpoints only with accelerate installed"
+    )
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     fp8_dir = request.getfixturevalue(fixture)[0]
     hf = AutoModelForCausalLM.from_pretrained(
-        str(fp8_dir), dtype=torch.float32,
+        str(fp8_dir),
+        dtype=torch.float32,
         quantization_config=FineGrainedFP8Config(weight_block_size=(16, 16), dequantize=True),
     ).eval()
     prompts = random_prompts(2, 6, 20, seed=12)
@@ -178,8 +142,14 @@ def test_engine_on_fp8_matches_transformers_fp8_loading(request: pytest.FixtureR
     for prompt, got, lps in zip(prompts, tokens, logprobs):
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
             ref_lp = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
         assert got == ref
         expected = [ref_lp[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
@@ -203,7 +173,10 @@ def test_tensor_parallel_2_on_fp8_moe_matches_1(fp8_qwen3_moe: tuple[Path, Path]
     [
         ({"quant_method": "awq"}, "quant_method='awq' is not supported"),
         ({**QUANT, "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt='e5m2' is not supported"),
-        ({**QUANT, "activation_scheme": "static", "weight_block_size": [128, 128]}, "activation_scheme='static'"),
+        (
+            {**QUANT, "activation_scheme": "static", "weight_block_size": [128, 128]},
+            "activation_scheme='static'",
+        ),
         (QUANT, "per-tensor FP8 checkpoints are not supported"),
         ({**QUANT, "weight_block_size": [128]}, "must be two positive integers"),
     ],
@@ -240,13 +213,17 @@ def test_a_split_off_the_block_boundaries_is_refused() -> None:
     """What a TP rank's loader asks for: rows 32.. of a 64-row weight in 24-row blocks starts mid-block."""
     weight, scale = quantize_blocks(torch.randn(64, 48), (24, 16))
     lazy = Fp8BlockWeight("w.weight", weight, scale, (24, 16))
-    with pytest.raises(ValueError, match=r"rows/columns \[32, 64\) of dim 0 .* do not align with weight_block_size 24"):
+    with pytest.raises(
+        ValueError, match=r"rows/columns \[32, 64\) of dim 0 .* do not align with weight_block_size 24"
+    ):
         narrow_weight(lazy, 0, 32, 32)
     # Slices on block boundaries (and one ending at the tensor's end, mid-block) dequantize those blocks.
     full = dequantize_blocks(weight, scale, (24, 16))
     assert torch.equal(narrow_weight(lazy, 0, 24, 40), full[24:])
     assert torch.equal(narrow_weight(lazy, 1, 16, 16), full[:, 16:32])
     plain = torch.randn(4, 4)
-    assert list(dequantize_fp8_weights([("a.weight", plain)], {}, parse_quantization_config(
-        {**QUANT, "weight_block_size": [16, 16]}
-    ))) == [("a.weight", plain)]
+    assert list(
+        dequantize_fp8_weights(
+            [("a.weight", plain)], {}, parse_quantization_config({**QUANT, "weight_block_size": [16, 16]})
+        )
+    ) == [("a.weight", plain)]

@@ -21,6 +21,8 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo", "filo", "mru", "priority")
 SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 GEMV_BACKENDS = ("auto", "triton", "cublas")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+# `--quantization` values (SGLang's flag): how the weights are stored in the model (runtime/layers/fp8.py).
+QUANTIZATION_METHODS = ("fp8",)
 # The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
 # maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
 # naming a checkpoint radixserve cannot run is refused before anything loads.
@@ -109,6 +111,12 @@ class EngineConfig:
         "CUDA, bfloat16/float16: single-row linear layers (batch-1 decode) through 'triton' (kernels/gemv.py), "
         "'cublas' (F.linear), or 'auto': time both on each weight shape at load and keep the faster",
         "auto",
+    )
+    quantization: str | None = _help(
+        "'fp8': keep the linear and MoE weights in FP8 (block-wise 128x128 e4m3 with float32 scales, quantized at "
+        "load from a bf16/f16/f32 checkpoint; an FP8 checkpoint's own blocks); default (None): the checkpoint's "
+        "own, an FP8 checkpoint running FP8 weights on CUDA and dequantized at load on the CPU",
+        None,
     )
     disable_custom_all_reduce: bool = _help(
         "TP on CUDA: sum every activation through NCCL, also the small ones that otherwise take the "
@@ -221,6 +229,8 @@ class EngineConfig:
             )
         if self.gemv_backend not in GEMV_BACKENDS:
             raise ValueError(f"gemv_backend must be one of {GEMV_BACKENDS}, got {self.gemv_backend!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {self.quantization!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"

@@ -103,7 +103,8 @@ class SchedulerClient:
         self._outputs_loop = outputs_loop if config.scheduler_in_process() else None
         self._loop_done = False  # the loop's reader has seen the last item
         self.model_config = ModelConfig.from_path(
-            config.model_path, dtype=config.dtype, context_length=config.context_length
+            config.model_path, dtype=config.dtype, context_length=config.context_length,
+            quantization=config.quantization,
         )
         self.tokenizer = load_tokenizer(config)
         self._on_outputs = on_outputs

@@ -127,7 +127,7 @@ def group_fingerprint(config: EngineConfig, model_config: ModelConfig) -> str:
     mc = model_config
     return (
         f"{mc.architecture} (config.json sha256 {digest}, {weights} bytes of safetensors, {mc.num_layers} layers, "
-        f"hidden {mc.hidden_size}, vocab {mc.vocab_size}) in {str(mc.dtype).removeprefix('torch.')} with "
+        f"hidden {mc.hidden_size}, vocab {mc.vocab_size}) in {str(mc.dtype).removeprefix('torch.')} (quantization {config.quantization}) with "
         f"tp_size {config.tp_size}, pp_size {config.pp_size} over nnodes {config.nnodes}; scheduling "
         + ", ".join(f"{name}={getattr(config, name)}" for name in SCHEDULING_FIELDS)
     )
@@ -160,7 +160,8 @@ class SchedulerLoop:
             logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
         distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout, pp_size=config.pp_size)
         model_config = ModelConfig.from_path(
-            config.model_path, dtype=config.dtype, context_length=config.context_length, device=device
+            config.model_path, dtype=config.dtype, context_length=config.context_length, device=device,
+            quantization=config.quantization,
         )
         distributed.check_same_everywhere(
             group_fingerprint(config, model_config),
@@ -198,6 +199,7 @@ class SchedulerLoop:
         s = self.scheduler
         return {
             "max_total_tokens": self.runner.max_total_tokens,
+            "weight_bytes": self.runner.weight_bytes,
             "max_running_requests": s.max_running,
             "num_running": s.num_running(),
             "num_waiting": len(s.waiting),

@@ -17,7 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from services.worker.config import pick_architecture
 from services.worker.mem.state_pool import StateShape
-from services.worker.runtime.layers.fp8 import Fp8Config, parse_quantization_config
+from services.worker.runtime.layers.fp8 import Fp8Config, parse_quantization_config, resolve_quantization
 from services.worker.runtime.layers.rotary import rope_parameters
 from shared.sampling_params import generation_defaults
 
@@ -83,7 +83,8 @@ class ModelConfig:
     # Each layer's mixer: 'full_attention' (KV pool) or 'linear_attention' (StatePool); all
     # 'full_attention' unless the checkpoint is a hybrid model.
     layer_types: tuple[str, ...] = ()
-    # A block-wise FP8 checkpoint's scheme (layers/fp8.py), None for an unquantized one.
+    # The weights' block-wise FP8 scheme (layers/fp8.py): an FP8 checkpoint's, or `--quantization fp8`'s;
+    # None for unquantized weights.
     quantization: Fp8Config | None = None
 
     @classmethod
@@ -93,7 +94,9 @@ class ModelConfig:
         dtype: str | torch.dtype | None = None,
         context_length: int | None = None,
         device: torch.device | str = "cpu",
+        quantization: str | None = None,
     ) -> ModelConfig:
+        """quantization: `--quantization` (None: the checkpoint's own; see layers/fp8.py)."""
         path = Path(model_path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -141,7 +144,9 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             generation_defaults=generation_defaults(generation),
             layer_types=_layer_types(hf_config),
-            quantization=parse_quantization_config(raw.get("quantization_config")),
+            quantization=resolve_quantization(
+                parse_quantization_config(raw.get("quantization_config")), quantization, torch.device(device).type
+            ),
         )
 
     @property

@@ -2,9 +2,11 @@
 
 Tensors are handed to the model as lazy safetensors slices, so each rank reads only the rows or
 columns its parameters keep (a 235B checkpoint is never materialised whole on one rank). A block-wise
-FP8 checkpoint's quantized weights come wrapped (layers/fp8.py) so that the slice a rank reads is
-dequantized to float32 and copied into the parameter in the model's dtype: the reference path, which
-runs on the CPU; a GPU FP8 GEMM over the fp8 weights and their scales is to replace it there.
+FP8 checkpoint's quantized weights come wrapped (layers/fp8.py): layers made FP8-resident before the
+load (layers/fp8_weights.py; the default on CUDA) copy the fp8 slice and its scales, the others get
+the slice dequantized to float32 and copied into the parameter in the model's dtype (the CPU's
+default). `--quantization fp8` on an unquantized checkpoint quantizes the linear and MoE layers once
+they are loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from services.worker.config import ARCHITECTURES
 from services.worker.runtime.layers.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, read_scales
+from services.worker.runtime.layers.fp8_weights import make_fp8_resident, quantize_fp8_after_load
 from services.worker.runtime.layers.linear import LoadedWeight
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.models.llama import LlamaForCausalLM
@@ -78,12 +81,22 @@ def iterate_weights(model_path: Path, names: Callable[[str], bool] = lambda _: T
                     yield name, f.get_slice(name)
 
 
-def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, LoadedWeight]]:
+def checkpoint_scales(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's weight_scale_inv tensors by weight name, read in a pass of their own ({}
+    for an unquantized checkpoint)."""
+    if config.quantization is None or not config.quantization.from_checkpoint:
+        return {}
+    return read_scales(iterate_weights(config.path, lambda name: name.endswith(SCALE_SUFFIX)))
+
+
+def checkpoint_weights(
+    config: ModelConfig, scales: dict[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, LoadedWeight]]:
     """What the model loads: the checkpoint's tensors, with an FP8 checkpoint's quantized weights
-    dequantized as they are read (layers/fp8.py; its scales are read first, in a pass of their own)."""
-    if config.quantization is None:
+    wrapped with their scales (layers/fp8.py; `scales`: checkpoint_scales, read here when not given)."""
+    if config.quantization is None or not config.quantization.from_checkpoint:
         return iterate_weights(config.path)
-    scales = read_scales(iterate_weights(config.path, lambda name: name.endswith(SCALE_SUFFIX)))
+    scales = checkpoint_scales(config) if scales is None else scales
     return dequantize_fp8_weights(iterate_weights(config.path), scales, config.quantization)
 
 
@@ -98,13 +111,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """The model for the current TP rank (see services.worker.runtime.distributed), in config.dtype on device,
-    with every parameter loaded from the checkpoint."""
+    """The model for the current TP rank (see services.worker.runtime.distributed), in config.dtype on device
+    (FP8 weights where config.quantization is resident), with every parameter loaded from the checkpoint."""
     model_cls = get_model_class(config.architecture)
     with torch.device(device), _default_dtype(config.dtype):
         model = model_cls(config)
-    loaded = model.load_weights(checkpoint_weights(config))
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    fp8 = config.quantization
+    scales = checkpoint_scales(config)
+    if fp8 is not None and fp8.resident and fp8.from_checkpoint:
+        make_fp8_resident(model, scales, fp8.block_size)
+    loaded = model.load_weights(checkpoint_weights(config, scales))
+    params = set(dict(model.named_parameters()))
+    # An FP8 layer's scales fill with its weight (`weight` -> `weight_scale_inv`, `w13_weight` -> ...).
+    loaded |= {name + "_scale_inv" for name in loaded} & params
+    missing = sorted(params - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(config.path)!r} lacks weights for parameters: {missing}")
+    if fp8 is not None and fp8.resident and not fp8.from_checkpoint:
+        quantize_fp8_after_load(model, fp8.block_size)
+    if fp8 is not None and fp8.resident and torch.device(device).type == "cuda":
+        # The full-precision weights the FP8 ones replaced go back to the device, so the KV pool's
+        # budget (free memory after the load) counts the FP8 bytes only.
+        torch.cuda.empty_cache()
     return model.eval()

@@ -33,6 +33,7 @@ from services.worker.runtime.attention.flashinfer_backend import (
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
+from services.worker.runtime.layers.fp8_weights import weight_bytes
 from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
@@ -192,6 +193,8 @@ class ModelRunner:
             import_flashinfer()
         self.model = load_model(model_config, device)
         self.model.eval()
+        # Parameter bytes (FP8 weights at one byte each); on CUDA the KV pool's budget is what they leave free.
+        self.weight_bytes = weight_bytes(self.model)
         # CPU only: which product single rows use, and the one-pass times that chose it (get_info).
         self.single_row: dict[str, Any] | None = None
         if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
@@ -290,8 +293,11 @@ class ModelRunner:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
         logger.info(
-            "model %s on %s (%s): KV pool %d tokens (%.1f MiB, %d layers), %d request rows, %s attention%s",
-            model_config.architecture, device, model_config.dtype, size,
+            "model %s on %s (%s%s): weights %.1f MiB, KV pool %d tokens (%.1f MiB, %d layers), %d request rows, "
+            "%s attention%s",
+            model_config.architecture, device, model_config.dtype,
+            ", FP8 weights" if model_config.quantization and model_config.quantization.resident else "",
+            self.weight_bytes / 2**20, size,
             size * bytes_per_token / 2**20, kv_layers, rows, backend,
             f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
             f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",

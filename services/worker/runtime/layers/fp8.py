@@ -1,19 +1,32 @@
-"""FP8 checkpoints as published (Qwen3 / Qwen3-MoE "-FP8"): block-wise e4m3 weights, loaded dequantized.
+"""FP8 block-wise weights: the published checkpoint layout, the block math, and the FP8 linear product.
 
-Such a checkpoint's config.json carries transformers' FineGrainedFP8 `quantization_config`:
+An FP8 checkpoint (Qwen3 / Qwen3-MoE "-FP8") carries transformers' FineGrainedFP8 `quantization_config`:
 `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}`
 (optionally `modules_to_not_convert`). Every quantized linear weight `<name>.weight` [N, K] is stored as
 torch.float8_e4m3fn beside `<name>.weight_scale_inv`, float32 [ceil(N / bn), ceil(K / bk)]: the weight of
 block (i, j) is its fp8 values times scale_inv[i, j] (edge blocks may be partial). Everything else
 (embeddings, norms, lm_head, the MoE router, the modules_to_not_convert) is stored unquantized.
+`--quantization fp8` makes the same layout from a bf16/f16/f32 checkpoint at load (`quantize_blocks`:
+128x128 blocks, scale_inv = block amax / 448), so the same kernels run both.
 
-This is the reference path: `dequantize_fp8_weights` hands the model each quantized weight as a lazy
-`Fp8BlockWeight`, which the layers' weight_loaders slice like any checkpoint tensor (column- or
-row-parallel, per expert) and which dequantizes just that slice to float32, so the parameter holds the
-dequantized weight in the model's compute dtype. It runs anywhere (CI tests it on the CPU). On the GPU a
-block-scaled FP8 GEMM reading the fp8 weight and its scales will replace it; that kernel needs each TP
-rank's slice to start on a block boundary, so the reference path refuses a split that does not (a slice
-may end mid-block only at the tensor's end).
+Two ways to run such weights (ModelConfig.quantization.resident says which):
+- resident (fp8_weights.py): the model keeps each quantized weight as float8_e4m3fn with its float32
+  `weight_scale_inv` (half the bytes of bf16, a quarter of f32, plus one float per block), and
+  `fp8_block_linear` multiplies with it: kernels/fp8_gemm.py's block-scaled GEMM on CUDA, elsewhere a
+  torch reference that dequantizes the weight per call (float32 math). The default on CUDA.
+- dequantized at load: `dequantize_fp8_weights` hands the model each quantized weight as a lazy
+  `Fp8BlockWeight`, which the layers' weight_loaders slice like any checkpoint tensor (column- or
+  row-parallel, per expert) and which dequantizes just that slice to float32, so the parameter holds the
+  dequantized weight in the model's compute dtype. The default on the CPU: there the per-call
+  dequantization costs more than the product itself (one pass converting every weight, then a float32
+  product that cannot use the prepacked oneDNN weights: a 3072x1024 product took 6x as long at 16 rows
+  and 17x at one row on the 2-vCPU CI host), and CPU serving is bound by compute, not by weight bytes.
+  `--quantization fp8` selects the resident path on the CPU too (a quarter of the f32 memory), which is
+  how CI tests it.
+
+Either way a tensor-parallel rank's slice must start on a block boundary (the kernels read whole
+blocks of scales), so a split that does not is refused (a slice may end mid-block only at the
+tensor's end).
 """
 
 from __future__ import annotations
@@ -24,19 +37,50 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from services.worker.config import QUANTIZATION_METHODS
 from services.worker.runtime.layers.linear import LoadedWeight, full_weight, weight_shape
 
 SCALE_SUFFIX = ".weight_scale_inv"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# `--quantization fp8`'s blocks: those of the published Qwen3 FP8 checkpoints.
+QUANTIZE_BLOCK_SIZE = (128, 128)
 
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """A checkpoint's block-wise FP8 scheme: weight_block_size (rows, columns) of one scale. Which
-    modules are quantized is read from the tensors (those with a weight_scale_inv), so
-    modules_to_not_convert needs no handling: those weights are plain tensors and load as such."""
+    """The model's block-wise FP8 scheme: weight_block_size (rows, columns) of one scale. Which
+    modules a checkpoint quantized is read from its tensors (those with a weight_scale_inv), so
+    modules_to_not_convert needs no handling: those weights are plain tensors and load as such.
+    from_checkpoint: the checkpoint stores FP8 weights (False: `--quantization fp8` quantizes at load);
+    resident: the model keeps them in FP8 (False: dequantized at load, see the module docstring)."""
 
     block_size: tuple[int, int]
+    from_checkpoint: bool = True
+    resident: bool = False
+
+
+def resolve_quantization(
+    checkpoint: Fp8Config | None, method: str | None, device_type: str
+) -> Fp8Config | None:
+    """The scheme the model runs: `method` is `--quantization` (None: the checkpoint's own). An FP8
+    checkpoint stays FP8-resident on CUDA and is dequantized at load elsewhere unless method is 'fp8';
+    method 'fp8' on an unquantized checkpoint quantizes it at load (QUANTIZE_BLOCK_SIZE blocks)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization={method!r} is not supported; use one of {list(QUANTIZATION_METHODS)} or None (the "
+            "checkpoint's own: an FP8 checkpoint runs FP8 weights on CUDA)"
+        )
+    if checkpoint is not None:
+        return Fp8Config(
+            checkpoint.block_size, from_checkpoint=True, resident=method == "fp8" or device_type == "cuda"
+        )
+    if method == "fp8":
+        return Fp8Config(QUANTIZE_BLOCK_SIZE, from_checkpoint=False, resident=True)
+    return None
 
 
 def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Config | None:
@@ -51,7 +95,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Config | None:
         )
     fmt = raw.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported; only 'e4m3' (torch.float8_e4m3fn)")
+        raise ValueError(
+            f"quantization_config.fmt={fmt!r} is not supported; only 'e4m3' (torch.float8_e4m3fn)"
+        )
     scheme = str(raw.get("activation_scheme", "dynamic")).lower()
     if scheme != "dynamic":
         raise ValueError(
@@ -59,7 +105,9 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Config | None:
         )
     scale_fmt = raw.get("scale_fmt", "float")
     if scale_fmt != "float":
-        raise ValueError(f"quantization_config.scale_fmt={scale_fmt!r} is not supported; only 'float' (float32)")
+        raise ValueError(
+            f"quantization_config.scale_fmt={scale_fmt!r} is not supported; only 'float' (float32)"
+        )
     block = raw.get("weight_block_size")
     if block is None:
         raise ValueError(
@@ -71,12 +119,61 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Config | None:
     return Fp8Config(block_size=(block[0], block[1]))
 
 
-def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
-    """weight (fp8 [n, k], starting on a block boundary) times its blocks' scale_inv, in float32."""
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]
+) -> torch.Tensor:
+    """weight (fp8 [..., n, k], starting on a block boundary) times its blocks' scale_inv
+    ([..., ceil(n / bn), ceil(k / bk)]), in float32."""
     bn, bk = block_size
-    n, k = weight.shape
-    scale = scale_inv.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    n, k = weight.shape[-2:]
+    scale = scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return weight.to(torch.float32) * scale
+
+
+def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, float32 scale_inv [..., ceil(n / bn), ceil(k / bk)]) of a [..., n, k] weight, the
+    published layout: each block's scale_inv is its amax / FP8_MAX, so its largest value maps to +-448
+    (amax at least 1e-12: an all-zero block stays zero); the division and rounding to e4m3 happen in
+    float32. Leading dims (experts) are quantized each on their own."""
+    bn, bk = block_size
+    *lead, n, k = weight.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = F.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
+    amax = padded.view(*lead, rows, bn, cols, bk).abs().amax(dim=(-3, -1))
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    expanded = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T + b in x's dtype, W an FP8 weight [N, K] with its block scales: kernels/fp8_gemm.py's
+    block-scaled GEMM on CUDA, elsewhere the reference (the weight dequantized per call, float32 math)."""
+    if x.is_cuda:
+        # Imported here: triton is needed (and installed) only where CUDA runs.
+        from kernels.fp8_gemm import fp8_block_linear as fp8_gemm
+
+        return fp8_gemm(x, weight, scale_inv, block_size=block_size, bias=bias)
+    y = F.linear(
+        x.float(), dequantize_blocks(weight, scale_inv, block_size), None if bias is None else bias.float()
+    )
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Fp8LinearMethod:
+    """A linear layer's product with its resident FP8 weight (`layer.weight` float8_e4m3fn,
+    `layer.weight_scale_inv` float32), set as the layer's `quant_method` by fp8_weights.py."""
+
+    block_size: tuple[int, int]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_size, bias)
 
 
 def _bounds(index: Any, size: int, block: int, what: str, dim: int) -> tuple[int, int]:
@@ -99,7 +196,9 @@ class Fp8BlockWeight:
     the same interface as a lazy safetensors slice (get_shape, [index]), so weight_loaders narrow it
     as they narrow any checkpoint tensor."""
 
-    def __init__(self, name: str, weight: LoadedWeight, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> None:
+    def __init__(
+        self, name: str, weight: LoadedWeight, scale_inv: torch.Tensor, block_size: tuple[int, int]
+    ) -> None:
         shape = weight_shape(weight)
         if len(shape) != 2:
             raise ValueError(f"FP8 weight {name!r} has shape {list(shape)}; block-wise FP8 weights are 2-D")
@@ -117,6 +216,11 @@ class Fp8BlockWeight:
         return list(self.shape)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        """The slice, dequantized to float32."""
+        return dequantize_blocks(*self.blocks(index), self.block_size)
+
+    def blocks(self, index: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fp8 values, their blocks' scale_inv) of a slice starting on block boundaries."""
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 2:
             raise TypeError(f"FP8 weight {self.name!r} is 2-D, got index {index!r}")
@@ -127,16 +231,19 @@ class Fp8BlockWeight:
         )
         bn, bk = self.block_size
         fp8 = self.weight[r0:r1, c0:c1]
-        if fp8.dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{self.name!r} has a weight_scale_inv but is stored as {fp8.dtype}, not float8_e4m3fn")
-        scale = self.scale_inv[r0 // bn : math.ceil(r1 / bn), c0 // bk : math.ceil(c1 / bk)]
-        return dequantize_blocks(fp8, scale, self.block_size)
+        if fp8.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"{self.name!r} has a weight_scale_inv but is stored as {fp8.dtype}, not float8_e4m3fn"
+            )
+        return fp8, self.scale_inv[r0 // bn : math.ceil(r1 / bn), c0 // bk : math.ceil(c1 / bk)]
 
 
 def read_scales(files: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:
     """{weight name: its weight_scale_inv} from (name, lazy slice) pairs (the scales are small: one
     float per block)."""
-    return {name.removesuffix("_scale_inv"): full_weight(w) for name, w in files if name.endswith(SCALE_SUFFIX)}
+    return {
+        name.removesuffix("_scale_inv"): full_weight(w) for name, w in files if name.endswith(SCALE_SUFFIX)
+    }
 
 
 def dequantize_fp8_weights(

@@ -194,16 +194,32 @@ def new_parameter(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Par
     return param
 
 
+class LinearMethod(Protocol):
+    """How a quantized layer multiplies (SGLang's quant_method): x W^T + b from the layer's own
+    parameters (layers/fp8.py's Fp8LinearMethod: an FP8 weight and its block scales)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class Projection(nn.Module):
     """What every linear layer below carries besides its weight: the CPU prepacked copy
-    (prepack_cpu_weights), the batch-1 GEMV tiles (select_gemv_tiles, None: cuBLAS), and `prologue`,
+    (prepack_cpu_weights), the batch-1 GEMV tiles (select_gemv_tiles, None: cuBLAS), `prologue`,
     the elementwise step the model runs right before this product at batch 1 ("rmsnorm",
-    "silu_and_mul"), which "rows" GEMV tiles fold in (set by the model, read by select_gemv_tiles)."""
+    "silu_and_mul"), which "rows" GEMV tiles fold in (set by the model, read by select_gemv_tiles),
+    and `quant_method` once layers/fp8_weights.py made the weight FP8 (with a `weight_scale_inv`
+    parameter beside it; None: the weight is in the model's dtype)."""
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
     prologue: str | None = None
+    quant_method: LinearMethod | None = None
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias through the quant_method, or linear() with this layer's packed copy and tiles."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return linear(x, self.weight, bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
 
 
 class ReplicatedLinear(Projection):
@@ -215,7 +231,7 @@ class ReplicatedLinear(Projection):
         self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        return self.product(x, self.bias)
 
 
 class ColumnParallelLinear(Projection):
@@ -252,7 +268,7 @@ class ColumnParallelLinear(Projection):
         param.data.narrow(0, offset, rows).copy_(narrow_weight(loaded_weight, 0, start, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        return self.product(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -325,8 +341,8 @@ class RowParallelLinear(Projection):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, gemv_tiles=self.gemv_tiles))
+            return self.product(x, self.bias)
+        y = tp_all_reduce(self.product(x, None))
         return y if self.bias is None else y + self.bias
 
     def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -3,7 +3,10 @@
 Every rank holds every expert, but only its slice of each expert's intermediate dimension: the
 fused gate_up (w13) is split column-wise, down (w2) row-wise, so the layer needs one all-reduce, like a
 dense MLP. `moe_forward` is the torch reference; on CUDA kernels/fused_moe.py replaces it (same
-contract, no host sync, so a decode step with MoE layers can be captured in a CUDA graph).
+contract, no host sync, so a decode step with MoE layers can be captured in a CUDA graph). With FP8
+experts (layers/fp8_weights.py: w13/w2 in float8_e4m3fn with block scales `w13_weight_scale_inv`
+[E, ceil(2I / bn), ceil(H / bk)] and `w2_weight_scale_inv` [E, ceil(H / bn), ceil(I / bk)]) the
+kernel reads the scales; the reference dequantizes the experts a step hits (float32 math).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.worker.runtime.layers.activation import silu_and_mul
+from services.worker.runtime.layers.fp8 import dequantize_blocks
 from services.worker.runtime.layers.linear import (
     LoadedWeight,
     check_weight_shape,
@@ -60,10 +64,14 @@ def moe_forward(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e.
 
-    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k].
+    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k]. With scales,
+    w13 and w2 are FP8 and each expert hit is dequantized with its block scales and run in float32.
     Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens.
     """
     num_experts = w13.shape[0]
@@ -79,8 +87,15 @@ def moe_forward(
         if count == 0:
             continue
         tokens = token_of[start : start + count]
-        act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
-        expert_out = F.linear(act, w2[expert]) * weight_of[start : start + count, None]
+        if w13_scale_inv is None or w2_scale_inv is None or block_size is None:
+            act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
+            expert_out = F.linear(act, w2[expert])
+        else:
+            gate_up = dequantize_blocks(w13[expert], w13_scale_inv[expert], block_size)
+            down = dequantize_blocks(w2[expert], w2_scale_inv[expert], block_size)
+            act = silu_and_mul(F.linear(hidden[tokens].float(), gate_up))
+            expert_out = F.linear(act, down).to(hidden.dtype)
+        expert_out = expert_out * weight_of[start : start + count, None]
         out.index_add_(0, tokens, expert_out)
         start += count
     return out
@@ -92,6 +107,10 @@ class FusedMoE(nn.Module):
     Checkpoint tensors are per expert (HF `experts.{e}.gate_proj/up_proj/down_proj`); the loader takes
     (expert_id, shard_id) with shard ids 'w1' (gate), 'w3' (up), 'w2' (down).
     """
+
+    # Set by layers/fp8_weights.py when the experts are FP8, beside the w13_weight_scale_inv and
+    # w2_weight_scale_inv parameters it adds (None: the experts are in the model's dtype).
+    fp8_block_size: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -134,7 +153,30 @@ class FusedMoE(nn.Module):
             # Imported here: triton is needed (and installed) only where CUDA runs.
             from kernels.fused_moe import fused_moe
 
-            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        else:
+            if self.fp8_block_size is None:
+                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            else:
+                out = fused_moe(
+                    hidden,
+                    self.w13_weight,
+                    self.w2_weight,
+                    topk_weights,
+                    topk_ids,
+                    w13_scale_inv=self.w13_weight_scale_inv,
+                    w2_scale_inv=self.w2_weight_scale_inv,
+                    block_size=self.fp8_block_size,
+                )
+        elif self.fp8_block_size is None:
             out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = moe_forward(
+                hidden,
+                self.w13_weight,
+                self.w2_weight,
+                topk_weights,
+                topk_ids,
+                self.w13_weight_scale_inv,
+                self.w2_weight_scale_inv,
+                self.fp8_block_size,
+            )
         return tp_all_reduce(out)

@@ -1,0 +1,190 @@
+"""FP8-resident weights on one GPU through the Engine: an FP8 checkpoint and `--quantization fp8` against
+the same weights dequantized to bf16, and what the FP8 weights free for the KV pool.
+
+    python bench/gpu_fp8_resident.py [0.6b|8b]     (from the repository root, on a GPU; default 0.6b)
+
+Builds (once per machine, under /tmp) a random Qwen3 checkpoint of the named shape in bf16
+(initializer_range 0.02, so activations stay in a trained model's range), its FP8 copy in the published
+layout (every `*_proj.weight` of the decoder layers block-quantized 128x128 by layers/fp8.quantize_blocks,
+`weight_scale_inv` beside it, transformers' FineGrainedFP8 quantization_config) and the plain bf16 copy
+of that FP8 copy's dequantized weights (the reference), and a small Qwen3-MoE likewise. Then, greedy,
+8 prompts of mixed lengths, 32 new tokens each, prompt log-probs scored:
+- fp8 checkpoint (resident by default on CUDA; CUDA graphs on) vs its dequantized bf16 copy: greedy
+  agreement and prompt log-prob differences (required: mean |dlogprob| <= MEAN_LOGPROB_TOL);
+- the same with CUDA graphs off vs on: reported (a padded graph batch may pick other GEMM tiles);
+- `--quantization fp8` on the bf16 checkpoint vs the unquantized bf16 model: reported only;
+- weight bytes the worker reports and its KV pool (sized from the memory left after loading): FP8 below
+  0.6 of bf16's weight bytes and a larger pool (required);
+- batch-1 decode tok/s, FP8 resident vs bf16.
+Prints a table last; with $OUT set the JSON goes to $OUT/gpu_fp8_resident.json. Exit 1 when a required
+check fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_common import OUT, build_checkpoint, build_moe_checkpoint  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
+from services.worker.runtime.layers.fp8 import dequantize_blocks, quantize_blocks  # noqa: E402
+
+BLOCK = (128, 128)
+PROMPT_LENS = (7, 40, 130, 300, 18, 64, 257, 5)
+NEW_TOKENS = 32
+# The FP8 GEMM also rounds the activations to e4m3 (per token group), so the prompt log-probs move a
+# little against the dequantized weights in bf16; a wiring error (a wrong scale, a transposed block)
+# moves them by whole nats.
+MEAN_LOGPROB_TOL = 0.05
+DECODE_STEPS = 256
+
+
+def write_fp8_copies(src: Path) -> tuple[Path, Path]:
+    """(FP8 copy of src, bf16 copy of src holding the FP8 copy's dequantized weights), built once."""
+    from safetensors.torch import load_file, save_file
+
+    fp8_dir, deq_dir = Path(f"{src}-fp8"), Path(f"{src}-fp8-dequantized")
+    if (fp8_dir / "config.json").exists() and (deq_dir / "config.json").exists():
+        return fp8_dir, deq_dir
+    for out in (fp8_dir, deq_dir):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(src, out)
+        for f in out.glob("*.safetensors*"):
+            f.unlink()
+    fp8_tensors, deq_tensors = {}, {}
+    for file in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(str(file), device="cuda").items():
+            # The decoder layers' linear and expert weights; not the router (mlp.gate), norms or heads.
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                q, scale = quantize_blocks(tensor, BLOCK)
+                fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q.cpu(), scale.cpu()
+                deq_tensors[name] = dequantize_blocks(q, scale, BLOCK).to(tensor.dtype).cpu()
+            else:
+                fp8_tensors[name] = deq_tensors[name] = tensor.cpu()
+    save_file(fp8_tensors, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq_tensors, str(deq_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK),
+    }  # fmt: skip
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return fp8_dir, deq_dir
+
+
+def run(path: Path, **kw: object) -> dict:
+    """Greedy tokens, prompt log-probs, the worker's weight bytes and KV pool, batch-1 decode tok/s."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    t0 = time.perf_counter()
+    with Engine(str(path), mem_fraction_static=0.5, **kw) as e:
+        info = e.get_server_info()
+        greedy = e.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
+        scored = e.generate(
+            input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1}, return_logprob=True,
+            logprob_start_len=0,
+        )  # fmt: skip
+        prompt = list(range(1000, 1128))
+        e.generate(
+            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        )
+        t1 = time.perf_counter()
+        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
+        ttft = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        e.generate(
+            input_ids=prompt[:-2] + [9, 9],
+            sampling_params={"temperature": 0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True},
+        )
+        decode = (DECODE_STEPS - 1) / max(time.perf_counter() - t1 - ttft, 1e-9)
+    print(f"  {path.name} {kw}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return {
+        "tokens": [r["output_ids"] for r in greedy],
+        "logprobs": [[lp for lp, _, _ in r["meta_info"]["input_token_logprobs"][1:]] for r in scored],
+        "weight_bytes": info["weight_bytes"],
+        "kv_tokens": info["max_total_tokens"],
+        "decode_tok_s": decode,
+    }
+
+
+def compare(ours: dict, ref: dict) -> dict:
+    diffs = [abs(a - b) for xs, ys in zip(ours["logprobs"], ref["logprobs"]) for a, b in zip(xs, ys)]
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(xs, ys)) if a != b), len(xs)) for xs, ys in zip(ours["tokens"], ref["tokens"])
+    ]  # fmt: skip
+    return {
+        "tokens_identical": ours["tokens"] == ref["tokens"],
+        "greedy_tokens_before_divergence": firsts,
+        "mean_abs_logprob_diff": sum(diffs) / len(diffs),
+        "max_abs_logprob_diff": max(diffs),
+    }
+
+
+def main() -> int:
+    shape = sys.argv[1] if len(sys.argv) > 1 else "0.6b"
+    dense = build_checkpoint(shape, torch.bfloat16, initializer_range=0.02)
+    moe = build_moe_checkpoint(
+        "fp8-bench", torch.bfloat16, 0.02, vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+        head_dim=128, num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096,
+    )  # fmt: skip
+    results: dict[str, dict] = {}
+    ok = True
+    rows = []
+    for label, src in ((f"qwen3-{shape}", dense), ("qwen3-moe-small", moe)):
+        fp8_dir, deq_dir = write_fp8_copies(src)
+        fp8 = run(fp8_dir)
+        fp8_eager = run(fp8_dir, cuda_graph_max_bs=0, cuda_graph_max_extend_tokens=0)
+        deq = run(deq_dir)
+        quant = run(src, quantization="fp8")
+        plain = run(src)
+        r = {
+            "fp8_vs_dequantized_bf16": compare(fp8, deq),
+            "fp8_graphs_vs_eager": compare(fp8, fp8_eager),
+            "quantization_fp8_vs_bf16": compare(quant, plain),
+            "weight_bytes": {"fp8": fp8["weight_bytes"], "bf16": deq["weight_bytes"], "quantized": quant["weight_bytes"]},
+            "kv_tokens": {"fp8": fp8["kv_tokens"], "bf16": deq["kv_tokens"], "quantized": quant["kv_tokens"]},
+            "decode_tok_s": {"fp8": fp8["decode_tok_s"], "bf16": deq["decode_tok_s"], "quantized": quant["decode_tok_s"]},
+        }  # fmt: skip
+        checks = {
+            "logprobs_within_tol": r["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"] <= MEAN_LOGPROB_TOL,
+            "fp8_bytes_below_0.6_of_bf16": fp8["weight_bytes"] < 0.6 * deq["weight_bytes"],
+            "quantized_bytes_below_0.6_of_bf16": quant["weight_bytes"] < 0.6 * plain["weight_bytes"],
+            "fp8_kv_pool_larger": fp8["kv_tokens"] > deq["kv_tokens"],
+        }
+        r["required"] = checks
+        ok &= all(checks.values())
+        results[label] = r
+        c, q = r["fp8_vs_dequantized_bf16"], r["quantization_fp8_vs_bf16"]
+        rows.append(
+            f"{label:18s} {c['mean_abs_logprob_diff']:8.4f} {c['max_abs_logprob_diff']:8.3f} "
+            f"{sum(f == NEW_TOKENS for f in c['greedy_tokens_before_divergence'])}/{len(PROMPT_LENS)}      "
+            f"{q['mean_abs_logprob_diff']:8.4f} {'=' if r['fp8_graphs_vs_eager']['tokens_identical'] else '!=':>6s} "
+            f"{fp8['weight_bytes'] / deq['weight_bytes']:6.3f} "
+            f"{fp8['kv_tokens'] / deq['kv_tokens']:6.2f} {fp8['decode_tok_s']:8.1f} {deq['decode_tok_s']:8.1f} "
+            f"{'ok' if all(checks.values()) else 'FAIL ' + ','.join(k for k, v in checks.items() if not v)}"
+        )
+    if os.environ.get("OUT"):
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "gpu_fp8_resident.json").write_text(json.dumps({"ok": ok, "results": results}, indent=2))
+    print(json.dumps({"ok": ok, "required": {k: v["required"] for k, v in results.items()}}))
+    print(f"{'model':18s} {'mean|dlp|':>8s} {'max|dlp|':>8s} greedy=  {'q8 mean':>8s} {'graphs':>6s} {'bytes':>6s} {'kv':>6s} "
+          f"{'fp8 tok/s':>8s} {'bf16 tok/s':>8s} checks")  # fmt: skip
+    for row in rows:
+        print(row)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

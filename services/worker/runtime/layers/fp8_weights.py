@@ -1,0 +1,246 @@
+"""FP8-resident weights: which layers keep their weights in FP8, those parameters, and how they fill.
+
+A resident layer holds `weight` in torch.float8_e4m3fn beside a float32 `weight_scale_inv`
+[ceil(N / bn), ceil(K / bk)] (FusedMoE: `w13_weight` / `w13_weight_scale_inv` [E, ceil(2I / bn),
+ceil(H / bk)] and `w2_weight` / `w2_weight_scale_inv` [E, ceil(H / bn), ceil(I / bk)]), the published
+layout of layers/fp8.py, and multiplies through its `quant_method` (Fp8LinearMethod; FusedMoE through
+the fused_moe kernel or the dequantizing reference). Two ways in, chosen by model_loader.py:
+
+- An FP8 checkpoint (`make_fp8_resident`, before loading): every column- or row-parallel linear layer
+  and FusedMoE whose checkpoint weights carry a weight_scale_inv gets FP8 parameters and loaders that
+  copy this rank's fp8 rows or columns, and the scales of their blocks, unchanged. Fused matrices (q/k/v,
+  gate/up, an expert's w1/w3) stack their shards' blocks, so every shard and every TP rank's slice must
+  start on a block boundary (vLLM requires the same); that is checked here, before a weight is read.
+  Layers of other kinds (Qwen3.5's Gated DeltaNet in_proj, with its own loader) load dequantized.
+- `--quantization fp8` on an unquantized checkpoint (`quantize_fp8_after_load`): the model loads in its
+  dtype, then every column- and row-parallel linear layer and every FusedMoE is quantized with
+  quantize_blocks over this rank's (fused) matrix, and its full-precision weight freed (SGLang's
+  process_weights_after_loading; loading therefore needs the unquantized weights' memory once). As in
+  the published checkpoints the embeddings, norms, LM head, MoE router and other replicated layers
+  (shared-expert gates) stay unquantized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.worker.runtime.layers.fp8 import FP8_DTYPE, Fp8BlockWeight, Fp8LinearMethod, quantize_blocks
+from services.worker.runtime.layers.linear import (
+    ColumnParallelLinear,
+    LoadedWeight,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    check_weight_shape,
+)
+from services.worker.runtime.layers.moe import FusedMoE
+
+# The layers whose loaders make_fp8_resident reproduces for FP8 tensors (exact types: a subclass with a
+# loader of its own, like GatedDeltaNetInProj, loads dequantized).
+CHECKPOINT_RESIDENT_TYPES = (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    FusedMoE,
+)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (FP8 weights at one byte each, their scales at four)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def make_fp8_resident(model: nn.Module, quantized: Iterable[str], block_size: tuple[int, int]) -> list[str]:
+    """Give the layers that the checkpoint's quantized weights (HF names, those with a weight_scale_inv)
+    load into FP8 parameters and loaders; returns the layers' names. ValueError when a fused shard or a
+    TP rank's slice would start mid-block."""
+    modules = dict(model.named_modules())
+    targets: dict[str, nn.Module] = {}
+    for name in quantized:
+        if model.skip_weight(name):  # another pipeline stage's, or one the model never loads
+            continue
+        param_name, _ = model.weight_target(name)
+        module_name = param_name.rsplit(".", 1)[0]
+        module = modules.get(module_name)
+        if module is not None and type(module) in CHECKPOINT_RESIDENT_TYPES:
+            targets[module_name] = module
+    for name, module in sorted(targets.items()):
+        if isinstance(module, FusedMoE):
+            _resident_experts(name, module, block_size)
+        elif isinstance(module, RowParallelLinear):
+            _resident_row(name, module, block_size)
+        else:
+            _resident_column(name, module, block_size)
+    return sorted(targets)
+
+
+def quantize_fp8_after_load(model: nn.Module, block_size: tuple[int, int]) -> list[str]:
+    """Quantize every loaded column/row-parallel linear layer and FusedMoE in place (quantize_blocks on
+    its device); returns the layers' names."""
+    done = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            for param in ("w13_weight", "w2_weight"):
+                weight, scale = quantize_blocks(getattr(module, param).data, block_size)
+                _replace(module, param, weight, scale, getattr(module, param).weight_loader)
+            module.fp8_block_size = block_size
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weight, scale = quantize_blocks(module.weight.data, block_size)
+            _replace(module, "weight", weight, scale, module.weight.weight_loader)
+            _mark_fp8_linear(module, block_size)
+        else:
+            continue
+        done.append(name)
+    return done
+
+
+def _replace(
+    module: nn.Module, name: str, weight: torch.Tensor, scale: torch.Tensor, loader: Callable[..., None]
+) -> None:
+    """module.<name> := weight (FP8) and module.<name>_scale_inv := scale, as inference parameters."""
+    param = nn.Parameter(weight, requires_grad=False)
+    param.weight_loader = loader
+    setattr(module, name, param)
+    setattr(module, name + "_scale_inv", nn.Parameter(scale, requires_grad=False))
+
+
+def _empty_fp8(
+    module: nn.Module, name: str, block_size: tuple[int, int], loader: Callable[..., None]
+) -> None:
+    """Replace module.<name> by an unfilled FP8 parameter of its shape and NaN scales (a block no
+    checkpoint tensor fills shows as NaN, not as plausible numbers)."""
+    old = getattr(module, name)
+    *lead, n, k = old.shape
+    weight = torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device)
+    scale = torch.full(
+        (*lead, math.ceil(n / block_size[0]), math.ceil(k / block_size[1])), math.nan, device=old.device
+    )
+    _replace(module, name, weight, scale, loader)
+
+
+def _mark_fp8_linear(module: nn.Module, block_size: tuple[int, int]) -> None:
+    module.quant_method = Fp8LinearMethod(block_size)
+    module.prepackable = False  # no oneDNN copy nor GEMV tiles: the FP8 product reads the weight
+
+
+def _check_slice(what: str, start: int, length: int, total: int, block: int, axis: str) -> None:
+    """A checkpoint slice [start, start + length) of `total` rows/columns starts on a block boundary and
+    ends on one or at the tensor's end."""
+    stop = start + length
+    if start % block or (stop % block and stop != total):
+        raise ValueError(
+            f"{what}: this rank's {axis} [{start}, {stop}) of {total} do not align with the FP8 weight_block_size "
+            f"{block}: the tensor-parallel split must fall on block boundaries (use a tp_size that splits this "
+            f"dimension into whole {block}-wide blocks)"
+        )
+
+
+def _check_offset(what: str, shard: Any, offset: int, block: int) -> None:
+    """A fused shard's first row in the layer's matrix is a block boundary (its scales stack below the
+    previous shard's)."""
+    if offset % block:
+        raise ValueError(
+            f"{what}: shard {shard!r} starts at row {offset} of the fused FP8 matrix, not on a boundary of its "
+            f"{block}-row blocks: each fused matrix (q/k/v, gate/up) must hold whole blocks on every rank to "
+            "stay FP8 (use a tp_size that splits it into whole blocks)"
+        )
+
+
+def _copy_blocks(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    loaded: LoadedWeight,
+    dim: int,
+    offset: int,
+    start: int,
+    length: int,
+    what: str,
+) -> None:
+    """Rows (dim 0) or columns (dim 1) [start, start + length) of an FP8 checkpoint tensor into
+    weight[offset:] along dim, and their blocks' scales into scale at offset's block."""
+    if not isinstance(loaded, Fp8BlockWeight):
+        raise ValueError(
+            f"{what}: this checkpoint tensor has no weight_scale_inv, but the layer it loads into keeps FP8 "
+            "weights (another tensor fused into it is FP8): fused tensors must be all quantized or all not"
+        )
+    index = [slice(None), slice(None)]
+    index[dim] = slice(start, start + length)
+    values, scales = loaded.blocks(tuple(index))
+    weight.narrow(dim, offset, length).copy_(values)
+    scale.narrow(dim, offset // loaded.block_size[dim], scales.shape[dim]).copy_(scales)
+
+
+def _shard_ids(module: ColumnParallelLinear) -> list[Any]:
+    if isinstance(module, QKVParallelLinear):
+        return ["q", "k", "v"]
+    return list(range(len(module.output_sizes)))
+
+
+def _resident_column(name: str, module: ColumnParallelLinear, block_size: tuple[int, int]) -> None:
+    bn = block_size[0]
+    for shard in _shard_ids(module):
+        offset, rows, start, total = module.shard_range(shard)
+        _check_slice(f"{name} shard {shard!r}", start, rows, total, bn, "rows")
+        _check_offset(name, shard, offset, bn)
+    columns = module.input_size
+
+    def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: int | str | None = None) -> None:
+        offset, rows, start, total = module.shard_range(shard_id)
+        check_weight_shape(loaded, (total, columns), f"{type(module).__name__} shard {shard_id}")
+        _copy_blocks(
+            param.data,
+            module.weight_scale_inv.data,
+            loaded,
+            0,
+            offset,
+            start,
+            rows,
+            f"{name} shard {shard_id}",
+        )
+
+    _empty_fp8(module, "weight", block_size, load)
+    _mark_fp8_linear(module, block_size)
+
+
+def _resident_row(name: str, module: RowParallelLinear, block_size: tuple[int, int]) -> None:
+    cols = module.input_size_per_partition
+    start = module.tp_rank * cols
+    _check_slice(name, start, cols, module.input_size, block_size[1], "columns")
+
+    def load(param: nn.Parameter, loaded: LoadedWeight) -> None:
+        check_weight_shape(loaded, (param.shape[0], module.input_size), type(module).__name__)
+        _copy_blocks(param.data, module.weight_scale_inv.data, loaded, 1, 0, start, cols, name)
+
+    _empty_fp8(module, "weight", block_size, load)
+    _mark_fp8_linear(module, block_size)
+
+
+def _resident_experts(name: str, module: FusedMoE, block_size: tuple[int, int]) -> None:
+    rows, total = module.intermediate_per_rank, module.intermediate_size
+    start = module.tp_rank * rows
+    _check_slice(f"{name}.w13_weight", start, rows, total, block_size[0], "rows")
+    _check_slice(f"{name}.w2_weight", start, rows, total, block_size[1], "columns")
+    _check_offset(f"{name}.w13_weight", "w3", rows, block_size[0])
+
+    def load(param: nn.Parameter, loaded: LoadedWeight, expert_id: int, shard_id: str) -> None:
+        if not 0 <= expert_id < module.num_experts:
+            raise ValueError(f"expert id {expert_id} is outside num_experts={module.num_experts}")
+        what = f"{name} expert {expert_id} {shard_id}"
+        if shard_id == "w2":
+            check_weight_shape(loaded, (module.hidden_size, total), "expert down_proj")
+            weight, scale = module.w2_weight.data[expert_id], module.w2_weight_scale_inv.data[expert_id]
+            _copy_blocks(weight, scale, loaded, 1, 0, start, rows, what)
+            return
+        check_weight_shape(loaded, (total, module.hidden_size), f"expert {shard_id}")
+        weight, scale = module.w13_weight.data[expert_id], module.w13_weight_scale_inv.data[expert_id]
+        _copy_blocks(weight, scale, loaded, 0, 0 if shard_id == "w1" else rows, start, rows, what)
+
+    _empty_fp8(module, "w13_weight", block_size, load)
+    _empty_fp8(module, "w2_weight", block_size, load)
+    module.fp8_block_size = block_size
