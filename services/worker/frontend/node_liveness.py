@@ -147,6 +147,8 @@ class NodeLivenessServer:
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._done = False  # lost, failed or closed: later findings are not reported
+        self._lost_event = threading.Event()
+        self.lost_message: str | None = None  # the finding reported, once there is one
         try:
             if socket.has_dualstack_ipv6():
                 self._listener = socket.create_server(("", self.port), family=socket.AF_INET6, dualstack_ipv6=True)
@@ -222,8 +224,15 @@ class NodeLivenessServer:
             self._done = True
         message = f"{message}; the TP group is down"
         logger.error("node liveness: %s", message)
+        self.lost_message = message
+        self._lost_event.set()
         self._close_all(Failed(message))  # the other nodes first: ending this node's ranks takes a moment
         self._on_lost(message)
+
+    def wait_lost(self, timeout_s: float) -> str | None:
+        """The finding on a lost node, waiting up to `timeout_s` for one (None: no node was lost)."""
+        self._lost_event.wait(timeout_s)
+        return self.lost_message
 
     def fail_others(self, message: str) -> None:
         """Node 0's part of the group failed: the other nodes end their ranks, told why."""

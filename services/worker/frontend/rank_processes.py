@@ -103,7 +103,6 @@ def serve_node(config: EngineConfig) -> int:
     was lost or ended the group as failed (node_liveness.py: its ranks are killed, as a collective would
     wait dist_timeout for node 0), or this process was told to stop (SIGTERM/SIGINT: the group ends with
     these ranks). Node 0 hears of every failure here at once."""
-
     if config.node_rank == 0:
         raise ValueError("node 0 serves requests: run it as a worker (or an Engine), not with serve_node")
     assert config.dist_init_addr is not None  # EngineConfig requires it for nnodes > 1
@@ -125,19 +124,21 @@ def serve_node(config: EngineConfig) -> int:
     running = list(procs)
     host = socket.gethostname()
     try:
-        while running:
+        while True:
             if lost:
                 message, told = lost[0]
                 # Node 0 ending the group as failed: these ranks are likely failing too, and say why.
                 grace_s = RANK_EXIT_GRACE_S if told else 0.0
                 logger.error("node %d: %s; ending the node's ranks (in %g s at most)", config.node_rank, message, grace_s)
-                running = _end_reporting(running, rank_of, grace_s, config.node_rank)
+                _end_reporting(running, rank_of, grace_s, config.node_rank)
                 return 1
             if stop.is_set():
                 logger.warning("node %d: stopping its ranks on a signal; the TP group ends with them", config.node_rank)
                 liveness.report_failed(f"its `radixserve worker --node-rank {config.node_rank}` was stopped by a signal")
                 end_group(running, grace_s=0.0)
                 return 1
+            if not running:
+                break
             proc = wait_for_exit(running, timeout=0.5)
             if proc is None:
                 continue
@@ -147,6 +148,8 @@ def serve_node(config: EngineConfig) -> int:
                     "node %d: TP rank %d exited with code %s (its error is above); ending the node's other ranks",
                     config.node_rank, rank_of[proc], proc.exitcode,
                 )
+                if lost:
+                    continue  # node 0 was lost first (this rank saw it too): said at the loop's top
                 liveness.report_failed(f"TP rank {rank_of[proc]} (pid {proc.pid} on {host}) exited with code "
                                        f"{proc.exitcode}")
                 end_group(running)
@@ -160,9 +163,9 @@ def serve_node(config: EngineConfig) -> int:
                 proc.kill()
 
 
-def _end_reporting(running: list[Any], rank_of: dict[Any, int], grace_s: float, node_rank: int) -> list[Any]:
+def _end_reporting(running: list[Any], rank_of: dict[Any, int], grace_s: float, node_rank: int) -> None:
     """End the ranks after a lost node 0: each gets `grace_s` to end on its own (a failing rank's exit
-    code is logged), then is killed. The ranks left alive (none) are returned."""
+    code is logged), then is killed."""
     deadline = time.monotonic() + grace_s
     while running:
         proc = wait_for_exit(running, timeout=max(0.0, deadline - time.monotonic()))
@@ -172,4 +175,3 @@ def _end_reporting(running: list[Any], rank_of: dict[Any, int], grace_s: float, 
         if proc.exitcode != 0:
             logger.error("node %d: TP rank %d exited with code %s", node_rank, rank_of[proc], proc.exitcode)
     end_group(running, grace_s=0.0)
-    return []

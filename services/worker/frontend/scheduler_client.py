@@ -54,6 +54,7 @@ LOOP_READ_BATCH = 16
 # scheduler killed mid-write, is a stop too.
 _CLOSED = (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError)
 CONTROL_TIMEOUT_S = 60.0
+NODE_LOSS_WAIT_S = 1.0  # after rank 0's collective failed, for node liveness to name the node lost
 
 
 def _free_port() -> int:
@@ -231,6 +232,15 @@ class SchedulerClient:
         self._fail(message)
         end_group(list(self._procs), grace_s=0.0)
 
+    def _fail_naming_node(self, message: str) -> None:
+        """Rank 0's collective failed: when another node's loss caused it (its process died: gloo and the
+        liveness channel see it at once), the failure names that node and its host."""
+        lost = self._liveness.wait_lost(NODE_LOSS_WAIT_S) if self._liveness is not None else None
+        # A local rank killed or crashed first (a negative exit code) is the cause, and the other node's report an echo.
+        if lost is not None and not any((proc.exitcode or 0) < 0 for proc in self._procs[1:]):
+            message = f"{lost}\nrank 0 saw: {message}"
+        self._fail(message)
+
     def shutdown(self) -> None:
         """Stop the scheduler and the dispatcher; pending controls get None."""
         if self._closed:
@@ -308,7 +318,10 @@ class SchedulerClient:
             if box is not None:
                 box.put(item.value)
         elif isinstance(item, LoopFailed):
-            self._fail(item.message)
+            if self._liveness is not None and self._ready:
+                threading.Thread(target=self._fail_naming_node, args=(item.message,), daemon=True).start()
+            else:
+                self._fail(item.message)
             return False
         elif isinstance(item, PackedOutputs):
             self._on_outputs(item.unpack())
