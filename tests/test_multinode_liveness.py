@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import httpx
 import pytest
 
 from services.cli import main
+from services.worker.frontend.engine import Engine
 from tests.engine_helpers import GREEDY
 from tests.services_helpers import ServiceProcess, free_port_pair
 from tests.test_multinode_tp import PROMPTS, REPO, node, node0
@@ -149,3 +152,33 @@ def test_a_bad_node_timeout_is_a_usage_error(qwen3_path: Path, capsys: pytest.Ca
     assert main(["worker", "--model-path", str(qwen3_path), "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
                  "--dist-init-addr", "127.0.0.1:5000", "--node-timeout", "0"]) == 2
     assert "node_timeout must be > 0, got 0" in capsys.readouterr().err
+
+
+def test_a_node_frozen_while_the_group_forms_fails_node_0s_start(qwen3_path: Path) -> None:
+    """Node 1 connected to node 0, then froze before its ranks joined: node 0's Engine fails to start
+    naming it, within node_timeout rather than after the rendezvous's dist_timeout."""
+    port = free_port_pair()
+    with node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as other:
+        started: queue.Queue[BaseException | Engine] = queue.Queue()
+
+        def start() -> None:
+            try:
+                started.put(node0(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S))
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                started.put(exc)
+
+        threading.Thread(target=start, daemon=True).start()
+        assert other.stdout is not None
+        printed = []
+        for line in other.stdout:  # until node 1 has said hello to node 0
+            printed.append(line)
+            if "node 1: connected to node 0" in line:
+                break
+        assert "node 1: connected to node 0" in printed[-1], "".join(printed)
+        os.killpg(other.pid, signal.SIGSTOP)
+        outcome = started.get(timeout=NOTICED_WITHIN_S)
+        if isinstance(outcome, Engine):
+            outcome.shutdown()
+    assert isinstance(outcome, RuntimeError), outcome
+    assert re.search(rf"the TP group failed to start: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) sent no "
+                     rf"heartbeat for {NODE_TIMEOUT_S:g} s", str(outcome)), outcome

@@ -184,8 +184,9 @@ class SchedulerClient:
             try:
                 return self._outbox.get(timeout=0.5)
             except queue.Empty:
-                if self._lost_at_start is not None:
-                    self._stop_processes()
+                if self._lost_at_start is not None:  # the ranks may wait for that node in a collective
+                    end_group(self._procs, grace_s=0.0)
+                    self._procs = []
                     raise RuntimeError(f"the TP group failed to start: {self._lost_at_start}") from None
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead:
