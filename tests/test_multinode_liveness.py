@@ -44,30 +44,68 @@ def test_a_frozen_node_1_fails_the_request_in_flight_and_takes_node_0_out_of_rou
 
     port = free_port_pair()
     gateway = None
-    with start_nats_server() as server, node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S,
-                                             node_timeout=NODE_TIMEOUT_S) as other:
-        worker = ServiceProcess.start("worker", [
-            "--nats-url", server.url, "--worker-id", "mn0", "--model-path", str(qwen3_path), "--device", "cpu",
-            "--metrics-port", "none", "--with-detokenizer", "--load-interval", "0.2", "--tp-size", "2",
-            "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", f"127.0.0.1:{port}",
-            "--dist-timeout", str(DIST_TIMEOUT_S), "--node-timeout", str(NODE_TIMEOUT_S),
-        ], tmp_path)
+    with (
+        start_nats_server() as server,
+        node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as other,
+    ):
+        worker = ServiceProcess.start(
+            "worker",
+            [
+                "--nats-url",
+                server.url,
+                "--worker-id",
+                "mn0",
+                "--model-path",
+                str(qwen3_path),
+                "--device",
+                "cpu",
+                "--metrics-port",
+                "none",
+                "--with-detokenizer",
+                "--load-interval",
+                "0.2",
+                "--tp-size",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--dist-init-addr",
+                f"127.0.0.1:{port}",
+                "--dist-timeout",
+                str(DIST_TIMEOUT_S),
+                "--node-timeout",
+                str(NODE_TIMEOUT_S),
+            ],
+            tmp_path,
+        )
         try:
             worker.wait_ready()
             gateway = GatewayThread(server.url, local_tokenizer=str(qwen3_path), max_migrations=0)
             wait_for_workers(gateway.url, 1, timeout=30)
-            body = {"model": qwen3_path.name, "prompt": "a b c", "max_tokens": LONG, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
+            body = {
+                "model": qwen3_path.name,
+                "prompt": "a b c",
+                "max_tokens": LONG,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             # The read timeout bounds how long the error may take: a hang fails here.
-            with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=NOTICED_WITHIN_S) as answer:
+            with httpx.stream(
+                "POST", f"{gateway.url}/v1/completions", json=body, timeout=NOTICED_WITHIN_S
+            ) as answer:
                 lines = answer.iter_lines()
                 assert next(line for line in lines if line.startswith("data: {"))
                 os.killpg(other.pid, signal.SIGSTOP)
                 events = [line[6:] for line in lines if line.startswith("data: ")]
             assert events[-1] == "[DONE]"
             error = json.loads(events[-2])["error"]["message"]
-            assert re.search(rf"worker mn0 failed: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) sent no "
-                             rf"heartbeat for {NODE_TIMEOUT_S:g} s \(--node-timeout\)", error), error
+            assert re.search(
+                rf"worker mn0 failed: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) sent no "
+                rf"heartbeat for {NODE_TIMEOUT_S:g} s \(--node-timeout\)",
+                error,
+            ), error
             # Its last load report says draining: the gateway stops routing to it within moments, not a TTL.
             registry = gateway.service.dispatcher.registry
             deadline = time.monotonic() + 2.0
@@ -92,14 +130,20 @@ def test_a_killed_node_1_fails_node_0s_request_naming_the_node(qwen3_path: Path)
     """SIGKILL of node 1's `radixserve worker` (its ranks die with it): the request in flight fails with
     an error that names node 1, its host and its pid, seen on the nodes' own connection."""
     port = free_port_pair()
-    with node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as other, \
-            node0(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as engine:
-        chunks = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": LONG},
-                                 stream=True)
+    with (
+        node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as other,
+        node0(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as engine,
+    ):
+        chunks = engine.generate(
+            input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": LONG}, stream=True
+        )
         next(chunks)  # type: ignore[call-overload]
         other.kill()
-        with pytest.raises(RuntimeError, match=rf"node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) closed its "
-                                               "connection to node 0") as failed:
+        with pytest.raises(
+            RuntimeError,
+            match=rf"node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) closed its "
+            "connection to node 0",
+        ) as failed:
             for _ in chunks:  # type: ignore[union-attr]
                 pass
         assert "the TP group is down" in str(failed.value)
@@ -124,9 +168,20 @@ def test_a_frozen_node_0_ends_node_1(qwen3_path: Path) -> None:
     port = free_port_pair()
     with node(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S) as other:
         first = subprocess.Popen(
-            [sys.executable, "-c", NODE0_SCRIPT, str(qwen3_path), f"127.0.0.1:{port}", str(NODE_TIMEOUT_S),
-             str(DIST_TIMEOUT_S)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0,
+            [
+                sys.executable,
+                "-c",
+                NODE0_SCRIPT,
+                str(qwen3_path),
+                f"127.0.0.1:{port}",
+                str(NODE_TIMEOUT_S),
+                str(DIST_TIMEOUT_S),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            process_group=0,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         try:
@@ -143,14 +198,35 @@ def test_a_frozen_node_0_ends_node_1(qwen3_path: Path) -> None:
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
     assert other.returncode == 1, out
-    assert re.search(rf"node 1: node 0 \(127\.0\.0\.1:{port + 1}\) sent no heartbeat for {NODE_TIMEOUT_S:g} s "
-                     r"\(--node-timeout\): its processes are frozen or stopped, or the network between the nodes is "
-                     r"down; ending the node's ranks", out), out
+    assert re.search(
+        rf"node 1: node 0 \(127\.0\.0\.1:{port + 1}\) sent no heartbeat for {NODE_TIMEOUT_S:g} s "
+        r"\(--node-timeout\): its processes are frozen or stopped, or the network between the nodes is "
+        r"down; ending the node's ranks",
+        out,
+    ), out
 
 
 def test_a_bad_node_timeout_is_a_usage_error(qwen3_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["worker", "--model-path", str(qwen3_path), "--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
-                 "--dist-init-addr", "127.0.0.1:5000", "--node-timeout", "0"]) == 2
+    assert (
+        main(
+            [
+                "worker",
+                "--model-path",
+                str(qwen3_path),
+                "--tp-size",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--dist-init-addr",
+                "127.0.0.1:5000",
+                "--node-timeout",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "node_timeout must be > 0, got 0" in capsys.readouterr().err
 
 
@@ -163,7 +239,9 @@ def test_a_node_frozen_while_the_group_forms_fails_node_0s_start(qwen3_path: Pat
 
         def start() -> None:
             try:
-                started.put(node0(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S))
+                started.put(
+                    node0(qwen3_path, port, tp_size=2, timeout_s=DIST_TIMEOUT_S, node_timeout=NODE_TIMEOUT_S)
+                )
             except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
                 started.put(exc)
 
@@ -180,5 +258,8 @@ def test_a_node_frozen_while_the_group_forms_fails_node_0s_start(qwen3_path: Pat
         if isinstance(outcome, Engine):
             outcome.shutdown()
     assert isinstance(outcome, RuntimeError), outcome
-    assert re.search(rf"the TP group failed to start: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) sent no "
-                     rf"heartbeat for {NODE_TIMEOUT_S:g} s", str(outcome)), outcome
+    assert re.search(
+        rf"the TP group failed to start: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) sent no "
+        rf"heartbeat for {NODE_TIMEOUT_S:g} s",
+        str(outcome),
+    ), outcome

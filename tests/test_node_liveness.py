@@ -33,8 +33,15 @@ WAIT_S = 10.0  # how long a test waits for what must happen
 
 def config(port: int, node_rank: int = 0, node_timeout: float = TIMEOUT_S, nnodes: int = 2) -> EngineConfig:
     """A group whose liveness port is `port` (dist_init_addr's port + 1)."""
-    return EngineConfig(model_path="unused", tp_size=nnodes, nnodes=nnodes, node_rank=node_rank,
-                        dist_init_addr=f"127.0.0.1:{port - 1}", node_timeout=node_timeout, dist_timeout=30)
+    return EngineConfig(
+        model_path="unused",
+        tp_size=nnodes,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        dist_init_addr=f"127.0.0.1:{port - 1}",
+        node_timeout=node_timeout,
+        dist_timeout=30,
+    )
 
 
 class Fake:
@@ -59,7 +66,9 @@ class Fake:
 
 
 @contextmanager
-def server(nnodes: int = 2, node_timeout: float = TIMEOUT_S) -> Iterator[tuple[NodeLivenessServer, queue.Queue[str]]]:
+def server(
+    nnodes: int = 2, node_timeout: float = TIMEOUT_S
+) -> Iterator[tuple[NodeLivenessServer, queue.Queue[str]]]:
     lost: queue.Queue[str] = queue.Queue()
     node0 = NodeLivenessServer(config(free_port(), node_timeout=node_timeout, nnodes=nnodes), lost.put)
     try:
@@ -84,8 +93,10 @@ def test_node_0_reports_a_node_that_goes_silent_and_tells_it_why() -> None:
         fake = fake_node(node0)
         assert isinstance(fake.until(Beat), Beat)  # node 0 beats; the fake never does
         message = lost.get(timeout=WAIT_S)
-        assert message.startswith("node 1 (host host-b, 127.0.0.1, pid 4242) sent no heartbeat for 0.5 s "
-                                  "(--node-timeout): its processes are frozen or stopped")
+        assert message.startswith(
+            "node 1 (host host-b, 127.0.0.1, pid 4242) sent no heartbeat for 0.5 s "
+            "(--node-timeout): its processes are frozen or stopped"
+        )
         assert message.endswith("; the TP group is down")
         assert fake.until(Failed) == Failed(message)
 
@@ -94,8 +105,10 @@ def test_node_0_reports_a_node_that_hangs_up() -> None:
     with server(node_timeout=60.0) as (node0, lost):
         fake_node(node0).sock.close()
         message = lost.get(timeout=WAIT_S)
-    assert message.startswith("node 1 (host host-b, 127.0.0.1, pid 4242) closed its connection to node 0: its "
-                              "`radixserve worker --node-rank 1` process exited or its host went down")
+    assert message.startswith(
+        "node 1 (host host-b, 127.0.0.1, pid 4242) closed its connection to node 0: its "
+        "`radixserve worker --node-rank 1` process exited or its host went down"
+    )
 
 
 def test_node_0_reports_a_nodes_failure_with_its_text_and_tells_the_others() -> None:
@@ -105,8 +118,10 @@ def test_node_0_reports_a_nodes_failure_with_its_text_and_tells_the_others() -> 
         one.until(Beat)
         one.send(Failed("TP rank 3 (pid 7 on host-b) exited with code 1"))
         message = lost.get(timeout=WAIT_S)
-        assert message == ("node 1 (host host-b, 127.0.0.1) reported: TP rank 3 (pid 7 on host-b) exited with "
-                           "code 1; the TP group is down")
+        assert message == (
+            "node 1 (host host-b, 127.0.0.1) reported: TP rank 3 (pid 7 on host-b) exited with "
+            "code 1; the TP group is down"
+        )
         assert two.until(Failed) == Failed(message)
 
 
@@ -114,13 +129,17 @@ def test_node_0_reports_a_node_that_never_connects() -> None:
     with server() as (node0, lost):
         node0.expect_all()
         message = lost.get(timeout=WAIT_S)
-    assert message.startswith(f"node(s) 1 joined the TP group but did not connect to node 0's port {node0.port}")
+    assert message.startswith(
+        f"node(s) 1 joined the TP group but did not connect to node 0's port {node0.port}"
+    )
 
 
 def test_node_0_refuses_a_port_that_is_taken() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"node 0 cannot listen on port {port} \(dist_init_addr's port \+ 1\)"):
+        with pytest.raises(
+            RuntimeError, match=rf"node 0 cannot listen on port {port} \(dist_init_addr's port \+ 1\)"
+        ):
             NodeLivenessServer(config(port), lambda message: None)
 
 
@@ -128,22 +147,28 @@ def test_a_node_reports_node_0_gone_silent() -> None:
     port = free_port()
     lost: queue.Queue[tuple[str, bool]] = queue.Queue()
     with socket.create_server(("127.0.0.1", port)) as listener:
-        client = NodeLivenessClient(config(port, node_rank=1), lambda message, told: lost.put((message, told)))
+        client = NodeLivenessClient(
+            config(port, node_rank=1), lambda message, told: lost.put((message, told))
+        )
         sock, _ = listener.accept()
         fake = Fake(sock)
         assert fake.until(Hello).node == 1  # type: ignore[attr-defined]
         message, told = lost.get(timeout=WAIT_S)
         client.close()
-    assert message == (f"node 0 (127.0.0.1:{port}) sent no heartbeat for 0.5 s (--node-timeout): its processes are "
-                       "frozen or stopped, or the network between the nodes is down")
+    assert message == (
+        f"node 0 (127.0.0.1:{port}) sent no heartbeat for 0.5 s (--node-timeout): its processes are "
+        "frozen or stopped, or the network between the nodes is down"
+    )
     assert not told
 
 
 def test_a_healthy_link_reports_nothing_and_a_clean_shutdown_is_no_loss() -> None:
     lost: queue.Queue[tuple[str, bool] | str] = queue.Queue()
     with server(node_timeout=HEALTHY_TIMEOUT_S) as (node0, lost0):
-        client = NodeLivenessClient(config(node0.port, node_rank=1, node_timeout=HEALTHY_TIMEOUT_S),
-                                    lambda message, told: lost.put((message, told)))
+        client = NodeLivenessClient(
+            config(node0.port, node_rank=1, node_timeout=HEALTHY_TIMEOUT_S),
+            lambda message, told: lost.put((message, told)),
+        )
         node0.expect_all()
         time.sleep(1.2 * HEALTHY_TIMEOUT_S)  # past node_timeout: the beats kept both sides content
         node0.close()  # Bye, then the connection closes
@@ -155,23 +180,36 @@ def test_a_healthy_link_reports_nothing_and_a_clean_shutdown_is_no_loss() -> Non
 def test_node_0s_failure_is_told_to_every_node() -> None:
     lost: queue.Queue[tuple[str, bool]] = queue.Queue()
     with server(node_timeout=60.0) as (node0, _):
-        client = NodeLivenessClient(config(node0.port, node_rank=1, node_timeout=60.0),
-                                    lambda message, told: lost.put((message, told)))
+        client = NodeLivenessClient(
+            config(node0.port, node_rank=1, node_timeout=60.0),
+            lambda message, told: lost.put((message, told)),
+        )
         deadline = time.monotonic() + WAIT_S
         while not node0._links and time.monotonic() < deadline:  # connected: the failure has someone to reach
             time.sleep(0.01)
         node0.fail_others("TP rank 1 (pid 9) exited with code -9; the TP group is down")
         message, told = lost.get(timeout=WAIT_S)
         client.close()
-    assert message == "node 0 (127.0.0.1) ended the TP group: TP rank 1 (pid 9) exited with code -9; the TP group is down"
+    assert (
+        message
+        == "node 0 (127.0.0.1) ended the TP group: TP rank 1 (pid 9) exited with code -9; the TP group is down"
+    )
     assert told
 
 
-@pytest.mark.parametrize(("changes", "error"), [
-    ({"node_timeout": 0}, "node_timeout must be > 0, got 0"),
-    ({"dist_init_addr": "127.0.0.1:65535"}, "dist_init_addr's port must be < 65535 with nnodes > 1"),
-])
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"node_timeout": 0}, "node_timeout must be > 0, got 0"),
+        ({"dist_init_addr": "127.0.0.1:65535"}, "dist_init_addr's port must be < 65535 with nnodes > 1"),
+    ],
+)
 def test_bad_liveness_settings_are_refused(changes: dict[str, object], error: str) -> None:
-    settings: dict[str, object] = {"tp_size": 2, "nnodes": 2, "node_rank": 1, "dist_init_addr": "127.0.0.1:5000"}
+    settings: dict[str, object] = {
+        "tp_size": 2,
+        "nnodes": 2,
+        "node_rank": 1,
+        "dist_init_addr": "127.0.0.1:5000",
+    }
     with pytest.raises(ValueError, match=error):
         EngineConfig(model_path="unused", **{**settings, **changes})  # type: ignore[arg-type]

@@ -130,8 +130,10 @@ class _Link:
 
 
 def _silent(timeout_s: float) -> str:
-    return (f"sent no heartbeat for {timeout_s:g} s (--node-timeout): its processes are frozen or stopped, "
-            "or the network between the nodes is down")
+    return (
+        f"sent no heartbeat for {timeout_s:g} s (--node-timeout): its processes are frozen or stopped, "
+        "or the network between the nodes is down"
+    )
 
 
 class NodeLivenessServer:
@@ -151,7 +153,9 @@ class NodeLivenessServer:
         self.lost_message: str | None = None  # the finding reported, once there is one
         try:
             if socket.has_dualstack_ipv6():
-                self._listener = socket.create_server(("", self.port), family=socket.AF_INET6, dualstack_ipv6=True)
+                self._listener = socket.create_server(
+                    ("", self.port), family=socket.AF_INET6, dualstack_ipv6=True
+                )
             else:
                 self._listener = socket.create_server(("", self.port))
         except OSError as exc:
@@ -168,8 +172,9 @@ class NodeLivenessServer:
             except OSError:
                 return  # closed
             host = addr[0].removeprefix("::ffff:")  # an IPv4 peer of the dual-stack socket
-            threading.Thread(target=self._serve, args=(sock, host), name="radixserve-liveness-node",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock, host), name="radixserve-liveness-node", daemon=True
+            ).start()
 
     def _serve(self, sock: socket.socket, addr: str) -> None:
         link = _Link(sock, self.config.node_timeout)
@@ -178,13 +183,23 @@ class NodeLivenessServer:
         def on_message(msg: Message) -> bool:
             if not hello:
                 if not isinstance(msg, Hello) or not 0 < msg.node < self.config.nnodes:
-                    logger.warning("node liveness: %s sent %r first, not a Hello from a node in [1, %d]; closing it",
-                                   addr, msg, self.config.nnodes - 1)
+                    logger.warning(
+                        "node liveness: %s sent %r first, not a Hello from a node in [1, %d]; closing it",
+                        addr,
+                        msg,
+                        self.config.nnodes - 1,
+                    )
                     return False
                 hello.append(msg)
                 with self._lock:
                     self._links[msg.node] = link
-                logger.info("node liveness: node %d (host %s, %s, pid %d) connected", msg.node, msg.host, addr, msg.pid)
+                logger.info(
+                    "node liveness: node %d (host %s, %s, pid %d) connected",
+                    msg.node,
+                    msg.host,
+                    addr,
+                    msg.pid,
+                )
                 return True
             if isinstance(msg, Failed):
                 self._lost(f"node {hello[0].node} (host {hello[0].host}, {addr}) reported: {msg.message}")
@@ -194,15 +209,19 @@ class NodeLivenessServer:
         seen = link.serve(on_message)
         if seen is not None and hello:
             node = hello[0]
-            what = (_silent(self.config.node_timeout) if seen == "silent" else
-                    f"closed its connection to node 0: its `radixserve worker --node-rank {node.node}` process "
-                    "exited or its host went down")
+            what = (
+                _silent(self.config.node_timeout)
+                if seen == "silent"
+                else f"closed its connection to node 0: its `radixserve worker --node-rank {node.node}` process "
+                "exited or its host went down"
+            )
             self._lost(f"node {node.node} (host {node.host}, {addr}, pid {node.pid}) {what}")
         if not hello:
             link.close()
 
     def expect_all(self) -> None:
         """The group has formed: every other node must be connected within node_timeout from now."""
+
         def check() -> None:
             with self._lock:
                 missing = [n for n in range(1, self.config.nnodes) if n not in self._links]
@@ -280,8 +299,10 @@ class NodeLivenessClient:
                 return socket.create_connection((self.host, self.port), timeout=wait_s)
             except OSError:
                 if time.monotonic() > deadline:
-                    self._lost(f"node 0 ({self.host}) did not accept a connection on port {self.port} "
-                               f"(dist_init_addr's port + 1) within {self.config.dist_timeout:g} s (dist_timeout)")
+                    self._lost(
+                        f"node 0 ({self.host}) did not accept a connection on port {self.port} "
+                        f"(dist_init_addr's port + 1) within {self.config.dist_timeout:g} s (dist_timeout)"
+                    )
                     return None
                 time.sleep(wait_s)
         return None
@@ -297,8 +318,13 @@ class NodeLivenessClient:
                 return
             self._link = link
         link.send(Hello(self.config.node_rank, socket.gethostname(), os.getpid()))
-        logger.info("node %d: connected to node 0 at %s:%d for heartbeats (--node-timeout %g s)",
-                    self.config.node_rank, self.host, self.port, self.config.node_timeout)
+        logger.info(
+            "node %d: connected to node 0 at %s:%d for heartbeats (--node-timeout %g s)",
+            self.config.node_rank,
+            self.host,
+            self.port,
+            self.config.node_timeout,
+        )
 
         def on_message(msg: Message) -> bool:
             if isinstance(msg, Failed):
@@ -314,8 +340,10 @@ class NodeLivenessClient:
         if seen == "silent":
             self._lost(f"node 0 ({self.host}:{self.port}) {_silent(self.config.node_timeout)}")
         elif seen == "closed":
-            self._lost(f"node 0 ({self.host}:{self.port}) closed its connection: its worker exited or its host "
-                       "went down")
+            self._lost(
+                f"node 0 ({self.host}:{self.port}) closed its connection: its worker exited or its host "
+                "went down"
+            )
 
     def _lost(self, message: str, told: bool = False) -> None:
         with self._lock:

@@ -28,9 +28,9 @@ from shared.service import die_with_parent, setup_logging
 
 logger = logging.getLogger(__name__)
 
-# How long a node's other ranks get to end on their own once one rank has failed (gloo notices a lost
-# peer at once, an idle rank within scheduler_loop.IDLE_BEAT_S) before they are killed: an NCCL
-# collective waiting for a peer that is gone would wait dist_timeout.
+# How long a node's other ranks get to end on their own once one rank has failed, or node 0 ended the
+# group as failed (gloo notices a lost peer at once, an idle rank within scheduler_loop.IDLE_BEAT_S),
+# before they are killed: an NCCL collective waiting for a peer that is gone would wait dist_timeout.
 RANK_EXIT_GRACE_S = 5.0
 
 

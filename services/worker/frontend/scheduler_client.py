@@ -1,10 +1,11 @@
+# Over 400 lines: one class fronts the scheduler; start-up, rank and node watchdogs, outputs, requests share its state.
 """SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
 
 It starts the scheduler (one spawned process per rank of this node, rank_processes.py; at tp_size 1
 on CPU a thread, see EngineConfig.scheduler_process; with nnodes > 1 this is node 0, the other nodes
-run rank_processes.serve_node), turns a validated request into `Req`s (seeds drawn here, so every
-sampled token is reproducible), sends commands, answers request/reply controls, and hands every step's
-outputs to a callback on its dispatcher thread:
+run rank_processes.serve_node and heartbeat this one, node_liveness.py), turns a validated request
+into `Req`s (seeds drawn here, so every sampled token is reproducible), sends commands, answers
+request/reply controls, and hands every step's outputs to a callback on its dispatcher thread:
 
     client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
     for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
