@@ -57,6 +57,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port P on 127.0.0.1 such that P and P + 1 were both free a moment ago (a multi-node TP group's
+    --dist-init-addr port: the nodes' heartbeats use the next one)."""
+    while True:
+        port = free_port()
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 class ServiceProcess:
     """One service (`tokenizer`, `worker` or `detokenizer`) as a child process."""
 

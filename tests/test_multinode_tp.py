@@ -23,25 +23,28 @@ import pytest
 from services.cli import main
 from services.worker.frontend.engine import Engine
 from tests.engine_helpers import GREEDY, output_ids, random_prompts
-from tests.services_helpers import free_port
+from tests.services_helpers import free_port_pair
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = random_prompts(2, 5, 20, seed=25)
 NEW_TOKENS = 8
 JOIN_TIMEOUT_S = 60.0  # generous: node 1's process imports torch and spawns its ranks on a loaded host
 SHORT_TIMEOUT_S = 1.0  # nothing ever joins: any timeout fails the same way
+# Where no node is lost: well above a loaded machine's scheduling hiccups (tests that freeze a node pass less).
+NODE_TIMEOUT_S = 10.0
 
 
 @contextmanager
 def node(path: Path, port: int, tp_size: int, node_rank: int = 1, timeout_s: float = JOIN_TIMEOUT_S,
-         nnodes: int = 2) -> Iterator[subprocess.Popen[str]]:
-    """`radixserve worker --node-rank N` as its own process (a node of its own), without NATS flags."""
+         nnodes: int = 2, node_timeout: float = NODE_TIMEOUT_S) -> Iterator[subprocess.Popen[str]]:
+    """`radixserve worker --node-rank N` as its own process (a node of its own, its ranks in its own
+    process group: os.killpg freezes or kills the whole node), without NATS flags."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "worker", "--model-path", str(path), "--tp-size", str(tp_size),
          "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", f"127.0.0.1:{port}",
-         "--dist-timeout", str(timeout_s), "--device", "cpu"],
+         "--dist-timeout", str(timeout_s), "--node-timeout", str(node_timeout), "--device", "cpu"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, process_group=0,
     )
     try:
         yield proc
@@ -51,9 +54,10 @@ def node(path: Path, port: int, tp_size: int, node_rank: int = 1, timeout_s: flo
         proc.wait()
 
 
-def node0(path: Path, port: int, tp_size: int, timeout_s: float = JOIN_TIMEOUT_S) -> Engine:
+def node0(path: Path, port: int, tp_size: int, timeout_s: float = JOIN_TIMEOUT_S,
+          node_timeout: float = NODE_TIMEOUT_S) -> Engine:
     return Engine(str(path), tp_size=tp_size, nnodes=2, node_rank=0, dist_init_addr=f"127.0.0.1:{port}",
-                  dist_timeout=timeout_s, device="cpu", cpu_threads=1)
+                  dist_timeout=timeout_s, node_timeout=node_timeout, device="cpu", cpu_threads=1)
 
 
 def greedy(engine: Engine) -> list[list[int]]:
@@ -70,7 +74,7 @@ def test_tp2_over_two_nodes_matches_tp1(model: str, request: pytest.FixtureReque
     """For Llama as for Qwen3 (Qwen3-MoE runs across nodes in the TP=4 test below). Llama's ranks, whose
     checkpoint has a tokenizer, once aborted at exit in 3 of 8 runs; rank processes now end by os._exit."""
     qwen3_path = request.getfixturevalue(model)
-    port = free_port()
+    port = free_port_pair()
     with node(qwen3_path, port, tp_size=2) as other:
         with node0(qwen3_path, port, tp_size=2) as engine:
             ours = greedy(engine)
@@ -87,7 +91,7 @@ def test_tp4_as_two_nodes_of_two_ranks_matches_tp1_and_a_lost_local_rank_ends_th
     itself when its collective fails (gloo); a rank 0 that cannot (stopped here, as an NCCL collective
     waiting for a dead peer would hang) is killed by the client's watchdog, which fails the engine
     naming the rank that died; node 1's ranks lose their peers and it exits 1."""
-    port = free_port()
+    port = free_port_pair()
     with node(qwen3_moe_path, port, tp_size=4) as other, node0(qwen3_moe_path, port, tp_size=4) as engine:
         assert greedy(engine) == reference(qwen3_moe_path)
         rank0, rank1 = engine._client._procs
@@ -103,11 +107,11 @@ def test_tp4_as_two_nodes_of_two_ranks_matches_tp1_and_a_lost_local_rank_ends_th
 
 def test_node_1_never_started_fails_node_0_within_dist_timeout(qwen3_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"the group did not form at tcp://127\.0\.0\.1:\d+ within 1 s"):
-        node0(qwen3_path, free_port(), tp_size=2, timeout_s=SHORT_TIMEOUT_S)
+        node0(qwen3_path, free_port_pair(), tp_size=2, timeout_s=SHORT_TIMEOUT_S)
 
 
 def test_a_different_model_on_node_1_fails_both_nodes_naming_both(qwen3_path: Path, llama_path: Path) -> None:
-    port = free_port()
+    port = free_port_pair()
     with node(llama_path, port, tp_size=2) as other:
         with pytest.raises(ValueError, match="the TP group's ranks run different things") as failed:
             node0(qwen3_path, port, tp_size=2)
@@ -187,7 +191,7 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
 
     common = ["--model-path", str(qwen3_path), "--device", "cpu", "--metrics-port", "none", "--with-detokenizer",
               "--load-interval", "0.2"]  # loads often: the draining one comes soon after the kill
-    port = free_port()
+    port = free_port_pair()
     gateway = None
     with start_nats_server() as server, node(qwen3_path, port, tp_size=2) as other:
         worker = ServiceProcess.start("worker", [
@@ -224,7 +228,9 @@ def test_a_worker_whose_node_1_dies_leaves_the_gateways_routing_and_exits_1(
     assert len(set(before)) == 1 and after == before[:2]
     log = worker.log()
     assert "this is node 0, the others join at tcp://127.0.0.1" in log
-    assert "the TP group failed on rank 0 (node 0): another rank exited" in log
+    # Node 0 names the node it lost (its host, its pid), seen on the nodes' own connection (node_liveness.py).
+    assert re.search(rf"node liveness: node 1 \(host [^,]+, 127\.0\.0\.1, pid {other.pid}\) closed its connection to "
+                     r"node 0: its `radixserve worker --node-rank 1` process exited", log), log
 
 
 @pytest.mark.parametrize("argv", [

@@ -12,7 +12,6 @@ several requests going through as two micro-batches, and the last stage's prompt
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from services.worker.runtime.model_loader import load_model
 from services.worker.runtime.pipeline import stage_layers
 from tests.engine_helpers import GREEDY, output_ids, random_prompts
 from tests.forward_helpers import BatchDriver, run_mixed_steps
+from tests.services_helpers import free_port_pair
 
 PP_SIZE = 2
 REPO = Path(__file__).resolve().parent.parent
@@ -46,12 +46,6 @@ SMALL = {
 
 
 # ---- model level: each stage's model, chained in one process -------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel_tol: float = 1e-5) -> None:
@@ -246,7 +240,7 @@ def test_pp2_over_two_nodes_matches_tp1(qwen3_path: Path, reference: Engine) -> 
     """Stage 1 on "node 1" (a `radixserve worker --node-rank 1` process, no NATS), stage 0 on node 0;
     both nodes take the same scheduling flags (the ranks compare them). Node 0's pool (160 tokens) is
     the smaller, so the group's."""
-    port = free_port()
+    port = free_port_pair()  # the nodes' heartbeats take the next port
     prompts = random_prompts(2, 5, 20, seed=29)
     other = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "worker", "--model-path", str(qwen3_path), "--pp-size", "2",

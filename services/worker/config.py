@@ -185,6 +185,12 @@ class EngineConfig:
         "that never starts, or a rank that hangs, ends the group with an error after this long",
         300.0,
     )
+    node_timeout: float = _help(
+        "nnodes > 1: seconds without a heartbeat from another node (sent every node_timeout / 5 s to or from node "
+        "0's dist_init_addr port + 1) before the group ends as failed: a node that died, froze or is cut off is "
+        "noticed this fast on any backend, where a collective would wait dist_timeout",
+        5.0,
+    )
 
     def __post_init__(self) -> None:
         # SGLang's and vLLM's spellings are taken as they are given and stored in ours, once, while the
@@ -283,8 +289,13 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in [0, nnodes - 1] = [0, {self.nnodes - 1}], got {self.node_rank}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.node_timeout <= 0:
+            raise ValueError(f"node_timeout must be > 0, got {self.node_timeout}")
         if self.dist_init_addr is not None:
             object.__setattr__(self, "dist_init_addr", tcp_init_method(self.dist_init_addr))
+            if self.nnodes > 1 and self.dist_init_addr.endswith(":65535"):
+                raise ValueError("dist_init_addr's port must be < 65535 with nnodes > 1: the next port carries the "
+                                 "nodes' heartbeats")
         elif self.nnodes > 1:
             raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, the same on every node)")
 

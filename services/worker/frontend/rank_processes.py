@@ -16,18 +16,21 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from services.worker.config import EngineConfig
+from services.worker.frontend.node_liveness import NodeLivenessClient
 from shared.service import die_with_parent, setup_logging
 
 logger = logging.getLogger(__name__)
 
-# How long a node's other ranks get to end on their own once one rank has failed (gloo notices a lost
-# peer at once, an idle rank within scheduler_loop.IDLE_BEAT_S) before they are killed: an NCCL
-# collective waiting for a peer that is gone would wait dist_timeout.
+# How long a node's other ranks get to end on their own once one rank has failed, or node 0 ended the
+# group as failed (gloo notices a lost peer at once, an idle rank within scheduler_loop.IDLE_BEAT_S),
+# before they are killed: an NCCL collective waiting for a peer that is gone would wait dist_timeout.
 RANK_EXIT_GRACE_S = 5.0
 
 
@@ -96,8 +99,10 @@ def end_group(procs: list[Any], grace_s: float = RANK_EXIT_GRACE_S) -> None:
 
 def serve_node(config: EngineConfig) -> int:
     """Run the ranks of node config.node_rank (> 0) until the group ends: 0 when node 0 shut it down,
-    1 when a rank of this node failed (a group that did not form, a mismatched model, a lost peer) or
-    this process was told to stop (SIGTERM/SIGINT: the group ends with these ranks)."""
+    1 when a rank of this node failed (a group that did not form, a mismatched model, a lost peer), node 0
+    was lost or ended the group as failed (node_liveness.py: its ranks are killed, as a collective would
+    wait dist_timeout for node 0), or this process was told to stop (SIGTERM/SIGINT: the group ends with
+    these ranks). Node 0 hears of every failure here at once."""
     if config.node_rank == 0:
         raise ValueError("node 0 serves requests: run it as a worker (or an Engine), not with serve_node")
     assert config.dist_init_addr is not None  # EngineConfig requires it for nnodes > 1
@@ -112,15 +117,28 @@ def serve_node(config: EngineConfig) -> int:
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: stop.set())
+    lost: list[tuple[str, bool]] = []  # (what was seen, whether node 0 said so), once
+    liveness = NodeLivenessClient(config, lambda message, told: lost.append((message, told)))
     procs = start_ranks(config, config.dist_init_addr)
     rank_of = dict(zip(procs, ranks))
     running = list(procs)
+    host = socket.gethostname()
     try:
-        while running:
+        while True:
+            if lost:
+                message, told = lost[0]
+                # Node 0 ending the group as failed: these ranks are likely failing too, and say why.
+                grace_s = RANK_EXIT_GRACE_S if told else 0.0
+                logger.error("node %d: %s; ending the node's ranks (in %g s at most)", config.node_rank, message, grace_s)
+                _end_reporting(running, rank_of, grace_s, config.node_rank)
+                return 1
             if stop.is_set():
                 logger.warning("node %d: stopping its ranks on a signal; the TP group ends with them", config.node_rank)
+                liveness.report_failed(f"its `radixserve worker --node-rank {config.node_rank}` was stopped by a signal")
                 end_group(running, grace_s=0.0)
                 return 1
+            if not running:
+                break
             proc = wait_for_exit(running, timeout=0.5)
             if proc is None:
                 continue
@@ -130,11 +148,30 @@ def serve_node(config: EngineConfig) -> int:
                     "node %d: TP rank %d exited with code %s (its error is above); ending the node's other ranks",
                     config.node_rank, rank_of[proc], proc.exitcode,
                 )
+                if lost:
+                    continue  # node 0 was lost first (this rank saw it too): said at the loop's top
+                liveness.report_failed(f"TP rank {rank_of[proc]} (pid {proc.pid} on {host}) exited with code "
+                                       f"{proc.exitcode}")
                 end_group(running)
                 return 1
         logger.info("node %d: the TP group ended (node 0 shut it down)", config.node_rank)
         return 0
     finally:
+        liveness.close()
         for proc in running:
             if proc.is_alive():
                 proc.kill()
+
+
+def _end_reporting(running: list[Any], rank_of: dict[Any, int], grace_s: float, node_rank: int) -> None:
+    """End the ranks after a lost node 0: each gets `grace_s` to end on its own (a failing rank's exit
+    code is logged), then is killed."""
+    deadline = time.monotonic() + grace_s
+    while running:
+        proc = wait_for_exit(running, timeout=max(0.0, deadline - time.monotonic()))
+        if proc is None:
+            break
+        running.remove(proc)
+        if proc.exitcode != 0:
+            logger.error("node %d: TP rank %d exited with code %s", node_rank, rank_of[proc], proc.exitcode)
+    end_group(running, grace_s=0.0)

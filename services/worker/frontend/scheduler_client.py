@@ -1,10 +1,11 @@
+# Over 400 lines: one class fronts the scheduler; start-up, rank and node watchdogs, outputs, requests share its state.
 """SchedulerClient: the front of a running scheduler, shared by the offline Engine and the worker service.
 
 It starts the scheduler (one spawned process per rank of this node, rank_processes.py; at tp_size 1
 on CPU a thread, see EngineConfig.scheduler_process; with nnodes > 1 this is node 0, the other nodes
-run rank_processes.serve_node), turns a validated request into `Req`s (seeds drawn here, so every
-sampled token is reproducible), sends commands, answers request/reply controls, and hands every step's
-outputs to a callback on its dispatcher thread:
+run rank_processes.serve_node and heartbeat this one, node_liveness.py), turns a validated request
+into `Req`s (seeds drawn here, so every sampled token is reproducible), sends commands, answers
+request/reply controls, and hands every step's outputs to a callback on its dispatcher thread:
 
     client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
     for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
@@ -28,6 +29,7 @@ from typing import Any
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.ipc import PipeChannel
+from services.worker.frontend.node_liveness import NodeLivenessServer
 from services.worker.frontend.rank_processes import RANK_EXIT_GRACE_S, end_group, start_ranks, wait_for_exit
 from services.worker.frontend.scheduler_loop import (
     AbortReq,
@@ -53,6 +55,7 @@ LOOP_READ_BATCH = 16
 # scheduler killed mid-write, is a stop too.
 _CLOSED = (EOFError, OSError, TypeError, ValueError, pickle.UnpicklingError)
 CONTROL_TIMEOUT_S = 60.0
+NODE_LOSS_WAIT_S = 1.0  # after rank 0's collective failed, for node liveness to name the node lost
 
 
 def _free_port() -> int:
@@ -116,6 +119,10 @@ class SchedulerClient:
         self._closed = False  # shut down by the owner
         self._dead = False  # the scheduler died
         self._procs: list[Any] = []
+        # nnodes > 1: the other nodes' heartbeats (node_liveness.py); a node lost during start-up is said here
+        self._liveness: NodeLivenessServer | None = None
+        self._lost_at_start: str | None = None
+        self._ready = False
         self._start()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -142,15 +149,25 @@ class SchedulerClient:
             # Pipes written on the caller's thread, not multiprocessing queues: no feeder thread to
             # wake on the way to or from the scheduler (ipc.py).
             self._inbox, self._outbox = PipeChannel(ctx), PipeChannel(ctx)
+            if self.config.nnodes > 1:
+                self._liveness = NodeLivenessServer(self.config, self._node_lost)
             self._procs = start_ranks(self.config, init_method, self._inbox, self._outbox)
-        first = self._wait_ready()
-        if isinstance(first, LoopFailed):
-            self._stop_processes()
-            if first.invalid_config is not None:
-                raise ValueError(first.invalid_config)
-            raise RuntimeError(f"the scheduler failed to start: {first.message}")
+        try:
+            first = self._wait_ready()
+            if isinstance(first, LoopFailed):
+                self._stop_processes()
+                if first.invalid_config is not None:
+                    raise ValueError(first.invalid_config)
+                raise RuntimeError(f"the scheduler failed to start: {first.message}")
+        except Exception as exc:
+            if self._liveness is not None:  # the other nodes' ranks may wait for these in a collective
+                self._liveness.fail_others(f"node 0's scheduler failed to start: {str(exc).splitlines()[0]}")
+            raise
         assert isinstance(first, Ready)
         self.server_info: dict[str, Any] = first.info
+        self._ready = True
+        if self._liveness is not None:
+            self._liveness.expect_all()
         if len(self._procs) > 1:
             threading.Thread(target=self._watch_ranks, args=(list(self._procs),), name="radixserve-ranks",
                              daemon=True).start()
@@ -169,6 +186,10 @@ class SchedulerClient:
             try:
                 return self._outbox.get(timeout=0.5)
             except queue.Empty:
+                if self._lost_at_start is not None:  # the ranks may wait for that node in a collective
+                    end_group(self._procs, grace_s=0.0)
+                    self._procs = []
+                    raise RuntimeError(f"the TP group failed to start: {self._lost_at_start}") from None
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead:
                     with contextlib.suppress(queue.Empty):
@@ -201,11 +222,35 @@ class SchedulerClient:
         end_group(procs, grace_s=0.0)
         self._fail(f"TP rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}; the TP group is down")
 
+    def _node_lost(self, message: str) -> None:
+        """Another node died, froze, was cut off or failed (node_liveness.py): this node's ranks may wait
+        in a collective for it until dist_timeout, so they are killed, and the client fails."""
+        if self._closed:
+            return
+        if not self._ready:
+            self._lost_at_start = message  # _wait_ready raises it
+            return
+        if any(not proc.is_alive() for proc in self._procs):
+            return  # a rank here failed first (the other node's report echoes it): rank 0 or _watch_ranks says so
+        self._fail(message)
+        end_group(list(self._procs), grace_s=0.0)
+
+    def _fail_naming_node(self, message: str) -> None:
+        """Rank 0's collective failed: when another node's loss caused it (its process died: gloo and the
+        liveness channel see it at once), the failure names that node and its host."""
+        lost = self._liveness.wait_lost(NODE_LOSS_WAIT_S) if self._liveness is not None else None
+        # A local rank killed or crashed first (a negative exit code) is the cause, and the other node's report an echo.
+        if lost is not None and not any((proc.exitcode or 0) < 0 for proc in self._procs[1:]):
+            message = f"{lost}\nrank 0 saw: {message}"
+        self._fail(message)
+
     def shutdown(self) -> None:
         """Stop the scheduler and the dispatcher; pending controls get None."""
         if self._closed:
             return
         self._closed = True
+        if self._liveness is not None:
+            self._liveness.close()  # before the ranks leave: the other nodes see a clean end, not a loss
         self._inbox.put(Shutdown())
         if not self.config.scheduler_in_process():
             self._thread.join(timeout=30)
@@ -276,7 +321,10 @@ class SchedulerClient:
             if box is not None:
                 box.put(item.value)
         elif isinstance(item, LoopFailed):
-            self._fail(item.message)
+            if self._liveness is not None and self._ready:
+                threading.Thread(target=self._fail_naming_node, args=(item.message,), daemon=True).start()
+            else:
+                self._fail(item.message)
             return False
         elif isinstance(item, PackedOutputs):
             self._on_outputs(item.unpack())
@@ -290,6 +338,8 @@ class SchedulerClient:
             if self._dead:
                 return
             self._dead = True
+        if self._liveness is not None:
+            self._liveness.fail_others(message.splitlines()[0])
         self._fail_replies()
         self._on_failure(message)
 
