@@ -23,6 +23,9 @@ product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's 
 copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). linear_calibration.py's `select_gemv_tiles` times both on each
 weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
 Triton product won.
+
+With --enable-deterministic-inference, every product goes through batch_invariant.py's
+`invariant_linear` instead (`batch_invariant`, set by its make_batch_invariant).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from services.worker.runtime.layers.batch_invariant import invariant_linear
 
 # Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row (linear_calibration.py) found the packed
 # matrix-vector product faster on this CPU.
@@ -71,10 +75,14 @@ def linear(
     packed: torch.Tensor | None = None,
     min_rows: int | None = None,
     gemv_tiles: Any = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
     (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
-    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles)."""
+    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles).
+    batch_invariant: through invariant_linear whatever the rows (deterministic inference)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias, packed)
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
@@ -204,6 +212,14 @@ class Projection(nn.Module):
     packed_weight: torch.Tensor | None = None
     gemv_tiles: Any = None
     prologue: str | None = None
+    batch_invariant = False  # make_batch_invariant (deterministic inference) sets it
+    weight: torch.Tensor
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) through `linear` with this layer's packed weight, GEMV tiles and mode."""
+        return linear(
+            x, self.weight, bias, self.packed_weight, gemv_tiles=self.gemv_tiles, batch_invariant=self.batch_invariant
+        )
 
 
 class ReplicatedLinear(Projection):
@@ -215,7 +231,7 @@ class ReplicatedLinear(Projection):
         self.bias = new_parameter((output_size,), default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        return self.product(x, self.bias)
 
 
 class ColumnParallelLinear(Projection):
@@ -252,7 +268,7 @@ class ColumnParallelLinear(Projection):
         param.data.narrow(0, offset, rows).copy_(narrow_weight(loaded_weight, 0, start, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        return self.product(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -325,8 +341,8 @@ class RowParallelLinear(Projection):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight, gemv_tiles=self.gemv_tiles))
+            return self.product(x, self.bias)
+        y = tp_all_reduce(self.product(x, None))
         return y if self.bias is None else y + self.bias
 
     def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

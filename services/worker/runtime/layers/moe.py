@@ -4,17 +4,24 @@ Every rank holds every expert, but only its slice of each expert's intermediate 
 fused gate_up (w13) is split column-wise, down (w2) row-wise, so the layer needs one all-reduce, like a
 dense MLP. `moe_forward` is the torch reference; on CUDA kernels/fused_moe.py replaces it (same
 contract, no host sync, so a decode step with MoE layers can be captured in a CUDA graph).
+
+Deterministic inference (`batch_invariant`, set by layers/batch_invariant.py's make_batch_invariant): on
+the CPU each expert's rows go through invariant_linear; on CUDA the fused kernel runs one fixed launch
+shape (DETERMINISTIC_MOE_TILES: moe_tiles_for picks tiles by the number of token-expert pairs) and sums
+each token's k expert outputs in order.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from services.worker.runtime.layers import batch_invariant
 from services.worker.runtime.layers.activation import silu_and_mul
 from services.worker.runtime.layers.linear import (
     LoadedWeight,
@@ -60,11 +67,14 @@ def moe_forward(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k].
-    Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens.
+    Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens
+    (`product(x, w)`, x w^T; `act` the gated activation). A token's expert outputs are added in expert order.
     """
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
@@ -79,8 +89,8 @@ def moe_forward(
         if count == 0:
             continue
         tokens = token_of[start : start + count]
-        act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
-        expert_out = F.linear(act, w2[expert]) * weight_of[start : start + count, None]
+        hidden_act = act(product(hidden[tokens], w13[expert]))
+        expert_out = product(hidden_act, w2[expert]) * weight_of[start : start + count, None]
         out.index_add_(0, tokens, expert_out)
         start += count
     return out
@@ -92,6 +102,8 @@ class FusedMoE(nn.Module):
     Checkpoint tensors are per expert (HF `experts.{e}.gate_proj/up_proj/down_proj`); the loader takes
     (expert_id, shard_id) with shard ids 'w1' (gate), 'w3' (up), 'w2' (down).
     """
+
+    batch_invariant = False
 
     def __init__(
         self,
@@ -134,7 +146,20 @@ class FusedMoE(nn.Module):
             # Imported here: triton is needed (and installed) only where CUDA runs.
             from kernels.fused_moe import fused_moe
 
-            out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            if self.batch_invariant:
+                from kernels.fused_moe import DETERMINISTIC_MOE_TILES
+
+                out = fused_moe(
+                    hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                    tiles=DETERMINISTIC_MOE_TILES, sum_in_order=True,
+                )  # fmt: skip
+            else:
+                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            invariant = self.batch_invariant
+            out = moe_forward(
+                hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                batch_invariant.invariant_linear if invariant else F.linear,
+                batch_invariant.silu_and_mul if invariant else silu_and_mul,
+            )  # fmt: skip
         return tp_all_reduce(out)
