@@ -26,7 +26,9 @@ def _params() -> list[dict[str, object]]:
     return params
 
 
-def _generate(path: Path, dtype: str, alone: bool, deterministic: bool = True, **kwargs: object) -> list[list[int]]:
+def _generate(
+    path: Path, dtype: str, alone: bool, deterministic: bool = True, **kwargs: object
+) -> list[list[int]]:
     with Engine(str(path), dtype=dtype, enable_deterministic_inference=deterministic, **kwargs) as engine:
         if alone:
             return [
@@ -42,7 +44,9 @@ def test_tokens_are_the_same_alone_batched_and_chunked(qwen3_path: Path, dtype: 
     assert [len(ids) for ids in alone] == [p["max_new_tokens"] for p in _params()]
     assert _generate(qwen3_path, dtype, alone=False, chunked_prefill_size=None) == alone
     for chunk in (7, 64):
-        assert _generate(qwen3_path, dtype, alone=False, chunked_prefill_size=chunk) == alone, f"chunk {chunk}"
+        assert _generate(qwen3_path, dtype, alone=False, chunked_prefill_size=chunk) == alone, (
+            f"chunk {chunk}"
+        )
 
 
 def test_moe_tokens_are_the_same_alone_and_batched(qwen3_moe_path: Path) -> None:
@@ -54,6 +58,8 @@ def test_deterministic_inference_refuses_what_it_cannot_keep(qwen3_path: Path, q
     with pytest.raises(ValueError, match="needs tp_size 1"):
         EngineConfig(model_path=str(qwen3_path), tp_size=2, enable_deterministic_inference=True)
     with pytest.raises(ValueError, match="not flashinfer"):
-        EngineConfig(model_path=str(qwen3_path), attention_backend="flashinfer", enable_deterministic_inference=True)
+        EngineConfig(
+            model_path=str(qwen3_path), attention_backend="flashinfer", enable_deterministic_inference=True
+        )
     with pytest.raises(ValueError, match="hybrid"):
         EngineConfig(model_path=str(qwen3_5_path), enable_deterministic_inference=True)

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 # long request gets one per 1024 keys.
 SPLIT_TOKENS = 1024
 DECODE_TILES = WIDE_BATCH_TILES
-# Extend launches take at most this many float32 of split scratch (tokens x heads x splits x head_dim).
+# Extend launches take at most this many float32 of split scratch (tokens x heads x splits x head_dim),
+# and at most this many tokens (the grid's second dimension, which CUDA caps at 65535).
 EXTEND_SCRATCH_FLOATS = 1 << 26
+EXTEND_MAX_TOKENS = 32768
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
         out = torch.empty((q.shape[0], width), dtype=q.dtype, device=q.device)
         splits = tokens.max_kv_splits
         per_launch = max(1, EXTEND_SCRATCH_FLOATS // (layer.num_heads * splits * (layer.head_dim + 1)))
+        per_launch = min(per_launch, EXTEND_MAX_TOKENS)
         for start in range(0, n, per_launch):
             end = min(n, start + per_launch)
             if splits == 1:
