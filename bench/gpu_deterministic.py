@@ -5,7 +5,8 @@ from the prefix cache, and what does the mode cost?
 
 1. Kernels (bf16, Qwen3-8B shapes): kernels/batch_invariant.py's product, each of a few rows alone vs in
    batches of 3 / 17 / 64 / 256 (bitwise), with cuBLAS (F.linear) beside it as the control, and its error
-   against a float32 product.
+   against a float32 product; its time over cuBLAS's at M = 1, 64, 256, 2048 for the default tiles and
+   --tiles alternatives (BM/BN/BK/warps/stages), to choose DEFAULT_TILES.
 2. Outputs (Qwen3-8B-shaped random bf16 checkpoint, triton backend, CUDA graphs on): --requests prompts of
    64..1024 tokens, --new-tokens each, even requests greedy and odd ones sampled with a seed (temperature
    0.7, top-p 0.9). Runs: each request alone; all batched (chunked_prefill_size 8192: no chunking); all
@@ -35,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, matmul_rate  # noqa: E402
 from bench.gpu_serving import p3, rand_ids  # noqa: E402
-from kernels.batch_invariant import matmul  # noqa: E402
+from kernels.batch_invariant import DEFAULT_TILES, MatmulTiles, matmul  # noqa: E402
 from services.worker.frontend.engine import Engine  # noqa: E402
 from shared.progress import say  # noqa: E402
 
@@ -64,6 +65,26 @@ def kernel_check() -> dict:
         out[f"{n}x{k}"] = {"rows_differing_of_8": counts, "rel_err_vs_fp32": err}
         del w, x, ref
     torch.cuda.empty_cache()
+    return out
+
+
+def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
+    """ms of the batch-invariant product / ms of cuBLAS's, per tiles, shape and M (bf16)."""
+    import triton.testing
+
+    out: dict = {}
+    for n, k in SHAPES_8B[:4]:
+        w = torch.randn((n, k), device="cuda").bfloat16()
+        for m in (1, 64, 256, 2048):
+            x = torch.randn((m, k), device="cuda").bfloat16()
+            base = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w))
+            for tiles in [DEFAULT_TILES, *alternatives]:
+                label = (
+                    f"{tiles.block_m}/{tiles.block_n}/{tiles.block_k}/{tiles.num_warps}/{tiles.num_stages}"
+                )
+                ms = triton.testing.do_bench(lambda x=x, w=w, t=tiles: matmul(x, w, tiles=t))
+                out.setdefault(label, {})[f"{n}x{k} M={m}"] = ms / base
+        del w
     return out
 
 
@@ -110,6 +131,11 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
     ap.add_argument("--skip-outputs", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--tiles",
+        default="128/128/64/8/3,64/64/64/4/4,128/64/64/4/4",
+        help="comma list of BM/BN/BK/warps/stages product tiles timed beside the default",
+    )
     args = ap.parse_args()
     results: dict = {}
     rows: list[tuple[str, str]] = []
@@ -123,6 +149,19 @@ def main() -> int:
             (
                 f"matmul {shape} rows differing alone vs batched (of 8)",
                 f"batch-invariant {c['batch_invariant']}, cuBLAS {c['cublas']}; err {r['rel_err_vs_fp32']:.1e}",
+            )
+        )
+
+    alternatives = [MatmulTiles(*(int(v) for v in t.split("/")[:3]), 8, *(int(v) for v in t.split("/")[3:]))
+                    for t in args.tiles.split(",") if t]  # fmt: skip
+    results["kernel_speed"] = kernel_speed(alternatives)
+    for label, by_shape in results["kernel_speed"].items():
+        worst = max(by_shape, key=by_shape.get)
+        mean = sum(by_shape.values()) / len(by_shape)
+        rows.append(
+            (
+                f"matmul tiles {label}: time / cuBLAS",
+                f"mean {mean:.2f}, worst {by_shape[worst]:.2f} ({worst})",
             )
         )
 
