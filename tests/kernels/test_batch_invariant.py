@@ -121,7 +121,7 @@ def test_cpu_elementwise_silu_is_the_same_wherever_the_element_sits(gen) -> None
 
 
 def test_fixed_size_decode_splits_make_a_request_the_same_in_any_batch(gen) -> None:
-    seq_lens = [5, 100, 64, 1, 33, 97, 17, 66, 3, 45]
+    seq_lens = [5, 70, 64, 1, 33, 17, 66, 45]
     kv = PagedKV(gen, seq_lens, num_kv_heads=2, head_dim=16)
     q = torch.randn((len(seq_lens), 4 * 16), generator=gen)
     tiles, split_tokens, scale = DecodeTiles(block_n=16), 32, 0.25
