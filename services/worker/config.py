@@ -246,10 +246,13 @@ class EngineConfig:
         if self.tp_size > 1:
             raise ValueError(f"enable_deterministic_inference needs tp_size 1, got {self.tp_size}")
         if self.attention_backend == "flashinfer":
-            raise ValueError("enable_deterministic_inference needs the torch or triton attention backend, not flashinfer")
+            raise ValueError(
+                "enable_deterministic_inference needs the torch or triton attention backend, not flashinfer"
+            )
         architectures = _checkpoint_config(self.model_path).get("architectures")
         if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
-            raise ValueError(f"enable_deterministic_inference does not support {pick_architecture(architectures)} (hybrid)")
+            name = pick_architecture(architectures)
+            raise ValueError(f"enable_deterministic_inference does not support {name} (hybrid)")
 
     def _check_pipeline(self) -> None:
         if self.speculative_algorithm is not None:

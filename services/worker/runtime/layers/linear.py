@@ -218,7 +218,12 @@ class Projection(nn.Module):
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) through `linear` with this layer's packed weight, GEMV tiles and mode."""
         return linear(
-            x, self.weight, bias, self.packed_weight, gemv_tiles=self.gemv_tiles, batch_invariant=self.batch_invariant
+            x,
+            self.weight,
+            bias,
+            self.packed_weight,
+            gemv_tiles=self.gemv_tiles,
+            batch_invariant=self.batch_invariant,
         )
 
 
