@@ -14,8 +14,9 @@ from the prefix cache, and what does the mode cost?
    identical to the lone run's, with and without the flag.
 3. Throughput cost on bench/gpu_serving.py's P3 (nano-vllm's recipe: 256 requests, input and output
    uniform in [100, 1024], Qwen3-0.6B-shaped bf16), flag off vs on. Goal: the mode keeps >= 0.8 of it.
-Prints a table last; writes $OUT/gpu_deterministic.json. Exit 1 if the deterministic runs are not all
-identical.
+Prints a table last; writes $OUT/gpu_deterministic.json after every part (a run cut off by its time
+limit keeps what it measured; --skip-kernels / --skip-outputs / --skip-throughput split it into calls).
+Exit 1 if the batch-invariant product or the deterministic runs are not all identical.
 """
 
 from __future__ import annotations
@@ -124,24 +125,18 @@ def outputs(path: Path, deterministic: bool, count: int, new_tokens: int) -> dic
     return {"identical_to_alone": same, "requests": count}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
-    ap.add_argument("--skip-outputs", action="store_true")
-    ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument(
-        "--tiles",
-        default="128/128/64/8/3,64/64/64/4/4,128/64/64/4/4",
-        help="comma list of BM/BN/BK/warps/stages product tiles timed beside the default",
-    )
-    args = ap.parse_args()
-    results: dict = {}
-    rows: list[tuple[str, str]] = []
-    ok = True
+class PrintedRows(list):
+    """The result table, each row also printed as it lands."""
 
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        print(f"  {row[0]:58s} {row[1]}", flush=True)
+
+
+def kernels_part(tiles: str, results: dict, rows: list) -> bool:
+    """Part 1: invariance and speed of the batch-invariant product; False if one of its rows varied."""
     results["kernels"] = kernel_check()
+    ok = True
     for shape, r in results["kernels"].items():
         c = r["rows_differing_of_8"]
         ok &= c["batch_invariant"] == 0
@@ -151,9 +146,10 @@ def main() -> int:
                 f"batch-invariant {c['batch_invariant']}, cuBLAS {c['cublas']}; err {r['rel_err_vs_fp32']:.1e}",
             )
         )
-
-    alternatives = [MatmulTiles(*(int(v) for v in t.split("/")[:3]), 8, *(int(v) for v in t.split("/")[3:]))
-                    for t in args.tiles.split(",") if t]  # fmt: skip
+    alternatives = []
+    for t in [t for t in tiles.split(",") if t]:
+        bm, bn, bk, warps, stages = (int(v) for v in t.split("/"))
+        alternatives.append(MatmulTiles(bm, bn, bk, 8, warps, stages))
     results["kernel_speed"] = kernel_speed(alternatives)
     for label, by_shape in results["kernel_speed"].items():
         worst = max(by_shape, key=by_shape.get)
@@ -164,7 +160,34 @@ def main() -> int:
                 f"mean {mean:.2f}, worst {by_shape[worst]:.2f} ({worst})",
             )
         )
+    return ok
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--skip-outputs", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--tiles",
+        default="128/128/64/8/3,64/64/64/4/4,128/64/64/4/4",
+        help="comma list of BM/BN/BK/warps/stages product tiles timed beside the default",
+    )
+    args = ap.parse_args()
+    results: dict = {}
+    rows = PrintedRows()
+    ok = True
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (OUT / "gpu_deterministic.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
+
+    if not args.skip_kernels:
+        ok &= kernels_part(args.tiles, results, rows)
+        save()
     if not args.skip_outputs:
         path8 = build_checkpoint("8b", torch.bfloat16)
         for deterministic in (False, True):
@@ -174,21 +197,19 @@ def main() -> int:
                 rows.append((f"8B {key}: {name} == alone", f"{n} / {args.requests}"))
                 if deterministic:
                     ok &= n == args.requests
-
+            save()
     if not args.skip_throughput:
         path06 = build_checkpoint("0.6b", torch.bfloat16)
         bw, flops = copy_bandwidth(), matmul_rate()
         p3_default = p3(path06, bw, flops, args.scale, {})
-        p3_det = p3(path06, bw, flops, args.scale, {"enable_deterministic_inference": True})
-        kept = p3_det["tok_s"] / p3_default["tok_s"]
-        results["p3"] = {"default": p3_default, "deterministic": p3_det, "throughput_kept": kept}
         rows.append(
             ("P3 0.6B default", f"{p3_default['tok_s']:.0f} tok/s (ceiling ratio {p3_default['ratio']:.2f})")
         )
+        p3_det = p3(path06, bw, flops, args.scale, {"enable_deterministic_inference": True})
+        kept = p3_det["tok_s"] / p3_default["tok_s"]
+        results["p3"] = {"default": p3_default, "deterministic": p3_det, "throughput_kept": kept}
         rows.append(("P3 0.6B deterministic", f"{p3_det['tok_s']:.0f} tok/s; kept {kept:.2f} (goal >= 0.80)"))
-
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "gpu_deterministic.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
+        save()
     print("\n== gpu_deterministic ==")
     for k, v in rows:
         print(f"{k:58s} {v}")
