@@ -1,3 +1,4 @@
+# Over 400 lines: the kernel, its in-launch merge and the host-side split sizing share one contract.
 """Decode attention over the token-paged KV pool: split-K ("flash-decoding") in one launch.
 
 One query token per request attends to positions 0 .. seq_len-1, whose KV slots are read through
@@ -16,6 +17,11 @@ would add one per layer. The number of splits per request lives in a device tens
 replay with new lengths); the grid's split dimension is a fixed power-of-two bound chosen on the host. A
 batch of one long request gets many splits; a large batch gets few, because its requests already fill
 the GPU.
+
+Deterministic inference fixes the split size instead (`split_tokens`): split s always covers the same
+positions, so a request's reduction over its keys (tiles, splits, and the merge in split order) depends on
+its own length only, never on the batch; the triton backend's extend path runs this same kernel per new
+token, so a token's attention is the same bits in a prefill, a chunk or a decode step.
 """
 
 from __future__ import annotations
@@ -93,6 +99,18 @@ def kv_splits_per_request(
     """Splits for each request (int32, on seq_lens' device, no host sync): one per
     min_tokens_per_split tokens, between 1 and max_kv_splits. Written into `out` when given."""
     splits = torch.clamp((seq_lens + min_tokens_per_split - 1) // min_tokens_per_split, 1, max_kv_splits)
+    if out is None:
+        return splits.to(torch.int32)
+    out.copy_(splits)
+    return out
+
+
+def fixed_size_kv_splits(
+    seq_lens: torch.Tensor, split_tokens: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Splits per request for decode_attention(split_tokens=...): cdiv(seq_len, split_tokens), at least 1
+    (int32, on seq_lens' device, no host sync). Written into `out` when given."""
+    splits = torch.clamp((seq_lens + split_tokens - 1) // split_tokens, min=1)
     if out is None:
         return splits.to(torch.int32)
     out.copy_(splits)
@@ -189,6 +207,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     K_ROWS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr,
 ):
     if HEAD_MAJOR:
         kv_head = tl.program_id(0)
@@ -204,8 +223,12 @@ def _decode_kernel(
     if split < num_splits:
         seq_len = tl.load(Seq_lens + b).to(tl.int32)
         req_row = tl.load(Req_pool_indices + b).to(tl.int64)
-        # Whole tiles per split so only the sequence's last tile is partial.
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        if SPLIT_TOKENS > 0:
+            # Fixed-size splits (deterministic inference): the split boundaries depend on nothing else.
+            split_len = SPLIT_TOKENS
+        else:
+            # Whole tiles per split so only the sequence's last tile is partial.
+            split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
@@ -339,6 +362,7 @@ def decode_attention(
     part_lse: torch.Tensor,
     tiles: DecodeTiles | None = None,
     split_counters: torch.Tensor | None = None,
+    split_tokens: int = 0,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
@@ -346,6 +370,9 @@ def decode_attention(
     num_kv_splits: [bs] int32 from kv_splits_per_request; part_out/part_lse: alloc_decode_partials scratch
     with at least bs rows and max_kv_splits splits; split_counters: alloc_split_counters(>= bs, kv_heads).
     Without split_counters, a max_kv_splits above 1 allocates zeroed counters on every call (a memset).
+    split_tokens > 0 (a multiple of the tiles' block_n): split s covers positions [s, s + 1) x split_tokens,
+    so num_kv_splits must be cdiv(seq_lens, split_tokens) (fixed_size_kv_splits) and max_kv_splits at least
+    its largest value; 0: the splits share each sequence evenly (kv_splits_per_request).
     One launch; never syncs with the host.
     """
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -376,6 +403,10 @@ def decode_attention(
             f"{split_counters.dtype} {tuple(split_counters.shape)}"
         )
     tiles = tiles or tiles_for(batch_size)
+    if split_tokens < 0 or split_tokens % tiles.block_n:
+        raise ValueError(
+            f"split_tokens must be 0 or a multiple of block_n {tiles.block_n}, got {split_tokens}"
+        )
     q3 = q.view(batch_size, num_heads, head_dim)
     o3 = out.view(batch_size, num_heads, head_dim)
     group = num_heads // num_kv_heads
@@ -418,6 +449,7 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         HEAD_MAJOR=tiles.head_major,
         K_ROWS=tiles.k_rows,
+        SPLIT_TOKENS=split_tokens,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

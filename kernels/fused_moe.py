@@ -40,6 +40,10 @@ class MoeTiles:
     num_stages: int = 3
 
 
+# Deterministic inference: one launch shape whatever the batch (moe_tiles_for's choice varies with it).
+DETERMINISTIC_MOE_TILES = MoeTiles()
+
+
 def moe_tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
     """Few pairs per expert (decode): short row blocks, so padding does not multiply the work; the
     kernel then streams weights, and a narrow N with a long K keeps many loads in flight."""
@@ -203,8 +207,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: MoeTiles | None = None,
+    sum_in_order: bool = False,
 ) -> torch.Tensor:
     """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
+    sum_in_order: add the k expert outputs j = 0, 1, ... one after another (deterministic inference: a
+    reduction kernel over k may split it differently for another number of tokens).
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights, topk_ids [T, k].
     Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
@@ -233,4 +240,10 @@ def fused_moe(
     per_pair = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     _grouped_gemm(act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles)
-    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    per_token = per_pair.view(num_tokens, top_k, hidden_size)
+    if not sum_in_order:
+        return per_token.sum(dim=1)
+    out = per_token[:, 0].clone()
+    for j in range(1, top_k):
+        out += per_token[:, j]
+    return out

@@ -118,6 +118,12 @@ class EngineConfig:
         "own, an FP8 checkpoint running FP8 weights on CUDA and dequantized at load on the CPU",
         None,
     )
+    enable_deterministic_inference: bool = _help(
+        "batch-invariant products, attention splits and MoE tiles: a request's tokens (greedy, or sampled "
+        "with a seed) are the same alone, in any batch, chunked or not; costs throughput. torch or triton "
+        "attention, tp_size 1, not hybrid models",
+        False,
+    )
     disable_custom_all_reduce: bool = _help(
         "TP on CUDA: sum every activation through NCCL, also the small ones that otherwise take the "
         "symmetric-memory one-shot all-reduce",
@@ -242,11 +248,31 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         self._check_speculative()
+        if self.enable_deterministic_inference:
+            self._check_deterministic()
         architectures = _checkpoint_config(self.model_path).get("architectures")
         if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
             self._check_hybrid(pick_architecture(architectures))
         if self.pp_size > 1:
             self._check_pipeline()
+
+    def _check_deterministic(self) -> None:
+        # Every rank would need an all-reduce that sums in one order whatever the message size, and the
+        # linear-attention layers' chunked scan is chunked by the batch: neither is batch-invariant yet.
+        if self.tp_size > 1:
+            raise ValueError(f"enable_deterministic_inference needs tp_size 1, got {self.tp_size}")
+        if self.attention_backend == "flashinfer":
+            raise ValueError(
+                "enable_deterministic_inference needs the torch or triton attention backend, not flashinfer"
+            )
+        architectures = _checkpoint_config(self.model_path).get("architectures")
+        if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
+            name = pick_architecture(architectures)
+            raise ValueError(f"enable_deterministic_inference does not support {name} (hybrid)")
+        # The FP8 products (kernels/fp8_gemm.py) pick their path by the number of rows.
+        if self.quantization == "fp8" or _checkpoint_config(self.model_path).get("quantization_config"):
+            raise ValueError("enable_deterministic_inference does not support FP8 weights (--quantization fp8 "
+                             "or an FP8 checkpoint): their products are not batch-invariant")
 
     def _check_pipeline(self) -> None:
         if self.speculative_algorithm is not None:

@@ -33,6 +33,7 @@ from services.worker.runtime.attention.flashinfer_backend import (
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
+from services.worker.runtime.layers.batch_invariant import make_batch_invariant
 from services.worker.runtime.layers.fp8_weights import weight_bytes
 from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
@@ -158,7 +159,19 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def make_attn_backend(name: str) -> AttentionBackend:
+def make_attn_backend(name: str, deterministic: bool = False, context_len: int = 0) -> AttentionBackend:
+    """The backend `name`; deterministic: its batch-invariant form (torch or triton; context_len bounds the
+    triton form's decode splits)."""
+    if deterministic and name == "torch":
+        from services.worker.runtime.attention.deterministic_torch import DeterministicTorchAttnBackend
+
+        return DeterministicTorchAttnBackend()
+    if deterministic and name == "triton":
+        from services.worker.runtime.attention.deterministic_triton import DeterministicTritonAttnBackend
+
+        return DeterministicTritonAttnBackend(context_len)
+    if deterministic:
+        raise ValueError(f"deterministic inference needs the torch or triton attention backend, not {name!r}")
     if name == "torch":
         return TorchAttnBackend()
     if name == "triton":
@@ -200,9 +213,10 @@ class ModelRunner:
         if self.tp_size > 1 and device.type == "cuda" and not config.disable_custom_all_reduce:
             if distributed.enable_fast_all_reduce(model_config.dtype, device):
                 logger.info("TP all-reduces of up to 1 MiB go through symmetric memory (one-shot)")
+        deterministic = config.enable_deterministic_inference
         if device.type == "cpu" and config.cpu_weight_prepack and cpu_prepack_available():
             packed = prepack_cpu_weights(self.model)
-            best = calibrate_single_row(self.model)
+            best = None if deterministic else calibrate_single_row(self.model)
             if best:
                 self.single_row = {
                     "product": "packed" if best["packed"] < best["plain"] else "plain",
@@ -218,7 +232,10 @@ class ModelRunner:
                     "" if self.single_row["clean_pairs"] else ": every pass ran beside other work, so this choice may be the slower",
                 )
 
-        if device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
+        if deterministic:
+            switched = make_batch_invariant(self.model)
+            logger.info("deterministic inference: %d modules use batch-invariant products", switched)
+        elif device.type == "cuda" and model_config.dtype in (torch.bfloat16, torch.float16):
             chosen = select_gemv_tiles(self.model, config.gemv_backend)
             if chosen:
                 logger.info("single-row linears (N x K): %s", ", ".join(
@@ -275,7 +292,7 @@ class ModelRunner:
             )
         else:
             self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
-        self.attn_backend = make_attn_backend(backend)
+        self.attn_backend = make_attn_backend(backend, deterministic, model_config.context_len)
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":
@@ -286,9 +303,9 @@ class ModelRunner:
                 # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
 
-                self.graph_runner = CudaGraphRunner(
-                    self, min(config.cuda_graph_max_bs, rows), config.cuda_graph_max_extend_tokens
-                )
+                # Deterministic extend attention runs per token (no block table to replay): eager.
+                extend_tokens = 0 if deterministic else config.cuda_graph_max_extend_tokens
+                self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, rows), extend_tokens)
             else:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)

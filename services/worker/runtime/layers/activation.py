@@ -1,6 +1,7 @@
 """Gated activations: the fused gate_up projection's output [.., 2 * I] -> act(gate) * up [.., I].
 
-On CUDA a 2-D input takes one Triton launch (kernels/activation.py) instead of three torch ops.
+On CUDA a 2-D input takes one Triton launch (kernels/activation.py) instead of three torch ops. With
+deterministic inference (`batch_invariant`) the CPU computes the SiLU through batch_invariant.elementwise.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from services.worker.runtime.layers import batch_invariant
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -23,7 +26,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """SwiGLU's activation on a fused [gate | up] tensor."""
 
+    batch_invariant = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and not x.is_cuda:
+            return batch_invariant.silu_and_mul(x)
         return silu_and_mul(x)
 
 

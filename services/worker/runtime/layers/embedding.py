@@ -34,6 +34,7 @@ class VocabParallelEmbedding(nn.Module):
     prepackable = True
     packed_weight: torch.Tensor | None = None
     gemv_tiles: object = None
+    batch_invariant = False  # as the LM head: layers/linear.py's make_batch_invariant sets it
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_multiple: int = DEFAULT_VOCAB_PADDING

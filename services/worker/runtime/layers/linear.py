@@ -23,6 +23,9 @@ product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's 
 copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). linear_calibration.py's `select_gemv_tiles` times both on each
 weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
 Triton product won.
+
+With --enable-deterministic-inference, every product goes through batch_invariant.py's
+`invariant_linear` instead (`batch_invariant`, set by its make_batch_invariant).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from services.worker.runtime.layers.batch_invariant import invariant_linear
 
 # Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row (linear_calibration.py) found the packed
 # matrix-vector product faster on this CPU.
@@ -71,10 +75,14 @@ def linear(
     packed: torch.Tensor | None = None,
     min_rows: int | None = None,
     gemv_tiles: Any = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
     (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
-    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles)."""
+    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles).
+    batch_invariant: through invariant_linear whatever the rows (deterministic inference)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, bias, packed)
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
@@ -214,12 +222,22 @@ class Projection(nn.Module):
     gemv_tiles: Any = None
     prologue: str | None = None
     quant_method: LinearMethod | None = None
+    batch_invariant = False  # make_batch_invariant (deterministic inference) sets it
+    weight: torch.Tensor
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T + bias through the quant_method, or linear() with this layer's packed copy and tiles."""
+        """x W^T + bias through the quant_method, or `linear` with this layer's packed weight, GEMV
+        tiles and mode."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        return linear(x, self.weight, bias, self.packed_weight, gemv_tiles=self.gemv_tiles)
+        return linear(
+            x,
+            self.weight,
+            bias,
+            self.packed_weight,
+            gemv_tiles=self.gemv_tiles,
+            batch_invariant=self.batch_invariant,
+        )
 
 
 class ReplicatedLinear(Projection):

@@ -38,5 +38,9 @@ class LogitsProcessor(nn.Module):
             if batch.prompt_logit_rows is not None:
                 rows = torch.cat([rows, batch.prompt_logit_rows])
             hidden = hidden[rows]
-        logits = tp_all_gather(linear(hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles), dim=-1)
+        logits = linear(
+            hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles,
+            batch_invariant=lm_head.batch_invariant,
+        )  # fmt: skip
+        logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

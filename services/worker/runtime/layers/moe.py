@@ -7,17 +7,24 @@ contract, no host sync, so a decode step with MoE layers can be captured in a CU
 experts (layers/fp8_weights.py: w13/w2 in float8_e4m3fn with block scales `w13_weight_scale_inv`
 [E, ceil(2I / bn), ceil(H / bk)] and `w2_weight_scale_inv` [E, ceil(H / bn), ceil(I / bk)]) the
 kernel reads the scales; the reference dequantizes the experts a step hits (float32 math).
+
+Deterministic inference (`batch_invariant`, set by layers/batch_invariant.py's make_batch_invariant): on
+the CPU each expert's rows go through invariant_linear; on CUDA the fused kernel runs one fixed launch
+shape (DETERMINISTIC_MOE_TILES: moe_tiles_for picks tiles by the number of token-expert pairs) and sums
+each token's k expert outputs in order.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
+from services.worker.runtime.layers import batch_invariant
 from services.worker.runtime.layers.activation import silu_and_mul
 from services.worker.runtime.layers.fp8 import dequantize_blocks
 from services.worker.runtime.layers.linear import (
@@ -67,12 +74,15 @@ def moe_forward(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, k]. With scales,
     w13 and w2 are FP8 and each expert hit is dequantized with its block scales and run in float32.
-    Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens.
+    Token-expert pairs are sorted by expert so each expert hit runs one matmul over all its tokens
+    (`product(x, w)`, x w^T; `act` the gated activation). A token's expert outputs are added in expert order.
     """
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
@@ -88,13 +98,11 @@ def moe_forward(
             continue
         tokens = token_of[start : start + count]
         if w13_scale_inv is None or w2_scale_inv is None or block_size is None:
-            act = silu_and_mul(F.linear(hidden[tokens], w13[expert]))
-            expert_out = F.linear(act, w2[expert])
+            expert_out = product(act(product(hidden[tokens], w13[expert])), w2[expert])
         else:
             gate_up = dequantize_blocks(w13[expert], w13_scale_inv[expert], block_size)
             down = dequantize_blocks(w2[expert], w2_scale_inv[expert], block_size)
-            act = silu_and_mul(F.linear(hidden[tokens].float(), gate_up))
-            expert_out = F.linear(act, down).to(hidden.dtype)
+            expert_out = product(act(product(hidden[tokens].float(), gate_up)), down).to(hidden.dtype)
         expert_out = expert_out * weight_of[start : start + count, None]
         out.index_add_(0, tokens, expert_out)
         start += count
@@ -111,6 +119,7 @@ class FusedMoE(nn.Module):
     # Set by layers/fp8_weights.py when the experts are FP8, beside the w13_weight_scale_inv and
     # w2_weight_scale_inv parameters it adds (None: the experts are in the model's dtype).
     fp8_block_size: tuple[int, int] | None = None
+    batch_invariant = False
 
     def __init__(
         self,
@@ -153,30 +162,30 @@ class FusedMoE(nn.Module):
             # Imported here: triton is needed (and installed) only where CUDA runs.
             from kernels.fused_moe import fused_moe
 
-            if self.fp8_block_size is None:
-                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-            else:
-                out = fused_moe(
-                    hidden,
-                    self.w13_weight,
-                    self.w2_weight,
-                    topk_weights,
-                    topk_ids,
+            fp8 = {}
+            if self.fp8_block_size is not None:
+                fp8 = dict(
                     w13_scale_inv=self.w13_weight_scale_inv,
                     w2_scale_inv=self.w2_weight_scale_inv,
                     block_size=self.fp8_block_size,
                 )
-        elif self.fp8_block_size is None:
-            out = moe_forward(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            if self.batch_invariant:
+                from kernels.fused_moe import DETERMINISTIC_MOE_TILES
+
+                out = fused_moe(
+                    hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                    tiles=DETERMINISTIC_MOE_TILES, sum_in_order=True, **fp8,
+                )  # fmt: skip
+            else:
+                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, **fp8)
         else:
+            invariant = self.batch_invariant
+            scales = (None, None, None)
+            if self.fp8_block_size is not None:
+                scales = (self.w13_weight_scale_inv, self.w2_weight_scale_inv, self.fp8_block_size)
             out = moe_forward(
-                hidden,
-                self.w13_weight,
-                self.w2_weight,
-                topk_weights,
-                topk_ids,
-                self.w13_weight_scale_inv,
-                self.w2_weight_scale_inv,
-                self.fp8_block_size,
-            )
+                hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, *scales,
+                product=batch_invariant.invariant_linear if invariant else F.linear,
+                act=batch_invariant.silu_and_mul if invariant else silu_and_mul,
+            )  # fmt: skip
         return tp_all_reduce(out)

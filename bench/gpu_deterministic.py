@@ -1,0 +1,220 @@
+"""--enable-deterministic-inference on one GPU: is a request's output the same alone, batched, chunked and
+from the prefix cache, and what does the mode cost?
+
+    python bench/gpu_deterministic.py [--requests 64] [--new-tokens 48] [--scale 1.0] [--skip-throughput]
+
+1. Kernels (bf16, Qwen3-8B shapes): kernels/batch_invariant.py's product, each of a few rows alone vs in
+   batches of 3 / 17 / 64 / 256 (bitwise), with cuBLAS (F.linear) beside it as the control, and its error
+   against a float32 product; its time over cuBLAS's at M = 1, 64, 256, 2048 for the default tiles and
+   --tiles alternatives (BM/BN/BK/warps/stages), to choose DEFAULT_TILES.
+2. Outputs (Qwen3-8B-shaped random bf16 checkpoint, triton backend, CUDA graphs on): --requests prompts of
+   64..1024 tokens, --new-tokens each, even requests greedy and odd ones sampled with a seed (temperature
+   0.7, top-p 0.9). Runs: each request alone; all batched (chunked_prefill_size 8192: no chunking); all
+   batched with 128-token chunks; all again with their prompts in the prefix cache. Counted: outputs
+   identical to the lone run's, with and without the flag.
+3. Throughput cost on bench/gpu_serving.py's P3 (nano-vllm's recipe: 256 requests, input and output
+   uniform in [100, 1024], Qwen3-0.6B-shaped bf16), flag off vs on. Goal: the mode keeps >= 0.8 of it.
+Prints a table last; writes $OUT/gpu_deterministic.json after every part (a run cut off by its time
+limit keeps what it measured; --skip-kernels / --skip-outputs / --skip-throughput split it into calls).
+Exit 1 if the batch-invariant product or the deterministic runs are not all identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, matmul_rate  # noqa: E402
+from bench.gpu_serving import p3, rand_ids  # noqa: E402
+from kernels.batch_invariant import DEFAULT_TILES, MatmulTiles, matmul  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
+from shared.progress import say  # noqa: E402
+
+# Qwen3-8B's products (N, K): qkv, o_proj, gate_up, down, LM head.
+SHAPES_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+
+
+def kernel_check() -> dict:
+    """Per shape: rows (of 8 sampled) that differ between alone and batched, batch-invariant vs cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out: dict = {}
+    for n, k in SHAPES_8B:
+        w = (torch.randn((n, k), generator=g, device="cuda") * 0.02).bfloat16()
+        x = torch.randn((256, k), generator=g, device="cuda").bfloat16()
+        counts = {"batch_invariant": 0, "cublas": 0}
+        for i in (0, 1, 2, 16, 17, 63, 100, 255):
+            for name, product in (("batch_invariant", matmul), ("cublas", F.linear)):
+                alone = product(x[i : i + 1], w)[0]
+                for bs in (3, 17, 64, 256):
+                    start = i // bs * bs
+                    if not torch.equal(product(x[start : start + bs], w)[i - start], alone):
+                        counts[name] += 1
+                        break
+        ref = x.float() @ w.float().t()
+        err = ((matmul(x, w).float() - ref).norm() / ref.norm()).item()
+        out[f"{n}x{k}"] = {"rows_differing_of_8": counts, "rel_err_vs_fp32": err}
+        del w, x, ref
+    torch.cuda.empty_cache()
+    return out
+
+
+def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
+    """ms of the batch-invariant product / ms of cuBLAS's, per tiles, shape and M (bf16)."""
+    import triton.testing
+
+    out: dict = {}
+    for n, k in SHAPES_8B[:4]:
+        w = torch.randn((n, k), device="cuda").bfloat16()
+        for m in (1, 64, 256, 2048):
+            x = torch.randn((m, k), device="cuda").bfloat16()
+            base = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w))
+            for tiles in [DEFAULT_TILES, *alternatives]:
+                label = (
+                    f"{tiles.block_m}/{tiles.block_n}/{tiles.block_k}/{tiles.num_warps}/{tiles.num_stages}"
+                )
+                ms = triton.testing.do_bench(lambda x=x, w=w, t=tiles: matmul(x, w, tiles=t))
+                out.setdefault(label, {})[f"{n}x{k} M={m}"] = ms / base
+        del w
+    return out
+
+
+def workload(count: int, new_tokens: int) -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(26)
+    prompts = [rand_ids(rng, rng.randint(64, 1024)) for _ in range(count)]
+    params = []
+    for i in range(count):
+        sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 1000 + i} if i % 2 else {"temperature": 0.0}
+        params.append({**sampling, "ignore_eos": True, "max_new_tokens": new_tokens})
+    return prompts, params
+
+
+def outputs(path: Path, deterministic: bool, count: int, new_tokens: int) -> dict:
+    """Outputs of the four runs, and how many of each equal the lone run's."""
+    prompts, params = workload(count, new_tokens)
+    kw = {"enable_deterministic_inference": deterministic, "attention_backend": "triton"}
+    runs: dict[str, list[list[int]]] = {}
+    t0 = time.perf_counter()
+    with Engine(str(path), chunked_prefill_size=8192, **kw) as e:
+        runs["alone"] = [
+            e.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, params)
+        ]
+        e.flush_cache()
+        runs["batched"] = [r["output_ids"] for r in e.generate(input_ids=prompts, sampling_params=params)]
+        runs["batched, prompts cached"] = [
+            r["output_ids"] for r in e.generate(input_ids=prompts, sampling_params=params)
+        ]
+    with Engine(str(path), chunked_prefill_size=128, **kw) as e:
+        runs["batched, 128-token chunks"] = [
+            r["output_ids"] for r in e.generate(input_ids=prompts, sampling_params=params)
+        ]
+    same = {
+        name: sum(a == b for a, b in zip(got, runs["alone"])) for name, got in runs.items() if name != "alone"
+    }
+    say(f"deterministic={deterministic}: {same} of {count} ({time.perf_counter() - t0:.0f} s)")
+    return {"identical_to_alone": same, "requests": count}
+
+
+class PrintedRows(list):
+    """The result table, each row also printed as it lands."""
+
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        print(f"  {row[0]:58s} {row[1]}", flush=True)
+
+
+def kernels_part(tiles: str, results: dict, rows: list) -> bool:
+    """Part 1: invariance and speed of the batch-invariant product; False if one of its rows varied."""
+    results["kernels"] = kernel_check()
+    ok = True
+    for shape, r in results["kernels"].items():
+        c = r["rows_differing_of_8"]
+        ok &= c["batch_invariant"] == 0
+        rows.append(
+            (
+                f"matmul {shape} rows differing alone vs batched (of 8)",
+                f"batch-invariant {c['batch_invariant']}, cuBLAS {c['cublas']}; err {r['rel_err_vs_fp32']:.1e}",
+            )
+        )
+    alternatives = []
+    for t in [t for t in tiles.split(",") if t]:
+        bm, bn, bk, warps, stages = (int(v) for v in t.split("/"))
+        alternatives.append(MatmulTiles(bm, bn, bk, 8, warps, stages))
+    results["kernel_speed"] = kernel_speed(alternatives)
+    for label, by_shape in results["kernel_speed"].items():
+        worst = max(by_shape, key=by_shape.get)
+        mean = sum(by_shape.values()) / len(by_shape)
+        rows.append(
+            (
+                f"matmul tiles {label}: time / cuBLAS",
+                f"mean {mean:.2f}, worst {by_shape[worst]:.2f} ({worst})",
+            )
+        )
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--skip-outputs", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument(
+        "--tiles",
+        default="128/128/64/8/3,64/64/64/4/4,128/64/64/4/4",
+        help="comma list of BM/BN/BK/warps/stages product tiles timed beside the default",
+    )
+    args = ap.parse_args()
+    results: dict = {}
+    rows = PrintedRows()
+    ok = True
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        (OUT / "gpu_deterministic.json").write_text(json.dumps({"rows": rows, "results": results}, indent=2))
+
+    if not args.skip_kernels:
+        ok &= kernels_part(args.tiles, results, rows)
+        save()
+    if not args.skip_outputs:
+        path8 = build_checkpoint("8b", torch.bfloat16)
+        for deterministic in (False, True):
+            key = "deterministic" if deterministic else "default"
+            results[key] = outputs(path8, deterministic, args.requests, args.new_tokens)
+            for name, n in results[key]["identical_to_alone"].items():
+                rows.append((f"8B {key}: {name} == alone", f"{n} / {args.requests}"))
+                if deterministic:
+                    ok &= n == args.requests
+            save()
+    if not args.skip_throughput:
+        path06 = build_checkpoint("0.6b", torch.bfloat16)
+        bw, flops = copy_bandwidth(), matmul_rate()
+        p3_default = p3(path06, bw, flops, args.scale, {})
+        rows.append(
+            ("P3 0.6B default", f"{p3_default['tok_s']:.0f} tok/s (ceiling ratio {p3_default['ratio']:.2f})")
+        )
+        p3_det = p3(path06, bw, flops, args.scale, {"enable_deterministic_inference": True})
+        kept = p3_det["tok_s"] / p3_default["tok_s"]
+        results["p3"] = {"default": p3_default, "deterministic": p3_det, "throughput_kept": kept}
+        rows.append(("P3 0.6B deterministic", f"{p3_det['tok_s']:.0f} tok/s; kept {kept:.2f} (goal >= 0.80)"))
+        save()
+    print("\n== gpu_deterministic ==")
+    for k, v in rows:
+        print(f"{k:58s} {v}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

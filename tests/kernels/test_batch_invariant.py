@@ -1,0 +1,264 @@
+"""Deterministic inference's pieces, each checked for batch invariance bit for bit: the Triton product
+(kernels/batch_invariant.py, under the interpreter), the CPU products and elementwise functions
+(layers/batch_invariant.py), fixed-size decode splits, and both deterministic attention backends (a
+request's every token gets the same output prefilled whole, in chunks beside other requests, or decoded
+in batches of any size)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import triton.language as tl
+from triton.runtime import interpreter
+
+from kernels.batch_invariant import MatmulTiles, matmul
+from kernels.decode_attention import (
+    DecodeTiles,
+    alloc_decode_partials,
+    decode_attention,
+    fixed_size_kv_splits,
+)
+from kernels.reference import decode_attention_ref
+from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.runtime.attention.base import AttentionBackend
+from services.worker.runtime.attention.deterministic_torch import DeterministicTorchAttnBackend
+from services.worker.runtime.attention.deterministic_triton import DeterministicTritonAttnBackend
+from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
+from services.worker.runtime.layers.attention import RadixAttention
+from services.worker.runtime.layers.batch_invariant import elementwise, invariant_linear
+from services.worker.runtime.layers.linear import cpu_prepack_available, cpu_prepack_dtypes, prepack_weight
+from tests.kernels.conftest import PagedKV, rel_error
+
+BATCH_SIZES = (3, 17, 64)
+SMALL_TILES = MatmulTiles(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+
+
+@pytest.fixture
+def row_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's tl.dot is NumPy's matmul, and OpenBLAS gives a row other bits when it sits at
+    another position of the tile (its edge kernels sum differently), which no GPU MMA does: there each
+    output element is its own float32 sum of products, whatever the other rows hold. Model that: each
+    element summed over K in order (bfloat16 widened first, which the interpreter cannot multiply)."""
+
+    def widen(x: interpreter.TensorHandle) -> np.ndarray:
+        if x.dtype.scalar == tl.bfloat16:
+            return interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return x.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        a32, b32 = widen(a), widen(b)
+        products = a32[:, :, None].astype(d.data.dtype) * b32[None, :, :].astype(d.data.dtype)
+        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def _alone_and_batched(fn, x: torch.Tensor, rows: tuple[int, ...] = (0, 5, 16, 40, 63)) -> None:
+    """fn on each of `rows` of x alone equals that row of fn on the BATCH_SIZES-row batch holding it (at
+    different positions in the batch and in the kernel's row tiles), bit for bit."""
+    for i in rows:
+        alone = fn(x[i : i + 1])[0]
+        for bs in BATCH_SIZES:
+            start = i // bs * bs
+            batched = fn(x[start : start + bs])[i - start]
+            assert torch.equal(batched, alone), f"row {i} differs in a batch of {bs}"
+
+
+# Whole K tiles in bfloat16, a ragged last one in float32.
+@pytest.mark.parametrize(("dtype", "k"), [(torch.bfloat16, 96), (torch.float32, 75)])
+def test_triton_matmul_row_is_the_same_alone_and_in_batches(gen, row_dot, dtype, k) -> None:
+    w = torch.randn((40, k), generator=gen).to(dtype)
+    bias = torch.randn(40, generator=gen).to(dtype)
+    x = torch.randn((64, k), generator=gen).to(dtype)
+    out = matmul(x, w, bias, tiles=SMALL_TILES)
+    assert out.dtype == dtype and out.shape == (64, 40)
+    assert rel_error(out.float(), x.float() @ w.float().t() + bias.float()) < (
+        1e-6 if dtype == torch.float32 else 1e-2
+    )
+    _alone_and_batched(lambda rows: matmul(rows, w, bias, tiles=SMALL_TILES), x)
+
+
+def test_triton_matmul_reads_strided_rows_and_keeps_leading_dims(gen, row_dot) -> None:
+    w = torch.randn((24, 32), generator=gen)
+    wide = torch.randn((2, 5, 48), generator=gen)
+    x = wide[..., 8:40]  # rows 48 apart
+    assert torch.equal(
+        matmul(x, w, tiles=SMALL_TILES), torch.stack([matmul(x[i], w, tiles=SMALL_TILES) for i in range(2)])
+    )
+    assert rel_error(matmul(x, w, tiles=SMALL_TILES), x @ w.t()) < 1e-6
+
+
+def test_triton_matmul_rejects_what_it_cannot_compute(gen) -> None:
+    w = torch.randn((8, 16), generator=gen)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 12\]"):
+        matmul(torch.randn((2, 12), generator=gen), w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        matmul(torch.randn((2, 16), generator=gen).bfloat16(), w)
+    with pytest.raises(ValueError, match="K axis must be contiguous"):
+        matmul(torch.randn((2, 8), generator=gen), w.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cpu_invariant_linear_row_is_the_same_alone_and_in_batches(gen, dtype, packed) -> None:
+    if packed and not (cpu_prepack_available() and dtype in cpu_prepack_dtypes()):
+        pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
+    w = torch.randn((200, 96), generator=gen).to(dtype)
+    x = torch.randn((64, 96), generator=gen).to(dtype)
+    weight_packed = prepack_weight(w) if packed else None
+    out = invariant_linear(x, w, None, weight_packed)
+    assert rel_error(out.float(), x.float() @ w.float().t()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    _alone_and_batched(lambda rows: invariant_linear(rows, w, None, weight_packed), x)
+
+
+def test_cpu_elementwise_silu_is_the_same_wherever_the_element_sits(gen) -> None:
+    # 61 features: a row's last elements fall in torch's scalar tail for some batch sizes and not others.
+    x = torch.randn((64, 61), generator=gen)
+    assert rel_error(elementwise(F.silu, x), F.silu(x)) < 1e-6
+    _alone_and_batched(lambda rows: elementwise(F.silu, rows), x)
+
+
+def test_fixed_size_decode_splits_make_a_request_the_same_in_any_batch(gen) -> None:
+    seq_lens = [5, 70, 64, 1, 33, 17, 66, 45]
+    kv = PagedKV(gen, seq_lens, num_kv_heads=2, head_dim=16)
+    q = torch.randn((len(seq_lens), 4 * 16), generator=gen)
+    tiles, split_tokens, scale = DecodeTiles(block_n=16), 32, 0.25
+
+    def run(index: list[int], max_splits: int) -> torch.Tensor:
+        rows = torch.tensor(index)
+        lens = kv.seq_lens[rows]
+        part_out, part_lse = alloc_decode_partials(len(index), 4, max_splits, 16, "cpu")
+        out = torch.empty((len(index), 64))
+        decode_attention(
+            q[rows], kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices[rows], lens,
+            fixed_size_kv_splits(lens, split_tokens), max_splits, scale, part_out, part_lse, tiles,
+            split_tokens=split_tokens,
+        )  # fmt: skip
+        return out
+
+    # Alone each request gets the smallest grid that holds its splits; batched, the batch's (or more).
+    alone = torch.cat(
+        [run([i], 1 << max(0, (n - 1) // split_tokens).bit_length()) for i, n in enumerate(seq_lens)]
+    )
+    ref = decode_attention_ref(
+        q, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, scale
+    )
+    assert rel_error(alone, ref) < 1e-5
+    for bs, max_splits in ((3, 4), (len(seq_lens), 8)):
+        starts = range(0, len(seq_lens), bs)
+        batched = torch.cat([run(list(range(s, min(s + bs, len(seq_lens)))), max_splits) for s in starts])
+        assert torch.equal(batched, alone)
+
+
+def test_decode_rejects_a_split_size_off_the_tile(gen) -> None:
+    kv = PagedKV(gen, [10], num_kv_heads=1, head_dim=16)
+    q = torch.randn((1, 16), generator=gen)
+    part_out, part_lse = alloc_decode_partials(1, 1, 1, 16, "cpu")
+    with pytest.raises(ValueError, match="multiple of block_n 16"):
+        decode_attention(
+            q, kv.k_buffer, kv.v_buffer, torch.empty((1, 16)), kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+            torch.ones(1, dtype=torch.int32), 1, 1.0, part_out, part_lse, DecodeTiles(block_n=16), split_tokens=40,
+        )  # fmt: skip
+
+
+class _Steps:
+    """A fresh pool, request table and slot allocator, and one attention layer, for running steps of a
+    scenario. Every (request, position) has fixed q / k / v rows, so a token's inputs are the same in any
+    run, whichever rows and slots the run gives it."""
+
+    heads, head_dim = 4, 16
+
+    def __init__(
+        self, backend: AttentionBackend, qkv: dict[str, tuple[torch.Tensor, ...]], rows: dict[str, int]
+    ) -> None:
+        self.kv_heads = qkv["r"][1].shape[1] // self.head_dim
+        self.backend, self.qkv, self.rows = backend, qkv, rows
+        self.req_pool = ReqToTokenPool(size=8, max_context_len=160, device="cpu")
+        self.allocator = TokenToKVPoolAllocator(size=600, device="cpu")
+        self.kv_pool = TokenToKVPool(600, 1, self.kv_heads, self.head_dim, torch.float32, "cpu")
+        self.layer = RadixAttention(self.heads, self.head_dim, self.head_dim**-0.5, self.kv_heads, 0)
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def step(self, parts: list[tuple[str, int, int]], decode: bool = False) -> None:
+        """One forward of (request, first position, new tokens) parts; records each token's output."""
+        locs, positions, q, k, v = [], [], [], [], []
+        for name, start, n in parts:
+            # The allocator's order varies with the scenario, so a token's slot differs between runs.
+            slots = self.allocator.alloc(n)
+            assert slots is not None
+            self.req_pool.write(self.rows[name], start, slots)
+            locs.append(slots)
+            positions.append(torch.arange(start, start + n))
+            for out, table in zip((q, k, v), self.qkv[name]):
+                out.append(table[start : start + n])
+        seq_lens = [start + n for _, start, n in parts]
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+            batch_size=len(parts),
+            input_ids=torch.zeros(sum(n for _, _, n in parts), dtype=torch.int64),
+            positions=torch.cat(positions),
+            req_pool_indices=torch.tensor([self.rows[name] for name, _, _ in parts], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            out_cache_loc=torch.cat(locs),
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=[start for _, start, _ in parts],
+            extend_seq_lens_cpu=[n for _, _, n in parts],
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+        )
+        self.backend.init_forward_metadata(batch)
+        out = self.layer(torch.cat(q), torch.cat(k), torch.cat(v), batch)
+        row = 0
+        for name, start, n in parts:
+            for i in range(n):
+                self.outputs[(name, start + i)] = out[row + i]
+            row += n
+
+
+def _scenarios(
+    make_backend, gen: torch.Generator, length: int, kv_heads: int
+) -> list[dict[tuple[str, int], torch.Tensor]]:
+    """Request "r" (`length` tokens) run three ways: prefilled alone in one step; in chunks of 7 beside
+    "a" (its first 20 tokens in r's first step, then one token per step); prefilled to half its length,
+    then decoded one token per step beside one or two other decoding requests (r first, last or between)."""
+    half, chunks = length // 2, -(-length // 7)
+    width, kv_width = _Steps.heads * _Steps.head_dim, kv_heads * _Steps.head_dim
+    lengths = {"r": length, "a": 20 + chunks, "b": 10 + length - half, "c": 10 + length - half}
+    qkv = {
+        name: (torch.randn((n, width), generator=gen), torch.randn((n, kv_width), generator=gen),
+               torch.randn((n, kv_width), generator=gen))
+        for name, n in lengths.items()
+    }  # fmt: skip
+    alone = _Steps(make_backend(), qkv, {"r": 5})
+    alone.step([("r", 0, length)])
+
+    chunked = _Steps(make_backend(), qkv, {"a": 1, "r": 3})
+    chunked.step([("a", 0, 20), ("r", 0, 7)])
+    for start in range(7, length, 7):
+        chunked.step([("a", 20 + start // 7 - 1, 1), ("r", start, min(7, length - start))])
+
+    decoded = _Steps(make_backend(), qkv, {"b": 0, "c": 2, "r": 6})
+    decoded.step([("b", 0, 10), ("r", 0, half), ("c", 0, 5)])
+    for pos in range(half, length):
+        others = [("b", 10 + pos - half, 1)] + ([("c", 5 + (pos - half) // 2, 1)] if pos % 2 else [])
+        parts = [*others, ("r", pos, 1)] if pos % 3 else [("r", pos, 1), *others]
+        decoded.step(parts, decode=True)
+    return [s.outputs for s in (alone, chunked, decoded)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_deterministic_attention_is_the_same_prefilled_chunked_or_decoded(gen, backend) -> None:
+    if backend == "torch":  # two 64-key tiles, grouped query heads
+        length, runs = 90, _scenarios(DeterministicTorchAttnBackend, gen, 90, kv_heads=2)
+    else:  # two 16-key splits of one 16-key tile each, one KV head (the interpreter is slow)
+        length = 24
+        runs = _scenarios(lambda: DeterministicTritonAttnBackend(32, 16, DecodeTiles(block_n=16)), gen, 24, 1)
+    alone, chunked, decoded = runs
+    positions = [key for key in alone if key[0] == "r"]
+    assert len(positions) == length
+    for key in positions:
+        assert torch.equal(chunked[key], alone[key]), f"chunked prefill differs at position {key[1]}"
+        assert torch.equal(decoded[key], alone[key]), f"decode differs at position {key[1]}"
