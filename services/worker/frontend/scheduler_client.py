@@ -7,7 +7,7 @@ sampled token is reproducible), sends commands, answers request/reply controls, 
 outputs to a callback on its dispatcher thread:
 
     client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
-    for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
+    client.add(*client.build_reqs([1, 2, 3], {"temperature": 0}))
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from services.worker.frontend.ipc import PipeChannel
 from services.worker.frontend.rank_processes import RANK_EXIT_GRACE_S, end_group, start_ranks, wait_for_exit
 from services.worker.frontend.scheduler_loop import (
     AbortReq,
-    AddReq,
+    AddReqs,
     Control,
     ControlReply,
     LoopFailed,
@@ -360,8 +360,10 @@ class SchedulerClient:
             )
         return reqs
 
-    def add(self, req: Req) -> None:
-        self._inbox.put(AddReq(req))
+    def add(self, *reqs: Req) -> None:
+        """Queue requests for the scheduler as one command: it takes all of them before the same step."""
+        if reqs:
+            self._inbox.put(AddReqs(list(reqs)))
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         """Abort a waiting or running request; its final output comes with the next step, with

@@ -44,8 +44,11 @@ IDLE_BEAT_S = 2.0  # at most; a quarter of dist_timeout when that is shorter
 
 
 @dataclass
-class AddReq:
-    req: Req
+class AddReqs:
+    """Requests that arrived together, in one command: the scheduler takes them before the same step,
+    so a burst is admitted together rather than its first request prefilled alone."""
+
+    reqs: list[Req]
 
 
 @dataclass
@@ -213,9 +216,10 @@ class SchedulerLoop:
 
     def _apply(self, cmd: object, outbox: Any) -> bool:
         """Apply one command; False on shutdown."""
-        if isinstance(cmd, AddReq):
-            trace.mark(cmd.req.rid, "scheduler.added")
-            self.scheduler.add_request(cmd.req)
+        if isinstance(cmd, AddReqs):
+            for req in cmd.reqs:
+                trace.mark(req.rid, "scheduler.added")
+                self.scheduler.add_request(req)
         elif isinstance(cmd, AbortReq):
             self.scheduler.abort_request(cmd.rid, cmd.reason)
         elif isinstance(cmd, Control):
