@@ -38,7 +38,14 @@ if __package__ in (None, ""):
 from bench import pipeline_overhead as po  # noqa: E402
 from bench.http_burst import HttpBurst  # noqa: E402
 
-HOPS = ("gateway.http", "gateway.published", "worker.received", "worker.queued", "engine.queued", "scheduler.added")
+HOPS = (
+    "gateway.http",
+    "gateway.published",
+    "worker.received",
+    "worker.queued",
+    "engine.queued",
+    "scheduler.added",
+)
 
 
 def first_marks(prefix: str) -> dict[str, dict[str, int]]:
@@ -64,14 +71,20 @@ def arrival(prefix: str, sent_ns: int) -> dict[str, Any]:
             hops[stage] = {"first": ms[0], "median": statistics.median(ms), "last": ms[-1]}
     taken = sorted(marks.get("scheduler.added", {}).values())
     groups = {ns: taken.count(ns) for ns in taken}
-    return {"hops": hops, "groups": list(groups.values()), "group_ms": [(ns - sent_ns) / 1e6 for ns in groups]}
+    return {
+        "hops": hops,
+        "groups": list(groups.values()),
+        "group_ms": [(ns - sent_ns) / 1e6 for ns in groups],
+    }
 
 
 async def pipeline_burst(url: str, prompts: list[list[int]], new_tokens: int, prefix: str) -> int:
     burst = await HttpBurst.open(url, len(prompts), warm_path="/health")
     try:
-        bodies = [{"input_ids": ids, "sampling_params": po.sampling(new_tokens), "rid": f"{prefix}{i}"}
-                  for i, ids in enumerate(prompts)]
+        bodies = [
+            {"input_ids": ids, "sampling_params": po.sampling(new_tokens), "rid": f"{prefix}{i}"}
+            for i, ids in enumerate(prompts)
+        ]
         sent_ns = time.monotonic_ns()  # the trace's clock
         await burst.post_json("/generate", bodies)
     finally:
@@ -83,10 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=16, help="enough to count steps; the intake is the point")
+    p.add_argument(
+        "--new-tokens", type=int, default=16, help="enough to count steps; the intake is the point"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gateways", default="auto", help="`up --gateways`")
-    p.add_argument("--model-path", type=Path, help="default: bench/gpu_pipeline.py's tiny checkpoint (built once)")
+    p.add_argument(
+        "--model-path", type=Path, help="default: bench/gpu_pipeline.py's tiny checkpoint (built once)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
@@ -96,49 +113,80 @@ def main(argv: list[str] | None = None) -> None:
     from services.worker.frontend.engine import Engine
 
     path = args.model_path or gpu_pipeline.build_checkpoint(True, torch.float32, "cpu")
-    options = {"device": args.device, "dtype": args.dtype, "max_total_tokens": args.batch * (args.prompt_len + args.new_tokens) + 1024}
+    options = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_total_tokens": args.batch * (args.prompt_len + args.new_tokens) + 1024,
+    }
     engine = Engine(str(path), **options, scheduler_process=True)
-    stack = po.Stack(1, [*po.up_flags(path, options), "--scheduler-process"],
-                     Path(tempfile.mkdtemp(prefix="rs-burst-")), "short", args.gateways)
+    stack = po.Stack(
+        1,
+        [*po.up_flags(path, options), "--scheduler-process"],
+        Path(tempfile.mkdtemp(prefix="rs-burst-")),
+        "short",
+        args.gateways,
+    )
     rng, rows = random.Random(0), []
     try:
         stack.wait_ready()
         vocab = engine.model_config.vocab_size
         po.engine_batch(engine, po.make_prompts(rng, args.batch, args.prompt_len, vocab), 2)  # warm both
-        asyncio.run(pipeline_burst(stack.url, po.make_prompts(rng, args.batch, args.prompt_len, vocab), 2, "warm-"))
+        asyncio.run(
+            pipeline_burst(stack.url, po.make_prompts(rng, args.batch, args.prompt_len, vocab), 2, "warm-")
+        )
         for rep in range(args.repeats):
             prompts = po.make_prompts(rng, args.batch, args.prompt_len, vocab)
             before = engine.get_server_info()["stats"]
             sent = time.monotonic_ns()
-            outs = engine.generate(input_ids=prompts, sampling_params=po.sampling(args.new_tokens),
-                                   rid=[f"e{rep}-{i}" for i in range(len(prompts))])
+            outs = engine.generate(
+                input_ids=prompts,
+                sampling_params=po.sampling(args.new_tokens),
+                rid=[f"e{rep}-{i}" for i in range(len(prompts))],
+            )
             assert len(outs) == len(prompts)
             after = engine.get_server_info()["stats"]
-            row = {"engine": {"steps": (after["num_prefill_steps"] - before["num_prefill_steps"],
-                                        after["num_decode_steps"] - before["num_decode_steps"]),
-                              **arrival(f"e{rep}-", sent)}}
+            row = {
+                "engine": {
+                    "steps": (
+                        after["num_prefill_steps"] - before["num_prefill_steps"],
+                        after["num_decode_steps"] - before["num_decode_steps"],
+                    ),
+                    **arrival(f"e{rep}-", sent),
+                }
+            }
             time.sleep(po.STEP_COUNTS_WAIT_S)
             w0 = stack.worker_steps()
             sent = asyncio.run(pipeline_burst(stack.url, prompts, args.new_tokens, f"g{rep}-"))
             time.sleep(po.STEP_COUNTS_WAIT_S)
             w1 = stack.worker_steps()
-            row["pipeline"] = {"steps": (w1["prefill"] - w0["prefill"], w1["decode"] - w0["decode"]),
-                               **arrival(f"g{rep}-", sent)}
+            row["pipeline"] = {
+                "steps": (w1["prefill"] - w0["prefill"], w1["decode"] - w0["decode"]),
+                **arrival(f"g{rep}-", sent),
+            }
             rows.append(row)
     finally:
         stack.stop()
         engine.shutdown()
-    print(f"\n{args.batch} x {args.prompt_len} -> {args.new_tokens}, {stack.gateways()} gateway(s); ms after the burst "
-          "was sent (first / median / last request); intake groups: requests per scheduler intake")
+    print(
+        f"\n{args.batch} x {args.prompt_len} -> {args.new_tokens}, {stack.gateways()} gateway(s); ms after the burst "
+        "was sent (first / median / last request); intake groups: requests per scheduler intake"
+    )
     for rep, row in enumerate(rows):
         for side in ("engine", "pipeline"):
             r = row[side]
-            hops = "  ".join(f"{stage} {h['first']:.1f}/{h['median']:.1f}/{h['last']:.1f}" for stage, h in r["hops"].items())
-            print(f"repeat {rep} {side:8s} steps {r['steps'][0]:.0f} prefill + {r['steps'][1]:.0f} decode; "
-                  f"intake groups {r['groups']} at {[round(t, 1) for t in r['group_ms']]} ms; {hops}")
+            hops = "  ".join(
+                f"{stage} {h['first']:.1f}/{h['median']:.1f}/{h['last']:.1f}"
+                for stage, h in r["hops"].items()
+            )
+            print(
+                f"repeat {rep} {side:8s} steps {r['steps'][0]:.0f} prefill + {r['steps'][1]:.0f} decode; "
+                f"intake groups {r['groups']} at {[round(t, 1) for t in r['group_ms']]} ms; {hops}"
+            )
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "pipeline_burst.json"
-        out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "repeats": rows}, indent=2))
+        out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "repeats": rows}, indent=2)
+        )
         print(f"JSON in {out}")
 
 
