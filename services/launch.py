@@ -62,15 +62,16 @@ GATEWAY_TOKENIZES = ("short", "all", "none")
 # to cross one on the GPU host while the worker had only the first (138-146 steps for the Engine's 131,
 # 8-14 % slower; 132-133 steps and 2-5 % with four gateways: bench/HISTORY.md). One per 4 usable cores, up to 4.
 CORES_PER_GATEWAY, MAX_AUTO_GATEWAYS = 4, 4
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def gateway_count(value: str, port: int, cores: int | None = None) -> int:
-    """`--gateways`: a count, or auto (1 with --port 0: several need a fixed port). ValueError otherwise."""
+    """`--gateways`: a count, or auto (1 with --port 0: several need a fixed port); -1 for anything
+    else, which run_up refuses."""
     if value != "auto":
         return int(value) if value.isdigit() else -1
     cores = cores or len(os.sched_getaffinity(0))
     return 1 if port == 0 else max(1, min(MAX_AUTO_GATEWAYS, cores // CORES_PER_GATEWAY))
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 @dataclass
