@@ -11,6 +11,14 @@ come from .whl-pipeline/tokenizer/ (copied there from the embedded default model
 else from the default model directory. Built once under /tmp. Both sides get the same engine options
 (--device, --dtype, --attention-backend; CUDA graphs at their default). JSON goes to $OUT/gpu_pipeline.json.
 
+The pipeline at light load (issue 26): each throughput repeat records both sides' scheduler steps, split
+into prefills and decodes (the Engine takes 131 = 4 + 127 for 64 x 128 -> 128), the loss is the median of
+--repeats (5) in the same run, and TTFT is timed at --prompt-len (128) and at each of --ttft-prompt-lens
+(512). The stack starts with `up`'s own --gateways default (auto: 4 on the 16-core H200 host); to see what
+one gateway costs, run once more with --gateways 1:
+    python bench/gpu_pipeline.py                 (then, into another JSON)
+    python bench/gpu_pipeline.py --gateways 1 --out $OUT/gpu_pipeline_1gw.json
+
 .whl-pipeline/ is ignored by git; to rebuild it here (the device has none of these at these versions):
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -57,9 +65,11 @@ WORKLOAD_FLAGS = ("batch", "prompt_len", "new_tokens", "repeats", "ttft_runs", "
 # Per-run defaults: the GPU figures, and a CPU smoke run of the whole flow that ends in about a minute.
 PROFILES: dict[str, dict[str, object]] = {
     "gpu": dict(device="cuda", dtype="bfloat16", attention_backend="triton", batch=64, prompt_len=128,
-                new_tokens=128, repeats=5, ttft_runs=30, ttft_warmup=3, floor_runs=50, text_runs=30, threads=2),
+                new_tokens=128, repeats=5, ttft_runs=30, ttft_warmup=3, floor_runs=50, text_runs=30, threads=2,
+                ttft_prompt_lens="512"),
     "tiny": dict(device="cpu", dtype="float32", attention_backend="torch", batch=4, prompt_len=16,
-                 new_tokens=8, repeats=1, ttft_runs=4, ttft_warmup=1, floor_runs=4, text_runs=4, threads=1),
+                 new_tokens=8, repeats=1, ttft_runs=4, ttft_warmup=1, floor_runs=4, text_runs=4, threads=1,
+                 ttft_prompt_lens="64"),
 }
 
 
@@ -140,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=int,
                        help=f"pipeline_overhead.py's (default {PROFILES['gpu'][name]}; --tiny: {PROFILES['tiny'][name]})")
     p.add_argument("--pair-gap-ms", type=float, default=0.0, help="pipeline_overhead.py's (default 0)")
+    p.add_argument("--ttft-prompt-lens", help="pipeline_overhead.py's: other prompt lengths timed for TTFT "
+                                              "(default 512; --tiny: 64; '' for none)")
     pipeline_overhead.add_stack_flags(p)
     p.add_argument("--out", type=Path, default=OUT / "gpu_pipeline.json", help="JSON results path")
     args = p.parse_args(argv)
@@ -161,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in WORKLOAD_FLAGS:
         forwarded += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     forwarded += ["--gateway-tokenizes", args.gateway_tokenizes, "--pair-gap-ms", str(args.pair_gap_ms)]
+    forwarded += [f"--ttft-prompt-lens={args.ttft_prompt_lens}"]
     forwarded += ["--gateways", str(args.gateways), "--busy-poll-ms", f"{args.busy_poll_ms:g}"]
     pipeline_overhead.main(forwarded)
 

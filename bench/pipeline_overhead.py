@@ -13,8 +13,12 @@ Prompts are random token ids, fresh for every batch, so no prefix cache ever hel
 1. Throughput: --batch requests (--prompt-len ids, greedy, ignore_eos, --new-tokens each) as concurrent
    native `/generate` calls (one connection each, all written at once: bench/http_burst.py), and as one
    `Engine.generate` call; output tokens / wall seconds, sides alternating. loss = 1 - gateway / engine, median over repeats (target <= 5%).
+   Each repeat also counts both sides' scheduler steps, split into prefills and decodes (the Engine's
+   stats; the worker's rs_worker_prefill_steps_total / rs_worker_decode_steps_total, read after its
+   next refresh): a burst that reaches the worker spread out takes more steps than the Engine's.
 2. TTFT at low load: one streamed request at a time, time to the first token; --ttft-runs pairs, sides
-   alternating; added TTFT = median of the per-pair differences (target <= 2 ms).
+   alternating; added TTFT = median of the per-pair differences (target <= 2 ms); the same again for
+   each of --ttft-prompt-lens (other prompt lengths, e.g. 512).
 3. The floor: the same round trip with max_new_tokens=0, which the worker answers without the model:
    the transport alone (HTTP, NATS messages, the processes), free of the prefill's noise.
 4. TTFT with text prompts (--text-runs pairs): the same, the prompts as text (random ids decoded), which
@@ -84,6 +88,9 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # and 5 s death timeout, which would end every request in flight with an error. Liveness is not what
 # is measured here, so the gateway's two timeouts are raised; the data path is untouched.
 LIVENESS_ENV = {"RS_WORKER_TTL": "120", "RS_WORKER_DEAD_AFTER": "120"}
+# The worker's step counters follow the scheduler's at each get_info refresh (every load_interval, 1 s
+# under `up`): read this long after a burst, they include all of it.
+STEP_COUNTS_WAIT_S = 1.5
 
 
 def free_port() -> int:
@@ -142,7 +149,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     """The `radixserve up` flags the measured stack starts with (bench/gpu_pipeline.py passes them on)."""
     p.add_argument("--gateway-tokenizes", choices=GATEWAY_TOKENIZES, default="short", nargs="?", const="all",
                    help="`up --gateway-tokenizes`: which text prompts the gateway tokenizes itself (default short)")
-    p.add_argument("--gateways", type=int, default=1, help="`up --gateways N`: gateway processes sharing the port")
+    p.add_argument("--gateways", default="auto",
+                   help="`up --gateways N`: gateway processes sharing the port (default auto, as `up`: one per 4 cores, <= 4)")
     p.add_argument("--busy-poll-ms", type=float, default=float(os.environ.get("RS_BUSY_POLL_MS") or 0),
                    help="`up --busy-poll-ms`: the services' polling window (default: RS_BUSY_POLL_MS, else 0: off)")
 
@@ -164,8 +172,8 @@ class Stack:
     """`radixserve up` as a child process; stopped with SIGTERM (it stops its own children)."""
 
     def __init__(
-        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: str = "short", gateways: int = 1,
-        busy_poll_ms: float = 0.0,
+        self, threads: int, engine_flags: list[str], run_dir: Path, gateway_tokenizes: str = "short",
+        gateways: int | str = "auto", busy_poll_ms: float = 0.0,
     ) -> None:
         self.port, grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -209,14 +217,27 @@ class Stack:
         """The single-row product the worker's load chose on the CPU, else None."""
         return self.worker_logged(r"single rows use the (\w+) product")
 
-    def worker_steps(self) -> float:
-        """The worker's scheduler steps so far (those that produced output); NaN if it logged no metrics port."""
+    def gateways(self) -> int | None:
+        """How many gateways `up` started (its --gateways auto picks by cores), else None."""
+        found = re.search(r"(\d+) gateway\(s\)", self.log())
+        return int(found.group(1)) if found else None
+
+    def worker_steps(self) -> dict[str, float]:
+        """The worker's step counters so far: steps with output (the step publisher's, at once), and the
+        scheduler's prefill and decode steps (as of the worker's last refresh: STEP_COUNTS_WAIT_S); NaN
+        for what it does not report (no metrics port logged)."""
+        names = {"output": "rs_worker_steps_total", "prefill": "rs_worker_prefill_steps_total",
+                 "decode": "rs_worker_decode_steps_total"}
         if self.worker_metrics is None:
-            return float("nan")
+            return {key: float("nan") for key in names}
         with urllib.request.urlopen(self.worker_metrics, timeout=10) as response:
-            # One sample, labelled with the worker's model_name.
-            found = re.search(r"^rs_worker_steps_total\{[^}]*\} (\S+)$", response.read().decode(), re.MULTILINE)
-        return float(found.group(1)) if found else float("nan")
+            text = response.read().decode()
+        counts = {}
+        for key, name in names.items():
+            # One sample each, labelled with the worker's model_name.
+            found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+            counts[key] = float(found.group(1)) if found else float("nan")
+        return counts
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -271,13 +292,24 @@ def throughput_repeat(engine: Any, stack: Stack, prompts: list[list[int]], new_t
     for side in ("engine", "gateway") if engine_first else ("gateway", "engine"):
         foreign = ForeignCpu()
         if side == "engine":
-            steps = engine.get_server_info()["stats"]["num_steps"]
+            before = engine.get_server_info()["stats"]
             seconds, outputs[side] = engine_batch(engine, prompts, new_tokens)
-            run["engine_steps"] = engine.get_server_info()["stats"]["num_steps"] - steps
+            after = engine.get_server_info()["stats"]
+            run["engine_steps"] = after["num_steps"] - before["num_steps"]
+            run["engine_prefill_steps"] = after["num_prefill_steps"] - before["num_prefill_steps"]
+            run["engine_decode_steps"] = after["num_decode_steps"] - before["num_decode_steps"]
         else:
-            steps = stack.worker_steps()
+            time.sleep(STEP_COUNTS_WAIT_S)  # the counters include everything before this burst
+            before_w = stack.worker_steps()
             seconds, outputs[side] = gateway_batch(stack.url, prompts, new_tokens)
-            run["gateway_steps"] = stack.worker_steps() - steps
+            time.sleep(STEP_COUNTS_WAIT_S)
+            after_w = stack.worker_steps()
+            counts = {key: after_w[key] - before_w[key] for key in after_w}
+            run["gateway_prefill_steps"], run["gateway_decode_steps"] = counts["prefill"], counts["decode"]
+            run["gateway_output_steps"] = counts["output"]
+            # The Engine's num_steps counts every prefill and decode step alike.
+            steps = counts["prefill"] + counts["decode"]
+            run["gateway_steps"] = steps if not math.isnan(steps) else counts["output"]
         run[f"{side}_s"] = seconds
         run[f"{side}_tok_s"] = sum(len(ids) for ids in outputs[side]) / seconds
         run[f"{side}_foreign_cores"] = foreign.cores()
@@ -285,6 +317,10 @@ def throughput_repeat(engine: Any, stack: Stack, prompts: list[list[int]], new_t
     run["identical_outputs"] = sum(a == b for a, b in zip(outputs["engine"], outputs["gateway"]))
     run["clean"] = max(run["engine_foreign_cores"], run["gateway_foreign_cores"]) < clean_limit
     return run
+
+
+STEP_KEYS = ("engine_steps", "engine_prefill_steps", "engine_decode_steps", "gateway_steps", "gateway_prefill_steps",
+             "gateway_decode_steps")
 
 
 def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: random.Random, vocab: int) -> dict[str, Any]:
@@ -308,8 +344,10 @@ def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: r
                                 clean_limit=clean_limit)
         runs.append(run)
         bar.update(int(run["clean"]))
-        say(f"  repeat {len(runs)}: engine {run['engine_tok_s']:6.1f} tok/s ({run['engine_steps']} steps), "
-            f"gateway {run['gateway_tok_s']:6.1f} tok/s ({run['gateway_steps']:.0f} steps), loss "
+        say(f"  repeat {len(runs)}: engine {run['engine_tok_s']:6.1f} tok/s ({run['engine_steps']} steps: "
+            f"{run['engine_prefill_steps']} prefill + {run['engine_decode_steps']} decode), "
+            f"gateway {run['gateway_tok_s']:6.1f} tok/s ({run['gateway_steps']:.0f} steps: "
+            f"{run['gateway_prefill_steps']:.0f} + {run['gateway_decode_steps']:.0f}), loss "
             f"{run['loss'] * 100:+5.1f}%, identical outputs {run['identical_outputs']}/{args.batch}, others' CPU "
             f"{run['engine_foreign_cores']:.2f} / {run['gateway_foreign_cores']:.2f} cores"
             f"{'' if run['clean'] else ' (disturbed: not counted)'}")
@@ -323,6 +361,7 @@ def bench_throughput(engine: Any, stack: Stack, args: argparse.Namespace, rng: r
         "engine_tok_s": statistics.median(r["engine_tok_s"] for r in counted),
         "gateway_tok_s": statistics.median(r["gateway_tok_s"] for r in counted),
         "loss_median": statistics.median(losses),
+        **{f"{key}_median": statistics.median(r[key] for r in counted) for key in STEP_KEYS},
         "loss_min": min(losses),
         "loss_max": max(losses),
     }
@@ -413,10 +452,12 @@ def text_prompts(tokenizer: Any, rng: random.Random, count: int, length: int, vo
     return [tokenizer.decode(ids) for ids in make_prompts(rng, count, length, vocab)]
 
 
-def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Random,
-               vocab: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-    """TTFT, the floor (max_new_tokens=0: the worker answers without the model), and TTFT with text
-    prompts (None without a tokenizer or with --text-runs 0)."""
+def bench_ttft(
+    engine: Any, url: str, args: argparse.Namespace, rng: random.Random, vocab: int
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None, dict[str, dict[str, Any]]]:
+    """TTFT, the floor (max_new_tokens=0: the worker answers without the model), TTFT with text
+    prompts (None without a tokenizer or with --text-runs 0), and TTFT with prompts of each of
+    --ttft-prompt-lens tokens (by length)."""
     client = SseProbe(url)  # the keep-alive connection every request then reuses
     tokenizer = engine.tokenizer
     try:
@@ -424,23 +465,39 @@ def bench_ttft(engine: Any, url: str, args: argparse.Namespace, rng: random.Rand
         trace_names = {"TTFT": "ttft", "floor (max_new_tokens=0)": "floor", "TTFT, text prompts": "text"}
         if args.text_runs and tokenizer is not None:
             runs["TTFT, text prompts"] = (args.text_runs, TTFT_NEW_TOKENS, True)
-        results = []
+        lengths = {name: args.prompt_len for name in runs}
+        for length in args.ttft_prompt_lens:
+            name = f"TTFT, {length}-token prompts"
+            runs[name], lengths[name], trace_names[name] = (args.ttft_runs, TTFT_NEW_TOKENS, False), length, f"ttft{length}"
+        results = {}
         for name, (count, new_tokens, text) in runs.items():
             total = count + args.ttft_warmup
-            prompts: list[Prompt] = (text_prompts(tokenizer, rng, total, args.prompt_len, vocab) if text
-                                     else make_prompts(rng, total, args.prompt_len, vocab))
+            prompts: list[Prompt] = (text_prompts(tokenizer, rng, total, lengths[name], vocab) if text
+                                     else make_prompts(rng, total, lengths[name], vocab))
             r = paired_first_chunk(engine, client, prompts, new_tokens, args.ttft_warmup, trace_names[name],
                                    args.pair_gap_ms / 1e3)
             say(f"  {name} over {count} pairs: engine {r['engine_median_ms']:.2f} ms, gateway "
                 f"{r['gateway_median_ms']:.2f} ms, added {r['added_median_ms']:+.2f} ms (IQR "
                 f"{r['added_p25_ms']:+.2f} .. {r['added_p75_ms']:+.2f}), others' CPU {r['foreign_cores']:.2f} cores")
-            results.append(r)
+            results[name] = r
     finally:
         client.close()
-    return results[0], results[1], results[2] if len(results) > 2 else None
+    by_length = {str(length): results[f"TTFT, {length}-token prompts"] for length in args.ttft_prompt_lens}
+    return results["TTFT"], results["floor (max_new_tokens=0)"], results.get("TTFT, text prompts"), by_length
 
 
 # ---- main -------------------------------------------------------------------------------------------
+
+
+def prompt_lens(text: str) -> tuple[int, ...]:
+    """--ttft-prompt-lens: comma-separated positive token counts ('' for none)."""
+    try:
+        lengths = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if any(length < 1 for length in lengths):
+        raise argparse.ArgumentTypeError(f"prompt lengths must be >= 1, got {text!r}")
+    return lengths
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -456,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pair-gap-ms", type=float, default=0.0,
                    help="idle milliseconds before each TTFT/floor request (0: back to back, as recorded before)")
     p.add_argument("--text-runs", type=int, default=60, help="timed TTFT pairs with text prompts (0: none)")
+    p.add_argument("--ttft-prompt-lens", type=prompt_lens, default=(),
+                   help="other prompt lengths (tokens, comma-separated, e.g. 512) to time TTFT pairs at (--ttft-runs each)")
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     add_stack_flags(p)
     p.add_argument("--model-path", default=None, help="HF checkpoint directory (default: the embedded model)")
@@ -474,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], tx: dict[str, Any] | None,
-                args: argparse.Namespace) -> None:
+                args: argparse.Namespace, by_length: dict[str, dict[str, Any]] | None = None) -> None:
     def row(figure: str, gateway: str, engine: str = "", ratio: str = "", spread: str = "", target: str = "",
             met: bool | None = None) -> None:
         status = "" if met is None else ("met" if met else "missed")
@@ -486,6 +545,9 @@ def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], tx: d
     row("throughput loss (median)", f"{t['loss_median'] * 100:.1f}%",
         spread=f"{t['loss_min'] * 100:.1f} .. {t['loss_max'] * 100:.1f}%", target="<= 5%",
         met=t["loss_median"] <= LOSS_TARGET)
+    row("scheduler steps (median)", f"{t['gateway_steps_median']:.0f}", f"{t['engine_steps_median']:.0f}",
+        f"{t['gateway_steps_median'] / t['engine_steps_median']:.3f}")
+    row("  of them prefill steps", f"{t['gateway_prefill_steps_median']:.0f}", f"{t['engine_prefill_steps_median']:.0f}")
     row(f"TTFT ms (median of {args.ttft_runs})", f"{tt['gateway_median_ms']:.1f}", f"{tt['engine_median_ms']:.1f}",
         f"{tt['gateway_median_ms'] / tt['engine_median_ms']:.3f}")
     row("added TTFT ms (median of pairs)", f"{tt['added_median_ms']:.2f}",
@@ -495,6 +557,12 @@ def print_table(t: dict[str, Any], tt: dict[str, Any], fl: dict[str, Any], tx: d
         f"{fl['engine_median_ms']:.2f}")
     row("added floor ms (median of pairs)", f"{fl['added_median_ms']:.2f}",
         spread=f"IQR {fl['added_p25_ms']:.2f} .. {fl['added_p75_ms']:.2f}")
+    for length, r in (by_length or {}).items():
+        row(f"TTFT ms, {length}-token prompts", f"{r['gateway_median_ms']:.1f}", f"{r['engine_median_ms']:.1f}",
+            f"{r['gateway_median_ms'] / r['engine_median_ms']:.3f}")
+        row(f"added TTFT ms, {length}-token", f"{r['added_median_ms']:.2f}",
+            spread=f"IQR {r['added_p25_ms']:.2f} .. {r['added_p75_ms']:.2f}", target="<= 2",
+            met=r["added_median_ms"] <= ADDED_TTFT_TARGET_MS)
     if tx is not None:
         row(f"text TTFT ms (median of {args.text_runs})", f"{tx['gateway_median_ms']:.1f}",
             f"{tx['engine_median_ms']:.1f}", f"{tx['gateway_median_ms'] / tx['engine_median_ms']:.3f}")
@@ -513,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     model_path = resolve_model_path(args.model_path)
-    max_total_tokens = args.batch * (args.prompt_len + args.new_tokens) + 1024
+    max_total_tokens = args.batch * (args.prompt_len + args.new_tokens) + max((1024, *args.ttft_prompt_lens))
     options = engine_options(args, max_total_tokens)
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else None
     print(f"torch {torch.__version__}, {args.threads} compute threads on each side (OMP_NUM_THREADS / "
@@ -546,7 +614,8 @@ def main(argv: list[str] | None = None) -> None:
                   "new tokens, greedy, ignore_eos", flush=True)
             throughput = bench_throughput(engine, stack, args, rng, vocab)
             print(f"TTFT: one streamed request at a time, {args.prompt_len} prompt tokens", flush=True)
-            ttft, floor, ttft_text = bench_ttft(engine, stack.url, args, rng, vocab)
+            ttft, floor, ttft_text, ttft_by_len = bench_ttft(engine, stack.url, args, rng, vocab)
+            gateways = stack.gateways()
         finally:
             stack.stop()
     finally:
@@ -558,16 +627,19 @@ def main(argv: list[str] | None = None) -> None:
     targets = {"loss_max": LOSS_TARGET, "loss_met": throughput["loss_median"] <= LOSS_TARGET,
                "added_ttft_max_ms": ADDED_TTFT_TARGET_MS,
                "added_ttft_met": ttft["added_median_ms"] <= ADDED_TTFT_TARGET_MS,
-               "added_text_ttft_met": None if ttft_text is None else ttft_text["added_median_ms"] <= ADDED_TTFT_TARGET_MS}
+               "added_text_ttft_met": None if ttft_text is None else ttft_text["added_median_ms"] <= ADDED_TTFT_TARGET_MS,
+               "added_ttft_met_by_prompt_len": {length: r["added_median_ms"] <= ADDED_TTFT_TARGET_MS
+                                                for length, r in ttft_by_len.items()}}
     result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "gpu": gpu, "torch": torch.__version__,
               "model": model_path.name, "engine_options": options, "workload": workload, "gateway_env": LIVENESS_ENV,
-              "single_row": single_row, "event_loop": event_loop, "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text,
+              "single_row": single_row, "event_loop": event_loop, "gateways_started": gateways, "throughput": throughput, "ttft": ttft, "floor": floor, "ttft_text": ttft_text,
+              "ttft_by_prompt_len": ttft_by_len,
               "targets": targets, "wall_s": elapsed}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ndone in {elapsed:.0f} s; JSON in {args.out}"
           f"{'; WARNING: every throughput repeat was disturbed' if throughput['all_disturbed'] else ''}")
-    print_table(throughput, ttft, floor, ttft_text, args)
+    print_table(throughput, ttft, floor, ttft_text, args, ttft_by_len)
 
 
 if __name__ == "__main__":

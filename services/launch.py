@@ -58,7 +58,20 @@ STOP_TIMEOUT_S = 45.0
 # the tokenizer service, which scales apart from the gateways.
 SHORT_PROMPT_CHARS = 1024
 GATEWAY_TOKENIZES = ("short", "all", "none")
+# `--gateways auto`: one gateway's HTTP intake is bound by one core; a burst of 64 requests took ~15-20 ms
+# to cross one on the GPU host while the worker had only the first (138-146 steps for the Engine's 131,
+# 8-14 % slower; 132-133 steps and 2-5 % with four gateways: bench/HISTORY.md). One per 4 usable cores, up to 4.
+CORES_PER_GATEWAY, MAX_AUTO_GATEWAYS = 4, 4
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def gateway_count(value: str, port: int, cores: int | None = None) -> int:
+    """`--gateways`: a count, or auto (1 with --port 0: several need a fixed port); -1 for anything
+    else, which run_up refuses."""
+    if value != "auto":
+        return int(value) if value.isdigit() else -1
+    cores = cores or len(os.sched_getaffinity(0))
+    return 1 if port == 0 else max(1, min(MAX_AUTO_GATEWAYS, cores // CORES_PER_GATEWAY))
 
 
 @dataclass
@@ -140,8 +153,9 @@ def add_up_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     up.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
     up.add_argument("--workers", type=int, default=1, help="worker processes (each loads the model)")
-    up.add_argument("--gateways", type=int, default=1,
-                    help="gateway processes sharing --port (SO_REUSEPORT) and --grpc-port: more HTTP intake")
+    up.add_argument("--gateways", default="auto",
+                    help="gateway processes sharing --port (SO_REUSEPORT) and --grpc-port: more HTTP intake; "
+                         f"auto (default): one per {CORES_PER_GATEWAY} usable cores, at most {MAX_AUTO_GATEWAYS}")
     up.add_argument("--gateway-tokenizes", nargs="?", choices=GATEWAY_TOKENIZES, default="short", const="all",
                     help="which text and chat prompts the gateways tokenize themselves (--local-tokenizer), one "
                          f"NATS hop less each: short (<= {SHORT_PROMPT_CHARS} characters; longer ones go to the "
@@ -269,8 +283,10 @@ def run_up(args: argparse.Namespace) -> int:
         print("radixserve: error: `up` runs node 0 of a multi-node TP group, as its one worker (--workers 1); "
               "the other nodes run `radixserve worker --node-rank N`", file=sys.stderr)
         return 2
+    args.gateways = gateway_count(str(args.gateways), args.port)
     if args.gateways < 1 or (args.gateways > 1 and args.port == 0):
-        print("radixserve: error: --gateways must be >= 1, and more than one needs a fixed --port", file=sys.stderr)
+        print("radixserve: error: --gateways must be auto or >= 1, and more than one needs a fixed --port",
+              file=sys.stderr)
         return 2
     if not args.stop_timeout >= 0:
         print(f"radixserve: error: --stop-timeout must be >= 0, got {args.stop_timeout}", file=sys.stderr)

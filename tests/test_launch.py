@@ -76,3 +76,12 @@ def test_up_serves_the_default_model_and_stops_everything(default_model_path: Pa
     assert code == 0
     time.sleep(0.5)
     assert not [pid for pid in started if alive(pid)], "processes left behind"
+
+
+def test_gateways_auto_is_one_per_four_cores_up_to_four_and_one_on_a_random_port() -> None:
+    from services.launch import gateway_count
+
+    assert [gateway_count("auto", 8000, cores) for cores in (1, 2, 7, 8, 16, 128)] == [1, 1, 1, 2, 4, 4]
+    assert gateway_count("auto", 0, 16) == 1  # several gateways need a fixed port
+    assert gateway_count("3", 8000) == 3
+    assert gateway_count("three", 8000) == gateway_count("-2", 8000) == -1  # refused by run_up

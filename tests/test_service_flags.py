@@ -100,9 +100,10 @@ def test_a_shared_gateway_port_must_be_fixed(qwen3_path: Path, capsys: pytest.Ca
     parser = argparse.ArgumentParser()
     add_up_commands(parser.add_subparsers())
     model = ["--model-path", str(qwen3_path)]
-    for argv in (["up", "--gateways", "0", *model], ["up", "--gateways", "2", "--port", "0", *model]):
+    for argv in (["up", "--gateways", "0", *model], ["up", "--gateways", "2", "--port", "0", *model],
+                 ["up", "--gateways", "many", *model]):
         assert run_up(parser.parse_args(argv)) == 2
-        assert "--gateways must be >= 1, and more than one needs a fixed --port" in capsys.readouterr().err
+        assert "--gateways must be auto or >= 1, and more than one needs a fixed --port" in capsys.readouterr().err
 
 
 def test_local_tokenizer_max_chars_and_up_gateway_tokenizes(qwen3_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,9 +44,15 @@ def test_retractions_counter_moves_when_the_scheduler_retracts(llama_path: Path)
     # 16 x 40 tokens in the 4 s between the two refreshes.
     assert info["stats"]["generated_tokens"] == 16 * 40
     assert registry.get_sample_value("rs_worker_gen_throughput", MODEL) == pytest.approx(16 * 40 / 4.0)
-    # Another refresh with nothing new: no retraction counted twice, no tokens per second.
+    # The scheduler's prefill and decode steps, counted from the same baseline.
+    stats = info["stats"]
+    assert stats["num_prefill_steps"] > 0 and stats["num_decode_steps"] >= 40 - 1
+    assert registry.get_sample_value("rs_worker_prefill_steps_total", MODEL) == stats["num_prefill_steps"]
+    assert registry.get_sample_value("rs_worker_decode_steps_total", MODEL) == stats["num_decode_steps"]
+    # Another refresh with nothing new: no retraction or step counted twice, no tokens per second.
     metrics.observe_info(info, now=105.0)
     assert registry.get_sample_value("rs_worker_retractions_total", MODEL) == retractions
+    assert registry.get_sample_value("rs_worker_prefill_steps_total", MODEL) == stats["num_prefill_steps"]
     assert registry.get_sample_value("rs_worker_gen_throughput", MODEL) == 0.0
 
 
@@ -95,7 +101,8 @@ def test_spec_accept_length_gauge_is_the_mean_over_the_last_interval() -> None:
     beside the per-request histogram; an interval with no speculative final keeps the last value."""
     metrics, registry = worker_metrics()
     info = {"max_total_tokens": 64, "num_running": 0, "num_waiting": 0, "kv_in_use": 0,
-            "stats": {"generated_tokens": 0, "num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0}}
+            "stats": {"generated_tokens": 0, "num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                      "num_prefill_steps": 0, "num_decode_steps": 0}}
     metrics.observe_info(info, now=0.0)
     metrics.observe_final(final("a", 0.01, spec=(4, 16, 8)))  # 12 tokens in 4 steps
     metrics.observe_final(final("b", 0.01, spec=(6, 24, 0)))  # 6 tokens in 6 steps

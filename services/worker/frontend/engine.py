@@ -139,6 +139,7 @@ class Engine:
                     raise ValueError(f"request id {req.rid!r} is already in flight")
             for req, state in built:
                 self._states[req.rid] = state
+        scheduled = []
         for req, state in built:
             if req.sampling_params.max_new_tokens == 0 and req.logprob_start_len is None:
                 # Nothing to generate: answer without scheduling.
@@ -146,8 +147,11 @@ class Engine:
                     self._states.pop(req.rid, None)
                 state.finish_empty()
             else:
-                self._client.add(req)
-                trace.mark(req.rid, "engine.queued")
+                scheduled.append(req)
+        # One command for the whole call: the scheduler admits its prompts before the same step.
+        self._client.add(*scheduled)
+        for req in scheduled:
+            trace.mark(req.rid, "engine.queued")
 
     def generate(
         self,

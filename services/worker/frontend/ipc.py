@@ -10,7 +10,7 @@ kernel allows) does the rest go to a writer thread, so the caller never blocks a
 frames are the ones multiprocessing.Connection reads (a 4-byte big-endian length, then the pickle), so
 the reader is a plain Connection.
 
-    inbox = PipeChannel(); Process(target=run, args=(inbox,)).start(); inbox.put(AddReq(req))
+    inbox = PipeChannel(); Process(target=run, args=(inbox,)).start(); inbox.put(AddReqs(reqs))
 """
 
 from __future__ import annotations

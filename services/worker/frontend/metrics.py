@@ -4,8 +4,10 @@
 Gauges, from the scheduler's get_info (refreshed every load_interval, beside the heartbeat):
 rs_worker_running_requests, rs_worker_waiting_requests, rs_worker_kv_usage, rs_worker_cache_hit_rate,
 rs_worker_max_total_num_tokens (KV slots), rs_worker_num_used_tokens (slots held by requests),
-rs_worker_gen_throughput (tokens/s between the last two refreshes), and the counter
-rs_worker_retractions_total (the scheduler's count, taken as a difference between refreshes).
+rs_worker_gen_throughput (tokens/s between the last two refreshes), and the counters
+rs_worker_retractions_total, rs_worker_prefill_steps_total and rs_worker_decode_steps_total (the
+scheduler's counts, taken as differences between refreshes: how a load's steps split between prefill
+(extend) batches and decode batches, e.g. a burst admitted over more prefills than it needs).
 Per step and per final output (the step publisher): rs_worker_generated_tokens_total,
 rs_worker_prompt_tokens_total, rs_worker_steps_total, rs_worker_requests_total{status=stop|length|abort|error},
 rs_worker_queue_time_seconds (arrival at the worker to first scheduled, observed on the final).
@@ -63,6 +65,8 @@ class WorkerMetrics:
             "rs_worker_gen_throughput", "tokens generated per second between the last two get_info refreshes"
         )
         self.retractions = counter("rs_worker_retractions", "running requests sent back to the queue (KV full)")
+        self.prefill_steps = counter("rs_worker_prefill_steps", "scheduler steps that ran a prefill (extend) batch")
+        self.decode_steps = counter("rs_worker_decode_steps", "scheduler steps that ran a decode batch")
         self.generated = counter("rs_worker_generated_tokens", "tokens generated")
         self.prompt_tokens = counter("rs_worker_prompt_tokens", "prompt tokens of accepted requests")
         self.steps = counter("rs_worker_steps", "scheduler steps that produced output")
@@ -84,9 +88,9 @@ class WorkerMetrics:
             "rs_worker_spec_accept_length_recent",
             "mean tokens per speculative decode step of the requests finished between the last two refreshes",
         )
-        # What observe_info compares with: (when, generated tokens, retractions) at the last refresh,
-        # and the speculation of requests finished since.
-        self._last: tuple[float, int, int] | None = None
+        # What observe_info compares with: (when, generated tokens, retractions, prefill steps, decode
+        # steps) at the last refresh, and the speculation of requests finished since.
+        self._last: tuple[float, int, int, int, int] | None = None
         self._spec_steps = 0
         self._spec_accepted = 0
 
@@ -120,14 +124,19 @@ class WorkerMetrics:
         self.max_total_num_tokens.set(total)
         self.num_used_tokens.set(info["kv_in_use"])
         generated, retractions = stats["generated_tokens"], stats["num_retractions"]
+        prefills, decodes = stats["num_prefill_steps"], stats["num_decode_steps"]
         if self._last is None:
             self.retractions.inc(retractions)
+            self.prefill_steps.inc(prefills)
+            self.decode_steps.inc(decodes)
         else:
-            then, generated_then, retractions_then = self._last
+            then, generated_then, retractions_then, prefills_then, decodes_then = self._last
             if now > then:
                 self.gen_throughput.set(max(0, generated - generated_then) / (now - then))
             self.retractions.inc(max(0, retractions - retractions_then))
-        self._last = (now, generated, retractions)
+            self.prefill_steps.inc(max(0, prefills - prefills_then))
+            self.decode_steps.inc(max(0, decodes - decodes_then))
+        self._last = (now, generated, retractions, prefills, decodes)
         if self._spec_steps:
             self.spec_accept_length_recent.set((self._spec_accepted + self._spec_steps) / self._spec_steps)
             self._spec_steps = self._spec_accepted = 0

@@ -8,7 +8,7 @@ into `Req`s (seeds drawn here, so every sampled token is reproducible), sends co
 request/reply controls, and hands every step's outputs to a callback on its dispatcher thread:
 
     client = SchedulerClient(config, on_outputs=handle_step, on_failure=handle_death)
-    for req in client.build_reqs([1, 2, 3], {"temperature": 0}): client.add(req)
+    client.add(*client.build_reqs([1, 2, 3], {"temperature": 0}))
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from services.worker.frontend.node_liveness import NodeLivenessServer
 from services.worker.frontend.rank_processes import RANK_EXIT_GRACE_S, end_group, start_ranks, wait_for_exit
 from services.worker.frontend.scheduler_loop import (
     AbortReq,
-    AddReq,
+    AddReqs,
     Control,
     ControlReply,
     LoopFailed,
@@ -411,8 +411,10 @@ class SchedulerClient:
             )
         return reqs
 
-    def add(self, req: Req) -> None:
-        self._inbox.put(AddReq(req))
+    def add(self, *reqs: Req) -> None:
+        """Queue requests for the scheduler as one command: it takes all of them before the same step."""
+        if reqs:
+            self._inbox.put(AddReqs(list(reqs)))
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         """Abort a waiting or running request; its final output comes with the next step, with

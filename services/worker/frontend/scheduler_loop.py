@@ -44,8 +44,11 @@ IDLE_BEAT_S = 2.0  # at most; a quarter of dist_timeout when that is shorter
 
 
 @dataclass
-class AddReq:
-    req: Req
+class AddReqs:
+    """Requests that arrived together, in one command: the scheduler takes them before the same step,
+    so a burst is admitted together rather than its first request prefilled alone."""
+
+    reqs: list[Req]
 
 
 @dataclass
@@ -213,11 +216,13 @@ class SchedulerLoop:
             "scheduler_pid": os.getpid(),
         }
 
-    def _apply(self, cmd: object, outbox: Any) -> bool:
-        """Apply one command; False on shutdown."""
-        if isinstance(cmd, AddReq):
-            trace.mark(cmd.req.rid, "scheduler.added")
-            self.scheduler.add_request(cmd.req)
+    def _apply(self, cmd: object, outbox: Any, taken_ns: int | None = None) -> bool:
+        """Apply one command; False on shutdown. `taken_ns`: when the loop took it in (the trace's
+        scheduler.added, the same for every request taken in before one step)."""
+        if isinstance(cmd, AddReqs):
+            for req in cmd.reqs:
+                trace.mark(req.rid, "scheduler.added", taken_ns)
+                self.scheduler.add_request(req)
         elif isinstance(cmd, AbortReq):
             self.scheduler.abort_request(cmd.rid, cmd.reason)
         elif isinstance(cmd, Control):
@@ -255,8 +260,10 @@ class SchedulerLoop:
         spent = self.loop_seconds
         while True:
             t0 = clock()
-            for cmd in self._take_commands(inbox):
-                if not self._apply(cmd, outbox):
+            cmds = self._take_commands(inbox)
+            taken_ns = time.monotonic_ns() if trace.TRACE_DIR is not None else None
+            for cmd in cmds:
+                if not self._apply(cmd, outbox, taken_ns):
                     return
             t1 = clock()
             outputs = self.scheduler.step()

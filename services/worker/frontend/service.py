@@ -39,13 +39,14 @@ from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from services.worker.frontend.metrics import WorkerMetrics
 from services.worker.frontend.output_batcher import Flight, OutputBatcher
 from services.worker.frontend.scheduler_client import SchedulerClient
 from services.worker.frontend.service_config import WorkerServiceConfig
 from services.worker.scheduler.output import ReqOutput
-from services.worker.scheduler.req import FinishReason
+from services.worker.scheduler.req import FinishReason, Req
 from shared import trace
 from shared.bus import Bus, PayloadTooLarge
 from shared.metrics import MetricsServer, start_metrics_server
@@ -124,6 +125,9 @@ class WorkerService(Service):
         # Set in start(): a scheduler thread computing on the CPU waits for first tokens to go out.
         self._await_first_tokens = False
         self._handed_off: list[threading.Event] = []  # set once their step's message is written
+        self._requests_sub: Subscription | None = None
+        # Requests of one NATS delivery, handed to the scheduler together (_admit).
+        self._arrived: list[Req] = []
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -154,7 +158,9 @@ class WorkerService(Service):
         subjects = self.bus.subjects
         self._info_cache = await self._info()
         self._step_task = asyncio.create_task(self._publish_steps())
-        await self.bus.subscribe(subjects.worker_requests(self.worker_id), (GenerateRequest,), self._on_generate)
+        self._requests_sub = await self.bus.subscribe(
+            subjects.worker_requests(self.worker_id), (GenerateRequest,), self._on_generate
+        )
         await self.bus.subscribe(subjects.worker_control(self.worker_id), (ControlRequest,), self._on_control)
         self._load_task = asyncio.create_task(self._publish_load())
         self._metrics_server = start_metrics_server(cfg.metrics_port, cfg.metrics_host)
@@ -181,6 +187,7 @@ class WorkerService(Service):
                 cut = FinishReason("error", message=(
                     f"worker {self.worker_id} shut down: the request was still running when its "
                     f"{self.config.drain_timeout:g} s drain timeout ended"), status=503)
+                self._admit_now()  # an abort must not overtake its request
                 for rid in list(self._flights):
                     self.client.abort(rid, cut)
                 await self._wait_for_flights(ABORT_GRACE_S)
@@ -432,7 +439,31 @@ class WorkerService(Service):
                 req.rid, FinishReason("length", params.max_new_tokens), len(msg.input_ids), len(req.output_ids)
             )
         else:
-            self.client.add(req)
+            self._arrived.append(req)
+        self._admit()
+
+    def _admit(self) -> None:
+        """Hand the requests received so far to the scheduler as one command once this delivery's
+        last message has been read: requests that reached the worker together (the messages of one
+        read from the NATS socket wait in the subscription's queue) are admitted before the same
+        step, instead of the first one being prefilled alone while the others are still being read.
+        A lone request goes at once; should a handler suspend, or the rest of a delivery be dropped
+        as malformed, the call_soon hands over what has come by the next turn of the loop."""
+        if not self._arrived:
+            return
+        sub = self._requests_sub
+        if sub is not None and sub.pending_msgs > 0:
+            if len(self._arrived) == 1:
+                self._loop.call_soon(self._admit_now)
+            return
+        self._admit_now()
+
+    def _admit_now(self) -> None:
+        arrived, self._arrived = self._arrived, []
+        if not arrived or self.client is None:
+            return
+        self.client.add(*arrived)
+        for req in arrived:
             trace.mark(req.rid, "worker.queued")
 
     def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int = 0) -> None:
@@ -469,6 +500,7 @@ class WorkerService(Service):
                     f"request {msg.rid!r} is not in flight on worker {self.worker_id}; "
                     "if it arrives within a minute it ends at once",
                 )
+            self._admit_now()  # an abort must not overtake its request
             self.client.abort(msg.rid)
             return self._reply(True)
         if msg.command == "flush_cache":
