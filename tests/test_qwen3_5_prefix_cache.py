@@ -268,3 +268,23 @@ def test_linear_first_checkpoints_give_the_same_tokens_with_hits(
     assert [r.output_ids for r in on] == [r.output_ids for r in off]
     assert all(r.cached_tokens >= len(SHARED) for r in on[2:])
     assert_nothing_leaked(scheduler)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunked_prefill_size": 7}, {"disable_overlap_schedule": False}, {"enable_mixed_chunk": True}],
+    ids=["plain", "chunked", "overlap", "mixed"],
+)
+def test_a_repeated_prompt_hits_all_but_its_last_token_from_the_second_time(
+    qwen3_5_path: Path, options: dict
+) -> None:
+    """The first request leaves a snapshot one token short of its prompt (the state before the last
+    prompt token, taken in the same forward), so the second identical request already resumes where the
+    third does: only the last prompt token, whose logits it needs, is computed again."""
+    prompt = TAILS[0]
+    expected = serve(make_scheduler(qwen3_5_path, disable_radix_cache=True), [prompt])[0].output_ids
+    scheduler = make_scheduler(qwen3_5_path, **options)
+    reqs = run_waves(scheduler, [[prompt], [prompt], [prompt]])
+    assert [r.output_ids for r in reqs] == [expected] * 3
+    assert [r.cached_tokens for r in reqs] == [0, len(prompt) - 1, len(prompt) - 1]
+    assert_nothing_leaked(scheduler)
