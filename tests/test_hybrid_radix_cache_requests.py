@@ -5,8 +5,8 @@ has a snapshot and restore exactly that prefix's state; KV slots and snapshot sl
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,7 +157,11 @@ def test_chunk_boundaries_leave_snapshots_a_later_request_resumes_from() -> None
     first = harness.admit([1, 2, 3, 4, 5, 6, 7], [9], chunk=3)
     while not harness.step(first):
         pass
-    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6, 7)}
+    assert contents(harness.cache, harness.states)[1] == {
+        (1, 2, 3),
+        (1, 2, 3, 4, 5, 6),
+        (1, 2, 3, 4, 5, 6, 7),
+    }
     second = harness.admit([1, 2, 3, 4, 5, 0, 0], [9])  # resumes at 3 tokens: KV to 5, no state there
     assert len(second.prefix_indices) == 3
     assert harness.step(second)

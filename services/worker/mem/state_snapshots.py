@@ -89,7 +89,11 @@ class StateSnapshots:
         return self.req_to_token_pool.state_row(req_row)
 
     def track(
-        self, seq_slots: list[tuple[int, int]], extend_lens: list[int], prefix_lens: list[int], device: torch.device
+        self,
+        seq_slots: list[tuple[int, int]],
+        extend_lens: list[int],
+        prefix_lens: list[int],
+        device: torch.device,
     ) -> StateTrack:
         """A step's StateTrack: sequence i of the batch (of extend_lens[i] tokens after prefix_lens[i])
         saves its state one token short of its end into slot s, for each (i, s) of seq_slots."""
@@ -134,7 +138,9 @@ class StateTrack:
     window_x_rows: torch.Tensor  # [F, W-1] int64: conv window entries from the extend's inputs (-1: not)
     window_prev_cols: torch.Tensor  # [F, W-1] int64: entries from the window it started from (-1: not)
 
-    def conv_window(self, x: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor) -> torch.Tensor:
+    def conv_window(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor
+    ) -> torch.Tensor:
         """The conv window [F, C, W-1] before each sequence's last token, from the step's conv input x
         [T, C] and the pool's windows (read before the step's conv overwrites them)."""
         from_x = x[self.window_x_rows.clamp(min=0)].transpose(1, 2).to(conv_state.dtype)

@@ -130,7 +130,10 @@ class ForwardBatch:
                 if snapshots is None:
                     raise ValueError("the step tracks states but the model runner has no snapshot slots")
                 self.state_metadata.track = snapshots.track(
-                    self.state_track, self.extend_seq_lens_cpu, self.extend_prefix_lens_cpu, self.input_ids.device
+                    self.state_track,
+                    self.extend_seq_lens_cpu,
+                    self.extend_prefix_lens_cpu,
+                    self.input_ids.device,
                 )
 
     def last_token_indices(self) -> torch.Tensor:

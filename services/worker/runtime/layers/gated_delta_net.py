@@ -227,7 +227,13 @@ class GatedDeltaNet(nn.Module):
                 rows = meta.state_indices[track.seqs]
                 track.save(self.state_id, window, recurrent_state[rows])
                 core[last] = ops.fused_recurrent_gated_delta_rule_update(
-                    q[last], k[last], v[last], g_last, beta_last, state=recurrent_state, state_indices=rows,
+                    q[last],
+                    k[last],
+                    v[last],
+                    g_last,
+                    beta_last,
+                    state=recurrent_state,
+                    state_indices=rows,
                     scale=self.scale,
                 )
         # Per head: z viewed as [T, Hv, Dv] in place (a strided slice of the in_proj output, not copied).
