@@ -127,7 +127,10 @@ def main() -> int:
         required.append(f"{dtype}_graphs_vs_eager")
     if "float32" in dtypes:
         required += ["float32_triton_vs_torch_backend", "float32_repeat_hits_all_but_the_last_token"]
-    ok = all(results[n]["tokens_identical"] and results[n].get("hits_all_but_the_last_token", True) for n in required)
+    ok = all(
+        results[n]["tokens_identical"] and results[n].get("hits_all_but_the_last_token", True)
+        for n in required
+    )
     for name, r in results.items():
         tag = "required" if name in required else "reported"
         extra = f"; repeat cached tokens {r['repeat_cached_tokens']}" if "repeat_cached_tokens" in r else ""

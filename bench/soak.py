@@ -87,7 +87,7 @@ class SoakReport:
     failures: list[dict[str, Any]]
     server_errors: list[dict[str, Any]]  # the clean 5xx answers (each near a worker kill or restart)
     migrations: float
-    lost_in_flight: int  # requests the gateways found in flight on a worker they learned was gone (their logs)
+    lost_in_flight: int  # requests the gateways found in flight on a worker that was gone (their logs)
     restarts: list[dict[str, Any]]
     rss: dict[str, dict[str, Any]]
     invariant: dict[str, dict[str, Any]]
@@ -276,8 +276,11 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     migrations = sum(metric(url, "rs_gateway_migrations_total") for url in stack.gateway_urls)
     tracebacks = {p.name: n for p in sorted(stack.log_dir.glob("*.log"))
                   if (n := p.read_text(errors="replace").count("Traceback"))}
-    lost_in_flight = sum(int(n) for p in sorted(stack.log_dir.glob("g*.log"))
-                         for n in LOST_LINE.findall(p.read_text(errors="replace")))
+    lost_in_flight = sum(
+        int(n)
+        for p in sorted(stack.log_dir.glob("g*.log"))
+        for n in LOST_LINE.findall(p.read_text(errors="replace"))
+    )
 
     by_kind = {kind: dict(Counter(o.outcome for o in done if o.kind == kind)) for kind in sorted({o.kind for o in done})}
     counts = Counter(o.outcome for o in done)
@@ -325,8 +328,10 @@ def _settle(stack: SoakStack) -> tuple[dict[str, dict[str, Any]], list[float], f
 
 
 def print_table(report: SoakReport) -> None:
-    print(f"\nsoak: {report.sent} requests in {report.traffic_s:.0f} s, {len(report.restarts)} restart(s), "
-          f"{report.lost_in_flight} request(s) in flight on a lost worker, {report.migrations:.0f} migration(s)")
+    print(
+        f"\nsoak: {report.sent} requests in {report.traffic_s:.0f} s, {len(report.restarts)} restart(s), "
+        f"{report.lost_in_flight} request(s) in flight on a lost worker, {report.migrations:.0f} migration(s)"
+    )
     print(f"{'kind':<18}" + "".join(f"{k:>12}" for k in OUTCOMES))
     for kind, row in report.by_kind.items():
         print(f"{kind:<18}" + "".join(f"{row.get(k, 0):>12}" for k in OUTCOMES))

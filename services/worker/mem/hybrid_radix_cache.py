@@ -1,3 +1,4 @@
+# Over 400 lines: snapshots, their eviction and the glue's tracked slots share the tree's private state.
 """Prefix cache for hybrid models: KV of the full-attention layers plus snapshots of the
 linear-attention layers' state at radix nodes.
 
