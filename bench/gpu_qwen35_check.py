@@ -11,7 +11,10 @@ are used; prompts over the 64-token chunked prefill, so states carry across chun
 - float32, triton backend (Triton GDN kernels) against the torch backend (gdn_ops.py): identical tokens
   required;
 - bf16, triton against torch backend: reported only (different kernels in bf16 may flip a near-tie),
-  with each request's first divergence and the largest log-prob difference before it.
+  with each request's first divergence and the largest log-prob difference before it;
+- the same 5 prompts sent again (triton backend, graphs on): every repeat resumes one token short of its
+  prompt (the first prefill saved the state there, Triton kernels and all) and gives the first wave's
+  tokens; required in float32, reported in bf16.
 Prints one line per check; with $OUT set the JSON goes to $OUT/gpu_qwen35_check.json. Exit 1 when a
 required check fails.
 """
@@ -67,6 +70,26 @@ def greedy(path: Path, **kw: object) -> tuple[list[list[int]], list[list[float]]
     return ids, logprobs
 
 
+def repeat(path: Path, **kw: object) -> dict:
+    """The prompts twice, the second wave after the first: its cached tokens and tokens against the first's."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in MAX_NEW]
+    with Engine(str(path), max_total_tokens=16384, chunked_prefill_size=CHUNK, **kw) as e:
+        first, again = (e.generate(input_ids=prompts, sampling_params=params) for _ in range(2))
+    cached = [r["meta_info"]["cached_tokens"] for r in again]
+    return {
+        "tokens_identical": [r["output_ids"] for r in again] == [r["output_ids"] for r in first],
+        "hits_all_but_the_last_token": cached == [n - 1 for n in PROMPT_LENS],
+        "first_divergence_per_request": [
+            next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), None)
+            for a, b in zip(first, again)
+        ],
+        "max_abs_logprob_diff": 0.0,
+        "repeat_cached_tokens": cached,
+    }
+
+
 def compare(a: tuple[list[list[int]], list[list[float]]], b: tuple[list[list[int]], list[list[float]]]) -> dict:
     (ids_a, lp_a), (ids_b, lp_b) = a, b
     diverge = [
@@ -98,14 +121,22 @@ def main() -> int:
         torch_backend = timed(greedy, path, attention_backend="torch", dtype=dtype, cuda_graph_max_bs=0)
         results[f"{dtype}_graphs_vs_eager"] = compare(graphs, eager)
         results[f"{dtype}_triton_vs_torch_backend"] = compare(eager, torch_backend)
+        results[f"{dtype}_repeat_hits_all_but_the_last_token"] = timed(
+            repeat, path, attention_backend="triton", dtype=dtype, cuda_graph_max_bs=32
+        )
         required.append(f"{dtype}_graphs_vs_eager")
     if "float32" in dtypes:
-        required.append("float32_triton_vs_torch_backend")
-    ok = all(results[name]["tokens_identical"] for name in required)
+        required += ["float32_triton_vs_torch_backend", "float32_repeat_hits_all_but_the_last_token"]
+    ok = all(
+        results[n]["tokens_identical"] and results[n].get("hits_all_but_the_last_token", True)
+        for n in required
+    )
     for name, r in results.items():
         tag = "required" if name in required else "reported"
+        extra = f"; repeat cached tokens {r['repeat_cached_tokens']}" if "repeat_cached_tokens" in r else ""
         print(f"{name} ({tag}): tokens identical {r['tokens_identical']}; first divergence per request "
-              f"{r['first_divergence_per_request']}; max |dlogprob| {r['max_abs_logprob_diff']:.2e}", flush=True)  # fmt: skip
+              f"{r['first_divergence_per_request']}; max |dlogprob| {r['max_abs_logprob_diff']:.2e}{extra}",
+              flush=True)  # fmt: skip
     print(json.dumps({"ok": ok, "results": results}))
     if os.environ.get("OUT"):
         OUT.mkdir(parents=True, exist_ok=True)

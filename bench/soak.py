@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -52,6 +53,8 @@ from shared.progress import progress_bar  # noqa: E402
 from shared.protocol import WorkerInfo  # noqa: E402
 
 KILL_WAIT_S = 10.0
+# The gateway's line when it learns a worker is gone (services/gateway/migration.py's worker_lost).
+LOST_LINE = re.compile(r"; (\d+) in-flight request\(s\) here")
 SETTLE_S = 30.0  # how long the end-of-run checks wait for aborted requests to leave the workers
 
 
@@ -84,6 +87,7 @@ class SoakReport:
     failures: list[dict[str, Any]]
     server_errors: list[dict[str, Any]]  # the clean 5xx answers (each near a worker kill or restart)
     migrations: float
+    lost_in_flight: int  # requests the gateways found in flight on a worker that was gone (their logs)
     restarts: list[dict[str, Any]]
     rss: dict[str, dict[str, Any]]
     invariant: dict[str, dict[str, Any]]
@@ -167,13 +171,16 @@ class Restarter:
                 self.pending = None
         elif now >= self.next_at:
             wid = self.order[len(self.done) % len(self.order)]
-            running = self.stack.workers[wid].metric("rs_worker_running_requests")
             # A kill should catch requests in flight: an idle victim is given up to KILL_WAIT_S to get one.
-            if running == 0 and now < self.next_at + KILL_WAIT_S:
+            # Counted by the scheduler itself just before the kill: the worker's running-requests gauge
+            # can be seconds old under load, and a kill it called busy then caught nothing to move.
+            running = self.stack.requests_on(wid)
+            if running == 0 and time.monotonic() < self.next_at + KILL_WAIT_S:
                 return
             self.stack.kill_and_start(wid)
-            self.disruptions.append(now)
-            self.pending = {"worker": wid, "killed_at_s": round(now - self.started, 1), "killed": now,
+            killed = time.monotonic()
+            self.disruptions.append(killed)
+            self.pending = {"worker": wid, "killed_at_s": round(killed - self.started, 1), "killed": killed,
                             "running_at_kill": running, "error": None}
             self.next_at += self.every_s
 
@@ -269,6 +276,11 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     migrations = sum(metric(url, "rs_gateway_migrations_total") for url in stack.gateway_urls)
     tracebacks = {p.name: n for p in sorted(stack.log_dir.glob("*.log"))
                   if (n := p.read_text(errors="replace").count("Traceback"))}
+    lost_in_flight = sum(
+        int(n)
+        for p in sorted(stack.log_dir.glob("g*.log"))
+        for n in LOST_LINE.findall(p.read_text(errors="replace"))
+    )
 
     by_kind = {kind: dict(Counter(o.outcome for o in done if o.kind == kind)) for kind in sorted({o.kind for o in done})}
     counts = Counter(o.outcome for o in done)
@@ -291,7 +303,7 @@ def _drive(config: SoakConfig, stack: SoakStack, model: str, startup_s: float) -
     return SoakReport(
         config=asdict(config), passed=not reasons, reasons=reasons, sent=sent_total,
         outcomes={k: counts[k] for k in OUTCOMES}, by_kind=by_kind, failures=failures[:50],
-        server_errors=server_errors[:50], migrations=migrations,
+        server_errors=server_errors[:50], migrations=migrations, lost_in_flight=lost_in_flight,
         restarts=restarts, rss=rss_report, invariant=invariant, settle_s=settle_s, gateways_in_flight=in_flight,
         tracebacks=tracebacks,
         traffic_s=round(traffic_s, 1), startup_s=round(startup_s, 1), log_dir=str(stack.log_dir),
@@ -316,8 +328,10 @@ def _settle(stack: SoakStack) -> tuple[dict[str, dict[str, Any]], list[float], f
 
 
 def print_table(report: SoakReport) -> None:
-    print(f"\nsoak: {report.sent} requests in {report.traffic_s:.0f} s, {len(report.restarts)} restart(s), "
-          f"{report.migrations:.0f} migration(s)")
+    print(
+        f"\nsoak: {report.sent} requests in {report.traffic_s:.0f} s, {len(report.restarts)} restart(s), "
+        f"{report.lost_in_flight} request(s) in flight on a lost worker, {report.migrations:.0f} migration(s)"
+    )
     print(f"{'kind':<18}" + "".join(f"{k:>12}" for k in OUTCOMES))
     for kind, row in report.by_kind.items():
         print(f"{kind:<18}" + "".join(f"{row.get(k, 0):>12}" for k in OUTCOMES))

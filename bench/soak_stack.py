@@ -221,16 +221,23 @@ class SoakStack:
                 pids[service.label] = (service.proc.pid, service.ready_at)
         return pids
 
-    def worker_info(self, timeout: float = 10.0) -> dict[str, WorkerInfo | str]:
-        """get_info of every worker over NATS: its WorkerInfo, or why there is none."""
-        return asyncio.run(self._worker_info(timeout))
+    def worker_info(self, timeout: float = 10.0, wids: list[str] | None = None) -> dict[str, WorkerInfo | str]:
+        """get_info of every worker (or of `wids`) over NATS: its WorkerInfo, or why there is none."""
+        return asyncio.run(self._worker_info(timeout, list(self.workers) if wids is None else wids))
 
-    async def _worker_info(self, timeout: float) -> dict[str, WorkerInfo | str]:
+    def requests_on(self, wid: str, timeout: float = 5.0) -> int:
+        """Requests worker `wid`'s scheduler holds now (running and waiting), asked over NATS: unlike the
+        rs_worker_running_requests gauge, which the worker refreshes once per load interval (seconds
+        behind under load), this is what a SIGKILL right after catches. 0 when it does not answer."""
+        info = self.worker_info(timeout, [wid])[wid]
+        return 0 if isinstance(info, str) else info.num_running + info.num_waiting
+
+    async def _worker_info(self, timeout: float, wids: list[str]) -> dict[str, WorkerInfo | str]:
         subjects = Subjects(PREFIX)
         nc = await nats.connect(self.nats.url)
         answers: dict[str, WorkerInfo | str] = {}
         try:
-            for wid in self.workers:
+            for wid in wids:
                 request = encode(ControlRequest(v=PROTOCOL_VERSION, command="get_info"))
                 try:
                     raw = await nc.request(subjects.worker_control(wid), request, timeout=timeout)

@@ -11,6 +11,7 @@ from torch import nn
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool
+from services.worker.mem.state_snapshots import StateSnapshots
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -35,9 +36,11 @@ class BatchDriver:
         self.model = model
         self.device = torch.device(device)
         self.req_pool = ReqToTokenPool(max_requests, config.context_len, self.device)
+        self.snapshots: StateSnapshots | None = None
         if config.is_hybrid:  # linear-attention layers keep their state in a StatePool row per request
             state_pool = StatePool(max_requests, config.state_shape(tp_size), self.device)
             self.req_pool = HybridReqToTokenPool(max_requests, config.context_len, self.device, state_pool)
+            self.snapshots = StateSnapshots(max_requests, self.req_pool)  # slots a step can track into
         self.kv_pool = TokenToKVPool(
             max_tokens,
             config.num_attention_layers,
@@ -57,10 +60,14 @@ class BatchDriver:
         return rows[0]
 
     def extend(
-        self, reqs: Sequence[tuple[int, Sequence[int]]], return_all_logits: bool = False
+        self,
+        reqs: Sequence[tuple[int, Sequence[int]]],
+        return_all_logits: bool = False,
+        track: Sequence[tuple[int, int]] = (),
     ) -> torch.Tensor:
-        """Append tokens to each (row, tokens) request in one EXTEND step."""
-        return self._forward(ForwardMode.EXTEND, reqs, return_all_logits)
+        """Append tokens to each (row, tokens) request in one EXTEND step; each (i, slot) of `track` saves
+        request i's state one token short of its end into snapshot slot `slot` (ForwardBatch.state_track)."""
+        return self._forward(ForwardMode.EXTEND, reqs, return_all_logits, track)
 
     def decode(self, reqs: Sequence[tuple[int, int]]) -> torch.Tensor:
         """One DECODE step: each (row, token) request appends one token; returns [bs, vocab] logits."""
@@ -68,7 +75,11 @@ class BatchDriver:
 
     @torch.inference_mode()
     def _forward(
-        self, mode: ForwardMode, reqs: Sequence[tuple[int, Sequence[int]]], return_all_logits: bool
+        self,
+        mode: ForwardMode,
+        reqs: Sequence[tuple[int, Sequence[int]]],
+        return_all_logits: bool,
+        track: Sequence[tuple[int, int]] = (),
     ) -> torch.Tensor:
         prefix_lens, out_locs = [], []
         for row, tokens in reqs:
@@ -82,6 +93,9 @@ class BatchDriver:
             mode, [row for row, _ in reqs], prefix_lens, out_locs, input_ids, self.req_pool, self.kv_pool,
             self.backend, return_all_logits,
         )
+        if track:
+            batch.state_track = list(track)
+            batch.init_state_metadata(self.snapshots)
         return self.model(batch.input_ids, batch.positions, batch)
 
     def greedy_decode(self, row: int, first_token: int, steps: int) -> tuple[list[int], list[torch.Tensor]]:

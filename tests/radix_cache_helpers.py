@@ -100,6 +100,8 @@ class FakeReq:
     priority: int = 0
     output_ids: list[int] = field(default_factory=list)
     fill_ids: list[int] = field(default_factory=list)
+    track_slot: int | None = None
+    track_len: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -5,6 +5,7 @@ has a snapshot and restore exactly that prefix's state; KV slots and snapshot sl
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,10 +18,13 @@ class Harness(RequestHarness):
     """RequestHarness over a HybridRadixCache, with a model in miniature: a request's state row grows
     by the tokens each forward consumes."""
 
-    def __init__(self, size: int, snapshots: int, policy: str = "lru", disable: bool = False) -> None:
+    def __init__(
+        self, size: int, snapshots: int, policy: str = "lru", disable: bool = False, track: bool = False
+    ) -> None:
         cache, self.states = make_cache(size, snapshots, policy, disable)
         super().__init__(cache)
         self.cache = cache  # the hybrid type, for its snapshot methods
+        self.track = track  # forwards that end a prefill save the state one token short (track_state)
 
     def admit(self, input_ids: list[int], output: list[int], chunk: int = 64, priority: int = 0) -> FakeReq:
         key = input_ids[:-1]  # the last prompt token is always computed
@@ -39,8 +43,13 @@ class Harness(RequestHarness):
         return req
 
     def compute_kv(self, req: FakeReq, end: int) -> None:
-        """RequestHarness.compute_kv, and the state row consumes the same tokens."""
+        """RequestHarness.compute_kv, and the state row consumes the same tokens; with tracking, a
+        forward of two tokens or more that ends the prefill writes its state a token short to a slot."""
         start = req.kv_committed_len
+        if self.track and end - start >= 2 and end == len(req.all_ids):
+            slot = self.cache.track_state(req, end - 1)
+            if slot is not None:
+                self.states.slots[slot] = torch.tensor(req.all_ids[: end - 1], dtype=torch.int64)
         super().compute_kv(req, end)
         assert req.req_pool_idx is not None
         row, consumed = req.req_pool_idx, torch.tensor(req.all_ids[start:end], dtype=torch.int64)
@@ -99,21 +108,22 @@ def _serve(harness: Harness, specs: list[tuple], data: st.DataObject) -> None:
 @given(
     policy=st.sampled_from(POLICIES),
     num_slots=st.integers(0, 4),
+    track=st.booleans(),
     specs=st.lists(request, min_size=1, max_size=5),
     data=st.data(),
 )
 def test_requests_restore_the_snapshotted_state_without_leaking(
-    policy: str, num_slots: int, specs: list[tuple], data: st.DataObject
+    policy: str, num_slots: int, track: bool, specs: list[tuple], data: st.DataObject
 ) -> None:
     totals = [len(i) + len(o) for i, o, _, _ in specs]
     size = data.draw(st.integers(max(totals), sum(totals)), label="pool size")
-    _serve(Harness(size, num_slots, policy), specs, data)
+    _serve(Harness(size, num_slots, policy, track=track), specs, data)
 
 
 @settings(max_examples=15, deadline=None)
 @given(specs=st.lists(request, min_size=1, max_size=4), data=st.data())
 def test_disabled_cache_keeps_no_kv_and_no_snapshot(specs: list[tuple], data: st.DataObject) -> None:
-    harness = Harness(sum(len(i) + len(o) for i, o, _, _ in specs), 4, disable=True)
+    harness = Harness(sum(len(i) + len(o) for i, o, _, _ in specs), 4, disable=True, track=True)
     _serve(harness, specs, data)
 
 
@@ -147,7 +157,11 @@ def test_chunk_boundaries_leave_snapshots_a_later_request_resumes_from() -> None
     first = harness.admit([1, 2, 3, 4, 5, 6, 7], [9], chunk=3)
     while not harness.step(first):
         pass
-    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3), (1, 2, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6, 7)}
+    assert contents(harness.cache, harness.states)[1] == {
+        (1, 2, 3),
+        (1, 2, 3, 4, 5, 6),
+        (1, 2, 3, 4, 5, 6, 7),
+    }
     second = harness.admit([1, 2, 3, 4, 5, 0, 0], [9])  # resumes at 3 tokens: KV to 5, no state there
     assert len(second.prefix_indices) == 3
     assert harness.step(second)
@@ -166,4 +180,48 @@ def test_a_chunk_ending_at_kv_len_leaves_a_snapshot_at_the_branch_point() -> Non
     third = harness.admit([1, 2, 3, 4, 8, 8], [9])
     assert len(third.prefix_indices) == 4  # resumes at the branch point with its state
     assert harness.step(third)
+    harness.check_idle()
+
+
+def test_a_tracked_prefill_leaves_its_snapshot_one_token_short_for_the_same_prompt() -> None:
+    harness = Harness(size=32, snapshots=4, track=True)
+    first = harness.admit([1, 2, 3, 4, 5], [6, 7])
+    assert not harness.step(first, cache_after=True)  # the prefill: tracked at 4 tokens, cached at 5
+    assert harness.cache.tracking_count() == 0
+    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3, 4)}  # not (1, 2, 3, 4, 5)
+    second = harness.admit([1, 2, 3, 4, 5], [6, 7])
+    assert len(second.prefix_indices) == 4  # all but the last prompt token
+    assert harness.step(first)
+    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3, 4), (1, 2, 3, 4, 5, 6)}
+    assert not harness.step(second) and harness.step(second)  # one token: nothing to track
+    harness.check_idle()
+
+
+def test_a_tracked_slot_held_until_the_request_finishes_goes_in_beside_the_end_snapshot() -> None:
+    harness = Harness(size=32, snapshots=4, track=True)
+    req = harness.admit([1, 2, 3], [4, 5])
+    assert not harness.step(req)  # tracked at 2; not cached yet: the request holds the slot
+    assert harness.cache.tracking_count() == 1
+    harness.check([req])
+    assert harness.step(req)
+    assert contents(harness.cache, harness.states)[1] == {(1, 2), (1, 2, 3, 4)}
+    harness.check_idle()
+
+
+def test_track_state_takes_only_a_point_inside_the_step_and_one_slot_at_a_time() -> None:
+    harness = Harness(size=16, snapshots=2)
+    req = harness.admit([1, 2, 3, 4], [5])
+    req.fill_ids = req.all_ids
+    for end in (0, 4):
+        with pytest.raises(ValueError, match="is not inside the step's tokens 0..3"):
+            harness.cache.track_state(req, end)
+    slot = harness.cache.track_state(req, 3)
+    assert slot is not None
+    harness.states.slots[slot] = torch.tensor([1, 2, 3])  # what the forward writes
+    with pytest.raises(ValueError, match="already tracks slot"):
+        harness.cache.track_state(req, 3)
+    harness.compute_kv(req, 4)
+    harness.cache.cache_finished_req(req)
+    assert harness.cache.tracking_count() == 0
+    assert contents(harness.cache, harness.states)[1] == {(1, 2, 3)}
     harness.check_idle()

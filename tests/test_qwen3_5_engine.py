@@ -72,13 +72,14 @@ def test_repeated_prompts_and_n_copies_give_transformers_tokens_and_hit_the_pref
     qwen3_5_path: Path, engine_pool: EnginePool
 ) -> None:
     """The same prompt three times, then n=2 copies of it: every answer is transformers' greedy one, and
-    once a snapshot sits at the branch point (the second request leaves it) later ones resume from it."""
+    from the second request on each resumes one token short of the prompt (the first one's prefill saved
+    the state there), as the engine reports in cached_tokens."""
     prompt = random_prompts(1, 20, 20, seed=6)[0]
     params = {**GREEDY, "max_new_tokens": 8}
     engine = engine_pool.get(qwen3_5_path)  # its prefix cache empty
     runs = [engine.generate(input_ids=prompt, sampling_params=params) for _ in range(3)]
     pair = engine.generate(input_ids=prompt, sampling_params={**params, "n": 2})
-    assert runs[0]["meta_info"]["cached_tokens"] == 0 and runs[2]["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert [r["meta_info"]["cached_tokens"] for r in runs] == [0, len(prompt) - 1, len(prompt) - 1]
     assert all(p["meta_info"]["cached_tokens"] == len(prompt) - 1 for p in pair)
     assert [r["output_ids"] for r in runs] == [hf_greedy(qwen3_5_path, prompt, 8)] * 3
     assert [p["output_ids"] for p in pair] == [runs[0]["output_ids"]] * 2
@@ -174,11 +175,17 @@ def test_state_pool_comes_out_of_the_memory_budget_first(
 
 def test_tensor_parallel_2_matches_1(qwen3_5_moe_path: Path, engine_pool: EnginePool) -> None:
     """Linear-attention heads, conv channels and states split over two gloo ranks, beside the gated
-    attention, routed experts and shared expert: the same greedy tokens as one rank."""
+    attention, routed experts and shared expert: the same greedy tokens as one rank, also for a prompt
+    sent again, which resumes from the state each rank saved one token short of its end."""
     prompts = random_prompts(4, 5, 25, seed=8)
     assert generate_ids(engine_pool, qwen3_5_moe_path, prompts, tp_size=2) == generate_ids(
         engine_pool, qwen3_5_moe_path, prompts
     )
+    engine = engine_pool.get(qwen3_5_moe_path, tp_size=2)
+    params = {**GREEDY, "max_new_tokens": 8}
+    first, again = (engine.generate(input_ids=prompts[0], sampling_params=params) for _ in range(2))
+    assert again["meta_info"]["cached_tokens"] == len(prompts[0]) - 1
+    assert again["output_ids"] == first["output_ids"] == generate_ids(engine_pool, qwen3_5_moe_path, prompts[:1], n=8)[0]
 
 
 def test_speculative_decoding_is_refused_at_start(qwen3_5_moe_path: Path, qwen3_path: Path) -> None:

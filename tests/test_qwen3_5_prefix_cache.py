@@ -53,7 +53,10 @@ def drain(scheduler: Scheduler, on_step: Callable[[int], None] | None = None) ->
 
 
 def serve(
-    scheduler: Scheduler, prompts: list[list[int]], max_new: list[int] | None = None, first_rid: int = 0,
+    scheduler: Scheduler,
+    prompts: list[list[int]],
+    max_new: list[int] | None = None,
+    first_rid: int = 0,
     on_step: Callable[[int], None] | None = None,
 ) -> list[Req]:
     """Submit the prompts together (greedy) and step until every one has finished."""
@@ -126,9 +129,9 @@ def test_prefix_hits_restore_the_state_and_give_the_same_tokens(
     # snapshot there that the other four resume from.
     assert cached[0] == 0 and cached[1] < len(SHARED)
     assert all(c >= len(SHARED) for c in cached[2:5])
-    # The repeated prompt resumes at the branch point first, then where its own first chunk ended
-    # (one token short of the prompt: that token is always computed).
-    assert cached[6] == len(TAILS[0]) - 1
+    # The repeated prompt resumes one token short of its end both times (that token is always computed):
+    # the first request's prefill tracked the state there.
+    assert cached[5] == cached[6] == len(TAILS[0]) - 1
     # The follow-up turn resumes at the end of the first request's cached tokens.
     assert cached[7] >= len(TAILS[0]) + NEW_TOKENS - 1
     assert scheduler.stats.cached_tokens == sum(cached)
@@ -141,7 +144,10 @@ def test_every_eviction_policy_under_a_small_pool_gives_the_same_tokens(
 ) -> None:
     # 3 snapshot slots and a KV pool of two requests' worth: both kinds of eviction happen.
     reqs, scheduler = shared_prefix_waves(
-        qwen3_5_path, radix_eviction_policy=policy, max_total_tokens=96, hybrid_snapshot_slots=3,
+        qwen3_5_path,
+        radix_eviction_policy=policy,
+        max_total_tokens=96,
+        hybrid_snapshot_slots=3,
         chunked_prefill_size=16,
     )
     assert [r.output_ids for r in reqs] == reference
@@ -152,8 +158,12 @@ def test_every_eviction_policy_under_a_small_pool_gives_the_same_tokens(
 def test_retraction_and_aborts_under_a_tight_pool_leak_nothing(qwen3_5_path: Path) -> None:
     prompts = random_prompts(12, 4, 12, seed=33, prefix=SHARED[:16])
     max_new = [32] * len(prompts)
-    expected = [r.output_ids for r in serve(make_scheduler(qwen3_5_path, disable_radix_cache=True), prompts, max_new)]
-    scheduler = make_scheduler(qwen3_5_path, max_total_tokens=128, hybrid_snapshot_slots=4, chunked_prefill_size=12)
+    expected = [
+        r.output_ids for r in serve(make_scheduler(qwen3_5_path, disable_radix_cache=True), prompts, max_new)
+    ]
+    scheduler = make_scheduler(
+        qwen3_5_path, max_total_tokens=128, hybrid_snapshot_slots=4, chunked_prefill_size=12
+    )
     aborts = {3: "r4", 60: "r9"}  # step -> request aborted then (waiting, then decoding)
 
     def abort_some(step: int) -> None:
@@ -219,15 +229,21 @@ def test_pools_balance_after_every_step_of_a_random_workload(qwen3_5_path: Path,
     """Shared heads, sampled and greedy requests, aborts, a pool that evicts and retracts: the KV, state
     row and snapshot accounting holds after every step (drain checks it) and nothing is left held."""
     scheduler = make_scheduler(
-        qwen3_5_path, max_total_tokens=112, chunked_prefill_size=12, max_running_requests=5,
-        hybrid_snapshot_slots=6, **options,
+        qwen3_5_path,
+        max_total_tokens=112,
+        chunked_prefill_size=12,
+        max_running_requests=5,
+        hybrid_snapshot_slots=6,
+        **options,
     )
     rng = random.Random(34)
     heads = random_prompts(3, 6, 20, seed=35)
     reqs = []
     for i in range(24):
         params = SamplingParams(
-            max_new_tokens=rng.randint(1, 32), temperature=rng.choice([0.0, 1.0]), ignore_eos=rng.random() < 0.5
+            max_new_tokens=rng.randint(1, 32),
+            temperature=rng.choice([0.0, 1.0]),
+            ignore_eos=rng.random() < 0.5,
         )
         params.normalize()
         prompt = rng.choice(heads) + random_prompts(1, 1, 12, seed=rng.randrange(10**6))[0]
@@ -267,4 +283,24 @@ def test_linear_first_checkpoints_give_the_same_tokens_with_hits(
     on, scheduler = shared_prefix_waves(path, chunked_prefill_size=7)
     assert [r.output_ids for r in on] == [r.output_ids for r in off]
     assert all(r.cached_tokens >= len(SHARED) for r in on[2:])
+    assert_nothing_leaked(scheduler)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunked_prefill_size": 7}, {"disable_overlap_schedule": False}, {"enable_mixed_chunk": True}],
+    ids=["plain", "chunked", "overlap", "mixed"],
+)
+def test_a_repeated_prompt_hits_all_but_its_last_token_from_the_second_time(
+    qwen3_5_path: Path, options: dict
+) -> None:
+    """The first request leaves a snapshot one token short of its prompt (the state before the last
+    prompt token, taken in the same forward), so the second identical request already resumes where the
+    third does: only the last prompt token, whose logits it needs, is computed again."""
+    prompt = TAILS[0]
+    expected = serve(make_scheduler(qwen3_5_path, disable_radix_cache=True), [prompt])[0].output_ids
+    scheduler = make_scheduler(qwen3_5_path, **options)
+    reqs = run_waves(scheduler, [[prompt], [prompt], [prompt]])
+    assert [r.output_ids for r in reqs] == [expected] * 3
+    assert [r.cached_tokens for r in reqs] == [0, len(prompt) - 1, len(prompt) - 1]
     assert_nothing_leaked(scheduler)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from services.worker.mem.state_pool import HybridReqToTokenPool
 from services.worker.runtime.attention.triton_backend import TritonAttnBackend
 from services.worker.runtime.layers import gdn_ops
 from services.worker.runtime.layers.gated_delta_net import gdn_ops_for
@@ -106,3 +107,39 @@ def test_greedy_tokens_after_a_two_chunk_prefill(model) -> None:
     assert tokens == ref_tokens
     assert (prefill - ref_prefill).abs().max().item() <= TOLERANCE
     assert (logits - ref_logits).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_tracked_extend_saves_the_state_one_token_short_and_changes_no_logit(model, backend: str) -> None:
+    """A step that tracks (ForwardBatch.state_track) leaves in each tracked request's snapshot slot the
+    state a prefill one token shorter leaves in its row, conv window and delta-rule state, and gives the
+    logits and final states of the same step untracked: a 2-token extend over a cached 5-token prefix
+    (its conv window partly from the prefix's), a fresh 70-token prompt (two delta-rule chunks) and an
+    untracked fresh request beside them."""
+    config, net = model
+    tracked, plain, shorter = (drivers(config, net)[backend] for _ in range(3))
+    head, prompt, other = seeded_prompt(7, seed=4), seeded_prompt(70, seed=5), seeded_prompt(4, seed=6)
+    logits = {}
+    for name, driver in (("tracked", tracked), ("plain", plain)):
+        rows = [driver.new_request() for _ in range(3)]
+        driver.extend([(rows[0], head[:5])])
+        track = [(0, 1), (1, 0)] if driver is tracked else []
+        step = [(rows[0], head[5:]), (rows[1], prompt), (rows[2], other)]
+        logits[name] = driver.extend(step, return_all_logits=True, track=track)
+    rows = [shorter.new_request() for _ in range(2)]
+    shorter.extend([(rows[0], head[:5])])
+    shorter.extend([(rows[0], head[5:6]), (rows[1], prompt[:-1])])
+    assert (logits["tracked"] - logits["plain"]).abs().max().item() <= TOLERANCE
+    assert torch.equal(logits["tracked"].argmax(-1), logits["plain"].argmax(-1))
+    snapshots = tracked.snapshots
+    assert snapshots is not None
+    for driver in (tracked, plain, shorter):
+        assert isinstance(driver.req_pool, HybridReqToTokenPool)
+    for layer in range(config.state_shape(1).num_layers):
+        for kind in ("conv_state", "recurrent_state"):
+            pools = {d: getattr(d.req_pool.state_pool, kind)[layer] for d in (tracked, plain, shorter)}  # type: ignore[union-attr]
+            saved = getattr(snapshots, kind)[layer]
+            # Slot 1 holds request 0 one token short, slot 0 request 1 (the short run's rows 1 and 2).
+            for slot, row in ((1, 1), (0, 2)):
+                torch.testing.assert_close(saved[slot], pools[shorter][row], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pools[tracked][1:4], pools[plain][1:4], rtol=1e-5, atol=1e-5)

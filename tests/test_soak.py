@@ -1,8 +1,8 @@
 """Soak, the short variant of bench/soak.py: nats-server, a tokenizer, two workers and a gateway as real
 processes serving the embedded default model, four client threads sending every kind of request
 (chat and completions, streaming and not, n=2, JSON-schema constrained, streams the client closes,
-native streams aborted by rid, bad requests) for 48 s, while one worker is SIGKILLed in the middle
-(with requests in flight) and started again under its id.
+native streams aborted by rid, bad requests) for 36 s, while one worker is SIGKILLed in the middle
+(once its scheduler holds requests) and started again under its id.
 
 One run, judged several ways: no request failed (each was answered, cleanly failed or aborted as asked),
 every request sent has an outcome, the killed worker's requests moved or ended cleanly, memory stayed
@@ -20,7 +20,7 @@ from bench.soak import SoakConfig, SoakReport, run_soak
 
 @pytest.fixture(scope="module")
 def report(default_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> SoakReport:
-    config = SoakConfig(duration_s=48, restart_every_s=24, workers=2, gateways=1, concurrency=4,
+    config = SoakConfig(duration_s=36, restart_every_s=18, workers=2, gateways=1, concurrency=4,
                         model_path=str(default_model_path), request_timeout_s=60, warmup_s=10,
                         log_dir=str(tmp_path_factory.mktemp("soak_logs")), progress=False)
     return run_soak(config)
@@ -38,8 +38,9 @@ def test_every_request_sent_has_exactly_one_outcome(report: SoakReport) -> None:
 
 
 def test_the_killed_workers_requests_move_to_the_other_worker_or_end_cleanly(report: SoakReport) -> None:
-    assert report.restarts[0]["running_at_kill"]
-    assert report.migrations + len(report.server_errors) >= 1
+    restart = report.restarts[0]
+    assert restart["running_at_kill"]  # counted by the worker's scheduler right before the SIGKILL
+    assert report.migrations + len(report.server_errors) >= 1, (restart, report.lost_in_flight)
     assert all(e["status"] in (502, 503) for e in report.server_errors)
 
 

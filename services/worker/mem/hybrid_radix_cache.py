@@ -1,3 +1,4 @@
+# Over 400 lines: snapshots, their eviction and the glue's tracked slots share the tree's private state.
 """Prefix cache for hybrid models: KV of the full-attention layers plus snapshots of the
 linear-attention layers' state at radix nodes.
 
@@ -20,10 +21,17 @@ Rules:
   KV, not in the state either) nor when a committed position has no token (and a speculative step
   must roll the row back to kv_committed_len before the cache sees the request). No free slot: the
   policy's snapshot victim is evicted; none evictable: no snapshot, the KV still goes in.
-- Snapshots exist only where some request's forward stopped. When a match's `kv_len` exceeds its
-  length (requests sharing a prompt head, then diverging), the scheduler should end the request's
-  first chunk at `kv_len`: cache_unfinished_req then snapshots the branch point, and the next request
-  with that head resumes there instead of at an older snapshot.
+- A prompt's last token is never matched (its logits are needed), so a snapshot at a prompt's end
+  serves no identical prompt. The forward that ends a request's prefill therefore also writes the
+  state one token short of its end into a slot (track_state, as SGLang's mamba track buffer does),
+  and the glue hands that slot to the node there (splitting the edge) in place of the snapshot at
+  the forward's end: the second identical prompt resumes from it and computes one token, as the
+  third does. A tracked slot the glue sees later (a longer key) still goes there, and the end
+  snapshot is then taken too.
+- Snapshots exist only where some request's forward stopped or tracked. When a match's `kv_len`
+  exceeds its length (requests sharing a prompt head, then diverging), the scheduler should end the
+  request's first chunk at `kv_len`: cache_unfinished_req then snapshots the branch point, and the
+  next request with that head resumes there instead of at an older snapshot.
 - inc_lock_ref(node) protects the KV of the whole path, as in RadixCache, and node's own snapshot:
   the one a request restores from (a running request keeps its state in its own row, so the snapshots
   above its lock point are not pinned by it).
@@ -33,9 +41,10 @@ Rules:
 
 Ownership of snapshot slots, beside RadixCache's ownership of KV slots:
 
-    state_slots.available_size() + snapshot_count() == state_slots.total
+    state_slots.available_size() + snapshot_count() + tracking_count() == state_slots.total
 
-(running requests keep their states in their own rows of the state pool, never in snapshot slots).
+(running requests keep their states in their own rows of the state pool; a tracked slot is held by
+its request from track_state until the glue gives it to the tree or back).
 The engine sizes `total` from the memory budget: each slot costs one request's state bytes.
 """
 
@@ -45,7 +54,7 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -60,6 +69,13 @@ from services.worker.mem.radix_cache import (
 )
 
 CopyState = Callable[[int, int], None]
+
+
+class TrackingReq(CacheableReq, Protocol):
+    """A request as the hybrid cache sees it: also the snapshot slot its step tracks (track_state)."""
+
+    track_slot: int | None
+    track_len: int
 
 
 class StateSlotAllocator(Protocol):
@@ -165,6 +181,7 @@ class HybridRadixCache(RadixCache):
         """Drop the tree (see RadixCache.reset); the caller also clears the snapshot slots."""
         super().reset()
         self._snapshot_nodes: set[HybridTreeNode] = set()
+        self._tracking: set[int] = set()  # slots handed to requests by track_state
 
     # Sizes, in snapshots.
 
@@ -177,12 +194,19 @@ class HybridRadixCache(RadixCache):
     def evictable_snapshot_count(self) -> int:
         return self.snapshot_count() - self.protected_snapshot_count()
 
+    def tracking_count(self) -> int:
+        """Snapshot slots held by requests whose step tracks a state (track_state)."""
+        return len(self._tracking)
+
     def check_snapshot_slots(self) -> None:
-        """free + held by tree nodes == total, each slot held once; AssertionError otherwise."""
-        held = [node.snapshot for node in self._snapshot_nodes]
+        """free + held by tree nodes + held by tracking requests == total, each slot held once;
+        AssertionError otherwise."""
+        held = [node.snapshot for node in self._snapshot_nodes] + sorted(self._tracking)
         free, total = self.state_slots.available_size(), self.state_slots.total
         if len(set(held)) != len(held) or free + len(held) != total:
-            raise AssertionError(f"snapshot slot leak: free {free} + held {len(held)} != {total}")
+            raise AssertionError(
+                f"snapshot slot leak: free {free} + held {len(held)} (tracking {len(self._tracking)}) != {total}"
+            )
 
     # Lookup and insertion.
 
@@ -228,21 +252,74 @@ class HybridRadixCache(RadixCache):
         assert isinstance(node, HybridTreeNode)
         if node is self.root or node.snapshot is not None:
             return
-        slot = self.state_slots.alloc()
         # The victim is never `node`: it has no snapshot, and evict_snapshots removes only leaves
         # that have one.
-        if slot is None and self.evict_snapshots(1):
-            slot = self.state_slots.alloc()
+        slot = self._alloc_slot()
         if slot is None:
             return
         self.copy_state(row, slot)
+        self._attach(node, slot)
+
+    def _alloc_slot(self) -> int | None:
+        """A free snapshot slot, evicting the policy's snapshot victim when none is; None when none is
+        evictable either."""
+        slot = self.state_slots.alloc()
+        if slot is None and self.evict_snapshots(1):
+            slot = self.state_slots.alloc()
+        return slot
+
+    def _attach(self, node: HybridTreeNode, slot: int) -> None:
         node.snapshot = slot
         self._snapshot_nodes.add(node)
 
-    def _on_req_cached(self, req: CacheableReq, node: TreeNode, num_tokens: int) -> None:
+    def track_state(self, req: TrackingReq, end: int) -> int | None:
+        """A snapshot slot for the state after req's first `end` tokens, which the step about to run
+        writes there (the forward ends req's prefill and `end` is one token short of it): set as
+        req.track_slot / req.track_len, held by the request until the glue (cache_unfinished_req,
+        cache_finished_req) puts it at the node ending those tokens. None when disabled or no slot is
+        free or evictable: the step then tracks nothing."""
+        if req.track_slot is not None:
+            raise ValueError(f"the request already tracks slot {req.track_slot}")
+        if not req.kv_committed_len < end < len(req.fill_ids):
+            raise ValueError(
+                f"end {end} is not inside the step's tokens {req.kv_committed_len}..{len(req.fill_ids) - 1}"
+            )
+        if self.disable:
+            return None
+        slot = self._alloc_slot()
+        if slot is not None:
+            self._tracking.add(slot)
+            req.track_slot, req.track_len = slot, end
+        return slot
+
+    def _on_req_cached(self, req: CacheableReq, key: list[int], node: TreeNode) -> None:
+        tracked = self._place_tracked(req, key)
+        if tracked is not None and tracked + 1 == len(key):
+            return  # the tracked state replaces the snapshot one token later: see the module doc
         # The row holds the state after kv_committed_len tokens: a snapshot of any other length lies.
-        if req.req_pool_idx is not None and num_tokens == req.kv_committed_len:
+        if req.req_pool_idx is not None and len(key) == req.kv_committed_len:
             self._snapshot(node, req.req_pool_idx)
+
+    def _place_tracked(self, req: CacheableReq, key: list[int]) -> int | None:
+        """Give req's tracked slot (if any) to the node ending key[:req.track_len], splitting an edge
+        there, or back to the free list when that node has a snapshot already or the key stops short.
+        Returns the tracked length when it was within `key`."""
+        req = cast(TrackingReq, req)
+        slot, end = req.track_slot, req.track_len
+        if slot is None:
+            return None
+        req.track_slot, req.track_len = None, 0
+        self._tracking.remove(slot)
+        if end > len(key):
+            self.state_slots.free(slot)
+            return None
+        node, held, _ = self._descend(key[:end], next(self._clock))
+        assert isinstance(node, HybridTreeNode) and held == end > 0
+        if node.snapshot is None:
+            self._attach(node, slot)
+        else:
+            self.state_slots.free(slot)
+        return end
 
     def restore_prefix_state(self, req: CacheableReq) -> bool:
         """Copy the snapshot at req.last_node into the request's state row. Call it once, when the

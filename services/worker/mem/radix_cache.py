@@ -331,8 +331,8 @@ class RadixCache:
             self._evictable_leaves.add(parent)
         return parent
 
-    def _on_req_cached(self, req: CacheableReq, node: TreeNode, num_tokens: int) -> None:
-        """Hook: req's first num_tokens tokens are in the tree, ending at `node`; its row is live."""
+    def _on_req_cached(self, req: CacheableReq, key: list[int], node: TreeNode) -> None:
+        """Hook: req's tokens `key` are in the tree, ending at `node`; its row is live."""
 
     # Request glue.
 
@@ -354,7 +354,7 @@ class RadixCache:
         token_ids = (req.origin_input_ids + req.output_ids)[: req.kv_committed_len]
         num_tokens = len(token_ids)
         num_cached, node = self._insert(token_ids, kv[:num_tokens], req.priority)
-        self._on_req_cached(req, node, num_tokens)
+        self._on_req_cached(req, token_ids, node)
         allocator = self.token_to_kv_pool_allocator
         allocator.free(kv[len(req.prefix_indices) : num_cached])
         allocator.free(kv[num_tokens:])
@@ -380,7 +380,7 @@ class RadixCache:
             return
         num_old_prefix = len(req.prefix_indices)
         num_cached, node = self._insert(token_ids, kv, req.priority)
-        self._on_req_cached(req, node, len(token_ids))
+        self._on_req_cached(req, token_ids, node)
         self.token_to_kv_pool_allocator.free(kv[num_old_prefix:num_cached])
         match = self._match_kv(token_ids)
         self.req_to_token_pool.write(row, num_old_prefix, match.indices[num_old_prefix:])

@@ -18,10 +18,14 @@ holds whenever the ReqToTokenPool's own accounting does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from services.worker.mem.state_snapshots import StateTrack
 
 # The state pool takes at most this share of the memory budget, so the KV pool keeps the rest.
 MAX_STATE_SHARE = 0.5
@@ -111,12 +115,14 @@ class StateMetadata:
 
     Sequence i of the batch reads and writes state row state_indices[i]; has_initial_state[i] is False
     for a sequence that starts at position 0 (its conv window begins with zeros); cu_seqlens bounds its
-    tokens in the packed batch."""
+    tokens in the packed batch; `track`, the sequences that also save their state one token short of
+    their end (extend steps of a hybrid prefix cache, mem/state_snapshots.py)."""
 
     state_pool: StatePool
     state_indices: torch.Tensor  # [bs] int64
     has_initial_state: torch.Tensor  # [bs] bool
     cu_seqlens: torch.Tensor  # [bs + 1] int32
+    track: StateTrack | None = None
 
 
 class HybridReqToTokenPool(ReqToTokenPool):

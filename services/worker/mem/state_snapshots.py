@@ -13,11 +13,19 @@ Both are queued on the current stream, where the forwards run: a copy taken afte
 what it wrote, and a restore lands before the forward that reads it, also under the overlap schedule
 (a copy the host issues while a step is in flight is ordered after that step on the device).
 
+Tracking (StateTrack): the forward that ends a request's prefill also writes the state one token short
+of its end into a snapshot slot (HybridRadixCache.track_state), since an identical prompt's match ends
+there. Each linear layer runs the chunked rule with that last token's write and decay zeroed (g = 0,
+beta = 0: the token leaves the state as it is), saves the state and the conv window before the token,
+then the one-token update finishes the sequence and gives the token's output.
+
 The slots are sized from the memory budget beside the state pool's rows (SNAPSHOT_SHARE), or set
 with --hybrid-snapshot-slots; their bytes come out of the budget before the KV pool's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -79,3 +87,70 @@ class StateSnapshots:
 
     def _state_row(self, req_row: int) -> int:
         return self.req_to_token_pool.state_row(req_row)
+
+    def track(
+        self,
+        seq_slots: list[tuple[int, int]],
+        extend_lens: list[int],
+        prefix_lens: list[int],
+        device: torch.device,
+    ) -> StateTrack:
+        """A step's StateTrack: sequence i of the batch (of extend_lens[i] tokens after prefix_lens[i])
+        saves its state one token short of its end into slot s, for each (i, s) of seq_slots."""
+        width = self.req_to_token_pool.state_pool.shape.conv_width
+        starts = [0]
+        for n in extend_lens:
+            starts.append(starts[-1] + n)
+        rows = []
+        for seq, slot in seq_slots:
+            n = extend_lens[seq]
+            if n < 2:
+                raise ValueError(f"sequence {seq} has {n} token(s): nothing to track short of its end")
+            # The conv window before the last token: inputs n-W .. n-2 of the extend; those before its
+            # first token are columns of the window it started from (W-1 + index), zero without one.
+            rel = range(n - width, n - 1)
+            x_rows = [starts[seq] + r if r >= 0 else -1 for r in rel]
+            prev_cols = [width - 1 + r if r < 0 else -1 for r in rel]
+            rows.append([seq, starts[seq + 1] - 1, slot, int(prefix_lens[seq] > 0), *x_rows, *prev_cols])
+        packed = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        k = width - 1
+        return StateTrack(
+            snapshots=self,
+            seqs=packed[:, 0],
+            last_rows=packed[:, 1],
+            slots=packed[:, 2],
+            has_initial_state=packed[:, 3].bool(),
+            window_x_rows=packed[:, 4 : 4 + k],
+            window_prev_cols=packed[:, 4 + k : 4 + 2 * k],
+        )
+
+
+@dataclass
+class StateTrack:
+    """The sequences of a step that save their state one token short of their end, and where to: what
+    each linear layer needs for it (see the module doc). All tensors on the device, one row each."""
+
+    snapshots: StateSnapshots
+    seqs: torch.Tensor  # [F] int64: the sequence's index in the batch
+    last_rows: torch.Tensor  # [F] int64: its last token's row in the packed batch
+    slots: torch.Tensor  # [F] int64: the snapshot slot it saves into
+    has_initial_state: torch.Tensor  # [F] bool: it continues a conv window (else zeros before it)
+    window_x_rows: torch.Tensor  # [F, W-1] int64: conv window entries from the extend's inputs (-1: not)
+    window_prev_cols: torch.Tensor  # [F, W-1] int64: entries from the window it started from (-1: not)
+
+    def conv_window(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The conv window [F, C, W-1] before each sequence's last token, from the step's conv input x
+        [T, C] and the pool's windows (read before the step's conv overwrites them)."""
+        from_x = x[self.window_x_rows.clamp(min=0)].transpose(1, 2).to(conv_state.dtype)
+        prev = conv_state[state_rows] * self.has_initial_state[:, None, None].to(conv_state.dtype)
+        cols = self.window_prev_cols.clamp(min=0)[:, None, :].expand(-1, prev.shape[1], -1)
+        from_prev = prev.gather(2, cols)
+        return torch.where((self.window_x_rows >= 0)[:, None, :], from_x, from_prev)
+
+    def save(self, state_id: int, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Linear layer state_id's tracked states (conv windows [F, C, W-1], delta-rule states [F, Hv,
+        Dk, Dv]) into the sequences' snapshot slots."""
+        self.snapshots.conv_state[state_id][self.slots] = conv_window
+        self.snapshots.recurrent_state[state_id][self.slots] = recurrent.float()

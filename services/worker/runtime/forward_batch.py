@@ -19,6 +19,7 @@ import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool
 from services.worker.mem.state_pool import HybridReqToTokenPool, StateMetadata
+from services.worker.mem.state_snapshots import StateSnapshots
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 
@@ -108,19 +109,32 @@ class ForwardBatch:
     # Hybrid models (linear-attention layers): each request's state row, whether it continues a
     # state, and its token bounds; set by init_state_metadata.
     state_metadata: StateMetadata | None = field(default=None, repr=False)
+    # Hybrid extend steps: (request index, snapshot slot) of the requests whose state one token short of
+    # their end this step saves (HybridRadixCache.track_state; mem/state_snapshots.py's StateTrack).
+    state_track: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def init_state_metadata(self) -> None:
+    def init_state_metadata(self, snapshots: StateSnapshots | None = None) -> None:
         """Set state_metadata when the request rows own state rows (a hybrid model's
-        HybridReqToTokenPool, mem/state_pool.py); nothing otherwise."""
+        HybridReqToTokenPool, mem/state_pool.py), with the step's tracking into `snapshots`' slots;
+        nothing otherwise."""
         pool = self.req_to_token_pool
         if isinstance(pool, HybridReqToTokenPool):
             self.state_metadata = pool.state_metadata(
                 self.req_pool_indices, self.extend_seq_lens_cpu, self.extend_prefix_lens_cpu
             )
+            if self.state_track:
+                if snapshots is None:
+                    raise ValueError("the step tracks states but the model runner has no snapshot slots")
+                self.state_metadata.track = snapshots.track(
+                    self.state_track,
+                    self.extend_seq_lens_cpu,
+                    self.extend_prefix_lens_cpu,
+                    self.input_ids.device,
+                )
 
     def last_token_indices(self) -> torch.Tensor:
         """Row of each request's last new token in input_ids (where its next-token logits come from):

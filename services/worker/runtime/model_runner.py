@@ -353,7 +353,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
-        batch.init_state_metadata()
+        batch.init_state_metadata(self.state_snapshots)
         if self.pp.size == 1:
             return self.model(batch.input_ids, batch.positions, batch)
         proxy = None

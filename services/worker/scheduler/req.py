@@ -98,6 +98,10 @@ class Req:
         # stopped at the deepest state snapshot (then the first chunk ends here, see PrefillAdder).
         self.cached_kv_len = 0
         self.kv_committed_len = 0
+        # Hybrid models: the snapshot slot the current step writes the state one token short of its end
+        # into, and that length (HybridRadixCache.track_state; the cache glue takes it back).
+        self.track_slot: int | None = None
+        self.track_len = 0
         # Tokens whose KV the current step makes resident (a prefix of all_ids for a chunk).
         self.fill_ids: list[int] = []
         self.extend_input_len = 0

@@ -123,7 +123,21 @@ class ScheduleBatch:
         )
         if prompt_rows:
             batch.prompt_logit_rows = to_device_async(torch.tensor(prompt_rows, dtype=torch.int64), mem.device)
+        if isinstance(mem.tree_cache, HybridRadixCache):
+            batch.state_track = self._track_states(mem.tree_cache, extend_lens)
         return batch
+
+    def _track_states(self, cache: HybridRadixCache, extend_lens: list[int]) -> list[tuple[int, int]]:
+        """A hybrid model's requests whose prefill this step ends (two tokens or more) also save their
+        state one token short of the end, where an identical prompt's match ends (track_state): (index,
+        snapshot slot) of each that got a slot."""
+        tracked = []
+        for i, (req, n) in enumerate(zip(self.reqs, extend_lens)):
+            if n >= 2 and len(req.fill_ids) == req.seq_len:
+                slot = cache.track_state(req, len(req.fill_ids) - 1)
+                if slot is not None:
+                    tracked.append((i, slot))
+        return tracked
 
     def prepare_decode(self, future: FutureTokens | None = None) -> ForwardBatch:
         """One new slot per request for the token sampled last step. With overlap, requests whose

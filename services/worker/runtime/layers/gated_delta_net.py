@@ -12,7 +12,8 @@ only its heads.
 
 Both states live in the StatePool (mem/state_pool.py), one row per request, found through
 batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
-the one-token update. The ops follow the step's attention backend: the torch backend (CPU, and the
+the one-token update; an extend that tracks (mem/state_snapshots.py's StateTrack) stops the chunked
+rule one token short for the tracked sequences, saves their state, and ends them with the update. The ops follow the step's attention backend: the torch backend (CPU, and the
 reference on CUDA) runs gdn_ops.py's torch ops; the GPU backends (triton, flashinfer) run the Triton
 kernels of the same signatures (kernels/causal_conv1d.py, kernels/gated_delta_rule.py,
 kernels/gated_rms_norm.py), which never sync with the host, so a CUDA graph captures a decode step
@@ -187,6 +188,9 @@ class GatedDeltaNet(nn.Module):
         )
         ops = gdn_ops_for(batch)
         decode = batch.forward_mode.is_decode()
+        track = meta.track
+        if track is not None:  # the window before each tracked last token, read before the conv moves on
+            window = track.conv_window(mixed, conv_state, meta.state_indices[track.seqs])
         if decode:
             mixed = ops.causal_conv1d_update(
                 mixed, self.conv_weight, None, conv_state=conv_state, state_indices=meta.state_indices,
@@ -209,10 +213,29 @@ class GatedDeltaNet(nn.Module):
             )
         else:
             g, beta = gdn_ops.sigmoid_gating(a, b, self.A_log, self.dt_bias)
+            if track is not None:
+                # Tracked sequences stop one token short (that token's decay and write zeroed: it leaves
+                # the state as it is); their state there is saved, then the one-token update ends them.
+                last = track.last_rows
+                g_last, beta_last = g[last], beta[last]
+                g, beta = g.index_fill(0, last, 0.0), beta.index_fill(0, last, 0.0)
             core = ops.chunk_gated_delta_rule(
                 q, k, v, g, beta, state=recurrent_state, state_indices=meta.state_indices,
                 cu_seqlens=meta.cu_seqlens, scale=self.scale,
             )
+            if track is not None:
+                rows = meta.state_indices[track.seqs]
+                track.save(self.state_id, window, recurrent_state[rows])
+                core[last] = ops.fused_recurrent_gated_delta_rule_update(
+                    q[last],
+                    k[last],
+                    v[last],
+                    g_last,
+                    beta_last,
+                    state=recurrent_state,
+                    state_indices=rows,
+                    scale=self.scale,
+                )
         # Per head: z viewed as [T, Hv, Dv] in place (a strided slice of the in_proj output, not copied).
         out = self.norm(core, z.view(tokens, self.num_v_heads, self.head_v_dim), ops)
         return self.out_proj(out.reshape(tokens, self.value_dim))
