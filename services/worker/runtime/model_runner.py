@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from services.worker.config import ATTENTION_BACKENDS, EngineConfig
-from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.mem.memory_pool import (
+    ReqToTokenPool,
+    TokenToKVPool,
+    TokenToKVPoolAllocator,
+    kv_storage_dtype,
+)
 from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, state_rows_for_budget
 from services.worker.mem.state_snapshots import SNAPSHOTS_PER_ROW, StateSnapshots, snapshot_slots_for_budget
 from services.worker.runtime import distributed
@@ -226,7 +231,8 @@ class ModelRunner:
         kv_layers = model_config.num_attention_layers
         if self.pp.size > 1:  # this stage's layers only (hybrid models are refused with pp_size > 1)
             kv_layers = self.model.model.end_layer - self.model.model.start_layer
-        bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model_config.dtype)
+        bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, kv_dtype)
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
         state_shape = model_config.state_shape(self.tp_size) if model_config.is_hybrid else None
         rows = config.max_running_requests
@@ -251,7 +257,7 @@ class ModelRunner:
         self.max_total_tokens = size
         # Sized from free memory: taken as used; by max_total_tokens: committed at start (soak.py's RSS check).
         self.token_to_kv_pool = TokenToKVPool(
-            size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device,
+            size, kv_layers, kv_heads, model_config.head_dim, kv_dtype, device,
             commit_at_start=bool(config.max_total_tokens),
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
@@ -290,8 +296,8 @@ class ModelRunner:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
         logger.info(
-            "model %s on %s (%s): KV pool %d tokens (%.1f MiB, %d layers), %d request rows, %s attention%s",
-            model_config.architecture, device, model_config.dtype, size,
+            "model %s on %s (%s): KV pool %d tokens (%s, %.1f MiB, %d layers), %d request rows, %s attention%s",
+            model_config.architecture, device, model_config.dtype, size, str(kv_dtype).removeprefix("torch."),
             size * bytes_per_token / 2**20, kv_layers, rows, backend,
             f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
             f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",

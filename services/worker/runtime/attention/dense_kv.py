@@ -56,8 +56,9 @@ class DenseStep:
             torch.index_select(v_pool.view(-1, row), 0, self.fill_slots, out=values.view(-1, row))
         else:
             assert self.new_rows is not None
-            keys.view(-1, row).index_copy_(0, self.new_rows, k.view(bs, row).to(keys.dtype))
-            values.view(-1, row).index_copy_(0, self.new_rows, v.view(bs, row).to(values.dtype))
+            # As the pool stored them (a float8 pool: scaled, clipped and rounded).
+            keys.view(-1, row).index_copy_(0, self.new_rows, pool.quantize_k(layer_id, k.view(bs, row)))
+            values.view(-1, row).index_copy_(0, self.new_rows, pool.quantize_v(layer_id, v.view(bs, row)))
         return keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2)
 
 
