@@ -198,6 +198,7 @@ class SchedulerLoop:
         s = self.scheduler
         return {
             "max_total_tokens": self.runner.max_total_tokens,
+            "kv_cache_dtype": str(self.runner.token_to_kv_pool.dtype).removeprefix("torch."),
             "max_running_requests": s.max_running,
             "num_running": s.num_running(),
             "num_waiting": len(s.waiting),

@@ -57,9 +57,15 @@ class DenseStep:
         else:
             assert self.new_rows is not None
             # As the pool stored them (a float8 pool: scaled, clipped and rounded).
-            keys.view(-1, row).index_copy_(0, self.new_rows, pool.quantize_k(layer_id, k.view(bs, row)))
-            values.view(-1, row).index_copy_(0, self.new_rows, pool.quantize_v(layer_id, v.view(bs, row)))
+            new_k, new_v = pool.quantize_k(layer_id, k.view(bs, row)), pool.quantize_v(layer_id, v.view(bs, row))
+            _copyable(keys.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_k))
+            _copyable(values.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_v))
         return keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2)
+
+
+def _copyable(x: torch.Tensor) -> torch.Tensor:
+    """x, or for float8 (which CPU index_copy_ does not take) its bytes."""
+    return x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
 
 
 class DenseKV:
