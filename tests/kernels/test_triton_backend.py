@@ -103,7 +103,9 @@ class _Harness:
     ],
     ids=["mha", "gqa", "fp8_e4m3_scaled", "fp8_e5m2"],
 )
-def test_triton_backend_matches_torch_backend_across_steps(gen, num_heads, num_kv_heads, dtype, scales) -> None:
+def test_triton_backend_matches_torch_backend_across_steps(
+    gen, num_heads, num_kv_heads, dtype, scales
+) -> None:
     head_dim = 16
     h = _Harness(num_kv_heads, head_dim, dtype, **scales)
     layers = [RadixAttention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, i) for i in range(NUM_LAYERS)]
@@ -189,14 +191,18 @@ def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_qwen3_over_a_float8_pool_on_triton_matches_torch_backend(qwen3_path: Path, kv_dtype: torch.dtype) -> None:
+def test_qwen3_over_a_float8_pool_on_triton_matches_torch_backend(
+    qwen3_path: Path, kv_dtype: torch.dtype
+) -> None:
     """--kv-cache-dtype fp8 through the fused prologue (norm, RoPE and the quantizing store in one kernel),
     chunked extend and decode: the same logits and the same float8 pool as the torch backend. The two
     backends' RoPE may differ in a float32 last bit, which can tip a value across a float8 rounding
     boundary, so the pools are compared element by element (nearly all identical) rather than whole."""
     config = ModelConfig.from_path(qwen3_path, dtype="float32")
     model = load_model(config, "cpu")
-    drivers = {name: BatchDriver(model, config, max_requests=3, max_tokens=96) for name in ("torch", "triton")}
+    drivers = {
+        name: BatchDriver(model, config, max_requests=3, max_tokens=96) for name in ("torch", "triton")
+    }
     drivers["triton"].backend = TritonAttnBackend()
     for driver in drivers.values():
         driver.kv_pool = TokenToKVPool(
@@ -211,7 +217,8 @@ def test_qwen3_over_a_float8_pool_on_triton_matches_torch_backend(qwen3_path: Pa
     pools = {name: driver.kv_pool for name, driver in drivers.items()}
     for layer_id in range(config.num_layers):
         for buffers in ("k_buffer", "v_buffer"):
-            ours, ref = getattr(pools["triton"], buffers)[layer_id], getattr(pools["torch"], buffers)[layer_id]
+            ours = getattr(pools["triton"], buffers)[layer_id]
+            ref = getattr(pools["torch"], buffers)[layer_id]
             assert ours.dtype == kv_dtype and ref[1:].float().abs().sum() > 0
             same = (ours.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
             assert same > 0.999, f"{buffers}[{layer_id}]: only {same:.4%} of the float8 values identical"

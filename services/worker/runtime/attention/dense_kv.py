@@ -57,7 +57,8 @@ class DenseStep:
         else:
             assert self.new_rows is not None
             # As the pool stored them (a float8 pool: scaled, clipped and rounded).
-            new_k, new_v = pool.quantize_k(layer_id, k.view(bs, row)), pool.quantize_v(layer_id, v.view(bs, row))
+            new_k = pool.quantize_k(layer_id, k.view(bs, row))
+            new_v = pool.quantize_v(layer_id, v.view(bs, row))
             _copyable(keys.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_k))
             _copyable(values.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_v))
         return keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2)
