@@ -13,18 +13,21 @@ float8 rounding itself moves the log-probs by 0.46-1.5 nats at most (asserted to
 
 from __future__ import annotations
 
+import shutil
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
 from services.worker.mem.memory_pool import TokenToKVPool
 from services.worker.runtime import model_runner
+from services.worker.runtime.kv_scales import read_kv_scales
 from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
 
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -210,3 +213,84 @@ def test_bad_kv_cache_dtype_options_are_clear_errors(qwen3_path: Path, options: 
 def test_bad_kv_scales_are_clear_errors(dtype: torch.dtype, scales: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TokenToKVPool(8, 2, 1, 16, dtype, "cpu", **scales)
+
+
+def _with_kv_scales(src: Path, dst: Path, tensors: dict[str, float]) -> Path:
+    """A copy of checkpoint src with these scalar tensors in a file of their own."""
+    shutil.copytree(src, dst)
+    save_file(
+        {name: torch.tensor(value) for name, value in tensors.items()}, str(dst / "kv_scales.safetensors")
+    )
+    return dst
+
+
+# Not powers of two: dividing by them changes which float8 value a key rounds to.
+K_SCALES, V_SCALES = [0.37, 1.6], [2.3, 0.8]
+
+
+def _scaled_float8_kv_attention(k_scales: list[float], v_scales: list[float]) -> Any:
+    """As _float8_kv_attention for e4m3, with layer i's K/V stored as x / scale and read back times it."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001, ANN202, ARG001
+        top = torch.finfo(torch.float8_e4m3fn).max
+
+        def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+            return (x.float() * (1.0 / scale)).clamp(-top, top).to(torch.float8_e4m3fn).float() * scale
+
+        key, value = rounded(key, k_scales[module.layer_idx]), rounded(value, v_scales[module.layer_idx])
+        return _float8_kv_attention(torch.float32)(module, query, key, value, attention_mask, scaling)
+
+    return attention
+
+
+def test_checkpoint_kv_scales_become_the_float8_pool_scales(qwen3_path: Path, tmp_path: Path) -> None:
+    names = {f"model.layers.{i}.self_attn.k_scale": s for i, s in enumerate(K_SCALES)}
+    names |= {f"model.layers.{i}.self_attn.v_scale": s for i, s in enumerate(V_SCALES)}
+    scaled = _with_kv_scales(qwen3_path, tmp_path / "scaled", names)
+    prompts = random_prompts(3, 20, 40, seed=9)
+    ours, _ = engine_logprobs_and_greedy(scaled, prompts, kv_cache_dtype="fp8_e4m3")
+    AttentionInterface.register("float8_kv_reference_scaled", _scaled_float8_kv_attention(K_SCALES, V_SCALES))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(qwen3_path), dtype=torch.float32, attn_implementation="float8_kv_reference_scaled"
+    ).eval()
+    assert _max_diff(ours, [reference_logprobs(ref, p) for p in prompts]) < LOGPROB_TOL
+    unscaled = [reference_logprobs(reference_model(str(qwen3_path), "fp8_e4m3"), p) for p in prompts]
+    assert _max_diff(ours, unscaled) > 10 * LOGPROB_TOL  # the scales were used
+    # A full-precision cache has no use for them: the checkpoint serves as the one without them.
+    assert engine_logprobs_and_greedy(scaled, prompts) == engine_logprobs_and_greedy(qwen3_path, prompts)
+
+
+def _read(
+    tmp_path: Path, tensors: dict[str, float], layers: list[int]
+) -> tuple[list[float], list[float]] | None:
+    file = tmp_path / "scales.safetensors"
+    save_file({name: torch.tensor([value]) for name, value in tensors.items()}, str(file))
+    return read_kv_scales([file], layers)
+
+
+def test_kv_scale_names_of_modelopt_and_autofp8_checkpoints(tmp_path: Path) -> None:
+    modelopt = {
+        "model.layers.0.self_attn.k_proj.k_scale": 0.5,
+        "model.layers.0.self_attn.v_proj.v_scale": 2.0,
+    }
+    assert _read(tmp_path, modelopt, [0]) == ([0.5], [2.0])
+    autofp8 = {"model.layers.3.self_attn.kv_scale": 0.25, "model.layers.0.self_attn.kv_scale": 4.0}
+    assert _read(tmp_path, autofp8, [0, 3]) == ([4.0, 0.25], [4.0, 0.25])
+    # Weight scales of an FP8 checkpoint are not KV scales.
+    weights = {
+        "model.layers.0.self_attn.k_proj.weight_scale": 0.5,
+        "model.layers.0.self_attn.k_proj.input_scale": 1.0,
+    }
+    assert _read(tmp_path, weights, [0]) is None
+
+
+@pytest.mark.parametrize(
+    ("tensors", "match"),
+    [
+        ({"model.layers.0.self_attn.k_scale": 0.5}, "incomplete: no v_scale of layer 0"),
+        ({"model.layers.0.self_attn.kv_scale": 0.0}, "one finite positive value"),
+    ],
+)
+def test_bad_checkpoint_kv_scales_are_clear_errors(tmp_path: Path, tensors: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _read(tmp_path, tensors, [0])

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.config import ARCHITECTURES
+from services.worker.runtime.kv_scales import is_kv_scale
 from services.worker.runtime.layers.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, read_scales
 from services.worker.runtime.layers.linear import LoadedWeight
 from services.worker.runtime.model_config import ModelConfig
@@ -80,11 +81,16 @@ def iterate_weights(model_path: Path, names: Callable[[str], bool] = lambda _: T
 
 def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, LoadedWeight]]:
     """What the model loads: the checkpoint's tensors, with an FP8 checkpoint's quantized weights
-    dequantized as they are read (layers/fp8.py; its scales are read first, in a pass of their own)."""
+    dequantized as they are read (layers/fp8.py; its scales are read first, in a pass of their own).
+    KV-cache scales are not weights (the model runner reads them: runtime/kv_scales.py)."""
     if config.quantization is None:
-        return iterate_weights(config.path)
+        return iterate_weights(config.path, _model_weight)
     scales = read_scales(iterate_weights(config.path, lambda name: name.endswith(SCALE_SUFFIX)))
-    return dequantize_fp8_weights(iterate_weights(config.path), scales, config.quantization)
+    return dequantize_fp8_weights(iterate_weights(config.path, _model_weight), scales, config.quantization)
+
+
+def _model_weight(name: str) -> bool:
+    return not is_kv_scale(name)
 
 
 @contextlib.contextmanager

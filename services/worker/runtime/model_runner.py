@@ -24,6 +24,7 @@ from services.worker.mem.memory_pool import (
     ReqToTokenPool,
     TokenToKVPool,
     TokenToKVPoolAllocator,
+    is_fp8,
     kv_storage_dtype,
 )
 from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, state_rows_for_budget
@@ -38,10 +39,11 @@ from services.worker.runtime.attention.flashinfer_backend import (
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
+from services.worker.runtime.kv_scales import pool_layer_ids, read_kv_scales
 from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
-from services.worker.runtime.model_loader import load_model
+from services.worker.runtime.model_loader import load_model, safetensors_files
 from services.worker.runtime.pipeline import PendingSends, recv_from_prev_stage
 from services.worker.runtime.sampling.grammar import MaskBuffers
 from services.worker.runtime.sampling.penalties import to_device_async
@@ -258,7 +260,7 @@ class ModelRunner:
         # Sized from free memory: taken as used; by max_total_tokens: committed at start (soak.py's RSS check).
         self.token_to_kv_pool = TokenToKVPool(
             size, kv_layers, kv_heads, model_config.head_dim, kv_dtype, device,
-            commit_at_start=bool(config.max_total_tokens),
+            commit_at_start=bool(config.max_total_tokens), **self._kv_scales(kv_dtype),
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(rows, size))
@@ -302,6 +304,16 @@ class ModelRunner:
             f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
             f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",
         )
+
+    def _kv_scales(self, kv_dtype: torch.dtype) -> dict[str, list[float]]:
+        """A float8 pool's per-layer scales from the checkpoint, when it has them (runtime/kv_scales.py)."""
+        if not is_fp8(kv_dtype):
+            return {}
+        model = self.model.model
+        start, end = (model.start_layer, model.end_layer) if self.pp.size > 1 else (0, self.model_config.num_layers)
+        layer_ids = pool_layer_ids(self.model_config, start, end)
+        scales = read_kv_scales(safetensors_files(self.model_config.path), layer_ids)
+        return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
 
     def _memory_budget(self) -> int:
         """Bytes the pools may take: device memory x mem_fraction_static less what is in use on CUDA,
