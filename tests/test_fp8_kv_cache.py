@@ -169,6 +169,8 @@ def test_float8_kv_gives_the_same_tokens_chunked_cached_overlapped_and_speculati
     assert output_ids([first, *rest]) == reference
     assert run(disable_overlap_schedule=False, enable_mixed_chunk=True, chunked_prefill_size=8) == reference
     assert run(speculative_algorithm="ngram", speculative_num_draft_tokens=3) == reference
+    # A draft model gets a float8 pool of its own (the same kv_cache_dtype).
+    assert run(speculative_algorithm="draft", speculative_draft_model_path=str(qwen3_path)) == reference
 
 
 def test_float8_pool_holds_twice_the_tokens_of_bfloat16_in_the_same_memory(
