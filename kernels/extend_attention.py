@@ -188,7 +188,7 @@ def _extend_kernel(
                     other=0.0,
                 )
                 if FP8_MAX > 0:
-                    k = to_pool(k, inv_k_scale, K_buf.dtype.element_ty, FP8_MAX).to(q.dtype)
+                    k = to_pool(k, inv_k_scale, K_buf, FP8_MAX).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
                 v = tl.load(
                     V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
@@ -196,7 +196,7 @@ def _extend_kernel(
                     other=0.0,
                 )
                 if FP8_MAX > 0:
-                    v = to_pool(v, inv_v_scale, V_buf.dtype.element_ty, FP8_MAX).to(q.dtype)
+                    v = to_pool(v, inv_v_scale, V_buf, FP8_MAX).to(q.dtype)
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
             # The diagonal tiles, causally masked; keys past the block's last row are masked for every
@@ -212,7 +212,7 @@ def _extend_kernel(
                     other=0.0,
                 )
                 if FP8_MAX > 0:
-                    k = to_pool(k, inv_k_scale, K_buf.dtype.element_ty, FP8_MAX).to(q.dtype)
+                    k = to_pool(k, inv_k_scale, K_buf, FP8_MAX).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
                 s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
                 v = tl.load(
@@ -221,7 +221,7 @@ def _extend_kernel(
                     other=0.0,
                 )
                 if FP8_MAX > 0:
-                    v = to_pool(v, inv_v_scale, V_buf.dtype.element_ty, FP8_MAX).to(q.dtype)
+                    v = to_pool(v, inv_v_scale, V_buf, FP8_MAX).to(q.dtype)
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         if num_splits == 1:

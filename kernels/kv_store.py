@@ -24,12 +24,12 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 @triton.jit
-def to_pool(x, inv_scale, dtype: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as a pool of element type `dtype` stores it: a float8 pool (FP8_MAX > 0) gets x * inv_scale
-    (in float32) clipped to +-FP8_MAX, then rounded; any other pool a plain cast."""
+def to_pool(x, inv_scale, Buf, FP8_MAX: tl.constexpr):
+    """x as the pool `Buf` points into stores it: a float8 pool (FP8_MAX > 0) gets x * inv_scale (in
+    float32) clipped to +-FP8_MAX, then rounded to nearest even; any other pool a plain cast."""
     if FP8_MAX > 0:
         x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
-    return x.to(dtype)
+    return x.to(Buf.dtype.element_ty)
 
 
 @triton.jit
@@ -55,12 +55,8 @@ def _kv_store_kernel(
     mask = cols < width
     k = tl.load(K + token * stride_k + cols, mask=mask)
     v = tl.load(V + token * stride_v + cols, mask=mask)
-    tl.store(
-        K_buf + slot * stride_kb + cols, to_pool(k, inv_k_scale, K_buf.dtype.element_ty, FP8_MAX), mask=mask
-    )
-    tl.store(
-        V_buf + slot * stride_vb + cols, to_pool(v, inv_v_scale, V_buf.dtype.element_ty, FP8_MAX), mask=mask
-    )
+    tl.store(K_buf + slot * stride_kb + cols, to_pool(k, inv_k_scale, K_buf, FP8_MAX), mask=mask)
+    tl.store(V_buf + slot * stride_vb + cols, to_pool(v, inv_v_scale, V_buf, FP8_MAX), mask=mask)
 
 
 def store_kv(

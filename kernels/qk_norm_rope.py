@@ -93,11 +93,10 @@ def _norm_rope_heads(
             tl.store(rest, xr, mask=r_mask)
     if STORE:
         buf = Buf + slot * stride_bs + heads[:, None] * stride_bh
-        dtype = Buf.dtype.element_ty
-        tl.store(buf + offs_i[None, :], to_pool(out1, inv_scale, dtype, FP8_MAX), mask=mask)
-        tl.store(buf + HALF + offs_i[None, :], to_pool(out2, inv_scale, dtype, FP8_MAX), mask=mask)
+        tl.store(buf + offs_i[None, :], to_pool(out1, inv_scale, Buf, FP8_MAX), mask=mask)
+        tl.store(buf + HALF + offs_i[None, :], to_pool(out2, inv_scale, Buf, FP8_MAX), mask=mask)
         if REST > 0:
-            tl.store(buf + offs_r[None, :], to_pool(xr, inv_scale, dtype, FP8_MAX), mask=r_mask)
+            tl.store(buf + offs_r[None, :], to_pool(xr, inv_scale, Buf, FP8_MAX), mask=r_mask)
 
 
 @triton.jit
@@ -165,7 +164,7 @@ def _qk_norm_rope_kernel(
         mask = (heads < num_k_heads)[:, None] & (cols < HEAD_DIM)[None, :]
         v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
         v_dst = V_buf + slot * stride_vbs + heads[:, None] * stride_vbh + cols[None, :]
-        tl.store(v_dst, to_pool(v, inv_v_scale, V_buf.dtype.element_ty, FP8_MAX), mask=mask)
+        tl.store(v_dst, to_pool(v, inv_v_scale, V_buf, FP8_MAX), mask=mask)
 
 
 def _heads_view(x: torch.Tensor, tokens: int, head_dim: int, name: str) -> torch.Tensor:
