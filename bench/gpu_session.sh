@@ -7,6 +7,7 @@
 # Steps: tp, engine (ENGINE_ARGS=--skip-checks: figures only), hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
 # gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), prologue (norm/SiLU folded into the GEMV or not), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
+# fp8kv (--kv-cache-dtype fp8_e4m3 vs bf16, bench/gpu_fp8_kv.py; FP8KV_ARGS=--skip-capacity-run if short of time),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
@@ -63,6 +64,8 @@ for step in "${steps[@]}"; do
                --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
     flashinfer) MAX_JOBS=16 timeout 560 python bench/gpu_flashinfer.py ${FLASHINFER_ARGS:-} > "$OUT/flashinfer.log" 2>&1 ;;
     pipeline) timeout 400 python bench/gpu_pipeline.py ${PIPELINE_ARGS:-} > "$OUT/pipeline.log" 2>&1 ;;
+    fp8kv)   python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16, 0.02)" \
+               && timeout 540 python bench/gpu_fp8_kv.py ${FP8KV_ARGS:-} > "$OUT/fp8kv.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
   echo "== $step: exit $?"

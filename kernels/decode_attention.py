@@ -12,6 +12,9 @@ one contiguous chunk of the sequence, streams the chunk's K/V tiles once and kee
   scratch and counts itself in on a per-(request, kv_head) counter; the program that arrives last merges
   the splits, weighting each by exp2(lse - max lse), and sets the counter back to zero.
 
+A float8 pool (services/worker/mem/memory_pool.py) is read as stored and converted to q's dtype; its K
+scale is folded into the softmax scale and its V scale multiplies each split's output.
+
 So every split count costs one launch: batch-1 decode is bound by launches, and a separate merge launch
 would add one per layer. The number of splits per request lives in a device tensor (so a CUDA graph can
 replay with new lengths); the grid's split dimension is a fixed power-of-two bound chosen on the host. A
@@ -184,6 +187,7 @@ def _decode_kernel(
     Part_lse,
     Split_counters,
     sm_scale_log2,
+    v_scale,
     stride_qb,
     stride_qh,
     stride_kt,
@@ -278,7 +282,7 @@ def _decode_kernel(
 
         # No tokens (an empty split, or a padded CUDA-graph row of length 0) gives zeros and lse = -inf.
         has_tokens = l_i > 0
-        part = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+        part = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
         if num_splits == 1:
             tl.store(
                 Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -363,6 +367,8 @@ def decode_attention(
     tiles: DecodeTiles | None = None,
     split_counters: torch.Tensor | None = None,
     split_tokens: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
@@ -373,6 +379,7 @@ def decode_attention(
     split_tokens > 0 (a multiple of the tiles' block_n): split s covers positions [s, s + 1) x split_tokens,
     so num_kv_splits must be cdiv(seq_lens, split_tokens) (fixed_size_kv_splits) and max_kv_splits at least
     its largest value; 0: the splits share each sequence evenly (kv_splits_per_request).
+    k_scale / v_scale: a float8 pool's scales (the keys and values are the stored ones times these).
     One launch; never syncs with the host.
     """
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -425,7 +432,8 @@ def decode_attention(
         part_out,
         part_lse,
         split_counters,
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E,
+        v_scale,
         q3.stride(0),
         q3.stride(1),
         k_buffer.stride(0),

@@ -25,6 +25,12 @@ part of the prefix (the last one also the new tokens). Such entries write their 
 output and log-sum-exp to a scratch slot and count themselves in on the group's counter; the last to
 arrive merges the group into `out` and zeroes the counter (as decode_attention does). The host decides
 the splits (extend_block_table), so a CUDA graph replays any split the table it was given describes.
+
+A float8 pool (services/worker/mem/memory_pool.py): the prefix is read as stored and converted to q's
+dtype, the K scale folded into the softmax scale and the V scale multiplying the output. The new tokens'
+K/V tiles are rounded through the pool's float8 as they are read (kv_store.to_pool, bit for bit what
+the pool holds for them), so a token attends to the same keys whether they were stored in an earlier
+step (a cached prefix, an earlier chunk) or come with this one.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
+from kernels.kv_store import fp8_max, to_pool
 
 _LOG2E = 1.4426950408889634
 # Rows of a block table: request index, first new-token row, split index, splits of the block, and the
@@ -87,6 +94,9 @@ def _extend_kernel(
     Part_lse,
     Split_counters,
     sm_scale_log2,
+    v_scale,
+    inv_k_scale,
+    inv_v_scale,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -112,6 +122,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     head = tl.program_id(0)
     entry = tl.program_id(1)
@@ -176,12 +187,16 @@ def _extend_kernel(
                     mask=d_mask[:, None],
                     other=0.0,
                 )
+                if FP8_MAX > 0:
+                    k = to_pool(k, inv_k_scale, K_buf, FP8_MAX).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
                 v = tl.load(
                     V_new + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
                     mask=d_mask[None, :],
                     other=0.0,
                 )
+                if FP8_MAX > 0:
+                    v = to_pool(v, inv_v_scale, V_buf, FP8_MAX).to(q.dtype)
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
             # The diagonal tiles, causally masked; keys past the block's last row are masked for every
@@ -196,6 +211,8 @@ def _extend_kernel(
                     mask=n_mask[None, :] & d_mask[:, None],
                     other=0.0,
                 )
+                if FP8_MAX > 0:
+                    k = to_pool(k, inv_k_scale, K_buf, FP8_MAX).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
                 s = tl.where((offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :], s, float("-inf"))
                 v = tl.load(
@@ -203,11 +220,13 @@ def _extend_kernel(
                     mask=n_mask[:, None] & d_mask[None, :],
                     other=0.0,
                 )
+                if FP8_MAX > 0:
+                    v = to_pool(v, inv_v_scale, V_buf, FP8_MAX).to(q.dtype)
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_PRECISION)
 
         if num_splits == 1:
             # Every row saw at least its own key, so l_i > 0.
-            out = acc / l_i[:, None]
+            out = acc / l_i[:, None] * v_scale
             tl.store(
                 Out + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                 out.to(Out.dtype.element_ty),
@@ -216,7 +235,7 @@ def _extend_kernel(
         else:
             # An empty part (no keys: only possible for a table built by hand) has lse -inf and weighs 0.
             has_keys = l_i > 0
-            part = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            part = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
             slot = tl.load(Block_table + 4 * stride_bt + entry)
             offs_r = tl.arange(0, BLOCK_M)
@@ -364,6 +383,8 @@ def extend_attention(
     sm_scale: float,
     tiles: ExtendTiles | None = None,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d]; out [tokens, heads * d] (written at
     the rows of the requests' new tokens; rows past qo_indptr[-1] are left as they are).
@@ -374,7 +395,8 @@ def extend_attention(
     k_buffer/v_buffer: one layer's pool [slots, kv_heads, d]; prefix_lens [bs] and qo_indptr [bs + 1]
     (int32, device) give each request's cached length and its rows; block_table [2, num_blocks] (int32,
     device, each row contiguous) is extend_block_table's for these lengths and tiles.block_m, possibly
-    padded: its length sizes the grid.
+    padded: its length sizes the grid. k_scale / v_scale: a float8 pool's scales (its keys and values
+    are the stored ones times these; k_new / v_new are rounded through the pool's float8 as read).
     """
     tiles = tiles or ExtendTiles()
     if tiles.block_m % tiles.block_n:
@@ -428,7 +450,10 @@ def extend_attention(
         part_out,
         part_lse,
         counters,
-        sm_scale * _LOG2E,
+        sm_scale * k_scale * _LOG2E,
+        v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         q3.stride(0),
         q3.stride(1),
         k3.stride(0),
@@ -454,6 +479,7 @@ def extend_attention(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        FP8_MAX=fp8_max(k_buffer.dtype),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -10,7 +10,8 @@ and, given the pool, writes the rotated k row and the v row to slot out_cache_lo
 The arithmetic is the unfused kernels', rounding for rounding: norm statistics in float32, the
 normalized value rounded to the activation dtype before the weight multiplies it and the product
 rounded again (Hugging Face's Qwen3RMSNorm), then the rotation in float32 on those rounded values, and
-the pool gets the rotated k as stored in k, cast to the pool's dtype.
+the pool gets the rotated k as stored in k, cast to the pool's dtype (a float8 pool: scaled, clipped
+and rounded by kv_store.to_pool, as store_kv does).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_store import fp8_max, to_pool
 
 
 @triton.jit
@@ -44,8 +47,10 @@ def _norm_rope_heads(
     slot,
     stride_bs,
     stride_bh,
+    inv_scale,
     HAS_NORM: tl.constexpr,
     STORE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -88,10 +93,10 @@ def _norm_rope_heads(
             tl.store(rest, xr, mask=r_mask)
     if STORE:
         buf = Buf + slot * stride_bs + heads[:, None] * stride_bh
-        tl.store(buf + offs_i[None, :], out1.to(Buf.dtype.element_ty), mask=mask)
-        tl.store(buf + HALF + offs_i[None, :], out2.to(Buf.dtype.element_ty), mask=mask)
+        tl.store(buf + offs_i[None, :], to_pool(out1, inv_scale, Buf, FP8_MAX), mask=mask)
+        tl.store(buf + HALF + offs_i[None, :], to_pool(out2, inv_scale, Buf, FP8_MAX), mask=mask)
         if REST > 0:
-            tl.store(buf + offs_r[None, :], xr.to(Buf.dtype.element_ty), mask=r_mask)
+            tl.store(buf + offs_r[None, :], to_pool(xr, inv_scale, Buf, FP8_MAX), mask=r_mask)
 
 
 @triton.jit
@@ -108,6 +113,8 @@ def _qk_norm_rope_kernel(
     V_buf,
     Loc,
     eps,
+    inv_k_scale,
+    inv_v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -124,6 +131,7 @@ def _qk_norm_rope_kernel(
     num_k_heads,
     HAS_NORM: tl.constexpr,
     HAS_POOL: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -144,11 +152,11 @@ def _qk_norm_rope_kernel(
         slot = tl.load(Loc + token).to(tl.int64)
     _norm_rope_heads(
         Q, token, stride_qt, stride_qh, num_q_heads, Q_w, eps, cos, sin, K_buf, slot, stride_kbs, stride_kbh,
-        HAS_NORM, False, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_QH,
+        inv_k_scale, HAS_NORM, False, FP8_MAX, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_QH,
     )
     _norm_rope_heads(
         K, token, stride_kt, stride_kh, num_k_heads, K_w, eps, cos, sin, K_buf, slot, stride_kbs, stride_kbh,
-        HAS_NORM, HAS_POOL, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_KH,
+        inv_k_scale, HAS_NORM, HAS_POOL, FP8_MAX, HEAD_DIM, HALF, BLOCK_HALF, REST, BLOCK_REST, BLOCK_KH,
     )
     if HAS_POOL:
         heads = tl.arange(0, BLOCK_KH)
@@ -156,7 +164,7 @@ def _qk_norm_rope_kernel(
         mask = (heads < num_k_heads)[:, None] & (cols < HEAD_DIM)[None, :]
         v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)
         v_dst = V_buf + slot * stride_vbs + heads[:, None] * stride_vbh + cols[None, :]
-        tl.store(v_dst, v.to(V_buf.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_pool(v, inv_v_scale, V_buf, FP8_MAX), mask=mask)
 
 
 def _heads_view(x: torch.Tensor, tokens: int, head_dim: int, name: str) -> torch.Tensor:
@@ -212,12 +220,15 @@ def qk_norm_rope_(
     k_buffer: torch.Tensor | None = None,
     v_buffer: torch.Tensor | None = None,
     out_cache_loc: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q [tokens, heads * head_dim] and k [tokens, kv_heads * head_dim] (row strides are
     free: views into a fused qkv output work): per-head RMSNorm with q_weight / k_weight [head_dim]
     (both None: no norm), then neox rotary at `positions` [tokens] from cos_cache/sin_cache
     [max_position, rotary_dim / 2]. With v, k_buffer, v_buffer [slots, kv_heads, head_dim] and
-    out_cache_loc [tokens], also stores the rotated k and v at those slots. Returns (q, k)."""
+    out_cache_loc [tokens], also stores the rotated k and v at those slots (a float8 pool: with its
+    k_scale / v_scale). Returns (q, k)."""
     half = cos_cache.shape[1] if cos_cache.dim() == 2 else 0
     if cos_cache.dim() != 2 or sin_cache.shape != cos_cache.shape:
         raise ValueError(
@@ -263,6 +274,8 @@ def qk_norm_rope_(
         v_buf,
         out_cache_loc if has_pool else positions,
         eps,
+        1.0 / k_scale,
+        1.0 / v_scale,
         q3.stride(0),
         q3.stride(1),
         k3.stride(0),
@@ -279,6 +292,7 @@ def qk_norm_rope_(
         k3.shape[1],
         HAS_NORM=q_weight is not None,
         HAS_POOL=has_pool,
+        FP8_MAX=fp8_max(k_buf.dtype) if has_pool else 0.0,
         HEAD_DIM=head_dim,
         HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half),

@@ -9,6 +9,23 @@ from __future__ import annotations
 
 import torch
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def pool_values_ref(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a pool of `dtype` stores it: a float8 pool holds x / scale clipped to the type's finite
+    range, rounded to nearest even (x times 1 / scale in float32, as the kernels compute it); any other
+    pool the plain cast."""
+    if dtype not in _FP8:
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-top, top).to(dtype)
+
+
+def dequantize_ref(stored: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Stored pool values as the float32 keys or values they stand for."""
+    return stored.float() * scale
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
     """q [m, h, d], k/v [n, kvh, d], mask [m, n] (True = attend) -> [m, h, d], float32."""
@@ -29,15 +46,19 @@ def decode_attention_ref(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [bs, heads * d] (one token per request); the pool buffers are [slots, kv_heads, d].
-    Request i attends to positions 0 .. seq_lens[i]-1 read through req_to_token. Returns [bs, heads * d]."""
+    """q [bs, heads * d] (one token per request); the pool buffers are [slots, kv_heads, d] (keys and
+    values: the stored ones times k_scale / v_scale). Request i attends to positions 0 .. seq_lens[i]-1
+    read through req_to_token. Returns [bs, heads * d]."""
     head_dim = k_buffer.shape[2]
     q3 = q.reshape(q.shape[0], -1, head_dim)
     out = torch.empty(q3.shape, dtype=torch.float32, device=q.device)
     for i in range(q.shape[0]):
         slots = req_to_token[int(req_pool_indices[i]), : int(seq_lens[i])].long()
-        out[i] = _attend(q3[i : i + 1], k_buffer[slots], v_buffer[slots], None, sm_scale)[0]
+        k, v = dequantize_ref(k_buffer[slots], k_scale), dequantize_ref(v_buffer[slots], v_scale)
+        out[i] = _attend(q3[i : i + 1], k, v, None, sm_scale)[0]
     return out.reshape(q.shape[0], -1)
 
 
@@ -52,18 +73,26 @@ def extend_attention_ref(
     prefix_lens: list[int],
     extend_lens: list[int],
     sm_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [tokens, heads * d]; k_new/v_new [tokens, kv_heads * d] are the new tokens' K/V, requests
     concatenated in order. Request i's new tokens sit at positions prefix_lens[i] + j and attend to the
-    cached prefix (positions 0 .. prefix_lens[i]-1, read from the pool) and causally to new tokens <= j."""
+    cached prefix (positions 0 .. prefix_lens[i]-1, read from the pool) and causally to new tokens <= j.
+    A float8 pool: every key and value, the new tokens' too, is as the pool stores it, times its scale."""
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
     out = torch.empty((q.shape[0], q.shape[1] // head_dim, head_dim), dtype=torch.float32, device=q.device)
     start = 0
     for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
         rows = slice(start, start + ext)
         slots = req_to_token[int(req_pool_indices[i]), :prefix].long()
-        k = torch.cat((k_buffer[slots].float(), k_new[rows].reshape(ext, num_kv_heads, head_dim).float()))
-        v = torch.cat((v_buffer[slots].float(), v_new[rows].reshape(ext, num_kv_heads, head_dim).float()))
+        k_rows = k_new[rows].reshape(ext, num_kv_heads, head_dim)
+        v_rows = v_new[rows].reshape(ext, num_kv_heads, head_dim)
+        if k_buffer.dtype in _FP8:
+            k_rows = dequantize_ref(pool_values_ref(k_rows, k_buffer.dtype, k_scale), k_scale)
+            v_rows = dequantize_ref(pool_values_ref(v_rows, v_buffer.dtype, v_scale), v_scale)
+        k = torch.cat((dequantize_ref(k_buffer[slots], k_scale), k_rows.float()))
+        v = torch.cat((dequantize_ref(v_buffer[slots], v_scale), v_rows.float()))
         # Query j (position prefix + j) sees key positions 0 .. prefix + j.
         mask = torch.arange(prefix + ext)[None, :] <= (prefix + torch.arange(ext))[:, None]
         out[rows] = _attend(q[rows].reshape(ext, -1, head_dim), k, v, mask.to(q.device), sm_scale)
@@ -72,11 +101,17 @@ def extend_attention_ref(
 
 
 def kv_store_ref(
-    k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write k, v ([n, kv_heads * d]) into the pool rows `loc`, in place."""
-    k_buffer[loc.long()] = k.reshape(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
-    v_buffer[loc.long()] = v.reshape(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
+    """Write k, v ([n, kv_heads * d]) into the pool rows `loc`, in place (pool_values_ref)."""
+    k_buffer[loc.long()] = pool_values_ref(k.reshape(-1, *k_buffer.shape[1:]), k_buffer.dtype, k_scale)
+    v_buffer[loc.long()] = pool_values_ref(v.reshape(-1, *v_buffer.shape[1:]), v_buffer.dtype, v_scale)
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

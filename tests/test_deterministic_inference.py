@@ -65,3 +65,5 @@ def test_deterministic_inference_refuses_what_it_cannot_keep(qwen3_path: Path, q
         EngineConfig(model_path=str(qwen3_5_path), enable_deterministic_inference=True)
     with pytest.raises(ValueError, match="FP8 weights"):
         EngineConfig(model_path=str(qwen3_path), quantization="fp8", enable_deterministic_inference=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype 'auto'"):
+        EngineConfig(model_path=str(qwen3_path), kv_cache_dtype="fp8_e4m3", enable_deterministic_inference=True)

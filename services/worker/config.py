@@ -23,6 +23,8 @@ GEMV_BACKENDS = ("auto", "triton", "cublas")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
 # `--quantization` values (SGLang's flag): how the weights are stored in the model (runtime/layers/fp8.py).
 QUANTIZATION_METHODS = ("fp8",)
+# KV pool element types: the model's ('auto'), or float8 (fp8 is vLLM's name for fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
 # The `architectures` names of config.json a model class runs (runtime/model_loader.py's MODEL_REGISTRY
 # maps each to its class; a test holds the two to the same names). Here, below every floor, so a config
 # naming a checkpoint radixserve cannot run is refused before anything loads.
@@ -98,6 +100,12 @@ class EngineConfig:
     context_length: int | None = _help("override the model's max positions", None, "max_model_len")
     attention_backend: str | None = _help(
         "torch, triton or flashinfer (CUDA, optional package); default: torch on CPU, triton on CUDA", None
+    )
+    kv_cache_dtype: str = _help(
+        "KV pool element type: auto (the model's dtype), fp8_e4m3 (or fp8) or fp8_e5m2: float8 K/V with a "
+        "per-layer scale (1.0 unless the checkpoint gives k_scale/v_scale), twice the tokens per byte of "
+        "bfloat16; not with the flashinfer backend",
+        "auto",
     )
     cuda_graph_max_bs: int = _help(
         "capture decode CUDA graphs for batch sizes up to this (0: no CUDA graphs at all); CUDA only", 256
@@ -247,6 +255,13 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flashinfer":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with attention_backend='flashinfer'; "
+                "use attention_backend='triton' (the CUDA default) for a float8 KV cache"
+            )
         self._check_speculative()
         if self.enable_deterministic_inference:
             self._check_deterministic()
@@ -269,6 +284,11 @@ class EngineConfig:
         if architectures is not None and pick_architecture(architectures) in HYBRID_ARCHITECTURES:
             name = pick_architecture(architectures)
             raise ValueError(f"enable_deterministic_inference does not support {name} (hybrid)")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"enable_deterministic_inference needs kv_cache_dtype 'auto', got {self.kv_cache_dtype!r}: its "
+                "attention backends read the pool in the model's dtype"
+            )
         # The FP8 products (kernels/fp8_gemm.py) pick their path by the number of rows.
         if self.quantization == "fp8" or _checkpoint_config(self.model_path).get("quantization_config"):
             raise ValueError("enable_deterministic_inference does not support FP8 weights (--quantization fp8 "

@@ -203,6 +203,7 @@ class SchedulerLoop:
         return {
             "max_total_tokens": self.runner.max_total_tokens,
             "weight_bytes": self.runner.weight_bytes,
+            "kv_cache_dtype": str(self.runner.token_to_kv_pool.dtype).removeprefix("torch."),
             "max_running_requests": s.max_running,
             "num_running": s.num_running(),
             "num_waiting": len(s.waiting),

@@ -3,14 +3,57 @@ slot allocator.
 
 Slot 0 of the KV pool is never handed out: padded rows (CUDA-graph padding) write their KV there.
 So a pool of `size` usable slots has `size + 1` rows.
+
+FP8 KV cache (`kv_cache_dtype` fp8_e4m3 or fp8_e5m2): the pool stores K and V as float8, one byte an
+element, so at equal memory it holds twice the tokens of a bfloat16 pool. Each layer has a per-tensor
+scale for K and one for V (1.0 unless the checkpoint gives them, as in SGLang and vLLM): a value x is
+stored as fp8(clamp(x / scale, -max, max)) (round to nearest even; max is 448 for e4m3, 57344 for e5m2)
+and read back as stored * scale. With scale 1.0, e4m3 keeps 3 mantissa bits: every stored value is
+within 2^-4 (6.25 %) of x relative, values below 2^-6 keep less (subnormals, down to 2^-9) and
+|x| > 448 is clipped; e5m2 keeps 2 bits (12.5 %) over a wider range. Every reader (attention backends,
+kernels) sees only the stored values, also for the new tokens of the step that stores them, so a
+request's attention is the same whether its prefix came from the radix cache, an earlier chunk or this
+step.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
+
+# kv_cache_dtype names (SGLang's and vLLM's spellings) of the float8 storage types.
+FP8_KV_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_storage_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: the model's for 'auto' (or None), else the named float8 type."""
+    if kv_cache_dtype in (None, "auto"):
+        return model_dtype
+    if kv_cache_dtype not in FP8_KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of auto, {', '.join(FP8_KV_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return FP8_KV_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as the pool stores it: cast to `dtype`, and for float8 first divided by `scale` (a multiply by
+    its float32 reciprocal, as the kernels do) and clipped to the type's finite range."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    top = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp_(-top, top).to(dtype)
 
 
 class ReqToTokenPool:
@@ -72,7 +115,9 @@ class ReqToTokenPool:
 
 
 class TokenToKVPool:
-    """K and V buffers per layer: [size + 1, num_kv_heads, head_dim] each (row 0 is padding)."""
+    """K and V buffers per layer: [size + 1, num_kv_heads, head_dim] each (row 0 is padding). A float8
+    pool also has each layer's K and V scale (k_scales, v_scales): stored values times the scale are
+    the keys and values attention uses."""
 
     def __init__(
         self,
@@ -83,9 +128,21 @@ class TokenToKVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         commit_at_start: bool = True,
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
     ) -> None:
         """commit_at_start False (a CPU pool sized from free memory): the buffers take memory as their
-        slots are first written, not at start."""
+        slots are first written, not at start. k_scales / v_scales: one per layer (default 1.0), float8
+        dtypes only."""
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is None:
+                continue
+            if not is_fp8(dtype):
+                raise ValueError(f"{name}: KV scales apply to a float8 pool only, not to {dtype}")
+            if len(scales) != num_layers or not all(math.isfinite(s) and s > 0 for s in scales):
+                raise ValueError(f"{name}: expected {num_layers} finite positive scales, got {list(scales)}")
+        self.k_scales = [float(s) for s in k_scales] if k_scales is not None else [1.0] * num_layers
+        self.v_scales = [float(s) for s in v_scales] if v_scales is not None else [1.0] * num_layers
         self.size = size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -109,8 +166,15 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, num_kv_heads, head_dim] (or flattened heads) written at slots `loc`."""
-        self.k_buffer[layer_id][loc] = k.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.view(-1, self.num_kv_heads, self.head_dim).to(self.dtype)
+        self.k_buffer[layer_id][loc] = self.quantize_k(layer_id, k.view(-1, self.num_kv_heads, self.head_dim))
+        self.v_buffer[layer_id][loc] = self.quantize_v(layer_id, v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def quantize_k(self, layer_id: int, k: torch.Tensor) -> torch.Tensor:
+        """k as layer `layer_id`'s pool stores it (see quantize_kv)."""
+        return quantize_kv(k, self.k_scales[layer_id], self.dtype)
+
+    def quantize_v(self, layer_id: int, v: torch.Tensor) -> torch.Tensor:
+        return quantize_kv(v, self.v_scales[layer_id], self.dtype)
 
 
 def _zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

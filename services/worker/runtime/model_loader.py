@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from services.worker.config import ARCHITECTURES
+from services.worker.runtime.kv_scales import is_kv_scale
 from services.worker.runtime.layers.fp8 import SCALE_SUFFIX, dequantize_fp8_weights, read_scales
 from services.worker.runtime.layers.fp8_weights import make_fp8_resident, quantize_fp8_after_load
 from services.worker.runtime.layers.linear import LoadedWeight
@@ -93,11 +94,16 @@ def checkpoint_weights(
     config: ModelConfig, scales: dict[str, torch.Tensor] | None = None
 ) -> Iterator[tuple[str, LoadedWeight]]:
     """What the model loads: the checkpoint's tensors, with an FP8 checkpoint's quantized weights
-    wrapped with their scales (layers/fp8.py; `scales`: checkpoint_scales, read here when not given)."""
+    wrapped with their scales (layers/fp8.py; `scales`: checkpoint_scales, read here when not given).
+    KV-cache scales are not weights (the model runner reads them: runtime/kv_scales.py)."""
     if config.quantization is None or not config.quantization.from_checkpoint:
-        return iterate_weights(config.path)
+        return iterate_weights(config.path, _model_weight)
     scales = checkpoint_scales(config) if scales is None else scales
-    return dequantize_fp8_weights(iterate_weights(config.path), scales, config.quantization)
+    return dequantize_fp8_weights(iterate_weights(config.path, _model_weight), scales, config.quantization)
+
+
+def _model_weight(name: str) -> bool:
+    return not is_kv_scale(name)
 
 
 @contextlib.contextmanager

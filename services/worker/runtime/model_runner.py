@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from services.worker.config import ATTENTION_BACKENDS, EngineConfig
-from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from services.worker.mem.memory_pool import (
+    ReqToTokenPool,
+    TokenToKVPool,
+    TokenToKVPoolAllocator,
+    is_fp8,
+    kv_storage_dtype,
+)
 from services.worker.mem.state_pool import HybridReqToTokenPool, StatePool, state_rows_for_budget
 from services.worker.mem.state_snapshots import SNAPSHOTS_PER_ROW, StateSnapshots, snapshot_slots_for_budget
 from services.worker.runtime import distributed
@@ -33,12 +39,13 @@ from services.worker.runtime.attention.flashinfer_backend import (
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
+from services.worker.runtime.kv_scales import pool_layer_ids, read_kv_scales
 from services.worker.runtime.layers.batch_invariant import make_batch_invariant
 from services.worker.runtime.layers.fp8_weights import weight_bytes
 from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
-from services.worker.runtime.model_loader import load_model
+from services.worker.runtime.model_loader import load_model, safetensors_files
 from services.worker.runtime.pipeline import PendingSends, recv_from_prev_stage
 from services.worker.runtime.sampling.grammar import MaskBuffers
 from services.worker.runtime.sampling.penalties import to_device_async
@@ -246,7 +253,8 @@ class ModelRunner:
         kv_layers = model_config.num_attention_layers
         if self.pp.size > 1:  # this stage's layers only (hybrid models are refused with pp_size > 1)
             kv_layers = self.model.model.end_layer - self.model.model.start_layer
-        bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, model_config.dtype)
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, model_config.dtype)
+        bytes_per_token = TokenToKVPool.bytes_per_token(kv_layers, kv_heads, model_config.head_dim, kv_dtype)
         # Hybrid models: the linear layers' per-request state comes out of the budget first.
         state_shape = model_config.state_shape(self.tp_size) if model_config.is_hybrid else None
         rows = config.max_running_requests
@@ -271,8 +279,8 @@ class ModelRunner:
         self.max_total_tokens = size
         # Sized from free memory: taken as used; by max_total_tokens: committed at start (soak.py's RSS check).
         self.token_to_kv_pool = TokenToKVPool(
-            size, kv_layers, kv_heads, model_config.head_dim, model_config.dtype, device,
-            commit_at_start=bool(config.max_total_tokens),
+            size, kv_layers, kv_heads, model_config.head_dim, kv_dtype, device,
+            commit_at_start=bool(config.max_total_tokens), **self._kv_scales(kv_dtype),
         )
         self.allocator = TokenToKVPoolAllocator(size, device)
         rows = max(1, min(rows, size))
@@ -310,15 +318,25 @@ class ModelRunner:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
         logger.info(
-            "model %s on %s (%s%s): weights %.1f MiB, KV pool %d tokens (%.1f MiB, %d layers), %d request rows, "
-            "%s attention%s",
+            "model %s on %s (%s%s): weights %.1f MiB, KV pool %d tokens (%s, %.1f MiB, %d layers), %d request "
+            "rows, %s attention%s",
             model_config.architecture, device, model_config.dtype,
             ", FP8 weights" if model_config.quantization and model_config.quantization.resident else "",
-            self.weight_bytes / 2**20, size,
+            self.weight_bytes / 2**20, size, str(kv_dtype).removeprefix("torch."),
             size * bytes_per_token / 2**20, kv_layers, rows, backend,
             f"; pipeline stage {self.pp.rank} of {self.pp.size}, layers {self.model.model.start_layer}-"
             f"{self.model.model.end_layer - 1}" if self.pp.size > 1 else "",
         )
+
+    def _kv_scales(self, kv_dtype: torch.dtype) -> dict[str, list[float]]:
+        """A float8 pool's per-layer scales from the checkpoint, when it has them (runtime/kv_scales.py)."""
+        if not is_fp8(kv_dtype):
+            return {}
+        model = self.model.model
+        start, end = (model.start_layer, model.end_layer) if self.pp.size > 1 else (0, self.model_config.num_layers)
+        layer_ids = pool_layer_ids(self.model_config, start, end)
+        scales = read_kv_scales(safetensors_files(self.model_config.path), layer_ids)
+        return {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
 
     def _memory_budget(self) -> int:
         """Bytes the pools may take: device memory x mem_fraction_static less what is in use on CUDA,

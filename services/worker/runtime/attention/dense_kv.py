@@ -56,9 +56,17 @@ class DenseStep:
             torch.index_select(v_pool.view(-1, row), 0, self.fill_slots, out=values.view(-1, row))
         else:
             assert self.new_rows is not None
-            keys.view(-1, row).index_copy_(0, self.new_rows, k.view(bs, row).to(keys.dtype))
-            values.view(-1, row).index_copy_(0, self.new_rows, v.view(bs, row).to(values.dtype))
+            # As the pool stored them (a float8 pool: scaled, clipped and rounded).
+            new_k = pool.quantize_k(layer_id, k.view(bs, row))
+            new_v = pool.quantize_v(layer_id, v.view(bs, row))
+            _copyable(keys.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_k))
+            _copyable(values.view(-1, row)).index_copy_(0, self.new_rows, _copyable(new_v))
         return keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2)
+
+
+def _copyable(x: torch.Tensor) -> torch.Tensor:
+    """x, or for float8 (which CPU index_copy_ does not take) its bytes."""
+    return x.view(torch.uint8) if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else x
 
 
 class DenseKV:

@@ -12,6 +12,8 @@ KV head. All index and mask tensors are built once per step in `init_forward_met
 costs a handful of tensor ops whatever the batch size.
 Extend keeps a per-request SDPA loop: prefill is matmul-bound, and the loop keeps the causal
 bookkeeping of mixed prefix lengths obvious.
+A float8 pool (memory_pool.py) is read as stored, converted to the activation dtype; its K scale is
+folded into the softmax scale and its V scale multiplies the output.
 """
 
 from __future__ import annotations
@@ -145,14 +147,15 @@ class TorchAttnBackend(AttentionBackend):
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         gqa = layer.num_heads != layer.num_kv_heads
+        scaling, v_scale = _scales(batch, layer)
         for slots, start, q_len, mask in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.masks):
             qi = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, head_dim]
             ki = k_buffer[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             vi = v_buffer[slots].to(q.dtype).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=gqa
-            )
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scaling, enable_gqa=gqa)
             out[start : start + q_len] = oi.transpose(0, 1)
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def forward_decode(
@@ -183,5 +186,15 @@ class TorchAttnBackend(AttentionBackend):
             values = v_buffer.view(-1, head_dim).index_select(0, meta.head_rows)
             keys = keys.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
             values = values.view(bs, kv_heads, meta.max_len, head_dim).to(q.dtype)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask, scale=layer.scaling)
+        scaling, v_scale = _scales(batch, layer)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.mask, scale=scaling)
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return out.reshape(bs, layer.num_heads * head_dim)
+
+
+def _scales(batch: ForwardBatch, layer: AttentionLayer) -> tuple[float, float]:
+    """The softmax scale with the layer's K scale folded in, and its V scale: attention over a float8
+    pool's stored values, scaled so, is attention over the values they stand for."""
+    pool = batch.token_to_kv_pool
+    return layer.scaling * pool.k_scales[layer.layer_id], pool.v_scales[layer.layer_id]

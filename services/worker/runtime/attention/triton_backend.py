@@ -264,6 +264,8 @@ class TritonAttnBackend(AttentionBackend):
             k_buffer=pool.get_key_buffer(layer.layer_id),
             v_buffer=pool.get_value_buffer(layer.layer_id),
             out_cache_loc=batch.out_cache_loc,
+            k_scale=pool.k_scales[layer.layer_id],
+            v_scale=pool.v_scales[layer.layer_id],
         )
         if decode:
             return self._decode(q, layer, batch, meta)
@@ -303,6 +305,8 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
             EXTEND_TILES,
             self._extend_partials,
+            k_scale=pool.k_scales[layer.layer_id],
+            v_scale=pool.v_scales[layer.layer_id],
         )
 
     def _decode(
@@ -329,12 +333,15 @@ class TritonAttnBackend(AttentionBackend):
             part_out,
             part_lse,
             split_counters=self._counters_for(bs * pool.get_key_buffer(layer.layer_id).shape[1], q.device),
+            k_scale=pool.k_scales[layer.layer_id],
+            v_scale=pool.v_scales[layer.layer_id],
         )
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v)
+        scales = pool.k_scales[layer.layer_id], pool.v_scales[layer.layer_id]
+        store_kv(k_buffer, v_buffer, batch.out_cache_loc, k, v, *scales)
 
     def min_extend_chunk_tokens(self) -> int:
         """One query block (EXTEND_TILES.block_m rows): the extend kernel computes whole blocks, so a
