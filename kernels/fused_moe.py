@@ -15,17 +15,30 @@ Each token picks k experts, so there are T*k (token, expert) pairs; pair p = t*k
 Blocks past the padded total exit at once, so the grid is sized from shapes alone (CUDA-graph safe).
 Program ids walk GROUP_M row blocks before moving along N, so blocks of one expert reuse its weight
 tiles from L2.
+
+Block-wise FP8 experts (w13_scale_inv / w2_scale_inv / block_size, as Qwen3-MoE-FP8 publishes them: each
+expert's weight in float8_e4m3fn with a float32 scale per [bn, bk] block). BLOCK_K divides bk, so each
+K step meets one block column, and its product is scaled before it joins the float32 sum. Two forms:
+- w8a8 (SGLang's only form for block FP8): each GEMM's input is quantized per token in groups of bk
+  (kernels/fp8_gemm.per_token_group_quant_fp8) and the product runs fp8 x fp8 on the tensor cores,
+  scaled by a_scale[row] * w_scale[col] per step.
+- weight-only: the input stays in its dtype and each weight tile is converted to it (exact: e4m3 fits
+  in bf16/f16), scaled by w_scale[col] per step. No quantization launches and no activation rounding;
+  the default for decode-sized batches (few pairs per expert), where the step streams weights anyway.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
+from kernels.fp8_gemm import per_token_group_quant_fp8
+from kernels.fp8_gemv import pow2_divisor
+from kernels.fp8_reference import FP8_DTYPE
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,12 @@ def moe_tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
     if num_pairs <= 16 * num_experts:
         return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return MoeTiles()
+
+
+def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
+    """Quantize activations (w8a8) once experts see more than a couple of rows each; fewer (decode) run
+    weight-only, the regime where moe_tiles_for streams weights with short row blocks."""
+    return num_pairs > 2 * num_experts
 
 
 def align_tokens_by_expert(
@@ -82,6 +101,19 @@ def align_tokens_by_expert(
 
 
 @triton.jit
+def _accumulate(acc, a, b, a_s, b_s, A_FP8: tl.constexpr, B_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b for one K step; FP8 weights: the step's product times its block scales."""
+    if B_FP8:
+        if A_FP8:
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
     A,
     B,
@@ -90,6 +122,8 @@ def _moe_gemm_kernel(
     Expert_ids,
     Num_padded,
     Pair_weights,
+    A_scale,
+    B_scale,
     N,
     K,
     num_pairs,
@@ -100,6 +134,11 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_bk,
     stride_cm,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    group_n,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -107,10 +146,14 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    A_FP8: tl.constexpr,
+    B_FP8: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     """C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of each row block.
     GATED: B holds 2N rows (gate, then up) and C gets silu(gate) * up. WEIGHTED: rows are scaled by
-    Pair_weights[pair]."""
+    Pair_weights[pair]. B_FP8: B is fp8 with block scales B_scale [E, rows / bn, K / bk] (group_n = bn,
+    GROUP_K = bk); A_FP8: A is fp8 too, with group scales A_scale [rows of A, K / bk]."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n_blocks
@@ -128,16 +171,27 @@ def _moe_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = B + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        a_scale_ptrs = A_scale + a_rows * stride_asm
+        b_scale_ptrs = B_scale + expert * stride_bse + (offs_n // group_n) * stride_bsn
+        b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + offs_n) // group_n) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=valid, other=0.0) if A_FP8 else None
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            b_s = (
+                tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
+                if B_FP8
+                else None
+            )
+            acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
             if GATED:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+                if B_FP8:
+                    b_s = tl.load(b_scale_up_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
+                acc_up = _accumulate(acc_up, a, b_up, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         if GATED:
@@ -162,7 +216,15 @@ def _grouped_gemm(
     a_rows_per_pair: int,
     gated: bool,
     tiles: MoeTiles,
+    b_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (1, 1),
+    quantize_a: bool = False,
 ) -> None:
+    """One grouped GEMM; with b_scale, b is fp8 in block_size blocks, and quantize_a quantizes a first
+    (per token, groups of bk) for the fp8 x fp8 product."""
+    a_scale = None
+    if quantize_a:
+        a, a_scale = per_token_group_quant_fp8(a, block_size[1])
     n = c.shape[1]
     num_m_blocks = expert_ids.shape[0]
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
@@ -174,6 +236,8 @@ def _grouped_gemm(
         expert_ids,
         num_padded,
         pair_weights if pair_weights is not None else c,
+        a_scale if a_scale is not None else c,
+        b_scale if b_scale is not None else c,
         n,
         a.shape[1],
         c.shape[0],
@@ -184,6 +248,11 @@ def _grouped_gemm(
         b.stride(1),
         b.stride(2),
         c.stride(0),
+        a_scale.stride(0) if a_scale is not None else 0,
+        b_scale.stride(0) if b_scale is not None else 0,
+        b_scale.stride(1) if b_scale is not None else 0,
+        b_scale.stride(2) if b_scale is not None else 0,
+        block_size[0],
         GATED=gated,
         WEIGHTED=pair_weights is not None,
         BLOCK_M=tiles.block_m,
@@ -191,9 +260,42 @@ def _grouped_gemm(
         BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m,
         DOT_PRECISION=dot_precision(a.dtype),
+        A_FP8=a_scale is not None,
+        B_FP8=b_scale is not None,
+        GROUP_K=block_size[1],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+def _check_fp8_experts(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+    block_size: tuple[int, int] | None,
+) -> tuple[int, int] | None:
+    """(bn, bk) for block-FP8 experts, None for unquantized ones; a ValueError for a mix."""
+    given = [x is not None for x in (w13_scale_inv, w2_scale_inv, block_size)]
+    if not any(given):
+        if FP8_DTYPE in (w13.dtype, w2.dtype):
+            raise ValueError("float8_e4m3fn experts need w13_scale_inv, w2_scale_inv and block_size")
+        return None
+    if not all(given):
+        raise ValueError("FP8 experts take w13_scale_inv, w2_scale_inv and block_size together")
+    if len(block_size) != 2 or not all(isinstance(v, int) and v > 0 for v in block_size):
+        raise ValueError(f"block_size must be two positive integers (bn, bk), got {block_size!r}")
+    bn, bk = block_size
+    for name, w, scale in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"{name} must be float8_e4m3fn when scales are given, got {w.dtype}")
+        expected = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+            raise ValueError(
+                f"{name}_scale_inv must be float32 {list(expected)} for {name} {list(w.shape)} in "
+                f"{list(block_size)} blocks, got {list(scale.shape)} {scale.dtype}"
+            )
+    return bn, bk
 
 
 def fused_moe(
@@ -203,11 +305,19 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: MoeTiles | None = None,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights, topk_ids [T, k].
     Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
+    Block-FP8 experts: w13 / w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)], block_size (bn, bk); fp8_activations picks w8a8 (True)
+    or weight-only (False), by default moe_fp8_activations.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -222,15 +332,30 @@ def fused_moe(
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the last axis must be contiguous")
+    fp8_block = _check_fp8_experts(w13, w2, w13_scale_inv, w2_scale_inv, block_size)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     tiles = tiles or moe_tiles_for(num_pairs, num_experts)
+    quantize = False
+    if fp8_block is None and fp8_activations is not None:
+        raise ValueError("fp8_activations applies to FP8 experts only (pass their scales and block_size)")
+    if fp8_block is not None:
+        block_k = pow2_divisor(fp8_block[1], tiles.block_k)
+        if block_k < 16:
+            raise ValueError(f"block_size[1] = {fp8_block[1]} must be a multiple of 16 for the expert GEMMs")
+        tiles = replace(tiles, block_k=block_k)
+        quantize = moe_fp8_activations(num_pairs, num_experts) if fp8_activations is None else fp8_activations
+    fp8 = dict(block_size=fp8_block or (1, 1), quantize_a=quantize)
     sorted_ids, expert_ids, num_padded = align_tokens_by_expert(topk_ids, num_experts, tiles.block_m)
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, act, sorted_ids, expert_ids, num_padded, None, top_k, True, tiles)
+    _grouped_gemm(
+        hidden, w13, act, sorted_ids, expert_ids, num_padded, None, top_k, True, tiles, w13_scale_inv, **fp8
+    )
     per_pair = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles)
+    _grouped_gemm(
+        act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles, w2_scale_inv, **fp8
+    )
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1)
