@@ -53,9 +53,19 @@ class MoeTiles:
     num_stages: int = 3
 
 
-def moe_tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
+def moe_tiles_for(num_pairs: int, num_experts: int, fp8: bool = False) -> MoeTiles:
     """Few pairs per expert (decode): short row blocks, so padding does not multiply the work; the
-    kernel then streams weights, and a narrow N with a long K keeps many loads in flight."""
+    kernel then streams weights, and a narrow N with a long K keeps many loads in flight.
+
+    FP8 experts get their own: each K step's scaled product needs registers of its own beside the two
+    accumulators of the gated GEMM, and the bf16 tiles spilled with it when compiled for sm90 (checked
+    offline with ptxas; these do not)."""
+    if fp8:
+        if num_pairs <= 2 * num_experts:
+            return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=3)
+        if num_pairs <= 16 * num_experts:
+            return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return MoeTiles(block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=3)
     if num_pairs <= 2 * num_experts:
         return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if num_pairs <= 16 * num_experts:
@@ -149,6 +159,7 @@ def _moe_gemm_kernel(
     A_FP8: tl.constexpr,
     B_FP8: tl.constexpr,
     GROUP_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of each row block.
     GATED: B holds 2N rows (gate, then up) and C gets silu(gate) * up. WEIGHTED: rows are scaled by
@@ -165,35 +176,46 @@ def _moe_gemm_kernel(
         expert = tl.load(Expert_ids + pid_m).to(tl.int64)
         pairs = tl.load(Sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
-        a_rows = (pairs // a_rows_per_pair).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
+        # Padding rows and columns past N read row / column 0 rather than masking every load (they are
+        # never stored); only K's tail is masked, and only when K is not a multiple of BLOCK_K.
+        a_rows = tl.where(valid, pairs // a_rows_per_pair, 0)
+        safe_n = tl.where(n_mask, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = B + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
-        a_scale_ptrs = A_scale + a_rows * stride_asm
-        b_scale_ptrs = B_scale + expert * stride_bse + (offs_n // group_n) * stride_bsn
-        b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + offs_n) // group_n) * stride_bsn
+        # Both tiles are addressed as a scalar base (advanced per step) plus loop-invariant int32 offsets
+        # (the wrapper keeps A under 2^31 elements): tensors of 64-bit pointers, one per operand and one
+        # for the up rows, held two registers per element through the loop and made the gated tiles spill.
+        a_base = A
+        a_offs = a_rows[:, None] * stride_am + offs_k[None, :]
+        b_base = B + expert * stride_be
+        b_offs = safe_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        a_scale_ptrs = A_scale + a_rows.to(tl.int64) * stride_asm
+        b_scale_ptrs = B_scale + expert * stride_bse + (safe_n // group_n) * stride_bsn
+        b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + safe_n) // group_n) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=valid, other=0.0) if A_FP8 else None
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            b_s = (
-                tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
-                if B_FP8
-                else None
-            )
+            if EVEN_K:
+                a = tl.load(a_base + a_offs)
+                b = tl.load(b_base + b_offs)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_base + a_offs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_base + b_offs, mask=k_mask[:, None], other=0.0)
+            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K) if A_FP8 else None
+            b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk) if B_FP8 else None
             acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
             if GATED:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if EVEN_K:
+                    b_up = tl.load(b_base + N * stride_bn + b_offs)
+                else:
+                    b_up = tl.load(b_base + N * stride_bn + b_offs, mask=k_mask[:, None], other=0.0)
                 if B_FP8:
-                    b_s = tl.load(b_scale_up_ptrs + (k0 // GROUP_K) * stride_bsk, mask=n_mask, other=0.0)
+                    b_s = tl.load(b_scale_up_ptrs + (k0 // GROUP_K) * stride_bsk)
                 acc_up = _accumulate(acc_up, a, b_up, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+            a_base += BLOCK_K
+            b_base += BLOCK_K * stride_bk
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if WEIGHTED:
@@ -263,6 +285,7 @@ def _grouped_gemm(
         A_FP8=a_scale is not None,
         B_FP8=b_scale is not None,
         GROUP_K=block_size[1],
+        EVEN_K=a.shape[1] % tiles.block_k == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -337,7 +360,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    tiles = tiles or moe_tiles_for(num_pairs, num_experts)
+    tiles = tiles or moe_tiles_for(num_pairs, num_experts, fp8=fp8_block is not None)
     quantize = False
     if fp8_block is None and fp8_activations is not None:
         raise ValueError("fp8_activations applies to FP8 experts only (pass their scales and block_size)")
