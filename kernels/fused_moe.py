@@ -358,6 +358,8 @@ def fused_moe(
     fp8_block = _check_fp8_experts(w13, w2, w13_scale_inv, w2_scale_inv, block_size)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    if max(hidden.numel(), num_pairs * inter) >= 2**31:
+        raise ValueError(f"{num_tokens} tokens are too many for one call (int32 offsets): split the batch")
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     tiles = tiles or moe_tiles_for(num_pairs, num_experts, fp8=fp8_block is not None)

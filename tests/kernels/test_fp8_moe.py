@@ -159,3 +159,12 @@ def test_fp8_moe_rejects_mismatched_scales(gen) -> None:
         fused_moe(x, w13, w2, weights, ids, SMALL)
     with pytest.raises(ValueError, match="FP8 experts only"):
         fused_moe(x, w13.float(), w2.float(), weights, ids, SMALL, fp8_activations=True)
+
+
+def test_fused_moe_refuses_batches_past_int32_offsets() -> None:
+    tokens = 2**27  # x 16 features = 2^31 elements, never allocated: broadcast views
+    x = torch.zeros(1, 16).expand(tokens, 16)
+    ids = torch.zeros(1, 2, dtype=torch.long).expand(tokens, 2)
+    weights = torch.ones(1, 2).expand(tokens, 2)
+    with pytest.raises(ValueError, match="too many for one call"):
+        fused_moe(x, torch.zeros(4, 32, 16), torch.zeros(4, 16, 16), weights, ids)
