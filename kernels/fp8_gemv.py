@@ -3,10 +3,10 @@ and dequantized in registers, the activations stay in their own dtype, and the s
 weight's bytes, which FP8 halves against bf16.
 
 One row ("rows" tiles, as kernels/gemv.py): each program owns BLOCK_N output rows, all inside one row of
-block scales (BLOCK_N divides bn), and keeps a [BLOCK_N, BLOCK_K] float32 partial sum reduced once at the
-end. The block scales are folded into the row instead of the weight, x * scale[k // bk], a [BLOCK_K]
-vector per tile shared by all BLOCK_N rows, so each weight element costs one conversion and one FMA, as
-in the bf16 GEMV.
+block scales (BLOCK_N divides bn), and streams them across K; each thread sums its 16-column chunks in
+registers as they arrive and the cross-thread reduction happens once at the end. The block scales are
+folded into the row instead of the weight, x * scale[k // bk], a [BLOCK_K] vector per tile shared by all
+BLOCK_N rows, so each weight element costs one conversion and one FMA, as in the bf16 GEMV.
 
 Up to 16 rows ("dot" tiles): the same weight tiles go through tl.dot with the rows padded to 16, the fp8
 weight converted to the activation dtype exactly (e4m3 fits in bf16/f16); BLOCK_K divides bk, so each
@@ -24,8 +24,16 @@ from kernels.fp8_reference import ACTIVATION_DTYPES, check_block_weight
 from kernels.gemv import DOT_MAX_ROWS, GemvTiles
 
 GEMV_MAX_ROWS = DOT_MAX_ROWS
-GEMV_ROWS_TILES = GemvTiles(block_n=16, block_k=512, num_warps=4, num_stages=3)
 GEMV_DOT_TILES = GemvTiles(block_n=32, block_k=128, num_warps=4, num_stages=4, kind="dot")
+
+
+def fp8_gemv_tiles_for(n: int, k: int) -> GemvTiles:
+    """One-row tiles by shape: 8 KB of weight per program and step (8 x 1024 fp8) where N is a hidden
+    size, so a 4096-row weight still makes 512 programs (about four per SM, ~32 KB of loads in flight
+    each); 16 rows where N is wide enough to fill the machine anyway. bench/gpu_fp8.py sweeps others."""
+    return GemvTiles(
+        block_n=8 if n <= 8192 else 16, block_k=1024 if k >= 1024 else 512, num_warps=4, num_stages=3
+    )
 
 
 def pow2_divisor(n: int, cap: int) -> int:
@@ -47,6 +55,7 @@ def _fp8_gemv_rows_kernel(
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -54,23 +63,25 @@ def _fp8_gemv_rows_kernel(
     safe_rows = tl.where(rows < N, rows, 0).to(tl.int64)
     # BLOCK_N divides bn: every row of this program has the same row of block scales.
     scale_row = W_scale + ((pid * BLOCK_N) // group_n).to(tl.int64) * stride_wsn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # A K tile is BLOCK_K / VEC chunks of VEC contiguous columns (one 16-byte load of fp8 per row), each
+    # inside one scale block. Each chunk's products are summed in registers as it arrives, so the
+    # partial sums are [BLOCK_N, BLOCK_K / VEC]: half the registers of a [BLOCK_N, BLOCK_K] sum at
+    # 16 x 512 (64 against 128 for sm90, per ptxas), so twice the programs and loads in flight per SM.
+    chunks = tl.arange(0, BLOCK_K // VEC)
+    offs = chunks[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = k0 + offs
+        w_ptrs = W + safe_rows[:, None, None] * stride_wn + cols[None, :, :]
+        scale_ptrs = scale_row + (k0 + chunks * VEC) // GROUP_K
         if EVEN_K:
-            w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
-            x = tl.load(X + cols).to(tl.float32) * tl.load(scale_row + cols // GROUP_K)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(X + cols).to(tl.float32) * tl.load(scale_ptrs)[:, None]
         else:
-            col_mask = cols < K
-            w = tl.load(
-                W + safe_rows[:, None] * stride_wn + cols[None, :],
-                mask=col_mask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
-            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-            x = x * tl.load(scale_row + cols // GROUP_K, mask=col_mask, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+            w = tl.load(w_ptrs, mask=(cols < K)[None, :, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x = x * tl.load(scale_ptrs, mask=k0 + chunks * VEC < K, other=0.0)[:, None]
+        acc += tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)
     tl.store(Y + rows, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -147,7 +158,7 @@ def fp8_block_gemv(
     m = x.shape[0]
     if not 1 <= m <= GEMV_MAX_ROWS:
         raise ValueError(f"fp8_block_gemv takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
-    tiles = tiles or (GEMV_ROWS_TILES if m == 1 else GEMV_DOT_TILES)
+    tiles = tiles or (fp8_gemv_tiles_for(n, k) if m == 1 else GEMV_DOT_TILES)
     if tiles.kind == "rows" and m != 1:
         raise ValueError(f"'rows' tiles take one row, got {m}; use 'dot' tiles for up to {GEMV_MAX_ROWS}")
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -167,6 +178,7 @@ def fp8_block_gemv(
             GROUP_K=bk,
             BLOCK_N=block_n,
             BLOCK_K=tiles.block_k,
+            VEC=min(pow2_divisor(bk, 16), tiles.block_k),
             EVEN_K=k % tiles.block_k == 0,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,

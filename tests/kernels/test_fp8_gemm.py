@@ -102,18 +102,20 @@ def test_w8a8_matmul_with_default_tiles_and_published_blocks(gen) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "tiles"),
+    ("m", "tiles", "k"),
     [
-        (1, GemvTiles(8, 32)),  # rows form, BLOCK_K tile narrower than bk
-        (1, GemvTiles(16, 64)),  # rows form, one tile spanning two k-blocks
-        (1, GemvTiles(16, 32, kind="dot")),  # the dot form takes a single row too
-        (3, GemvTiles(16, 32, kind="dot")),
-        (16, GemvTiles(8, 16, kind="dot")),  # the most rows; two tiles per k-block
+        (1, GemvTiles(8, 32), 88),  # rows form, BLOCK_K tile narrower than bk, ragged K
+        (1, GemvTiles(16, 64), 88),  # rows form, one tile spanning two k-blocks
+        (1, GemvTiles(16, 32), 96),  # rows form, K a multiple of the tile (no masks)
+        (1, GemvTiles(16, 32, kind="dot"), 88),  # the dot form takes a single row too
+        (3, GemvTiles(16, 32, kind="dot"), 88),
+        (3, GemvTiles(16, 32, kind="dot"), 96),
+        (16, GemvTiles(8, 16, kind="dot"), 88),  # the most rows; two tiles per k-block
     ],
 )
-def test_fp8_gemv_matches_the_reference(gen, m, tiles) -> None:
+def test_fp8_gemv_matches_the_reference(gen, m, tiles, k) -> None:
     block = (16, 32)
-    n, k = 45, 88
+    n = 45
     w_q, w_s = _weight(gen, n, k, block)
     x = torch.randn((m, k), generator=gen)
     out = fp8_block_gemv(x, w_q, w_s, block, tiles=tiles)
