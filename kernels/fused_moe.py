@@ -15,17 +15,30 @@ Each token picks k experts, so there are T*k (token, expert) pairs; pair p = t*k
 Blocks past the padded total exit at once, so the grid is sized from shapes alone (CUDA-graph safe).
 Program ids walk GROUP_M row blocks before moving along N, so blocks of one expert reuse its weight
 tiles from L2.
+
+Block-wise FP8 experts (w13_scale_inv / w2_scale_inv / block_size, as Qwen3-MoE-FP8 publishes them: each
+expert's weight in float8_e4m3fn with a float32 scale per [bn, bk] block). BLOCK_K divides bk, so each
+K step meets one block column, and its product is scaled before it joins the float32 sum. Two forms:
+- w8a8 (SGLang's only form for block FP8): each GEMM's input is quantized per token in groups of bk
+  (kernels/fp8_gemm.per_token_group_quant_fp8) and the product runs fp8 x fp8 on the tensor cores,
+  scaled by a_scale[row] * w_scale[col] per step.
+- weight-only: the input stays in its dtype and each weight tile is converted to it (exact: e4m3 fits
+  in bf16/f16), scaled by w_scale[col] per step. No quantization launches and no activation rounding;
+  the default for decode-sized batches (few pairs per expert), where the step streams weights anyway.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
+from kernels.fp8_gemm import per_token_group_quant_fp8
+from kernels.fp8_gemv import pow2_divisor
+from kernels.fp8_reference import FP8_DTYPE
 
 
 @dataclass(frozen=True)
@@ -44,14 +57,30 @@ class MoeTiles:
 DETERMINISTIC_MOE_TILES = MoeTiles()
 
 
-def moe_tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
+def moe_tiles_for(num_pairs: int, num_experts: int, fp8: bool = False) -> MoeTiles:
     """Few pairs per expert (decode): short row blocks, so padding does not multiply the work; the
-    kernel then streams weights, and a narrow N with a long K keeps many loads in flight."""
+    kernel then streams weights, and a narrow N with a long K keeps many loads in flight.
+
+    FP8 experts get their own: each K step's scaled product needs registers of its own beside the two
+    accumulators of the gated GEMM, and the bf16 tiles spilled with it when compiled for sm90 (checked
+    offline with ptxas; these do not)."""
+    if fp8:
+        if num_pairs <= 2 * num_experts:
+            return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=3)
+        if num_pairs <= 16 * num_experts:
+            return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return MoeTiles(block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=3)
     if num_pairs <= 2 * num_experts:
         return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if num_pairs <= 16 * num_experts:
         return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
     return MoeTiles()
+
+
+def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
+    """Quantize activations (w8a8) once experts see more than a couple of rows each; fewer (decode) run
+    weight-only, the regime where moe_tiles_for streams weights with short row blocks."""
+    return num_pairs > 2 * num_experts
 
 
 def align_tokens_by_expert(
@@ -86,6 +115,19 @@ def align_tokens_by_expert(
 
 
 @triton.jit
+def _accumulate(acc, a, b, a_s, b_s, A_FP8: tl.constexpr, B_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b for one K step; FP8 weights: the step's product times its block scales."""
+    if B_FP8:
+        if A_FP8:
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _moe_gemm_kernel(
     A,
     B,
@@ -94,6 +136,8 @@ def _moe_gemm_kernel(
     Expert_ids,
     Num_padded,
     Pair_weights,
+    A_scale,
+    B_scale,
     N,
     K,
     num_pairs,
@@ -104,6 +148,11 @@ def _moe_gemm_kernel(
     stride_bn,
     stride_bk,
     stride_cm,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
+    stride_bsk,
+    group_n,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -111,10 +160,15 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    A_FP8: tl.constexpr,
+    B_FP8: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of each row block.
     GATED: B holds 2N rows (gate, then up) and C gets silu(gate) * up. WEIGHTED: rows are scaled by
-    Pair_weights[pair]."""
+    Pair_weights[pair]. B_FP8: B is fp8 with block scales B_scale [E, rows / bn, K / bk] (group_n = bn,
+    GROUP_K = bk); A_FP8: A is fp8 too, with group scales A_scale [rows of A, K / bk]."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n_blocks
@@ -126,24 +180,46 @@ def _moe_gemm_kernel(
         expert = tl.load(Expert_ids + pid_m).to(tl.int64)
         pairs = tl.load(Sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
-        a_rows = (pairs // a_rows_per_pair).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
+        # Padding rows and columns past N read row / column 0 rather than masking every load (they are
+        # never stored); only K's tail is masked, and only when K is not a multiple of BLOCK_K.
+        a_rows = tl.where(valid, pairs // a_rows_per_pair, 0)
+        safe_n = tl.where(n_mask, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = B + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        # Both tiles are addressed as a scalar base (advanced per step) plus loop-invariant int32 offsets
+        # (the wrapper keeps A under 2^31 elements): tensors of 64-bit pointers, one per operand and one
+        # for the up rows, held two registers per element through the loop and made the gated tiles spill.
+        a_base = A
+        a_offs = a_rows[:, None] * stride_am + offs_k[None, :]
+        b_base = B + expert * stride_be
+        b_offs = safe_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+        a_scale_ptrs = A_scale + a_rows.to(tl.int64) * stride_asm
+        b_scale_ptrs = B_scale + expert * stride_bse + (safe_n // group_n) * stride_bsn
+        b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + safe_n) // group_n) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if EVEN_K:
+                a = tl.load(a_base + a_offs)
+                b = tl.load(b_base + b_offs)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_base + a_offs, mask=k_mask[None, :], other=0.0)
+                b = tl.load(b_base + b_offs, mask=k_mask[:, None], other=0.0)
+            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K) if A_FP8 else None
+            b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk) if B_FP8 else None
+            acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
             if GATED:
-                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
+                if EVEN_K:
+                    b_up = tl.load(b_base + N * stride_bn + b_offs)
+                else:
+                    b_up = tl.load(b_base + N * stride_bn + b_offs, mask=k_mask[:, None], other=0.0)
+                if B_FP8:
+                    b_s = tl.load(b_scale_up_ptrs + (k0 // GROUP_K) * stride_bsk)
+                acc_up = _accumulate(acc_up, a, b_up, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
+            a_base += BLOCK_K
+            b_base += BLOCK_K * stride_bk
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if WEIGHTED:
@@ -166,7 +242,15 @@ def _grouped_gemm(
     a_rows_per_pair: int,
     gated: bool,
     tiles: MoeTiles,
+    b_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] = (1, 1),
+    quantize_a: bool = False,
 ) -> None:
+    """One grouped GEMM; with b_scale, b is fp8 in block_size blocks, and quantize_a quantizes a first
+    (per token, groups of bk) for the fp8 x fp8 product."""
+    a_scale = None
+    if quantize_a:
+        a, a_scale = per_token_group_quant_fp8(a, block_size[1])
     n = c.shape[1]
     num_m_blocks = expert_ids.shape[0]
     grid = (num_m_blocks * triton.cdiv(n, tiles.block_n),)
@@ -178,6 +262,8 @@ def _grouped_gemm(
         expert_ids,
         num_padded,
         pair_weights if pair_weights is not None else c,
+        a_scale if a_scale is not None else c,
+        b_scale if b_scale is not None else c,
         n,
         a.shape[1],
         c.shape[0],
@@ -188,6 +274,11 @@ def _grouped_gemm(
         b.stride(1),
         b.stride(2),
         c.stride(0),
+        a_scale.stride(0) if a_scale is not None else 0,
+        b_scale.stride(0) if b_scale is not None else 0,
+        b_scale.stride(1) if b_scale is not None else 0,
+        b_scale.stride(2) if b_scale is not None else 0,
+        block_size[0],
         GATED=gated,
         WEIGHTED=pair_weights is not None,
         BLOCK_M=tiles.block_m,
@@ -195,9 +286,43 @@ def _grouped_gemm(
         BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m,
         DOT_PRECISION=dot_precision(a.dtype),
+        A_FP8=a_scale is not None,
+        B_FP8=b_scale is not None,
+        GROUP_K=block_size[1],
+        EVEN_K=a.shape[1] % tiles.block_k == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+def _check_fp8_experts(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+    block_size: tuple[int, int] | None,
+) -> tuple[int, int] | None:
+    """(bn, bk) for block-FP8 experts, None for unquantized ones; a ValueError for a mix."""
+    given = [x is not None for x in (w13_scale_inv, w2_scale_inv, block_size)]
+    if not any(given):
+        if FP8_DTYPE in (w13.dtype, w2.dtype):
+            raise ValueError("float8_e4m3fn experts need w13_scale_inv, w2_scale_inv and block_size")
+        return None
+    if not all(given):
+        raise ValueError("FP8 experts take w13_scale_inv, w2_scale_inv and block_size together")
+    if len(block_size) != 2 or not all(isinstance(v, int) and v > 0 for v in block_size):
+        raise ValueError(f"block_size must be two positive integers (bn, bk), got {block_size!r}")
+    bn, bk = block_size
+    for name, w, scale in (("w13", w13, w13_scale_inv), ("w2", w2, w2_scale_inv)):
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"{name} must be float8_e4m3fn when scales are given, got {w.dtype}")
+        expected = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != expected:
+            raise ValueError(
+                f"{name}_scale_inv must be float32 {list(expected)} for {name} {list(w.shape)} in "
+                f"{list(block_size)} blocks, got {list(scale.shape)} {scale.dtype}"
+            )
+    return bn, bk
 
 
 def fused_moe(
@@ -208,6 +333,11 @@ def fused_moe(
     topk_ids: torch.Tensor,
     tiles: MoeTiles | None = None,
     sum_in_order: bool = False,
+    *,
+    w13_scale_inv: torch.Tensor | None = None,
+    w2_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
+    fp8_activations: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
     sum_in_order: add the k expert outputs j = 0, 1, ... one after another (deterministic inference: a
@@ -215,6 +345,9 @@ def fused_moe(
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights, topk_ids [T, k].
     Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
+    Block-FP8 experts: w13 / w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)], block_size (bn, bk); fp8_activations picks w8a8 (True)
+    or weight-only (False), by default moe_fp8_activations.
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -229,17 +362,34 @@ def fused_moe(
     for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the last axis must be contiguous")
+    fp8_block = _check_fp8_experts(w13, w2, w13_scale_inv, w2_scale_inv, block_size)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
+    if max(hidden.numel(), num_pairs * inter) >= 2**31:
+        raise ValueError(f"{num_tokens} tokens are too many for one call (int32 offsets): split the batch")
     if num_pairs == 0:
         return torch.zeros_like(hidden)
-    tiles = tiles or moe_tiles_for(num_pairs, num_experts)
+    tiles = tiles or moe_tiles_for(num_pairs, num_experts, fp8=fp8_block is not None)
+    quantize = False
+    if fp8_block is None and fp8_activations is not None:
+        raise ValueError("fp8_activations applies to FP8 experts only (pass their scales and block_size)")
+    if fp8_block is not None:
+        block_k = pow2_divisor(fp8_block[1], tiles.block_k)
+        if block_k < 16:
+            raise ValueError(f"block_size[1] = {fp8_block[1]} must be a multiple of 16 for the expert GEMMs")
+        tiles = replace(tiles, block_k=block_k)
+        quantize = moe_fp8_activations(num_pairs, num_experts) if fp8_activations is None else fp8_activations
+    fp8 = dict(block_size=fp8_block or (1, 1), quantize_a=quantize)
     sorted_ids, expert_ids, num_padded = align_tokens_by_expert(topk_ids, num_experts, tiles.block_m)
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(hidden, w13, act, sorted_ids, expert_ids, num_padded, None, top_k, True, tiles)
+    _grouped_gemm(
+        hidden, w13, act, sorted_ids, expert_ids, num_padded, None, top_k, True, tiles, w13_scale_inv, **fp8
+    )
     per_pair = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _grouped_gemm(act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles)
+    _grouped_gemm(
+        act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles, w2_scale_inv, **fp8
+    )
     per_token = per_pair.view(num_tokens, top_k, hidden_size)
     if not sum_in_order:
         return per_token.sum(dim=1)

@@ -1,0 +1,306 @@
+"""Block-wise FP8 linear layers: weights in float8_e4m3fn with one float32 scale per [bn, bk] block.
+
+Two ways to multiply, chosen by the number of rows (fp8_block_linear):
+
+- Few rows (batch-1 / small-batch decode, <= GEMV_MAX_ROWS): `fp8_block_gemv` (kernels/fp8_gemv.py),
+  weight-only: the fp8 weight is dequantized in registers, bound by its bytes.
+- Many rows (prefill, large batches): per-token-group activation quantization (`per_token_group_quant_fp8`,
+  groups of bk features, scale = amax / 448) and `w8a8_block_fp8_matmul`, an fp8 x fp8 tensor-core GEMM.
+  Each BLOCK_K step's product starts from zero and is added to the float32 accumulator times
+  a_scale[row] * w_scale[col]: the block scales are applied per step, and the tensor cores' reduced
+  accumulation precision for fp8 never spans more than one block.
+
+The torch references and the scheme's constants are in kernels/fp8_reference.py.
+Tiles are fixed per shape class (no autotuning); bench/gpu_fp8.py sweeps alternatives on the GPU.
+
+Under Triton's CPU interpreter (tests) a float32 -> fp8 conversion rounds half up and drops the carry
+into the exponent when the mantissa rounds over (3.6.0: 124.5 becomes 64, not 128). The quantizer
+therefore rounds to the e4m3 grid in float32 first when interpreting (ROUND_IN_F32), so the conversion
+it then does is exact; on the GPU the hardware conversion (round to nearest even) runs alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_block_gemv, pow2_divisor
+from kernels.fp8_reference import (
+    ACTIVATION_DTYPES,
+    FP8_DTYPE,
+    FP8_EPS,
+    FP8_MAX,
+    check_block_weight,
+    fp8_block_linear_reference,
+)
+from kernels.interpreter_compat import interpreting
+
+__all__ = [
+    "FP8_MAX",
+    "GEMV_MAX_ROWS",
+    "Fp8Tiles",
+    "fp8_block_gemv",
+    "fp8_block_linear",
+    "fp8_block_linear_reference",
+    "per_token_group_quant_fp8",
+    "w8a8_block_fp8_matmul",
+]
+
+
+@dataclass(frozen=True)
+class Fp8Tiles:
+    """One w8a8 GEMM launch shape (block_k is capped at the largest power of two dividing bk)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def fp8_tiles_for(m: int) -> Fp8Tiles:
+    """Short M: narrow tiles, so there are enough programs to stream the weight; long M: 128 x 128."""
+    if m <= 16:
+        return Fp8Tiles(block_m=16, block_n=64, group_m=1, num_stages=4)
+    if m <= 128:
+        return Fp8Tiles(block_m=64, block_n=64, num_stages=4)
+    if m <= 1024:
+        return Fp8Tiles()
+    return Fp8Tiles(block_m=128, block_n=128, num_warps=8)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    # Normal e4m3 (|v| >= 2^-6): keep 3 of float32's 23 mantissa bits; a carry moves into the exponent.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormal e4m3: multiples of 2^-9; 1.5 * 2^14 has a float32 ulp of 2^-9, so the sum rounds to one.
+    sub = (tl.abs(v) + 24576.0) - 24576.0
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _group_quant_kernel(
+    X,
+    Q,
+    S,
+    K,
+    num_groups,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    eps,
+    fp8_max,
+    num_units,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UNITS: tl.constexpr,
+    ROUND_IN_F32: tl.constexpr,
+):
+    """A unit is one group of one row (unit u: row u // num_groups, group u % num_groups); a program
+    takes UNITS consecutive units, which run on across rows, so short rows still fill a program."""
+    units = tl.program_id(0) * UNITS + tl.arange(0, UNITS)
+    rows = (units // num_groups).to(tl.int64)
+    groups = units % num_groups
+    inner = tl.arange(0, BLOCK)
+    cols = groups[:, None] * GROUP + inner[None, :]
+    mask = (inner[None, :] < GROUP) & (cols < K) & (units < num_units)[:, None]
+    x = tl.load(X + rows[:, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), fp8_max)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -fp8_max, fp8_max)
+    if ROUND_IN_F32:
+        q = _round_to_e4m3_grid(q)
+    tl.store(Q + rows[:, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows * stride_sm + groups, scale, mask=units < num_units)
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/f16/f32) -> (q float8_e4m3fn [M, K], scale float32 [M, ceil(K/group_size)]);
+    x ≈ q * scale per group; scale = max(|x_group|, eps) / FP8_MAX."""
+    if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be 2-D bfloat16/float16/float32, got {tuple(x.shape)} {x.dtype}")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group_size)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scale
+    block = triton.next_power_of_2(group_size)
+    units = max(1, 2048 // block)
+    _group_quant_kernel[(triton.cdiv(m * num_groups, units),)](
+        x,
+        q,
+        scale,
+        k,
+        num_groups,
+        x.stride(0),
+        q.stride(0),
+        scale.stride(0),
+        FP8_EPS,
+        FP8_MAX,
+        m * num_groups,
+        GROUP=group_size,
+        BLOCK=block,
+        UNITS=units,
+        ROUND_IN_F32=interpreting(),
+        num_warps=4,
+    )
+    return q, scale
+
+
+@triton.jit
+def _w8a8_kernel(
+    A,
+    A_scale,
+    W,
+    W_scale,
+    C,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_wn,
+    stride_wsn,
+    stride_cm,
+    group_n,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # GROUP_M row blocks walk N together, so a weight tile is reused from L2 while it is there.
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * num_n)) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows and columns past the edge read row / column 0 instead of masking every load; never stored.
+    safe_m = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + safe_m[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = W + safe_n[None, :] * stride_wn + offs_k[:, None]
+    a_scale_ptrs = A_scale + safe_m * stride_asm
+    w_scale_ptrs = W_scale + (safe_n // group_n) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        a_s = tl.load(a_scale_ptrs + k0 // GROUP_K)
+        w_s = tl.load(w_scale_ptrs + k0 // GROUP_K)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(
+        C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
+        acc.to(C.dtype.element_ty),
+        mask=(offs_m < M)[:, None] & (offs_n < N)[None, :],
+    )
+
+
+def w8a8_block_fp8_matmul(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    out_dtype: torch.dtype = torch.bfloat16,
+    tiles: Fp8Tiles | None = None,
+) -> torch.Tensor:
+    """a_q [M, K] fp8 with a_scale [M, ceil(K/bk)]; w_q [N, K] fp8 with w_scale_inv [ceil(N/bn), ceil(K/bk)];
+    returns (a_q*a_scale) @ (w_q*w_scale_inv)^T in out_dtype, f32 accumulation. Requires group_size == bk."""
+    n, k = check_block_weight(w_q, w_scale_inv, block_size)
+    bn, bk = block_size
+    if a_q.dtype != FP8_DTYPE or a_q.dim() != 2 or a_q.shape[1] != k:
+        raise ValueError(f"a_q must be float8_e4m3fn [M, {k}], got {tuple(a_q.shape)} {a_q.dtype}")
+    m = a_q.shape[0]
+    if a_scale.dtype != torch.float32 or tuple(a_scale.shape) != (m, triton.cdiv(k, bk)):
+        raise ValueError(
+            f"a_scale must be float32 [{m}, {triton.cdiv(k, bk)}] (activation groups of "
+            f"block_size[1] = {bk} features), got {list(a_scale.shape)} {a_scale.dtype}"
+        )
+    if out_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    tiles = tiles or fp8_tiles_for(m)
+    block_k = pow2_divisor(bk, tiles.block_k)
+    if block_k < 16:
+        raise ValueError(f"block_size[1] = {bk} must be a multiple of 16 for the fp8 tensor-core product")
+    a_q = a_q if a_q.stride(1) == 1 else a_q.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    _w8a8_kernel[grid](
+        a_q,
+        a_scale,
+        w_q,
+        w_scale_inv,
+        out,
+        m,
+        n,
+        k,
+        a_q.stride(0),
+        a_scale.stride(0),
+        w_q.stride(0),
+        w_scale_inv.stride(0),
+        out.stride(0),
+        bn,
+        GROUP_K=bk,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k,
+        GROUP_M=tiles.group_m,
+        EVEN_K=k % block_k == 0,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What the layers call: x [..., K] -> [..., N] in x.dtype; few rows -> fp8_block_gemv, else
+    per_token_group_quant_fp8 + w8a8_block_fp8_matmul."""
+    n, k = check_block_weight(w_q, w_scale_inv, block_size)
+    if x.dim() < 1 or x.shape[-1] != k or x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"x must be bfloat16/float16/float32 [..., {k}], got {tuple(x.shape)} {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        out = torch.empty((0, n), dtype=x.dtype, device=x.device)
+    elif m <= GEMV_MAX_ROWS:
+        out = fp8_block_gemv(x2, w_q, w_scale_inv, block_size)
+    else:
+        a_q, a_scale = per_token_group_quant_fp8(x2, block_size[1])
+        out = w8a8_block_fp8_matmul(a_q, a_scale, w_q, w_scale_inv, block_size, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,204 @@
+"""Block-wise FP8 kernels (kernels/fp8_gemm.py) against their float32 torch references, under the Triton
+interpreter: the activation quantizer bit for bit, the w8a8 GEMM and the weight-only GEMV on shapes whose
+N and K leave partial edge blocks, and what each refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fp8_gemm import (
+    FP8_MAX,
+    GEMV_MAX_ROWS,
+    Fp8Tiles,
+    fp8_block_gemv,
+    fp8_block_linear,
+    fp8_block_linear_reference,
+    per_token_group_quant_fp8,
+    w8a8_block_fp8_matmul,
+)
+from kernels.fp8_reference import (
+    dequantize_groups,
+    per_token_group_quant_fp8_reference,
+    quantize_block_weight,
+    w8a8_block_fp8_matmul_reference,
+)
+from kernels.gemv import GemvTiles
+from tests.kernels.conftest import rel_error
+
+FP8 = torch.float8_e4m3fn
+# Tiles narrower than a 32-wide scale block, and tiles spanning two of them.
+NARROW = Fp8Tiles(block_m=16, block_n=16, block_k=32, group_m=2, num_stages=1)
+WIDE = Fp8Tiles(block_m=32, block_n=64, block_k=32, group_m=2, num_stages=1)
+
+
+def _weight(
+    gen: torch.Generator, n: int, k: int, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random weight quantized blockwise, with block magnitudes spread over 1e-3..1e1 (so a wrong scale
+    index shows)."""
+    w = torch.randn((n, k), generator=gen)
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    spread = 10.0 ** torch.empty((rows, cols)).uniform_(-3, 1, generator=gen)
+    w = w * spread.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return quantize_block_weight(w, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "k", "group"), [(3, 200, 64), (17, 128, 128), (1, 40, 16), (5, 300, 96)])
+def test_group_quant_matches_the_reference_bit_for_bit(gen, dtype, m, k, group) -> None:
+    # Magnitudes from 1e-6 to 1e2 within a row: e4m3 subnormals, values that round up into the next
+    # binade, and saturation at 448 are all exercised.
+    x = (torch.randn((m, k), generator=gen) * 10.0 ** torch.empty((m, k)).uniform_(-6, 2, generator=gen)).to(
+        dtype
+    )
+    q, scale = per_token_group_quant_fp8(x, group)
+    q_ref, scale_ref = per_token_group_quant_fp8_reference(x, group)
+    assert q.dtype == FP8 and q.shape == (m, k)
+    assert scale.dtype == torch.float32 and scale.shape == (m, -(-k // group))
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_group_quant_round_trip_and_scales(gen) -> None:
+    k, group = 100, 32  # a partial last group of 4
+    x = torch.randn((4, k), generator=gen) * 5
+    x[1, 32:64] = 0.0  # an all-zero group: finite scale, zeros out
+    q, scale = per_token_group_quant_fp8(x, group)
+    groups = torch.nn.functional.pad(x, (0, 4 * group - k)).view(4, 4, group)
+    assert torch.equal(scale, groups.abs().amax(-1).clamp(min=1e-10) / FP8_MAX)
+    assert scale[1, 1] > 0 and (q[1, 32:64].float() == 0).all()
+    # Each group's largest magnitude lands exactly on 448; every element within e4m3's half-ulp (2^-4
+    # relative, or half the smallest subnormal step).
+    qf = torch.nn.functional.pad(q.float(), (0, 4 * group - k)).view(4, 4, group)
+    nonzero = groups.abs().amax(-1) > 0
+    assert torch.equal(qf.abs().amax(-1)[nonzero], torch.full_like(scale[nonzero], FP8_MAX))
+    back = dequantize_groups(q, scale, group)
+    bound = torch.maximum(x.abs() * 2**-4, scale.repeat_interleave(group, 1)[:, :k] * 2**-10)
+    assert ((back - x).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 130])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_matmul_matches_the_dequantized_product(gen, m, out_dtype) -> None:
+    block = (32, 32)
+    n, k = 50, 72  # partial edge blocks on both axes
+    w_q, w_s = _weight(gen, n, k, block)
+    a_q, a_s = per_token_group_quant_fp8_reference(torch.randn((m, k), generator=gen), block[1])
+    tiles = NARROW if m < 100 else WIDE
+    out = w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, block, out_dtype=out_dtype, tiles=tiles)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    ref = w8a8_block_fp8_matmul_reference(a_q, a_s, w_q, w_s, block)
+    assert rel_error(out.float(), ref) < (1e-6 if out_dtype == torch.float32 else 4e-3)
+
+
+def test_w8a8_matmul_with_default_tiles_and_published_blocks(gen) -> None:
+    block = (128, 128)
+    n, k, m = 200, 300, 20
+    w_q, w_s = _weight(gen, n, k, block)
+    a_q, a_s = per_token_group_quant_fp8_reference(torch.randn((m, k), generator=gen), 128)
+    out = w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, block, out_dtype=torch.float32)
+    assert rel_error(out, w8a8_block_fp8_matmul_reference(a_q, a_s, w_q, w_s, block)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("m", "tiles", "k"),
+    [
+        (1, GemvTiles(8, 32), 88),  # rows form, BLOCK_K tile narrower than bk, ragged K
+        (1, GemvTiles(16, 64), 88),  # rows form, one tile spanning two k-blocks
+        (1, GemvTiles(16, 32), 96),  # rows form, K a multiple of the tile (no masks)
+        (1, GemvTiles(16, 32, kind="dot"), 88),  # the dot form takes a single row too
+        (3, GemvTiles(16, 32, kind="dot"), 88),
+        (3, GemvTiles(16, 32, kind="dot"), 96),
+        (16, GemvTiles(8, 16, kind="dot"), 88),  # the most rows; two tiles per k-block
+    ],
+)
+def test_fp8_gemv_matches_the_reference(gen, m, tiles, k) -> None:
+    block = (16, 32)
+    n = 45
+    w_q, w_s = _weight(gen, n, k, block)
+    x = torch.randn((m, k), generator=gen)
+    out = fp8_block_gemv(x, w_q, w_s, block, tiles=tiles)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert rel_error(out, fp8_block_linear_reference(x, w_q, w_s, block)) < 1e-6
+
+
+# The interpreter keeps bfloat16 as raw uint16 and multiplies those in tl.dot, so the dot form is run in
+# float16 here (the same kernel; bfloat16 dots are checked on the GPU by bench/gpu_fp8.py).
+@pytest.mark.parametrize(("m", "dtype"), [(1, torch.bfloat16), (3, torch.float16)])
+def test_fp8_gemv_default_tiles_half_types(gen, m, dtype) -> None:
+    block = (128, 128)
+    n, k = 136, 200
+    w_q, w_s = _weight(gen, n, k, block)
+    x = torch.randn((m, k), generator=gen).to(dtype)
+    out = fp8_block_gemv(x, w_q, w_s, block)
+    assert out.dtype == dtype
+    ref = x.float() @ (w_q.float() * w_s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).t()
+    assert rel_error(out.float(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 130])
+def test_fp8_block_linear_matches_the_reference(gen, m) -> None:
+    block = (32, 32)
+    n, k = 70, 100
+    w_q, w_s = _weight(gen, n, k, block)
+    x = torch.randn((m, k), generator=gen)
+    bias = torch.randn(n, generator=gen)
+    out = fp8_block_linear(x, w_q, w_s, block, bias=bias)
+    ref = fp8_block_linear_reference(x, w_q, w_s, block, bias=bias)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    if m <= GEMV_MAX_ROWS:  # weight-only: the reference's product exactly, up to summation order
+        assert rel_error(out, ref) < 1e-6
+    else:
+        # w8a8: the reference's product on the activations as the quantizer leaves them...
+        a_q, a_s = per_token_group_quant_fp8_reference(x, block[1])
+        exact = w8a8_block_fp8_matmul_reference(a_q, a_s, w_q, w_s, block) + bias
+        assert rel_error(out, exact) < 1e-6
+        # ...which is e4m3's rounding of the activations away from the unquantized one.
+        assert rel_error(out, ref) < 5e-2
+
+
+def test_fp8_block_linear_keeps_leading_dims_and_empty_batches(gen) -> None:
+    block = (32, 32)
+    w_q, w_s = _weight(gen, 40, 64, block)
+    x = torch.randn((2, 3, 64), generator=gen)
+    out = fp8_block_linear(x, w_q, w_s, block)
+    assert out.shape == (2, 3, 40)
+    assert rel_error(out, fp8_block_linear_reference(x, w_q, w_s, block)) < 1e-6
+    assert fp8_block_linear(torch.empty((0, 64)), w_q, w_s, block).shape == (0, 40)
+
+
+def test_bad_inputs_are_refused(gen) -> None:
+    block = (32, 32)
+    w_q, w_s = _weight(gen, 40, 64, block)
+    a_q, a_s = per_token_group_quant_fp8_reference(torch.randn((20, 64), generator=gen), 32)
+    with pytest.raises(ValueError, match="w_q must be a 2-D float8_e4m3fn"):
+        fp8_block_linear(torch.randn(2, 64), w_q.float(), w_s, block)
+    with pytest.raises(ValueError, match=r"w_scale_inv must be float32 of shape \[2, 2\]"):
+        fp8_block_linear(torch.randn(2, 64), w_q, w_s[:1], block)
+    with pytest.raises(ValueError, match="w_scale_inv must be float32"):
+        fp8_block_linear(torch.randn(2, 64), w_q, w_s.double(), block)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_block_linear(torch.randn(2, 63), w_q, w_s, block)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_block_linear(torch.randn(2, 64).double(), w_q, w_s, block)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        fp8_block_linear(torch.randn(2, 64), w_q, w_s, block, bias=torch.zeros(41))
+    with pytest.raises(ValueError, match="block_size must be two positive"):
+        fp8_block_linear(torch.randn(2, 64), w_q, w_s, (32, 0))
+    # Activation groups of 16 where the weight's blocks are 32 wide: the scales cannot line up.
+    a16_q, a16_s = per_token_group_quant_fp8_reference(torch.randn((20, 64), generator=gen), 16)
+    with pytest.raises(ValueError, match="block_size.1. = 32"):
+        w8a8_block_fp8_matmul(a16_q, a16_s, w_q, w_s, block)
+    with pytest.raises(ValueError, match="a_q must be float8_e4m3fn"):
+        w8a8_block_fp8_matmul(a_q.float(), a_s, w_q, w_s, block)
+    with pytest.raises(ValueError, match="out_dtype"):
+        w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, block, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        fp8_block_gemv(torch.randn(17, 64), w_q, w_s, block)
+    with pytest.raises(ValueError, match="'rows' tiles take one row"):
+        fp8_block_gemv(torch.randn(2, 64), w_q, w_s, block, tiles=GemvTiles(8, 32))
+    with pytest.raises(ValueError, match="group_size must be a positive"):
+        per_token_group_quant_fp8(torch.randn(2, 64), 0)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        per_token_group_quant_fp8(torch.randn(2, 64).to(torch.int32), 32)
