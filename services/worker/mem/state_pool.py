@@ -18,14 +18,10 @@ holds whenever the ReqToTokenPool's own accounting does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.mem.memory_pool import ReqToTokenPool
-
-if TYPE_CHECKING:
-    from services.worker.mem.state_snapshots import StateTrack
 
 # The state pool takes at most this share of the memory budget, so the KV pool keeps the rest.
 MAX_STATE_SHARE = 0.5
@@ -107,6 +103,38 @@ class StatePool:
     def layer(self, state_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv state, recurrent state) pool tensors of linear layer `state_id`."""
         return self.conv_state[state_id], self.recurrent_state[state_id]
+
+
+@dataclass
+class StateTrack:
+    """The sequences of a step that save their state one token short of their end, and where to: what
+    each linear layer needs for it (mem/state_snapshots.py's module doc; StateSnapshots.track makes it). All tensors on the device, one row each."""
+
+    conv_snapshots: list[torch.Tensor]  # per linear layer: [slots, C, W-1], the snapshot slots' conv windows
+    recurrent_snapshots: list[torch.Tensor]  # per linear layer: [slots, Hv, Dk, Dv] float32
+    seqs: torch.Tensor  # [F] int64: the sequence's index in the batch
+    last_rows: torch.Tensor  # [F] int64: its last token's row in the packed batch
+    slots: torch.Tensor  # [F] int64: the snapshot slot it saves into
+    has_initial_state: torch.Tensor  # [F] bool: it continues a conv window (else zeros before it)
+    window_x_rows: torch.Tensor  # [F, W-1] int64: conv window entries from the extend's inputs (-1: not)
+    window_prev_cols: torch.Tensor  # [F, W-1] int64: entries from the window it started from (-1: not)
+
+    def conv_window(
+        self, x: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The conv window [F, C, W-1] before each sequence's last token, from the step's conv input x
+        [T, C] and the pool's windows (read before the step's conv overwrites them)."""
+        from_x = x[self.window_x_rows.clamp(min=0)].transpose(1, 2).to(conv_state.dtype)
+        prev = conv_state[state_rows] * self.has_initial_state[:, None, None].to(conv_state.dtype)
+        cols = self.window_prev_cols.clamp(min=0)[:, None, :].expand(-1, prev.shape[1], -1)
+        from_prev = prev.gather(2, cols)
+        return torch.where((self.window_x_rows >= 0)[:, None, :], from_x, from_prev)
+
+    def save(self, state_id: int, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Linear layer state_id's tracked states (conv windows [F, C, W-1], delta-rule states [F, Hv,
+        Dk, Dv]) into the sequences' snapshot slots."""
+        self.conv_snapshots[state_id][self.slots] = conv_window
+        self.recurrent_snapshots[state_id][self.slots] = recurrent.float()
 
 
 @dataclass

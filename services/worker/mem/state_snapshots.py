@@ -25,12 +25,10 @@ with --hybrid-snapshot-slots; their bytes come out of the budget before the KV p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.worker.mem.hybrid_radix_cache import SnapshotSlots
-from services.worker.mem.state_pool import HybridReqToTokenPool, StateShape
+from services.worker.mem.state_pool import HybridReqToTokenPool, StateShape, StateTrack
 
 # Snapshot slots take this share of the memory budget left after the state pool's rows (SGLang sizes its
 # mamba cache from a ratio of the budget too): 0.2 keeps most of it for the KV pool.
@@ -115,7 +113,8 @@ class StateSnapshots:
         packed = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         k = width - 1
         return StateTrack(
-            snapshots=self,
+            conv_snapshots=self.conv_state,
+            recurrent_snapshots=self.recurrent_state,
             seqs=packed[:, 0],
             last_rows=packed[:, 1],
             slots=packed[:, 2],
@@ -123,34 +122,3 @@ class StateSnapshots:
             window_x_rows=packed[:, 4 : 4 + k],
             window_prev_cols=packed[:, 4 + k : 4 + 2 * k],
         )
-
-
-@dataclass
-class StateTrack:
-    """The sequences of a step that save their state one token short of their end, and where to: what
-    each linear layer needs for it (see the module doc). All tensors on the device, one row each."""
-
-    snapshots: StateSnapshots
-    seqs: torch.Tensor  # [F] int64: the sequence's index in the batch
-    last_rows: torch.Tensor  # [F] int64: its last token's row in the packed batch
-    slots: torch.Tensor  # [F] int64: the snapshot slot it saves into
-    has_initial_state: torch.Tensor  # [F] bool: it continues a conv window (else zeros before it)
-    window_x_rows: torch.Tensor  # [F, W-1] int64: conv window entries from the extend's inputs (-1: not)
-    window_prev_cols: torch.Tensor  # [F, W-1] int64: entries from the window it started from (-1: not)
-
-    def conv_window(
-        self, x: torch.Tensor, conv_state: torch.Tensor, state_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """The conv window [F, C, W-1] before each sequence's last token, from the step's conv input x
-        [T, C] and the pool's windows (read before the step's conv overwrites them)."""
-        from_x = x[self.window_x_rows.clamp(min=0)].transpose(1, 2).to(conv_state.dtype)
-        prev = conv_state[state_rows] * self.has_initial_state[:, None, None].to(conv_state.dtype)
-        cols = self.window_prev_cols.clamp(min=0)[:, None, :].expand(-1, prev.shape[1], -1)
-        from_prev = prev.gather(2, cols)
-        return torch.where((self.window_x_rows >= 0)[:, None, :], from_x, from_prev)
-
-    def save(self, state_id: int, conv_window: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Linear layer state_id's tracked states (conv windows [F, C, W-1], delta-rule states [F, Hv,
-        Dk, Dv]) into the sequences' snapshot slots."""
-        self.snapshots.conv_state[state_id][self.slots] = conv_window
-        self.snapshots.recurrent_state[state_id][self.slots] = recurrent.float()

@@ -110,7 +110,7 @@ class ForwardBatch:
     # state, and its token bounds; set by init_state_metadata.
     state_metadata: StateMetadata | None = field(default=None, repr=False)
     # Hybrid extend steps: (request index, snapshot slot) of the requests whose state one token short of
-    # their end this step saves (HybridRadixCache.track_state; mem/state_snapshots.py's StateTrack).
+    # their end this step saves (HybridRadixCache.track_state; mem/state_pool.py's StateTrack, made by mem/state_snapshots.py).
     state_track: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     @property

@@ -12,7 +12,7 @@ only its heads.
 
 Both states live in the StatePool (mem/state_pool.py), one row per request, found through
 batch.state_metadata. Extend steps (prefill chunks, mixed decodes) use the chunked rule, decode steps
-the one-token update; an extend that tracks (mem/state_snapshots.py's StateTrack) stops the chunked
+the one-token update; an extend that tracks (mem/state_pool.py's StateTrack, made by mem/state_snapshots.py) stops the chunked
 rule one token short for the tracked sequences, saves their state, and ends them with the update. The ops follow the step's attention backend: the torch backend (CPU, and the
 reference on CUDA) runs gdn_ops.py's torch ops; the GPU backends (triton, flashinfer) run the Triton
 kernels of the same signatures (kernels/causal_conv1d.py, kernels/gated_delta_rule.py,
