@@ -60,8 +60,14 @@ class _Requests:
         assert slots is not None
         tokens = sum(counts)
         batch = step_batch(
-            mode, rows, prefix, list(slots.split(counts)), torch.zeros(tokens, dtype=torch.int64), self.req_pool,
-            self.kv_pool, self.backend,
+            mode,
+            rows,
+            prefix,
+            list(slots.split(counts)),
+            torch.zeros(tokens, dtype=torch.int64),
+            self.req_pool,
+            self.kv_pool,
+            self.backend,
         )
         for layer in self.layers:
             q = torch.randn((tokens, NUM_HEADS * HEAD_DIM), generator=self.gen)
@@ -80,7 +86,8 @@ class _Requests:
             for row, p, n in zip(rows, prefix, counts):
                 for j in range(n):
                     ref = _naive_attention(
-                        q[start + j], self.keys[row][layer.layer_id][: p + j + 1],
+                        q[start + j],
+                        self.keys[row][layer.layer_id][: p + j + 1],
                         self.values[row][layer.layer_id][: p + j + 1],
                     )
                     assert torch.allclose(out[start + j], ref, rtol=1e-5, atol=1e-5), (mode, row, p + j)

@@ -157,7 +157,11 @@ class TorchAttnBackend(AttentionBackend):
                 ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
             causal = q_len > 1 and mask is None
             oi = F.scaled_dot_product_attention(
-                qi, ki.transpose(0, 1)[None], vi.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                qi,
+                ki.transpose(0, 1)[None],
+                vi.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=causal,
                 scale=layer.scaling,
             )
             out[start : start + q_len] = oi[0].transpose(0, 1)
