@@ -8,7 +8,7 @@ $RS_PEERS_DIR or ~/.cache/radixserve/peers), built on the first run:
     torchvision/torchaudio/torchcodec it pulls are removed (vLLM's CPU path needs none of them);
   - llamacpp/: `pip install --no-binary llama-cpp-python llama-cpp-python[server]==0.3.36` (llama.cpp built
     from source for this CPU), and an f32 GGUF converted from the same checkpoint by the
-    convert_hf_to_gguf.py of that llama.cpp source (its gguf-py first on the path).
+    convert_hf_to_gguf.py of that llama.cpp source (its gguf-py first on the path, run by vLLM's venv).
 The model is the default one (SmolLM2-135M-Instruct, float32; `radixserve model fetch`) unless --model-path.
 
 Rows, each a median of --rounds rounds, the engines alternating within a round so they see the same load
@@ -81,7 +81,9 @@ def build_vllm(root: Path) -> Path:
     return python
 
 
-def build_llamacpp(root: Path, model: Path) -> tuple[Path, Path]:
+def build_llamacpp(root: Path, model: Path, converter: Path) -> tuple[Path, Path]:
+    """The llama-cpp-python venv and the f32 GGUF, converted by `converter` (a Python with torch,
+    transformers and sentencepiece, which convert_hf_to_gguf.py imports: vLLM's venv has them)."""
     venv = root / "llamacpp"
     python = venv / "bin" / "python"
     log = root / "llamacpp_install.log"
@@ -98,7 +100,8 @@ def build_llamacpp(root: Path, model: Path) -> tuple[Path, Path]:
                 f"llama-cpp-python[server]=={LLAMACPP_REQ.split('==')[1]}",
             ],
             log,
-            {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)},
+            # Without the multimodal library (mtmd: half the build, unused here).
+            {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1), "CMAKE_ARGS": "-DLLAVA_BUILD=OFF"},
         )
     gguf = root / f"{model.name}-f32.gguf"
     if not gguf.exists():
@@ -122,10 +125,9 @@ def build_llamacpp(root: Path, model: Path) -> tuple[Path, Path]:
             for tarball in src.glob("*.tar.gz"):
                 sh(["tar", "-xzf", str(tarball), "-C", str(src)], log)
         llama_dir = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
-        # Run by this (the repository's) Python: it has torch, transformers and safetensors the script imports.
         sh(
             [
-                sys.executable,
+                str(converter),
                 str(llama_dir / "convert_hf_to_gguf.py"),
                 str(model),
                 "--outtype",
@@ -310,7 +312,7 @@ def main() -> None:
     if "vllm" in engines:
         pythons["vllm"] = build_vllm(root)
     if "llamacpp" in engines:
-        pythons["llamacpp"], gguf = build_llamacpp(root, model)
+        pythons["llamacpp"], gguf = build_llamacpp(root, model, build_vllm(root))
     stamp = datetime.datetime.now(datetime.timezone.utc)
     log_dir = root / "logs" / stamp.strftime("%Y%m%d-%H%M%S")
     log_dir.mkdir(parents=True)

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from bench.peers_cpu_side import VLLM_MEMORY_FRACTION
+
 REPO = Path(__file__).resolve().parent.parent
 STREAMS, SERVED_TOKENS = 16, 64
 NAME = "peers"
@@ -86,6 +88,8 @@ def _command(
             "1024",
             "--served-model-name",
             NAME,
+            "--gpu-memory-utilization",
+            str(VLLM_MEMORY_FRACTION),
         ], {}
     if name == "llamacpp":
         return [
