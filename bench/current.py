@@ -335,6 +335,8 @@ CPU = Area(
         _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (host loaded, 2.6–4.5)"),
         _peers("bs16", "vs vLLM-CPU: offline batch 16"),
         _peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1"),
+        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (1 round, load 4.1–4.4)",
+               "peers_cpu_2026-12-03_2.json"),
         _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16"),
