@@ -60,8 +60,14 @@ class _Requests:
         assert slots is not None
         tokens = sum(counts)
         batch = step_batch(
-            mode, rows, prefix, list(slots.split(counts)), torch.zeros(tokens, dtype=torch.int64), self.req_pool,
-            self.kv_pool, self.backend,
+            mode,
+            rows,
+            prefix,
+            list(slots.split(counts)),
+            torch.zeros(tokens, dtype=torch.int64),
+            self.req_pool,
+            self.kv_pool,
+            self.backend,
         )
         for layer in self.layers:
             q = torch.randn((tokens, NUM_HEADS * HEAD_DIM), generator=self.gen)
@@ -80,7 +86,8 @@ class _Requests:
             for row, p, n in zip(rows, prefix, counts):
                 for j in range(n):
                     ref = _naive_attention(
-                        q[start + j], self.keys[row][layer.layer_id][: p + j + 1],
+                        q[start + j],
+                        self.keys[row][layer.layer_id][: p + j + 1],
                         self.values[row][layer.layer_id][: p + j + 1],
                     )
                     assert torch.allclose(out[start + j], ref, rtol=1e-5, atol=1e-5), (mode, row, p + j)
@@ -183,3 +190,20 @@ def test_a_lone_request_with_consecutive_slots_reads_a_view_of_the_pool(reqs: _R
     for _ in range(3):
         batch = reqs.decode([a])
         assert _meta(batch).first_slot == 1 and _meta(batch).dense is None
+
+
+def test_extend_with_and_without_a_cached_prefix_matches_naive_attention(reqs: _Requests) -> None:
+    a, b = reqs.new_request(), reqs.new_request()
+    reqs.extend([a], [9])  # a fresh prompt: is_causal, no mask
+    reqs.extend([a, b], [6, 11])  # a continues its prompt (masked) beside b's fresh one (causal)
+    reqs.extend([b, a], [1, 4])  # one new token sees every key
+    assert reqs.length(a) == 19 and reqs.length(b) == 12
+
+
+def test_extend_runs_the_fused_cpu_attention_kernel(reqs: _Requests) -> None:
+    a, b = reqs.new_request(), reqs.new_request()
+    reqs.extend([a], [5])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        reqs.extend([a, b], [7, 8])
+    kernels = {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product")}
+    assert kernels == {"aten::_scaled_dot_product_flash_attention_for_cpu"}

@@ -6,8 +6,10 @@ The reference is transformers on the same checkpoint with its attention replaced
 attention over K and V rounded to float8 (scale 1.0, clipped to the finite range, nearest even), the
 cache's contract: every key and value a query sees, its own included, is the float8 value. Our RoPE
 and transformers' differ in float32 last bits, which can tip a key across a float8 rounding boundary
-(one float8 step, 6 % of that element). Measured over these prompts: Qwen3's log-probs equal the
-reference's exactly, Qwen3.5's within 7e-6; LOGPROB_TOL leaves room for such a tipped key, while
+(one float8 step, 6 % of that element), and so can the summation order of torch's fused CPU attention
+kernel (the prompt pass uses it). Measured over these prompts: Qwen3's log-probs within 1.7e-3 of the
+reference's (exactly equal with the unfused attention), Qwen3.5's within 7e-6; LOGPROB_TOL leaves room
+for such tipped keys, while
 float8 rounding itself moves the log-probs by 0.46-1.5 nats at most (asserted to exceed 10x LOGPROB_TOL).
 """
 
@@ -31,7 +33,7 @@ from services.worker.runtime.kv_scales import read_kv_scales
 from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
 
 KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-LOGPROB_TOL = 1e-3
+LOGPROB_TOL = 5e-3
 
 
 def _float8_kv_attention(dtype: torch.dtype) -> Any:

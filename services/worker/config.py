@@ -13,6 +13,16 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.worker.runtime.cpu_placement import (
+    BIND_AUTO,
+    BIND_NONE,
+    ComputePlacement,
+    check_cpu_bind,
+    default_compute_threads,
+    parse_cpu_list,
+    plan_placement,
+    usable_cores,
+)
 from shared.hf_tokenizer import chat_template_text
 from shared.model_path import resolve_model_path
 
@@ -92,10 +102,17 @@ class EngineConfig:
         None,
     )
     cpu_threads: int | None = _help(
-        "CPU: compute threads per rank; default: OMP_NUM_THREADS when set, else every usable core but one (at "
-        "least 1), leaving a core to the event loop, the other services and the host, so a loaded host slows "
-        "the steps instead of stalling them (vLLM's CPU build keeps one too)",
+        "CPU: compute threads per rank; default: the cores of cpu_bind when it lists them, else OMP_NUM_THREADS "
+        "when set, else every usable core but one (at least 1; usable: the affinity mask, cut to a cgroup CPU "
+        "quota), shared among the node's ranks, leaving a core to the event loop, the other services and the host, "
+        "so a loaded host slows the steps instead of stalling them (vLLM's CPU build keeps one too)",
         None,
+    )
+    cpu_bind: str = _help(
+        "CPU: where compute threads run (runtime/cpu_placement.py): 'auto' pins them one to a core, on the usable "
+        "cores after the first (kept for the services); 'none' leaves placement to the OS; a core list such as "
+        "'1-3,6' pins one thread to each of those cores",
+        "auto",
     )
     context_length: int | None = _help("override the model's max positions", None, "max_model_len")
     attention_backend: str | None = _help(
@@ -224,6 +241,7 @@ class EngineConfig:
         self._check_nodes()
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
+        check_cpu_bind(self.cpu_bind)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.radix_eviction_policy not in EVICTION_POLICIES:
@@ -399,10 +417,18 @@ class EngineConfig:
         """Threads a CPU rank computes with (None: leave torch's setting, as OMP_NUM_THREADS gave it)."""
         if self.cpu_threads is not None:
             return self.cpu_threads
+        if self.cpu_bind not in (BIND_AUTO, BIND_NONE):
+            return max(1, len(parse_cpu_list(self.cpu_bind)) // self.ranks_per_node())
         if os.environ.get("OMP_NUM_THREADS"):
             return None
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, usable - 1)
+        return default_compute_threads(len(usable_cores()), self.ranks_per_node())
+
+    def compute_placement(self, rank: int, torch_threads: int) -> ComputePlacement:
+        """Threads and cores of CPU rank `rank` (runtime/cpu_placement.py); torch_threads: torch's count,
+        used when compute_threads() leaves it (OMP_NUM_THREADS)."""
+        threads = self.compute_threads() or torch_threads
+        local = rank - self.local_ranks().start
+        return plan_placement(threads, self.cpu_bind, usable_cores(), local, self.ranks_per_node())
 
     def scheduler_in_process(self) -> bool:
         """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""

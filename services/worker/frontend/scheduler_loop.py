@@ -29,6 +29,7 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.runtime import distributed
+from services.worker.runtime.cpu_placement import ComputePlacement, pin_compute_threads
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
 from services.worker.runtime.sampling.grammar import GrammarBackend
@@ -157,10 +158,13 @@ class SchedulerLoop:
         self.config = config
         self.rank = rank
         device = resolve_device(config, rank)
-        threads = config.compute_threads() if device.type == "cpu" else None
-        if threads is not None:
-            torch.set_num_threads(threads)
-            logger.info("rank %d computes with %d CPU thread(s)", rank, threads)
+        self.placement: ComputePlacement | None = None
+        if device.type == "cpu":
+            # In this thread, before any parallel op: it runs the model, and its OpenMP pool starts here.
+            self.placement = config.compute_placement(rank, torch.get_num_threads())
+            pinned = pin_compute_threads(self.placement)
+            where = f"pinned to cores {sorted(pinned.values())}" if pinned else "placed by the OS"
+            logger.info("rank %d computes with %d CPU thread(s), %s", rank, self.placement.threads, where)
         distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout, pp_size=config.pp_size)
         model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device,
@@ -317,6 +321,8 @@ def run_scheduler_loop(
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
         if loop is not None and loop.grammar is not None:
             loop.grammar.close()
+        if loop is not None and loop.placement is not None:
+            loop.placement.release()  # the cores' claims, for a later Engine or worker on this host
         distributed.destroy_tp(exiting=own_process)
         # Give the device memory back (pool, weights, graph pools): a later Engine in the same
         # process sizes its pool from what is free.
