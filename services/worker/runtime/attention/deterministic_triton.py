@@ -20,7 +20,7 @@ with the 127 other rows of a query block (extend CUDA graphs are off in this mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
@@ -167,33 +167,9 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
             )
         return out
 
-    def _decode(
-        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, meta: TritonDecodeMetadata
-    ) -> torch.Tensor:
-        """decode_attention with split_tokens-long splits and one key tile whatever the batch size."""
-        pool = batch.token_to_kv_pool
-        bs = q.shape[0]
-        out = torch.empty((bs, layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
-        part_out, part_lse = self._decode_scratch(
-            bs, layer.num_heads, meta.max_kv_splits, layer.head_dim, q.device
-        )
-        return decode_attention(
-            q,
-            pool.get_key_buffer(layer.layer_id),
-            pool.get_value_buffer(layer.layer_id),
-            out,
-            batch.req_to_token_pool.req_to_token,
-            batch.req_pool_indices,
-            batch.seq_lens,
-            meta.num_kv_splits,
-            meta.max_kv_splits,
-            layer.scaling,
-            part_out,
-            part_lse,
-            tiles=self.tiles,
-            split_counters=self._counters_for(bs * pool.get_key_buffer(layer.layer_id).shape[1], q.device),
-            split_tokens=self.split_tokens,
-        )
+    def _decode_options(self) -> dict[str, Any]:
+        """Decode with split_tokens-long splits and one key tile whatever the batch size."""
+        return {"tiles": self.tiles, "split_tokens": self.split_tokens}
 
     def min_extend_chunk_tokens(self) -> int:
         """Any chunk: every new token is its own row here."""

@@ -22,7 +22,7 @@ that keep their addresses between replays.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -335,7 +335,12 @@ class TritonAttnBackend(AttentionBackend):
             split_counters=self._counters_for(bs * pool.get_key_buffer(layer.layer_id).shape[1], q.device),
             k_scale=pool.k_scales[layer.layer_id],
             v_scale=pool.v_scales[layer.layer_id],
+            **self._decode_options(),
         )
+
+    def _decode_options(self) -> dict[str, Any]:
+        """Extra decode_attention arguments (the deterministic backend fixes its tiles and splits)."""
+        return {}
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> None:
         pool = batch.token_to_kv_pool
