@@ -125,6 +125,20 @@ def test_node_0_reports_a_nodes_failure_with_its_text_and_tells_the_others() -> 
         assert two.until(Failed) == Failed(message)
 
 
+def test_a_node_whose_hello_comes_after_the_group_ended_hears_why() -> None:
+    # Node 2's connection is accepted (node 0 beats on it) but its hello is read only after node 1's
+    # failure ended the group: it must still hear that failure, not heartbeats until its own timeout.
+    with server(nnodes=3, node_timeout=60.0) as (node0, lost):
+        late = Fake(socket.create_connection(("127.0.0.1", node0.port), timeout=WAIT_S))
+        late.until(Beat)
+        one = fake_node(node0, 1)
+        one.until(Beat)
+        one.send(Failed("TP rank 3 (pid 7 on host-b) exited with code 1"))
+        message = lost.get(timeout=WAIT_S)
+        late.send(Hello(2, "host-c", 4343))
+        assert late.until(Failed) == Failed(message)
+
+
 def test_node_0_reports_a_node_that_never_connects() -> None:
     with server() as (node0, lost):
         node0.expect_all()

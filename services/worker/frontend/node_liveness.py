@@ -149,6 +149,7 @@ class NodeLivenessServer:
         self._links: dict[int, _Link] = {}
         self._lock = threading.Lock()
         self._done = False  # lost, failed or closed: later findings are not reported
+        self._last: Message | None = None  # what every node was told when _done was set (None: nothing)
         self._lost_event = threading.Event()
         self.lost_message: str | None = None  # the finding reported, once there is one
         try:
@@ -192,7 +193,16 @@ class NodeLivenessServer:
                     return False
                 hello.append(msg)
                 with self._lock:
-                    self._links[msg.node] = link
+                    done, last = self._done, self._last
+                    if not done:
+                        self._links[msg.node] = link
+                if done:
+                    # The group ended before this node's hello was read (another node was lost first):
+                    # it hears what the others heard.
+                    if last is not None:
+                        link.send(last)
+                    link.close()
+                    return False
                 logger.info(
                     "node liveness: node %d (host %s, %s, pid %d) connected",
                     msg.node,
@@ -237,11 +247,11 @@ class NodeLivenessServer:
         timer.start()
 
     def _lost(self, message: str) -> None:
+        message = f"{message}; the TP group is down"
         with self._lock:
             if self._done:
                 return
-            self._done = True
-        message = f"{message}; the TP group is down"
+            self._done, self._last = True, Failed(message)
         logger.error("node liveness: %s", message)
         self.lost_message = message
         self._lost_event.set()
@@ -258,14 +268,16 @@ class NodeLivenessServer:
         with self._lock:
             if self._done:
                 return
-            self._done = True
-        self._close_all(Failed(message))
+            self._done, self._last = True, Failed(message)
+        self._close_all(self._last)
 
     def close(self) -> None:
         """A clean shutdown: the other nodes' ranks end with the group and their nodes exit 0."""
         with self._lock:
             done, self._done = self._done, True
-        self._close_all(None if done else Bye())
+            if not done:
+                self._last = Bye()
+        self._close_all(None if done else self._last)
 
     def _close_all(self, last: Message | None) -> None:
         with contextlib.suppress(OSError):
