@@ -98,7 +98,7 @@ def test_fp8_moe_default_tiles_and_form_published_blocks(gen) -> None:
     w13, w2, w13_s, w2_s = _experts(gen, experts, 160, 136, block)
     weights, ids = _routing(gen, tokens, experts, top_k)
     quantize = moe_fp8_activations(tokens * top_k, experts)
-    assert quantize  # 10 pairs over 4 experts: past the decode regime
+    assert not quantize  # weight-only by default
     out = fused_moe(x, w13, w2, weights, ids, w13_scale_inv=w13_s, w2_scale_inv=w2_s, block_size=block)
     ref = fused_moe_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids, quantize)
     assert rel_error(out, ref) < 1e-5
@@ -128,9 +128,10 @@ def test_fp8_moe_half_precision(gen) -> None:
         assert rel_error(out.float(), ref) < 5e-3
 
 
-def test_decode_sized_batches_run_weight_only() -> None:
+def test_fp8_experts_run_weight_only_by_default() -> None:
+    # w8a8 is opt-in until its error at batches of tokens on the GPU is understood (fused_moe.py).
     assert not moe_fp8_activations(8, 128)  # one token, top-8 of 128 experts
-    assert moe_fp8_activations(64 * 8, 128)
+    assert not moe_fp8_activations(64 * 8, 128)
 
 
 def test_fp8_moe_rejects_mismatched_scales(gen) -> None:
