@@ -1,4 +1,4 @@
-"""How many threads a CPU rank computes with and where they run (runtime/cpu_placement.py): --cpu-threads
+"""How many threads a CPU rank computes with and where they run (cpu_placement.py): --cpu-threads
 when given, else the cores of a --cpu-bind list, else OMP_NUM_THREADS when set (torch's own reading of it
 stands), else every usable core but one, at least one, so the event loop, the other services and the host
 keep a core; 'auto' pins the threads one to a core on the cores after the first, claimed so that a second
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.config import EngineConfig
-from services.worker.runtime.cpu_placement import (
+from services.worker.cpu_placement import (
     ComputePlacement,
     cgroup_cpu_quota,
     parse_cpu_list,
@@ -133,7 +133,7 @@ def _placed_in_subprocess(affinity: set[int], bind: str) -> dict[str, object]:
     code = f"""
 import json, os, threading
 os.sched_setaffinity(0, {sorted(affinity)!r})
-from services.worker.runtime.cpu_placement import (
+from services.worker.cpu_placement import (
     default_compute_threads, parse_cpu_list, pin_compute_threads, plan_placement, usable_cores)
 import torch
 usable = usable_cores()

@@ -23,6 +23,7 @@ FLOORS = ["base", "mem", "runtime", "scheduler", "frontend"]  # bottom to top
 # Module name prefix -> floor (the package itself is on the base floor); the longest prefix decides.
 FLOOR_OF_PREFIX = {
     "services.worker.config": "base",
+    "services.worker.cpu_placement": "base",  # the config's CPU thread and core plan (stdlib only)
     "services.worker.mem": "mem",
     "services.worker.runtime": "runtime",
     "services.worker.scheduler": "scheduler",

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.worker.runtime.cpu_placement import (
+from services.worker.cpu_placement import (
     BIND_AUTO,
     BIND_NONE,
     ComputePlacement,
@@ -109,7 +109,7 @@ class EngineConfig:
         None,
     )
     cpu_bind: str = _help(
-        "CPU: where compute threads run (runtime/cpu_placement.py): 'auto' pins them one to a core, on the usable "
+        "CPU: where compute threads run (cpu_placement.py): 'auto' pins them one to a core, on the usable "
         "cores after the first (kept for the services); 'none' leaves placement to the OS; a core list such as "
         "'1-3,6' pins one thread to each of those cores",
         "auto",
@@ -424,7 +424,7 @@ class EngineConfig:
         return default_compute_threads(len(usable_cores()), self.ranks_per_node())
 
     def compute_placement(self, rank: int, torch_threads: int) -> ComputePlacement:
-        """Threads and cores of CPU rank `rank` (runtime/cpu_placement.py); torch_threads: torch's count,
+        """Threads and cores of CPU rank `rank` (cpu_placement.py); torch_threads: torch's count,
         used when compute_threads() leaves it (OMP_NUM_THREADS)."""
         threads = self.compute_threads() or torch_threads
         local = rank - self.local_ranks().start

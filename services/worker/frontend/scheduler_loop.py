@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from services.worker.config import EngineConfig
+from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
 from services.worker.runtime import distributed
-from services.worker.runtime.cpu_placement import ComputePlacement, pin_compute_threads
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
 from services.worker.runtime.sampling.grammar import GrammarBackend
