@@ -312,7 +312,9 @@ def main() -> int:
     ap.add_argument("--out-len", type=int, default=16, help="new tokens per 4k-token request (capacity)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-capacity-run", action="store_true")
-    ap.add_argument("--kernels-only", action="store_true", help="the kernel checks and timings, no engine runs")
+    ap.add_argument(
+        "--kernels-only", action="store_true", help="the kernel checks and timings, no engine runs"
+    )
     args = ap.parse_args()
     kv_dtypes = [k for k in args.kv_dtypes.split(",") if k]
     rows: list[tuple[str, str]] = []
@@ -341,6 +343,15 @@ def main() -> int:
         t0 = time.perf_counter()
         figures[kv] = engine_figures(path, kv, args, bandwidth)
         print(f"  engine figures for {kv} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if os.environ.get("OUT"):  # kept if the run is cut off by its time limit
+            OUT.mkdir(parents=True, exist_ok=True)
+            partial = {
+                k: {n: v for n, v in f.items() if n not in ("prompt_logprobs", "greedy")}
+                for k, f in figures.items()
+            }
+            (OUT / "gpu_fp8_kv_partial.json").write_text(
+                json.dumps({"rows": rows, "engine": partial}, indent=2)
+            )
     base = figures.get(kv_dtypes[0])
     for kv, fig in figures.items():
         summary = {k: v for k, v in fig.items() if k not in ("prompt_logprobs", "greedy")}
