@@ -10,6 +10,8 @@
 # fp8kv (--kv-cache-dtype fp8_e4m3 vs bf16, bench/gpu_fp8_kv.py; FP8KV_ARGS=--skip-capacity-run if short of time),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
+# deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-outputs
+# --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline` does),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
 # it imports, ~38 MB, without nvidia-cutlass-dsl and nvidia-cudnn-frontend, which the paged wrappers do not need).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
@@ -64,6 +66,7 @@ for step in "${steps[@]}"; do
                --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
     flashinfer) MAX_JOBS=16 timeout 560 python bench/gpu_flashinfer.py ${FLASHINFER_ARGS:-} > "$OUT/flashinfer.log" 2>&1 ;;
     pipeline) timeout 400 python bench/gpu_pipeline.py ${PIPELINE_ARGS:-} > "$OUT/pipeline.log" 2>&1 ;;
+    deterministic) timeout 560 python bench/gpu_deterministic.py ${DETERMINISTIC_ARGS:-} > "$OUT/deterministic.log" 2>&1 ;;
     fp8kv)   python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16, 0.02)" \
                && timeout 540 python bench/gpu_fp8_kv.py ${FP8KV_ARGS:-} > "$OUT/fp8kv.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
