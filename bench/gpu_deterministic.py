@@ -2,6 +2,8 @@
 from the prefix cache, and what does the mode cost?
 
     python bench/gpu_deterministic.py [--requests 64] [--new-tokens 48] [--scale 1.0] [--skip-throughput]
+                                      [--skip-pipeline]   (part 4 needs .whl-pipeline/: bench/gpu_pipeline.py)
+    .venv/bin/python bench/gpu_deterministic.py --tiny  (part 4 alone on this CPU: a smoke run, ~1 minute)
 
 1. Kernels (bf16, Qwen3-8B shapes): kernels/batch_invariant.py's product, each of a few rows alone vs in
    batches of 3 / 17 / 64 / 256 (bitwise), with cuBLAS (F.linear) beside it as the control, and its error
@@ -14,18 +16,28 @@ from the prefix cache, and what does the mode cost?
    identical to the lone run's, with and without the flag.
 3. Throughput cost on bench/gpu_serving.py's P3 (nano-vllm's recipe: 256 requests, input and output
    uniform in [100, 1024], Qwen3-0.6B-shaped bf16), flag off vs on. Goal: the mode keeps >= 0.8 of it.
+4. Pipeline: part 2's kind of requests (64..1024 ids, within the SmolLM2 vocabulary, the same sampling)
+   through the services: `radixserve up` (bench/pipeline_overhead.py's Stack) on bench/gpu_pipeline.py's
+   checkpoint (Qwen3-0.6B-shaped bf16 with the SmolLM2 tokenizer, which the tokenizer service and the
+   detokenizer load), all at once as native /generate calls, then again with their prompts cached;
+   counted: outputs identical to the same checkpoint's lone Engine runs, with and without the flag (on
+   both sides). --tiny: this part alone on the CPU with gpu_pipeline.py's 2-layer checkpoint (bf16, torch
+   attention), 8 requests of <= 128 ids.
 Prints a table last; writes $OUT/gpu_deterministic.json after every part (a run cut off by its time
-limit keeps what it measured; --skip-kernels / --skip-outputs / --skip-throughput split it into calls).
+limit keeps what it measured; --skip-kernels / --skip-outputs / --skip-throughput / --skip-pipeline split
+it into calls).
 Exit 1 if the batch-invariant product or the deterministic runs are not all identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,9 +101,17 @@ def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
     return out
 
 
-def workload(count: int, new_tokens: int) -> tuple[list[list[int]], list[dict]]:
+def workload(
+    count: int, new_tokens: int, vocab: int | None = None, longest: int = 1024
+) -> tuple[list[list[int]], list[dict]]:
+    """Prompts of 64..longest ids (bench/gpu_serving.py's, or within [256, vocab - 256) when vocab is
+    given), even requests greedy and odd ones sampled with a seed."""
     rng = random.Random(26)
-    prompts = [rand_ids(rng, rng.randint(64, 1024)) for _ in range(count)]
+
+    def ids(n: int) -> list[int]:
+        return rand_ids(rng, n) if vocab is None else [rng.randrange(256, vocab - 256) for _ in range(n)]
+
+    prompts = [ids(rng.randint(64, longest)) for _ in range(count)]
     params = []
     for i in range(count):
         sampling = {"temperature": 0.7, "top_p": 0.9, "seed": 1000 + i} if i % 2 else {"temperature": 0.0}
@@ -123,6 +143,68 @@ def outputs(path: Path, deterministic: bool, count: int, new_tokens: int) -> dic
     }
     say(f"deterministic={deterministic}: {same} of {count} ({time.perf_counter() - t0:.0f} s)")
     return {"identical_to_alone": same, "requests": count}
+
+
+async def _burst(url: str, prompts: list[list[int]], params: list[dict]) -> list[list[int]]:
+    """Every request at once, one native /generate call each (bench/http_burst.py); the output ids."""
+    from bench.http_burst import HttpBurst
+
+    burst = await HttpBurst.open(url, len(prompts), warm_path="/health")
+    try:
+        bodies = [{"input_ids": p, "sampling_params": s} for p, s in zip(prompts, params)]
+        _, answers = await burst.post_json("/generate", bodies)
+    finally:
+        await burst.close()
+    return [answer["output_ids"] for answer in answers]
+
+
+def pipeline_outputs(deterministic: bool, count: int, new_tokens: int, tiny: bool) -> dict:
+    """Part 4: the requests through `radixserve up` (twice: the second time their prompts are cached),
+    and how many of each burst equal the same checkpoint's lone Engine run."""
+    # Imported here: they need the pipeline's wheels (.whl-pipeline/), which parts 1-3 do without.
+    from bench import gpu_pipeline, pipeline_overhead
+
+    profile = gpu_pipeline.PROFILES["tiny" if tiny else "gpu"]
+    device, backend = str(profile["device"]), str(profile["attention_backend"])
+    gpu_pipeline.put_nats_server_on_path()
+    path = gpu_pipeline.build_checkpoint(tiny, torch.bfloat16, device)
+    longest = 128 if tiny else 1024
+    prompts, params = workload(count, new_tokens, gpu_pipeline.SMOLLM2_VOCAB, longest)
+    options: dict = {
+        "device": device,
+        "dtype": "bfloat16",
+        "attention_backend": backend,
+        "max_total_tokens": 2 * count * (longest + new_tokens),
+        "enable_deterministic_inference": deterministic,
+    }
+    if device == "cpu":
+        options["cpu_threads"] = 1  # both sides alike
+    t0 = time.perf_counter()
+    with Engine(str(path), **options) as e:
+        alone = [e.generate(input_ids=p, sampling_params=s)["output_ids"] for p, s in zip(prompts, params)]
+    with tempfile.TemporaryDirectory(prefix="rs-det-pipeline-") as run_dir:
+        flags = pipeline_overhead.up_flags(path, options)
+        stack = pipeline_overhead.Stack(int(profile["threads"]), flags, Path(run_dir))
+        try:
+            stack.wait_ready()
+            runs = {"burst": asyncio.run(_burst(stack.url, prompts, params))}
+            runs["burst, cached"] = asyncio.run(_burst(stack.url, prompts, params))
+            switched = stack.worker_logged(r"deterministic inference: (\d+) modules use batch-invariant")
+        finally:
+            stack.stop()
+    same = {name: sum(a == b for a, b in zip(got, alone)) for name, got in runs.items()}
+    say(
+        f"pipeline deterministic={deterministic}: {same} of {count}; the worker logged {switched} batch-invariant "
+        f"modules ({time.perf_counter() - t0:.0f} s)"
+    )
+    # The worker's own word that the flag reached its model runner (None: it logged none).
+    modules = int(switched) if switched is not None else None
+    return {
+        "identical_to_alone": same,
+        "requests": count,
+        "checkpoint": str(path),
+        "worker_batch_invariant_modules": modules,
+    }
 
 
 class PrintedRows(list):
@@ -165,18 +247,24 @@ def kernels_part(tiles: str, results: dict, rows: list) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=None, help="default 64; --tiny: 8")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 48; --tiny: 8")
     ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-outputs", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-pipeline", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="part 4 alone, on the CPU, with a 2-layer checkpoint")
     ap.add_argument(
         "--tiles",
         default="128/128/64/8/3,64/64/64/4/4,128/64/64/4/4",
         help="comma list of BM/BN/BK/warps/stages product tiles timed beside the default",
     )
     args = ap.parse_args()
+    if args.tiny:  # parts 1-3 need CUDA
+        args.skip_kernels = args.skip_outputs = args.skip_throughput = True
+    args.requests = args.requests or (8 if args.tiny else 64)
+    args.new_tokens = args.new_tokens or (8 if args.tiny else 48)
     results: dict = {}
     rows = PrintedRows()
     ok = True
@@ -210,6 +298,18 @@ def main() -> int:
         results["p3"] = {"default": p3_default, "deterministic": p3_det, "throughput_kept": kept}
         rows.append(("P3 0.6B deterministic", f"{p3_det['tok_s']:.0f} tok/s; kept {kept:.2f} (goal >= 0.80)"))
         save()
+    if not args.skip_pipeline:
+        label = "tiny" if args.tiny else "0.6B"
+        results["pipeline"] = {}
+        for deterministic in (False, True):
+            key = "deterministic" if deterministic else "default"
+            got = pipeline_outputs(deterministic, args.requests, args.new_tokens, args.tiny)
+            results["pipeline"][key] = got
+            for name, n in got["identical_to_alone"].items():
+                rows.append((f"pipeline {label} {key}: {name} == alone", f"{n} / {args.requests}"))
+                if deterministic:
+                    ok &= n == args.requests
+            save()
     print("\n== gpu_deterministic ==")
     for k, v in rows:
         print(f"{k:58s} {v}")

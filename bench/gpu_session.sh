@@ -11,7 +11,9 @@
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
 # fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
-# 8b needs ~330 s), det (deterministic inference: outputs and throughput), q35 / q35check (Qwen3.5 figures / checks),
+# 8b needs ~330 s), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
+# deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-outputs
+# --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline` does),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
 # it imports, ~38 MB, without nvidia-cutlass-dsl and nvidia-cudnn-frontend, which the paged wrappers do not need).
 # The device's copy of the repository has an older .git: never run git there. To run committed code
@@ -66,12 +68,12 @@ for step in "${steps[@]}"; do
                --format raw -o "$OUT/p3spy.txt" >> "$OUT/p3spy.log" 2>&1; wait $pid ;;
     flashinfer) MAX_JOBS=16 timeout 560 python bench/gpu_flashinfer.py ${FLASHINFER_ARGS:-} > "$OUT/flashinfer.log" 2>&1 ;;
     pipeline) timeout 400 python bench/gpu_pipeline.py ${PIPELINE_ARGS:-} > "$OUT/pipeline.log" 2>&1 ;;
+    deterministic) timeout 560 python bench/gpu_deterministic.py ${DETERMINISTIC_ARGS:-} > "$OUT/deterministic.log" 2>&1 ;;
     fp8kv)   python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16, 0.02)" \
                && timeout 540 python bench/gpu_fp8_kv.py ${FP8KV_ARGS:-} > "$OUT/fp8kv.log" 2>&1 ;;
     fp8)     timeout 400 python bench/gpu_fp8.py ${FP8_ARGS:---quick} > "$OUT/fp8.log" 2>&1 ;;
     fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} > "$OUT/fp8res.log" 2>&1
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk
-    det)     timeout 400 python bench/gpu_deterministic.py ${DET_ARGS:---skip-kernels} > "$OUT/det.log" 2>&1 ;;
     q35)     timeout 500 python bench/gpu_qwen35.py ${Q35_ARGS:---models 9b} > "$OUT/q35.log" 2>&1 ;;
     q35check) timeout 300 python bench/gpu_qwen35_check.py ${Q35CHECK_ARGS:-} > "$OUT/q35check.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;

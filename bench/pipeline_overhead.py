@@ -163,9 +163,15 @@ def engine_options(args: argparse.Namespace, max_total_tokens: int) -> dict[str,
 
 
 def up_flags(model_path: Path, options: dict[str, Any]) -> list[str]:
-    """`up`'s spelling of the Engine's options (it hands them to its worker as RS_* variables)."""
-    pairs = [("model_path", str(model_path)), *options.items()]
-    return [item for name, value in pairs for item in (flag_name(name), str(value))]
+    """`up`'s spelling of the Engine's options (it hands them to its worker as RS_* variables); a boolean
+    is `--name` or `--no-name`."""
+    flags = [flag_name("model_path"), str(model_path)]
+    for name, value in options.items():
+        if isinstance(value, bool):
+            flags.append(flag_name(name) if value else "--no-" + flag_name(name)[2:])
+        else:
+            flags += [flag_name(name), str(value)]
+    return flags
 
 
 class Stack:

@@ -31,18 +31,34 @@ def _hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf_model(path).generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
     return tuple(out[0, len(prompt) :].tolist())
 
 
-def random_prompts(count: int, low: int, high: int, seed: int = 0, prefix: list[int] | None = None) -> list[list[int]]:
+def random_prompts(
+    count: int, low: int, high: int, seed: int = 0, prefix: list[int] | None = None
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [
         (prefix or []) + [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(low, high))]
         for _ in range(count)
     ]
+
+
+def greedy_and_seeded(count: int, new_tokens: int = 16) -> list[dict[str, object]]:
+    """Sampling params of deterministic-inference tests: even requests greedy, odd ones sampled with a
+    seed each; lengths vary (new_tokens + 3 * (i % 5)) so a batch shrinks as its requests end."""
+    params: list[dict[str, object]] = []
+    for i in range(count):
+        sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0.0}
+        params.append({**sampled, "ignore_eos": True, "max_new_tokens": new_tokens + 3 * (i % 5)})
+    return params
 
 
 def output_ids(results: list[dict]) -> list[list[int]]:

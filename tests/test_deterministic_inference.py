@@ -12,18 +12,13 @@ import pytest
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
-from tests.engine_helpers import output_ids, random_prompts
+from tests.engine_helpers import greedy_and_seeded, output_ids, random_prompts
 
 PROMPTS = random_prompts(16, 5, 90, seed=26)
 
 
 def _params() -> list[dict[str, object]]:
-    """Even requests greedy, odd ones sampled (seeded); lengths vary so the batch shrinks as they end."""
-    params: list[dict[str, object]] = []
-    for i in range(len(PROMPTS)):
-        sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0.0}
-        params.append({**sampled, "ignore_eos": True, "max_new_tokens": 16 + 3 * (i % 5)})
-    return params
+    return greedy_and_seeded(len(PROMPTS))
 
 
 def _generate(
@@ -66,4 +61,6 @@ def test_deterministic_inference_refuses_what_it_cannot_keep(qwen3_path: Path, q
     with pytest.raises(ValueError, match="FP8 weights"):
         EngineConfig(model_path=str(qwen3_path), quantization="fp8", enable_deterministic_inference=True)
     with pytest.raises(ValueError, match="kv_cache_dtype 'auto'"):
-        EngineConfig(model_path=str(qwen3_path), kv_cache_dtype="fp8_e4m3", enable_deterministic_inference=True)
+        EngineConfig(
+            model_path=str(qwen3_path), kv_cache_dtype="fp8_e4m3", enable_deterministic_inference=True
+        )
