@@ -13,6 +13,9 @@ multiples of 128). Then timing, every figure a CUDA-graph replay (no host launch
   the best of a sweep), the fp8 dot form, kernels/gemv.py on bf16, cuBLAS bf16, each against the fp8 byte
   ceiling (weight + scale bytes / the copy bandwidth measured in this run); then the whole step's 144
   products, fp8 (default and best tiles) and bf16 GEMV, against the ceiling (goal >= 0.85 for fp8).
+- the fused prologues at batch 1, Qwen3-8B and 0.6B shapes: per layer add-RMSNorm -> qkv, add-RMSNorm ->
+  gate_up, SiLU-and-mul -> down, as separate kernels + fp8_block_gemv against fp8_rmsnorm_gemv /
+  fp8_silu_mul_gemv (one launch each), every layer's own weights, against those weights' byte ceiling.
 - GEMM at M = 256 and 4096 on the same shapes: fp8_block_linear (quantize + w8a8), w8a8 alone (the best
   of a small tile sweep too) and torch.matmul bf16.
 - fused MoE at Qwen3-30B-A3B's expert shape (128 experts, hidden 2048, intermediate 768, top-8) at
@@ -36,6 +39,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_common import OUT, copy_bandwidth  # noqa: E402
+from bench.gpu_common import SHAPES as MODELS  # noqa: E402
+from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.fp8_gemm import (  # noqa: E402
     Fp8Tiles,
     fp8_block_gemv,
@@ -44,6 +49,7 @@ from kernels.fp8_gemm import (  # noqa: E402
     per_token_group_quant_fp8,
     w8a8_block_fp8_matmul,
 )
+from kernels.fp8_gemv import fp8_rmsnorm_gemv, fp8_silu_mul_gemv  # noqa: E402
 from kernels.fp8_reference import (  # noqa: E402
     dequantize_block_weight,
     fp8_block_linear_reference,
@@ -54,6 +60,7 @@ from kernels.fp8_reference import (  # noqa: E402
 )
 from kernels.fused_moe import fused_moe, moe_fp8_activations  # noqa: E402
 from kernels.gemv import GemvTiles, gemv  # noqa: E402
+from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
 from services.worker.runtime.layers.linear_calibration import cuda_graph_seconds  # noqa: E402
 
 BLOCK = (128, 128)
@@ -222,6 +229,39 @@ def time_step(rows: list[dict], dev: torch.device, copy_bw: float, best: dict[st
         )
 
 
+def prologue_case(model: str, checks: dict[str, float], dev: torch.device, copy_bw: float) -> dict:
+    """A decode step's three products with a prologue, separate (norm / activation kernel, then the FP8
+    GEMV) and fused; fused against separate on layer 0 into checks."""
+    s = MODELS[model]
+    hidden, inter, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    qkv = (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * s["head_dim"]
+    w = {name: [random_fp8(n, k, dev) for _ in range(layers)]
+         for name, (n, k) in {"qkv": (qkv, hidden), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items()}  # fmt: skip
+    norms = [(1 + 0.1 * torch.randn(hidden, device=dev)).bfloat16() for _ in range(2)]
+    h, r, gu = (torch.randn(1, n, device=dev, dtype=torch.bfloat16) for n in (hidden, hidden, 2 * inter))
+
+    def separate(i: int) -> list[torch.Tensor]:
+        x, res = fused_add_rmsnorm(h, r, norms[0], 1e-6)
+        x2, _ = fused_add_rmsnorm(h, res, norms[1], 1e-6)
+        return [fp8_block_gemv(x, *w["qkv"][i], BLOCK), fp8_block_gemv(x2, *w["gate_up"][i], BLOCK),
+                fp8_block_gemv(silu_and_mul(gu), *w["down"][i], BLOCK)]  # fmt: skip
+
+    def fused(i: int) -> list[torch.Tensor]:
+        y, res = fp8_rmsnorm_gemv(h, r, norms[0], 1e-6, *w["qkv"][i], BLOCK)
+        y2, _ = fp8_rmsnorm_gemv(h, res, norms[1], 1e-6, *w["gate_up"][i], BLOCK)
+        return [y, y2, fp8_silu_mul_gemv(gu, *w["down"][i], BLOCK)]
+
+    for name, a, b in zip(("qkv", "gate_up", "down"), fused(0), separate(0)):
+        checks[f"fused prologue {model} {name} vs separate"] = rel_err(a, b.float())
+    nbytes = sum(q.numel() + sc.numel() * 4 for ws in w.values() for q, sc in ws)
+    row = {"table": "prologue", "model": model, "ceiling_ms": nbytes / copy_bw * 1e3, "bytes": nbytes}
+    for form, fn in (("separate", separate), ("fused", fused)):
+        row[f"{form}_ms"] = graph_us(lambda fn=fn: [fn(i) for i in range(layers)]) / 1e3
+    print(f"prologues {model}: separate {row['separate_ms']:.3f} ms, fused {row['fused_ms']:.3f} ms, "
+          f"ceiling {row['ceiling_ms']:.3f} ms", flush=True)  # fmt: skip
+    return row
+
+
 def gemm_case(m: int, name: str, dev: torch.device, sweep: list[Fp8Tiles], copies: int = 4) -> dict:
     """One GEMM shape at M rows; `copies` distinct weights per replay, so M = 256 reads them from HBM."""
     n, k = SHAPES[name]
@@ -313,6 +353,9 @@ def print_table(copy_bw: float, checks: dict[str, float], rows: list[dict]) -> N
             f"step of 144 products, {r['case']}: {r['ms']:.3f} ms vs ceiling {r['ceiling_ms']:.3f} ms "
             f"= {r['of_ceiling']:.3f} of the ceiling (goal >= 0.85)"
         )
+    for r in (r for r in rows if r["table"] == "prologue"):
+        print(f"{r['model']} qkv + gate_up + down with their prologues: separate {r['separate_ms']:.3f} ms, fused "
+              f"{r['fused_ms']:.3f} ms; of the ceiling {r['ceiling_ms'] / r['fused_ms']:.3f} fused")  # fmt: skip
     print(f"\n{'GEMM':<16}{'bf16':>9}{'fp8 lin':>9}{'w8a8':>9}{'w8a8 best':>10}{'TFLOPS bf16/fp8':>17}  (us)")
     for r in (r for r in rows if r["table"] == "gemm"):
         case = f"M={r['m']} {r['shape']}"
@@ -348,6 +391,9 @@ def main() -> int:
     rows_sweep = ROWS_SWEEP[:4] if args.quick else ROWS_SWEEP
     best = time_gemv(rows, dev, copy_bw, rows_sweep)
     time_step(rows, dev, copy_bw, best)
+    for model in ("8b", "0.6b"):
+        rows.append(prologue_case(model, checks, dev, copy_bw))
+        torch.cuda.empty_cache()
     torch.cuda.empty_cache()
     time_gemm_and_moe(rows, dev, copy_bw, W8A8_SWEEP[:2] if args.quick else W8A8_SWEEP)
     summary = {"copy_bw": copy_bw, "checks": checks, "rows": rows}

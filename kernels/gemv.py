@@ -9,7 +9,9 @@ would need a second pass or float32 atomics to combine.
 
 Two prologues fold the elementwise kernel before a projection into it (batch-1 decode is bound by
 launches as much as by bytes: a 0.6B step is ~250 kernels): `rmsnorm_gemv` normalizes the row (adding
-the residual first) as it is read, `silu_mul_gemv` forms silu(gate) * up from the gate_up output.
+the residual first) as it is read, `silu_mul_gemv` forms silu(gate) * up from the gate_up output. The
+prologues are the jit helpers `rmsnorm_rstd` and `prologue_input`, which kernels/fp8_gemv.py's one-row
+FP8 GEMV shares.
 
 The weight is loaded with `evict_first`: it is read once per step and should not push the KV and
 activations out of L2.
@@ -47,6 +49,60 @@ class GemvTiles:
 
 
 @triton.jit
+def rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 BLOCK_FULL: tl.constexpr):
+    """1 / rms of the row X (+ Residual) over its K features where PROLOGUE is 1 (else 1.0). With a
+    residual the sum is rounded to X's dtype, as kernels/rmsnorm.py rounds it, and program 0 writes it to
+    Res_out. Every program needs the whole row's statistics before its first tile: K is a hidden size (a
+    few thousand), so one extra read of it from L2 per program (BLOCK_FULL >= K).
+
+    (A one-pass norm, gathering the sum of squares with the tiles and scaling the finished dot products
+    by 1/rms, was slower on the H200: the extra loads per tile cost more than the wait it saves.)"""
+    rstd = 1.0
+    if PROLOGUE == 1:
+        dtype = X.dtype.element_ty
+        full = tl.arange(0, BLOCK_FULL)
+        full_mask = full < K
+        h = tl.load(X + full, mask=full_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h = (h + tl.load(Residual + full, mask=full_mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(Res_out + full, h, mask=full_mask & (tl.program_id(0) == 0))
+            h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
+    return rstd
+
+
+@triton.jit
+def prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """The product's input at columns `cols` (a tensor of any shape; those >= K read 0), in float32.
+    PROLOGUE 0: X. 1: rmsnorm(X (+ Residual)) with weight Norm_w and the row's rstd (rmsnorm_rstd).
+    2: X holds [gate | up] of 2K features and the input is silu(gate) * up. Each rounded to X's dtype
+    where the unfused kernels (kernels/rmsnorm.py, kernels/activation.py) round."""
+    dtype = X.dtype.element_ty
+    col_mask = cols < K
+    if PROLOGUE == 0:
+        if EVEN_K:
+            x = tl.load(X + cols).to(tl.float32)
+        else:
+            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+    elif PROLOGUE == 1:
+        # The rounding of kernels/rmsnorm.py: the sum, then x * rstd, then the product with the norm's
+        # weight each rounded to the activation dtype.
+        x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x = x + tl.load(Residual + cols, mask=col_mask, other=0.0).to(tl.float32)
+            x = x.to(dtype).to(tl.float32)
+        nw = tl.load(Norm_w + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+    else:
+        gate = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
+        up = tl.load(X + K + cols, mask=col_mask, other=0.0).to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     X,
     W,
@@ -65,62 +121,30 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_FULL: tl.constexpr,
 ):
-    """PROLOGUE 0: x is X. 1: x = rmsnorm(X (+ Residual)) with weight Norm_w (program 0 also writes
-    X + Residual to Res_out), rounded as kernels/rmsnorm.py rounds it, which needs the row's statistics
-    before the first tile. 2: X holds [gate | up] of 2K features and x = silu(gate) * up.
-
-    (A one-pass norm, gathering the sum of squares with the tiles and scaling the finished dot products
-    by 1/rms, was slower on the H200: the extra loads per tile cost more than the wait it saves.)"""
+    """x is prologue_input's: X itself (PROLOGUE 0), rmsnorm(X (+ Residual)) with program 0 writing
+    X + Residual to Res_out (1), silu(gate) * up of X = [gate | up] (2)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    dtype = Y.dtype.element_ty
-    if PROLOGUE == 1:
-        # Every program needs the whole row's statistics before its first tile: K is a hidden size
-        # (a few thousand), so one extra read of it from L2 per program.
-        full = tl.arange(0, BLOCK_FULL)
-        full_mask = full < K
-        h = tl.load(X + full, mask=full_mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h = (h + tl.load(Residual + full, mask=full_mask, other=0.0).to(tl.float32)).to(dtype)
-            tl.store(Res_out + full, h, mask=full_mask & (pid == 0))
-            h = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
+    rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
         if EVEN_K:
             w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
         else:
             w = tl.load(
                 W + safe_rows[:, None] * stride_wn + cols[None, :],
-                mask=col_mask[None, :],
+                mask=(cols < K)[None, :],
                 other=0.0,
                 eviction_policy="evict_first",
             )
-        if PROLOGUE == 0:
-            if EVEN_K:
-                x = tl.load(X + cols).to(tl.float32)
-            else:
-                x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-        elif PROLOGUE == 1:
-            # The rounding of kernels/rmsnorm.py: the sum, then x * rstd, then the product with the
-            # norm's weight each rounded to the activation dtype.
-            x = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                x = (x + tl.load(Residual + cols, mask=col_mask, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-            nw = tl.load(Norm_w + cols, mask=col_mask, other=0.0).to(tl.float32)
-            x = ((x * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-        else:
-            gate = tl.load(X + cols, mask=col_mask, other=0.0).to(tl.float32)
-            up = tl.load(X + K + cols, mask=col_mask, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+        x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    tl.store(Y + rows, y.to(dtype), mask=row_mask)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -235,12 +259,32 @@ def _check_row_operands(x: torch.Tensor, features: int, weight: torch.Tensor, ti
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be 2-D with contiguous rows, got shape {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
-    if tiles.kind != "rows":
-        raise ValueError(f"{name} takes 'rows' tiles, got kind {tiles.kind!r}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    check_prologue_row(x, features, tiles, name)
+
+
+def check_prologue_row(x: torch.Tensor, features: int, tiles: GemvTiles, name: str) -> None:
+    """A fused-prologue product's input (here and kernels/fp8_gemv.py's): one contiguous row of
+    `features`, with "rows" tiles."""
+    if tiles.kind != "rows":
+        raise ValueError(f"{name} takes 'rows' tiles, got kind {tiles.kind!r}")
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != features or x.stride(1) != 1:
         raise ValueError(f"x must be one contiguous row of {features} features, got shape {tuple(x.shape)}")
+
+
+def rmsnorm_outputs(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked norm operands' (out [1, n], residual_out) of an rmsnorm prologue: residual_out is a
+    new buffer for x + residual, or x itself without a residual."""
+    k = x.shape[1]
+    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
+        raise ValueError(f"norm_weight must be contiguous of shape ({k},), got {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    return out, (torch.empty_like(x) if residual is not None else x)
 
 
 def rmsnorm_gemv(
@@ -257,12 +301,7 @@ def rmsnorm_gemv(
     tiles = tiles or GemvTiles()
     n, k = weight.shape
     _check_row_operands(x, k, weight, tiles, "rmsnorm_gemv")
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be contiguous of shape ({k},), got {tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else x
+    out, residual_out = rmsnorm_outputs(x, residual, norm_weight, n)
     _launch_rows(x, weight, out, tiles, prologue=1, residual=residual, norm_weight=norm_weight,
                  residual_out=residual_out if residual is not None else None, eps=eps)
     return out, residual_out

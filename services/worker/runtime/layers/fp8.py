@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.config import QUANTIZATION_METHODS
-from services.worker.runtime.layers.linear import LoadedWeight, full_weight, weight_shape
+from services.worker.runtime.layers.linear import LoadedWeight, full_weight, one_contiguous_row, weight_shape
 
 SCALE_SUFFIX = ".weight_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
@@ -151,10 +151,12 @@ def fp8_block_linear(
     scale_inv: torch.Tensor,
     block_size: tuple[int, int],
     bias: torch.Tensor | None = None,
+    kernels: bool | None = None,
 ) -> torch.Tensor:
     """x W^T + b in x's dtype, W an FP8 weight [N, K] with its block scales: kernels/fp8_gemm.py's
-    block-scaled GEMM on CUDA, elsewhere the reference (the weight dequantized per call, float32 math)."""
-    if x.is_cuda:
+    block-scaled GEMM where `kernels` (None: on CUDA tensors), else the reference (the weight dequantized
+    per call, float32 math)."""
+    if x.is_cuda if kernels is None else kernels:
         # Imported here: triton is needed (and installed) only where CUDA runs.
         from kernels.fp8_gemm import fp8_block_linear as fp8_gemm
 
@@ -168,12 +170,47 @@ def fp8_block_linear(
 @dataclass(frozen=True)
 class Fp8LinearMethod:
     """A linear layer's product with its resident FP8 weight (`layer.weight` float8_e4m3fn,
-    `layer.weight_scale_inv` float32), set as the layer's `quant_method` by fp8_weights.py."""
+    `layer.weight_scale_inv` float32), set as the layer's `quant_method` by fp8_weights.py.
+
+    Where the products run the Triton kernels (`kernels`; None: on CUDA tensors), a single contiguous row
+    goes through kernels/fp8_gemv.py's one-row GEMV, which also takes the decoder's RMSNorm before the
+    projection (apply_rmsnorm) or the MLP's SiLU-and-mul before down_proj (apply_silu_mul) in the same
+    launch, as "rows" GEMV tiles do for bf16 weights (layers/linear.py's Projection.fuses_prologue)."""
 
     block_size: tuple[int, int]
+    kernels: bool | None = None
+
+    def runs_kernels(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.kernels is None else self.kernels
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_size, bias)
+        return fp8_block_linear(
+            x, layer.weight, layer.weight_scale_inv, self.block_size, bias, kernels=self.runs_kernels(x)
+        )
+
+    def fuses_prologue(self, x: torch.Tensor) -> bool:
+        return self.runs_kernels(x) and one_contiguous_row(x)
+
+    def apply_rmsnorm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) W^T, x + residual) of one row in one launch (no bias)."""
+        from kernels.fp8_gemv import fp8_rmsnorm_gemv
+
+        return fp8_rmsnorm_gemv(
+            x, residual, norm_weight, eps, layer.weight, layer.weight_scale_inv, self.block_size
+        )
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T of one row [gate | up] in one launch (no bias)."""
+        from kernels.fp8_gemv import fp8_silu_mul_gemv
+
+        return fp8_silu_mul_gemv(gate_up, layer.weight, layer.weight_scale_inv, self.block_size)
 
 
 def _bounds(index: Any, size: int, block: int, what: str, dim: int) -> tuple[int, int]:

@@ -106,13 +106,9 @@ def load_gemv_kernels() -> None:
     _gemv, _rmsnorm_gemv, _silu_mul_gemv = gemv, rmsnorm_gemv, silu_mul_gemv
 
 
-def fuses_prologue(x: torch.Tensor, gemv_tiles: Any) -> bool:
-    """Whether a layer with `gemv_tiles` takes x through a GEMV with a fused prologue (the one-row
-    "rows" form: one contiguous row)."""
-    return (
-        gemv_tiles is not None and getattr(gemv_tiles, "kind", None) == "rows" and x.dim() == 2
-        and x.shape[0] == 1 and x.stride(-1) == 1
-    )
+def one_contiguous_row(x: torch.Tensor) -> bool:
+    """Whether x is what the fused-prologue GEMVs take: one contiguous row [1, K]."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
 
 
 class NormLike(Protocol):
@@ -125,13 +121,13 @@ class NormLike(Protocol):
 
 
 def norm_then_linear(
-    norm: NormLike, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    norm: NormLike, layer: Projection, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer(norm(x + residual)), x + residual), the pre-norm decoder's step into a projection; without
-    a residual the norm is of x and x is the residual. A single row whose layer has "rows" GEMV tiles
-    takes one launch (kernels.gemv.rmsnorm_gemv) instead of a norm kernel and a product."""
-    if fuses_prologue(x, layer.gemv_tiles):
-        y, residual = _rmsnorm_gemv(x, residual, norm.weight, norm.eps, layer.weight, tiles=layer.gemv_tiles)
+    a residual the norm is of x and x is the residual. Where layer.fuses_prologue(x) (one row, "rows" GEMV
+    tiles or an FP8 weight on the GPU) one launch instead of a norm kernel and a product."""
+    if layer.fuses_prologue(x):
+        y, residual = layer.rmsnorm_product(x, residual, norm.weight, norm.eps)
         return (y if layer.bias is None else y + layer.bias), residual
     if residual is None:
         return layer(norm(x)), x
@@ -204,9 +200,17 @@ def new_parameter(shape: tuple[int, ...], loader: Callable[..., None]) -> nn.Par
 
 class LinearMethod(Protocol):
     """How a quantized layer multiplies (SGLang's quant_method): x W^T + b from the layer's own
-    parameters (layers/fp8.py's Fp8LinearMethod: an FP8 weight and its block scales)."""
+    parameters (layers/fp8.py's Fp8LinearMethod: an FP8 weight and its block scales), and the products
+    with a fused prologue where its kernels have them (Projection.fuses_prologue)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def fuses_prologue(self, x: torch.Tensor) -> bool: ...
+
+    def apply_rmsnorm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 class Projection(nn.Module):
@@ -238,6 +242,27 @@ class Projection(nn.Module):
             gemv_tiles=self.gemv_tiles,
             batch_invariant=self.batch_invariant,
         )
+
+    def fuses_prologue(self, x: torch.Tensor) -> bool:
+        """Whether x goes through one launch with the norm or activation before this product folded in
+        (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides."""
+        if self.quant_method is not None:
+            return self.quant_method.fuses_prologue(x)
+        return getattr(self.gemv_tiles, "kind", None) == "rows" and one_contiguous_row(x)
+
+    def rmsnorm_product(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(x + residual) W^T without the bias, x + residual), where fuses_prologue(x)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply_rmsnorm(self, x, residual, norm_weight, eps)
+        return _rmsnorm_gemv(x, residual, norm_weight, eps, self.weight, tiles=self.gemv_tiles)
+
+    def silu_mul_product(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) W^T without the bias nor the all-reduce, where fuses_prologue(gate_up)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply_silu_mul(self, gate_up)
+        return _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
 
 
 class ReplicatedLinear(Projection):
@@ -365,10 +390,10 @@ class RowParallelLinear(Projection):
 
     def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """self(act(gate_up)) where act is SiLU-and-mul over [gate | up]: a single row with "rows" GEMV
-        tiles forms the activation inside the product (kernels.gemv.silu_mul_gemv), one launch less."""
-        if not fuses_prologue(gate_up, self.gemv_tiles):
+        tiles or an FP8 weight on the GPU forms the activation inside the product (silu_mul_product)."""
+        if not self.fuses_prologue(gate_up):
             return self(act(gate_up))
-        y = _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
+        y = self.silu_mul_product(gate_up)
         if self.tp_size > 1:
             y = tp_all_reduce(y)
         return y if self.bias is None else y + self.bias
