@@ -4,6 +4,7 @@ published sizes with seeded random bf16 weights (nothing can be downloaded on th
     python bench/gpu_qwen35.py [--models 9b,35b-a3b] [--figures decode,peer,offline,prefix] [--steps 256]
                                [--scale 1.0] [--moe-layers 40]
     python bench/gpu_qwen35.py --tiny      # every step at toy sizes, on CPU when there is no GPU
+    python bench/gpu_qwen35.py --fp8 --models 35b-a3b --figures decode   # the full 40 layers in FP8
 
 Shapes (the published configs; transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig defaults mirror
 them except rope_theta, which the published models set to 1e7):
@@ -14,7 +15,13 @@ them except rope_theta, which the published models set to 1e7):
             plus a shared expert of 512, attention 16 Q / 2 KV heads of 256, DeltaNet 16 QK / 32 V
             heads of 128, vocab 248320, untied. About 70 GB in bf16: it needs that much disk under
             /tmp and GPU memory (the one-GPU machine's 64 GiB disk is too small: run it on a bigger
-            kind, or --moe-layers N keeps the first N layers, recorded in the JSON).
+            kind, or --moe-layers N keeps the first N layers, recorded in the JSON). With --fp8 it is
+            ~35 GB and runs whole on one H200.
+--fp8: the checkpoint is written straight in the published FP8 layout (bench/qwen35_fp8_build.py: layer
+by layer, never the whole bf16 model on disk or GPU; 128x128 blocks, 16x16 under --tiny) and the engine
+keeps the weights FP8-resident; the ceiling counts the bytes as stored (FP8 projections and their
+float32 scales, of the routed experts only top-k; bf16 embedding, LM head, router, norms, DeltaNet b/a).
+The peer figure is skipped (transformers' FP8 path is not what is measured here).
 Figures, each beside what it is measured against in the same run:
   decode    batch-1 decode tok/s (128-token prompt, --steps new tokens) vs the ceiling: weight bytes
             one step reads (every weight once; for the MoE only top-k of the routed experts) divided
@@ -55,6 +62,7 @@ from transformers import (  # noqa: E402
 )
 
 from bench.gpu_common import copy_bandwidth  # noqa: E402
+from bench.qwen35_fp8_build import write_fp8_checkpoint  # noqa: E402
 from services.worker.frontend.engine import Engine  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
@@ -82,18 +90,32 @@ SHAPES: dict[str, tuple[type, dict[str, Any], str]] = {
 VOCAB = {"tiny": 512, "tiny-moe": 512}
 
 
-def build(name: str, device: str, layers: int | None, vocab: int) -> tuple[Path, dict[str, Any]]:
-    """A seeded random bf16 checkpoint of the named shape under /tmp (built once per machine), built
-    in bf16 from the start (a 35B model in float32 would not fit the GPU)."""
+def make_config(name: str, layers: int | None, vocab: int) -> tuple[Any, type, str]:
+    """(transformers config, model class, source) of the named shape, cut to `layers` when given."""
     config_class, shape, source = SHAPES[name]
     shape = dict(shape)
     if layers is not None:
         shape["num_hidden_layers"] = layers
-    path = Path(f"/tmp/rs-qwen35-{name}-l{shape['num_hidden_layers']}-bf16")
     config = config_class(vocab_size=vocab, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters=ROPE,
                           initializer_range=0.02, tie_word_embeddings=False, eos_token_id=0, **shape)
+    model_class = Qwen3_5ForCausalLM if config_class is Qwen3_5TextConfig else Qwen3_5MoeForCausalLM
+    return config, model_class, source
+
+
+def build(name: str, device: str, layers: int | None, vocab: int, fp8: bool = False) -> tuple[Path, dict[str, Any]]:
+    """A seeded random checkpoint of the named shape under /tmp (built once per machine): bf16, built
+    in bf16 from the start (a 35B model in float32 would not fit the GPU), or with fp8 the published
+    FP8 layout written layer by layer (bench/qwen35_fp8_build.py)."""
+    config, model_class, source = make_config(name, layers, vocab)
+    meta = {"source": source, "layers": config.num_hidden_layers, "vocab_size": vocab,
+            "layer_types": list(config.layer_types)}
+    if fp8:
+        block = (16, 16) if name.startswith("tiny") else (128, 128)
+        path = Path(f"/tmp/rs-qwen35-{name}-l{config.num_hidden_layers}-fp8")
+        write_fp8_checkpoint(path, model_class, config, block, device)
+        return path, {**meta, "weights": "fp8", "weight_block_size": list(block)}
+    path = Path(f"/tmp/rs-qwen35-{name}-l{config.num_hidden_layers}-bf16")
     if not (path / "config.json").exists():
-        model_class = Qwen3_5ForCausalLM if config_class is Qwen3_5TextConfig else Qwen3_5MoeForCausalLM
         torch.manual_seed(0)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -106,8 +128,7 @@ def build(name: str, device: str, layers: int | None, vocab: int) -> tuple[Path,
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    return path, {"source": source, "layers": shape["num_hidden_layers"], "vocab_size": vocab,
-                  "layer_types": list(config.layer_types)}
+    return path, {**meta, "weights": "bf16"}
 
 
 def published_parameters(name: str) -> float:
@@ -120,9 +141,14 @@ def published_parameters(name: str) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e9
 
 
+# Bytes per element of the safetensors dtypes these checkpoints hold.
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}
+
+
 def step_bytes(path: Path) -> tuple[int, int]:
-    """(bytes in the checkpoint, bytes one batch-1 decode step reads: every weight, of the routed
-    experts only top-k of num_experts)."""
+    """(bytes in the checkpoint, bytes one batch-1 decode step reads: every tensor as stored (an FP8
+    checkpoint's FP8 weights at one byte, their float32 scales at four), of the routed experts only
+    top-k of num_experts)."""
     config = json.loads((path / "config.json").read_text())
     share = config["num_experts_per_tok"] / config["num_experts"] if "num_experts" in config else 1.0
     total = routed = 0
@@ -130,7 +156,7 @@ def step_bytes(path: Path) -> tuple[int, int]:
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
                 t = f.get_slice(key)
-                n = torch.Size(t.get_shape()).numel() * 2  # bf16
+                n = torch.Size(t.get_shape()).numel() * DTYPE_BYTES[t.get_dtype()]
                 total += n
                 if ".mlp.experts." in key:
                     routed += n
@@ -240,7 +266,7 @@ def shared_prefix(path: Path, scale: float, vocab: int, sizes: tuple[int, int, i
 def run_model(name: str, args: argparse.Namespace, bw: float, device: str, engine_kw: dict) -> dict:
     vocab = VOCAB.get(name, 248320)
     layers = args.moe_layers if name == "35b-a3b" else None
-    path, meta = build(name, device, layers, vocab)
+    path, meta = build(name, device, layers, vocab, fp8=args.fp8)
     total, per_step = step_bytes(path)
     ceiling = bw / per_step
     res: dict[str, Any] = {**meta, "weight_bytes": total, "step_bytes": per_step, "ceiling_tok_s": ceiling}
@@ -249,7 +275,7 @@ def run_model(name: str, args: argparse.Namespace, bw: float, device: str, engin
     if "decode" in figures:
         tps, ours = decode_speed(path, args.steps, vocab, engine_kw)
         res.update(decode_tok_s=tps, decode_ratio=tps / ceiling)
-    if "peer" in figures:
+    if "peer" in figures and not args.fp8:
         hf_steps = min(args.steps, args.hf_steps)
         hf_tps, theirs = hf_peer(path, hf_steps, vocab, device)
         res.update(hf_eager_tok_s=hf_tps, hf_steps=hf_steps)
@@ -301,6 +327,7 @@ def main() -> int:
                     help="which figures (one device call is at most 10 minutes: split them over calls)")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: from free memory)")
     ap.add_argument("--tiny", action="store_true", help="toy shapes, every step, on CPU without a GPU")
+    ap.add_argument("--fp8", action="store_true", help="the published FP8 checkpoint layout, FP8-resident weights")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
@@ -308,6 +335,8 @@ def main() -> int:
     engine_kw: dict[str, Any] = {}
     if args.max_total_tokens:
         engine_kw["max_total_tokens"] = args.max_total_tokens
+    if args.fp8:  # resident on the CPU too (CUDA's default for an FP8 checkpoint)
+        engine_kw["quantization"] = "fp8"
     if args.tiny:
         args.models, args.steps, args.hf_steps, args.scale = "tiny,tiny-moe", 16, 16, 1 / 32
         engine_kw.setdefault("max_total_tokens", 4096)

@@ -32,8 +32,10 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
 
 
 def is_quantized(name: str) -> bool:
-    """The linear weights an official FP8 checkpoint quantizes (not embeddings, norms, lm_head, router)."""
-    return name.endswith("_proj.weight")
+    """The linear weights an official FP8 checkpoint quantizes (not embeddings, norms, lm_head, router):
+    every `*_proj.weight`, and Qwen3.5's Gated DeltaNet in_proj_qkv and in_proj_z (Qwen/Qwen3.5-*-FP8 keep
+    in_proj_a, in_proj_b, conv1d, A_log, dt_bias and the shared-expert gate in bf16)."""
+    return name.endswith(("_proj.weight", ".in_proj_qkv.weight", ".in_proj_z.weight"))
 
 
 def write_fp8_pair(src: Path, root: Path, block: tuple[int, int]) -> tuple[Path, Path]:

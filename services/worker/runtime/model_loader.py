@@ -128,8 +128,9 @@ def load_model(config: ModelConfig, device: torch.device | str) -> nn.Module:
         make_fp8_resident(model, scales, fp8.block_size)
     loaded = model.load_weights(checkpoint_weights(config, scales))
     params = set(dict(model.named_parameters()))
-    # An FP8 layer's scales fill with its weight (`weight` -> `weight_scale_inv`, `w13_weight` -> ...).
-    loaded |= {name + "_scale_inv" for name in loaded} & params
+    # An FP8 layer's scales fill with its weight (`weight` -> `weight_scale_inv`, `w13_weight` -> ...),
+    # and so do its unquantized trailing shards (`weight` -> `weight_tail`, fp8_weights.py).
+    loaded |= {name + suffix for name in loaded for suffix in ("_scale_inv", "_tail")} & params
     missing = sorted(params - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(config.path)!r} lacks weights for parameters: {missing}")

@@ -213,6 +213,21 @@ class Fp8LinearMethod:
         return fp8_silu_mul_gemv(gate_up, layer.weight, layer.weight_scale_inv, self.block_size)
 
 
+@dataclass(frozen=True)
+class Fp8HeadLinearMethod:
+    """The product of a fused column-parallel layer whose leading shards are resident FP8 (`weight`,
+    `weight_scale_inv`) and whose trailing shards stay in the model's dtype (`weight_tail`; Qwen3.5's
+    Gated DeltaNet in_proj: q/k/v/z in FP8, b/a not, as the published FP8 checkpoints store them):
+    [x W_fp8^T | x W_tail^T] + b."""
+
+    block_size: tuple[int, int]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        head = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block_size)
+        y = torch.cat([head, F.linear(x, layer.weight_tail.to(x.dtype))], dim=-1)
+        return y if bias is None else y + bias
+
+
 def _bounds(index: Any, size: int, block: int, what: str, dim: int) -> tuple[int, int]:
     """(start, stop) of a slice along one dim, checked to start on a block boundary and to end on one
     or at the tensor's end."""

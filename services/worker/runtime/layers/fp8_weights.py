@@ -11,13 +11,17 @@ the fused_moe kernel or the dequantizing reference). Two ways in, chosen by mode
   copy this rank's fp8 rows or columns, and the scales of their blocks, unchanged. Fused matrices (q/k/v,
   gate/up, an expert's w1/w3) stack their shards' blocks, so every shard and every TP rank's slice must
   start on a block boundary (vLLM requires the same); that is checked here, before a weight is read.
-  Layers of other kinds (Qwen3.5's Gated DeltaNet in_proj, with its own loader) load dequantized.
+  A fused column-parallel layer with `fp8_plain_shards` (Qwen3.5's Gated DeltaNet in_proj: q/k/v/z
+  then b/a, which the published FP8 checkpoints leave in bf16) keeps its leading shards in FP8 and the
+  trailing ones in `weight_tail`, in the model's dtype (Fp8HeadLinearMethod); its `fused_shards` (the
+  checkpoint's in_proj_qkv filling q, k and v) load block by block like the others. Layers of other
+  kinds with loaders of their own load dequantized.
 - `--quantization fp8` on an unquantized checkpoint (`quantize_fp8_after_load`): the model loads in its
   dtype, then every column- and row-parallel linear layer and every FusedMoE is quantized with
   quantize_blocks over this rank's (fused) matrix, and its full-precision weight freed (SGLang's
   process_weights_after_loading; loading therefore needs the unquantized weights' memory once). As in
   the published checkpoints the embeddings, norms, LM head, MoE router and other replicated layers
-  (shared-expert gates) stay unquantized.
+  (shared-expert gates) stay unquantized, and so do the `fp8_plain_shards` (the Gated DeltaNet's b/a).
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.runtime.layers.fp8 import FP8_DTYPE, Fp8BlockWeight, Fp8LinearMethod, quantize_blocks
+from services.worker.runtime.layers.fp8 import (
+    FP8_DTYPE,
+    Fp8BlockWeight,
+    Fp8HeadLinearMethod,
+    Fp8LinearMethod,
+    quantize_blocks,
+)
 from services.worker.runtime.layers.linear import (
     ColumnParallelLinear,
     LoadedWeight,
@@ -37,6 +47,7 @@ from services.worker.runtime.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     check_weight_shape,
+    full_weight,
 )
 from services.worker.runtime.layers.moe import FusedMoE
 
@@ -68,10 +79,12 @@ def make_fp8_resident(model: nn.Module, quantized: Iterable[str], block_size: tu
         param_name, _ = model.weight_target(name)
         module_name = param_name.rsplit(".", 1)[0]
         module = modules.get(module_name)
-        if module is not None and type(module) in CHECKPOINT_RESIDENT_TYPES:
+        if module is not None and (type(module) in CHECKPOINT_RESIDENT_TYPES or _plain_shards(module)):
             targets[module_name] = module
     for name, module in sorted(targets.items()):
-        if isinstance(module, FusedMoE):
+        if _plain_shards(module):
+            _resident_head(name, module, block_size)
+        elif isinstance(module, FusedMoE):
             _resident_experts(name, module, block_size)
         elif isinstance(module, RowParallelLinear):
             _resident_row(name, module, block_size)
@@ -91,9 +104,12 @@ def quantize_fp8_after_load(model: nn.Module, block_size: tuple[int, int]) -> li
                 _replace(module, param, weight, scale, getattr(module, param).weight_loader)
             module.fp8_block_size = block_size
         elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            weight, scale = quantize_blocks(module.weight.data, block_size)
+            full, rows = module.weight.data, _fp8_rows(module)
+            weight, scale = quantize_blocks(full[:rows], block_size)
+            if rows < full.shape[0]:  # the fp8_plain_shards stay as they are
+                module.weight_tail = nn.Parameter(full[rows:].clone(), requires_grad=False)
             _replace(module, "weight", weight, scale, module.weight.weight_loader)
-            _mark_fp8_linear(module, block_size)
+            _mark_fp8_linear(module, block_size, tail=rows < full.shape[0])
         else:
             continue
         done.append(name)
@@ -111,21 +127,37 @@ def _replace(
 
 
 def _empty_fp8(
-    module: nn.Module, name: str, block_size: tuple[int, int], loader: Callable[..., None]
+    module: nn.Module,
+    name: str,
+    block_size: tuple[int, int],
+    loader: Callable[..., None],
+    rows: int | None = None,
 ) -> None:
-    """Replace module.<name> by an unfilled FP8 parameter of its shape and NaN scales (a block no
-    checkpoint tensor fills shows as NaN, not as plausible numbers)."""
+    """Replace module.<name> by an unfilled FP8 parameter of its shape (its first `rows` rows) and NaN
+    scales (a block no checkpoint tensor fills shows as NaN, not as plausible numbers)."""
     old = getattr(module, name)
     *lead, n, k = old.shape
-    weight = torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device)
+    n = n if rows is None else rows
+    weight = torch.empty((*lead, n, k), dtype=FP8_DTYPE, device=old.device)
     scale = torch.full(
         (*lead, math.ceil(n / block_size[0]), math.ceil(k / block_size[1])), math.nan, device=old.device
     )
     _replace(module, name, weight, scale, loader)
 
 
-def _mark_fp8_linear(module: nn.Module, block_size: tuple[int, int]) -> None:
-    module.quant_method = Fp8LinearMethod(block_size)
+def _plain_shards(module: nn.Module) -> int:
+    """How many trailing shards of a fused column-parallel layer stay unquantized (0: none)."""
+    return int(getattr(module, "fp8_plain_shards", 0)) if isinstance(module, ColumnParallelLinear) else 0
+
+
+def _fp8_rows(module: ColumnParallelLinear | RowParallelLinear) -> int:
+    """This rank's rows of the layer that go FP8: all but those of its fp8_plain_shards."""
+    plain = _plain_shards(module)
+    return module.weight.shape[0] if not plain else sum(module.local_sizes[:-plain])
+
+
+def _mark_fp8_linear(module: nn.Module, block_size: tuple[int, int], tail: bool = False) -> None:
+    module.quant_method = Fp8HeadLinearMethod(block_size) if tail else Fp8LinearMethod(block_size)
     module.prepackable = False  # no oneDNN copy nor GEMV tiles: the FP8 product reads the weight
 
 
@@ -244,3 +276,45 @@ def _resident_experts(name: str, module: FusedMoE, block_size: tuple[int, int]) 
     _empty_fp8(module, "w13_weight", block_size, load)
     _empty_fp8(module, "w2_weight", block_size, load)
     module.fp8_block_size = block_size
+
+
+def _resident_head(name: str, module: ColumnParallelLinear, block_size: tuple[int, int]) -> None:
+    """A fused column-parallel layer with fp8_plain_shards: its leading shards FP8 (each checked to hold
+    whole blocks, as _resident_column), the trailing ones copied into `weight_tail` in the model's dtype
+    (dequantized should a checkpoint have quantized them); a checkpoint tensor named in `fused_shards`
+    fills its shards in order."""
+    bn, plain = block_size[0], _plain_shards(module)
+    fp8_shards = len(module.output_sizes) - plain
+    for shard in range(fp8_shards):
+        offset, rows, start, total = module.shard_range(shard)
+        _check_slice(f"{name} shard {shard!r}", start, rows, total, bn, "rows")
+        _check_offset(name, shard, offset, bn)
+    head = _fp8_rows(module)
+    fused: dict[Any, tuple[int, ...]] = getattr(module, "fused_shards", {})
+    columns = module.input_size
+
+    def load_shard(loaded: LoadedWeight, index: int, base: int) -> None:
+        offset, rows, start, _ = module.shard_range(index)
+        if index >= fp8_shards:
+            tail = full_weight(loaded)[base + start : base + start + rows]
+            module.weight_tail.data.narrow(0, offset - head, rows).copy_(tail)
+            return
+        what = f"{name} shard {index}"
+        _copy_blocks(
+            module.weight.data, module.weight_scale_inv.data, loaded, 0, offset, base + start, rows, what
+        )
+
+    def load(param: nn.Parameter, loaded: LoadedWeight, shard_id: int | str | None = None) -> None:
+        parts = fused[shard_id] if shard_id in fused else (0 if shard_id is None else int(shard_id),)
+        check_weight_shape(
+            loaded, (sum(module.output_sizes[i] for i in parts), columns), f"{name} shard {shard_id}"
+        )
+        base = 0
+        for index in parts:
+            load_shard(loaded, index, base)
+            base += module.output_sizes[index]
+
+    old = module.weight
+    module.weight_tail = nn.Parameter(torch.empty_like(old.data[head:]), requires_grad=False)
+    _empty_fp8(module, "weight", block_size, load, rows=head)
+    _mark_fp8_linear(module, block_size, tail=True)

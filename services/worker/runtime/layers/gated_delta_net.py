@@ -33,6 +33,7 @@ from torch import nn
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size
 from services.worker.runtime.layers import gdn_ops
+from services.worker.runtime.layers.fp8 import Fp8BlockWeight
 from services.worker.runtime.layers.linear import (
     LoadedWeight,
     MergedColumnParallelLinear,
@@ -102,13 +103,23 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNetInProj(MergedColumnParallelLinear):
     """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one column-parallel product: output_sizes
     [q, k, v, z, b, a], each split across ranks. The checkpoint's in_proj_qkv (shard 'qkv') fills the
-    first three; z, b and a are shards 3, 4 and 5."""
+    first three; z, b and a are shards 3, 4 and 5.
+
+    FP8 (layers/fp8_weights.py): the published Qwen3.5 FP8 checkpoints quantize in_proj_qkv and in_proj_z
+    but keep in_proj_b and in_proj_a in bf16 (modules_to_not_convert), so the last two shards stay in
+    the model's dtype (`fp8_plain_shards`) beside the FP8 q/k/v/z rows."""
+
+    fp8_plain_shards = 2
+    fused_shards = {"qkv": (0, 1, 2)}
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: int | str | None = None) -> None:
         if shard_id != "qkv":
             super().weight_loader(param, loaded_weight, shard_id)
             return
         check_weight_shape(loaded_weight, (sum(self.output_sizes[:3]), self.input_size), "linear_attn.in_proj_qkv")
+        if isinstance(loaded_weight, Fp8BlockWeight):
+            # Dequantized whole: k and v need not start on a block boundary of in_proj_qkv.
+            loaded_weight = loaded_weight[:]
         start = 0
         for index, rows in enumerate(self.output_sizes[:3]):
             super().weight_loader(param, narrow_weight(loaded_weight, 0, start, rows), index)
