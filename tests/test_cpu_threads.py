@@ -98,6 +98,34 @@ def test_auto_pins_one_thread_per_core_after_the_first() -> None:
     fewer.release()
 
 
+def test_with_no_core_reserved_auto_pins_to_every_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline Engine's default (cpu_reserved_cores 0: its caller waits while it computes)."""
+    placement = plan_placement(4, "auto", (0, 1, 2, 3), reserved=0)
+    assert (placement.threads, placement.cores) == (4, (0, 1, 2, 3))
+    placement.release()
+    kept_two = plan_placement(4, "auto", (0, 1, 2, 3), reserved=2)
+    assert (kept_two.threads, kept_two.cores) == (2, (2, 3))
+    kept_two.release()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    assert EngineConfig(cpu_reserved_cores=0).compute_threads() == 6
+    assert EngineConfig(cpu_reserved_cores=2).compute_threads() == 4
+    assert EngineConfig(cpu_reserved_cores=6).compute_threads() == 6  # no more than kept: none kept
+    assert EngineConfig().compute_threads() == 5
+    with pytest.raises(ValueError, match=r"cpu_reserved_cores must be in \[0, 1024\], got -1"):
+        EngineConfig(cpu_reserved_cores=-1)
+
+
+def test_the_offline_engine_keeps_no_core_and_a_worker_keeps_one(qwen3_path: Path) -> None:
+    from services.worker.frontend.engine import Engine
+
+    with Engine(str(qwen3_path)) as engine:
+        assert engine.config.reserved_cores() == 0
+    with Engine(str(qwen3_path), cpu_reserved_cores=1) as engine:
+        assert engine.config.reserved_cores() == 1
+    assert EngineConfig(model_path=str(qwen3_path)).reserved_cores() == 1  # how the worker service builds it
+
+
 def test_under_a_restricted_affinity_auto_stays_inside_it() -> None:
     lone = plan_placement(1, "auto", (5,))  # one usable core: nothing kept back, the thread shares it
     assert (lone.threads, lone.cores) == (1, (5,))

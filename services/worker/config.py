@@ -103,9 +103,16 @@ class EngineConfig:
     )
     cpu_threads: int | None = _help(
         "CPU: compute threads per rank; default: the cores of cpu_bind when it lists them, else OMP_NUM_THREADS "
-        "when set, else every usable core but one (at least 1; usable: the affinity mask, cut to a cgroup CPU "
+        "when set, else every usable core but cpu_reserved_cores (at least 1; usable: the affinity mask, cut to a cgroup CPU "
         "quota), shared among the node's ranks, leaving a core to the event loop, the other services and the host, "
         "so a loaded host slows the steps instead of stalling them (vLLM's CPU build keeps one too)",
+        None,
+    )
+    cpu_reserved_cores: int | None = _help(
+        "CPU: usable cores kept free of compute threads for the event loop, the other services and the host "
+        "(the first ones; none when no more are usable); default: 1 for a worker service, 0 for the offline "
+        "Engine, whose caller waits while it computes (on 2 vCPUs its batch-1 decode went from 13.8 to "
+        "19 tok/s with both cores)",
         None,
     )
     cpu_bind: str = _help(
@@ -241,6 +248,8 @@ class EngineConfig:
         self._check_nodes()
         if self.cpu_threads is not None and not 1 <= self.cpu_threads <= 1024:
             raise ValueError(f"cpu_threads must be in [1, 1024], got {self.cpu_threads}")
+        if self.cpu_reserved_cores is not None and not 0 <= self.cpu_reserved_cores <= 1024:
+            raise ValueError(f"cpu_reserved_cores must be in [0, 1024], got {self.cpu_reserved_cores}")
         check_cpu_bind(self.cpu_bind)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
@@ -421,14 +430,20 @@ class EngineConfig:
             return max(1, len(parse_cpu_list(self.cpu_bind)) // self.ranks_per_node())
         if os.environ.get("OMP_NUM_THREADS"):
             return None
-        return default_compute_threads(len(usable_cores()), self.ranks_per_node())
+        return default_compute_threads(len(usable_cores()), self.ranks_per_node(), self.reserved_cores())
+
+    def reserved_cores(self) -> int:
+        """Usable cores kept free of this node's compute threads (cpu_reserved_cores; default 1)."""
+        return 1 if self.cpu_reserved_cores is None else self.cpu_reserved_cores
 
     def compute_placement(self, rank: int, torch_threads: int) -> ComputePlacement:
         """Threads and cores of CPU rank `rank` (cpu_placement.py); torch_threads: torch's count,
         used when compute_threads() leaves it (OMP_NUM_THREADS)."""
         threads = self.compute_threads() or torch_threads
         local = rank - self.local_ranks().start
-        return plan_placement(threads, self.cpu_bind, usable_cores(), local, self.ranks_per_node())
+        return plan_placement(
+            threads, self.cpu_bind, usable_cores(), local, self.ranks_per_node(), self.reserved_cores()
+        )
 
     def scheduler_in_process(self) -> bool:
         """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""

@@ -83,10 +83,10 @@ def usable_cores(quota_path: Path = CGROUP_CPU_MAX) -> tuple[int, ...]:
     return cores
 
 
-def default_compute_threads(usable: int, ranks_per_node: int = 1) -> int:
-    """Every usable core but one (kept for the services and the host; none kept when only one is
-    usable), shared among the node's ranks; at least one each."""
-    spare = usable - 1 if usable > 1 else usable
+def default_compute_threads(usable: int, ranks_per_node: int = 1, reserved: int = 1) -> int:
+    """Every usable core but `reserved` (kept for the services and the host; none kept when no more
+    are usable), shared among the node's ranks; at least one each."""
+    spare = usable - reserved if usable > reserved else usable
     return max(1, spare // max(1, ranks_per_node))
 
 
@@ -136,18 +136,23 @@ def claim_cores(cores: tuple[int, ...], wanted: int) -> tuple[tuple[int, ...], t
 
 
 def plan_placement(
-    threads: int, bind: str, usable: tuple[int, ...], local_rank: int = 0, ranks_per_node: int = 1
+    threads: int,
+    bind: str,
+    usable: tuple[int, ...],
+    local_rank: int = 0,
+    ranks_per_node: int = 1,
+    reserved: int = 1,
 ) -> ComputePlacement:
     """The placement of `threads` compute threads of local rank `local_rank` under `bind`.
 
-    'auto': the rank's share of the usable cores after the first (kept), one thread per core, the
+    'auto': the rank's share of the usable cores after the first `reserved` (kept), one thread per core, the
     cores counted from the end and claimed (claim_cores); fewer threads when fewer cores are there or
     free. A core list: those cores (each must be usable), the rank's share of them when several ranks
     run on the node, unclaimed (the user placed them)."""
     if bind == BIND_NONE:
         return ComputePlacement(threads, None)
     if bind == BIND_AUTO:
-        pool = usable[1:] if len(usable) > 1 else usable
+        pool = usable[reserved:] if len(usable) > reserved else usable
     else:
         pool = parse_cpu_list(bind)
         outside = sorted(set(pool) - set(usable))

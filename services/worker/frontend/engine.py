@@ -27,6 +27,8 @@ class Engine:
     """Generate with a model in this process (or its TP rank processes)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        # The caller waits on the Engine while it computes: no core is kept back unless asked.
+        kwargs.setdefault("cpu_reserved_cores", 0)
         self.config = EngineConfig.resolved(model_path, **kwargs)
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
