@@ -93,27 +93,30 @@ def test_resident_fp8_checkpoint_matches_dequantized_at_load(fp8_pair: tuple[Pat
     assert_same_run(run_greedy(resident, config), run_greedy(dequantized, deq_config))
 
 
+def engine_run(path: Path, **kwargs: object) -> tuple[int, list[list[int]], list[float]]:
+    """An Engine on `path`: (its weight bytes, greedy tokens of 3 prompts x 12, their prompt log-probs)."""
+    prompts = random_prompts(3, 6, 20, seed=5)
+    with Engine(str(path), **kwargs) as engine:
+        size = engine.get_server_info()["weight_bytes"]
+        greedy = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
+        scored = engine.generate(
+            input_ids=prompts,
+            sampling_params={**GREEDY, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+    logprobs = [lp for out in scored for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
+    return size, [out["output_ids"] for out in greedy], logprobs
+
+
 def test_engine_with_quantization_fp8_serves_the_fp8_weights(fp8_moe_pair: tuple[Path, Path]) -> None:
     """Through the Engine (EngineConfig.quantization -> the scheduler's ModelConfig): the same greedy tokens
     and prompt log-probs as the dequantized-at-load default."""
-    prompts = random_prompts(3, 6, 20, seed=5)
-    runs, sizes = [], []
-    for kwargs in ({"quantization": "fp8"}, {}):
-        with Engine(str(fp8_moe_pair[0]), **kwargs) as engine:
-            sizes.append(engine.get_server_info()["weight_bytes"])
-            greedy = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
-            scored = engine.generate(
-                input_ids=prompts,
-                sampling_params={**GREEDY, "max_new_tokens": 1},
-                return_logprob=True,
-                logprob_start_len=0,
-            )
-        logprobs = [lp for out in scored for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
-        runs.append(([out["output_ids"] for out in greedy], logprobs))
-    (tokens, logprobs), (ref_tokens, ref_logprobs) = runs
+    size, tokens, logprobs = engine_run(fp8_moe_pair[0], quantization="fp8")
+    ref_size, ref_tokens, ref_logprobs = engine_run(fp8_moe_pair[0])
     assert tokens == ref_tokens
     assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
-    assert sizes[0] < sizes[1]  # the worker reports the FP8 model's smaller weights
+    assert size < ref_size  # the worker reports the FP8 model's smaller weights
 
 
 # -- --quantization fp8 on an unquantized checkpoint ----------------------------------------------------

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.frontend.engine import Engine
 from services.worker.runtime.layers.fp8 import dequantize_blocks
 from tests.checkpoints import tiny_qwen3_5_config, tiny_qwen3_5_moe_config, write_checkpoint
-from tests.engine_helpers import GREEDY, random_prompts
 from tests.fp8_helpers import write_fp8_pair
-from tests.test_fp8_resident import assert_same_run, fp8_params, load, naive_fp8, run_greedy
+from tests.test_fp8_resident import assert_same_run, engine_run, fp8_params, load, naive_fp8, run_greedy
 
 BLOCK = (16, 16)
 # The layers whose weights are FP8 in both ways in: fused as the model holds them.
@@ -121,24 +119,11 @@ def test_quantization_fp8_matches_quantize_then_dequantize(plain: Path) -> None:
 def test_engine_serves_the_fp8_checkpoint_like_its_dequantized_copy(fp8_pair: tuple[Path, Path]) -> None:
     """Engine(quantization='fp8', dtype='float32') on the FP8 checkpoint vs the Engine on the dequantized
     copy: the same greedy tokens and prompt log-probs (float32; only the order of sums differs)."""
-    prompts = random_prompts(3, 6, 20, seed=5)
-    runs, sizes = [], []
-    for path, kwargs in ((fp8_pair[0], {"quantization": "fp8"}), (fp8_pair[1], {})):
-        with Engine(str(path), dtype="float32", **kwargs) as engine:
-            sizes.append(engine.get_server_info()["weight_bytes"])
-            greedy = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 12})
-            scored = engine.generate(
-                input_ids=prompts,
-                sampling_params={**GREEDY, "max_new_tokens": 1},
-                return_logprob=True,
-                logprob_start_len=0,
-            )
-        logprobs = [lp for out in scored for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]]
-        runs.append(([out["output_ids"] for out in greedy], logprobs))
-    (tokens, logprobs), (ref_tokens, ref_logprobs) = runs
+    size, tokens, logprobs = engine_run(fp8_pair[0], dtype="float32", quantization="fp8")
+    ref_size, ref_tokens, ref_logprobs = engine_run(fp8_pair[1], dtype="float32")
     assert tokens == ref_tokens
     assert logprobs == pytest.approx(ref_logprobs, rel=1e-5, abs=1e-6)
-    assert sizes[0] < sizes[1]
+    assert size < ref_size
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
