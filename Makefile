@@ -25,6 +25,10 @@ $(VENV)/.installed: pyproject.toml
 	  fi; \
 	fi
 	@$(PIP) install -q -e ".[dev]"
+	@# Hugging Face's `kernels` (a requirement of transformers 5.25+, which pyproject.toml excludes) has
+	@# the import name of our kernels/ package; a venv that already got it drops it.
+	@if $(PIP) show kernels 2>/dev/null | grep -q '^Summary: Download compute kernels'; then \
+	  $(PIP) uninstall -q -y kernels; fi
 	@touch $@
 
 setup: $(VENV)/.installed browser
