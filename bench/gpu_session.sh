@@ -10,7 +10,7 @@
 # fp8kv (--kv-cache-dtype fp8_e4m3 vs bf16, bench/gpu_fp8_kv.py; FP8KV_ARGS=--skip-capacity-run if short of time),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
-# fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
+# fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
 # 8b needs ~330 s), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
 # deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-outputs
 # --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline` does),
@@ -71,6 +71,7 @@ for step in "${steps[@]}"; do
     deterministic) timeout 560 python bench/gpu_deterministic.py ${DETERMINISTIC_ARGS:-} > "$OUT/deterministic.log" 2>&1 ;;
     fp8kv)   python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16, 0.02)" \
                && timeout 540 python bench/gpu_fp8_kv.py ${FP8KV_ARGS:-} > "$OUT/fp8kv.log" 2>&1 ;;
+    fp8mma)  timeout 450 python bench/gpu_fp8_mma.py ${FP8MMA_ARGS:-} > "$OUT/fp8mma.log" 2>&1 ;;
     fp8)     timeout 400 python bench/gpu_fp8.py ${FP8_ARGS:---quick} > "$OUT/fp8.log" 2>&1 ;;
     fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} > "$OUT/fp8res.log" 2>&1
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk

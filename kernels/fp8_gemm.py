@@ -2,8 +2,11 @@
 
 Two ways to multiply, chosen by the number of rows (fp8_block_linear):
 
-- Few rows (batch-1 / small-batch decode, <= GEMV_MAX_ROWS): `fp8_block_gemv` (kernels/fp8_gemv.py),
-  weight-only: the fp8 weight is dequantized in registers, bound by its bytes.
+- Few rows (batch-1 / small-batch decode, <= GEMV_MAX_ROWS), bound by the weight's bytes: with
+  few_rows="mma" (the default) `fp8_mma_gemv` (kernels/fp8_gemv_mma.py), the rows quantized per group
+  as below inside the kernel and multiplied on the FP8 tensor cores; with "weight-only", or where its
+  tiles do not fit the weight, `fp8_block_gemv` (kernels/fp8_gemv.py), the fp8 weight dequantized in
+  registers and the rows left unrounded.
 - Many rows (prefill, large batches): per-token-group activation quantization (`per_token_group_quant_fp8`,
   groups of bk features, scale = amax / 448) and `w8a8_block_fp8_matmul`, an fp8 x fp8 tensor-core GEMM.
   Each BLOCK_K step's product starts from zero and is added to the float32 accumulator times
@@ -60,6 +63,10 @@ class Fp8Tiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+
+
+# fp8_block_linear's forms for few rows: FP8 tensor cores on group-quantized rows, or weight-only.
+FEW_ROWS_FORMS = ("mma", "weight-only")
 
 
 def fp8_tiles_for(m: int) -> Fp8Tiles:
@@ -284,9 +291,15 @@ def fp8_block_linear(
     w_scale_inv: torch.Tensor,
     block_size: tuple[int, int] = (128, 128),
     bias: torch.Tensor | None = None,
+    few_rows: str = "mma",
 ) -> torch.Tensor:
-    """What the layers call: x [..., K] -> [..., N] in x.dtype; few rows -> fp8_block_gemv, else
-    per_token_group_quant_fp8 + w8a8_block_fp8_matmul."""
+    """What the layers call: x [..., K] -> [..., N] in x.dtype; few rows -> fp8_mma_gemv or fp8_block_gemv
+    (`few_rows`: "mma" or "weight-only"), else per_token_group_quant_fp8 + w8a8_block_fp8_matmul."""
+    # Imported here: kernels/fp8_gemv_mma.py shares this module's e4m3 rounding helper.
+    from kernels.fp8_gemv_mma import fp8_mma_gemv, mma_gemv_supported
+
+    if few_rows not in FEW_ROWS_FORMS:
+        raise ValueError(f"few_rows must be one of {FEW_ROWS_FORMS}, got {few_rows!r}")
     n, k = check_block_weight(w_q, w_scale_inv, block_size)
     if x.dim() < 1 or x.shape[-1] != k or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"x must be bfloat16/float16/float32 [..., {k}], got {tuple(x.shape)} {x.dtype}")
@@ -296,6 +309,8 @@ def fp8_block_linear(
     m = x2.shape[0]
     if m == 0:
         out = torch.empty((0, n), dtype=x.dtype, device=x.device)
+    elif m <= GEMV_MAX_ROWS and few_rows == "mma" and mma_gemv_supported(n, k, block_size):
+        out = fp8_mma_gemv(x2, w_q, w_scale_inv, block_size)
     elif m <= GEMV_MAX_ROWS:
         out = fp8_block_gemv(x2, w_q, w_scale_inv, block_size)
     else:

@@ -152,15 +152,16 @@ def fp8_block_linear(
     block_size: tuple[int, int],
     bias: torch.Tensor | None = None,
     kernels: bool | None = None,
+    few_rows: str = "mma",
 ) -> torch.Tensor:
     """x W^T + b in x's dtype, W an FP8 weight [N, K] with its block scales: kernels/fp8_gemm.py's
-    block-scaled GEMM where `kernels` (None: on CUDA tensors), else the reference (the weight dequantized
-    per call, float32 math)."""
+    block-scaled GEMM where `kernels` (None: on CUDA tensors; `few_rows` picks its form for up to 16
+    rows), else the reference (the weight dequantized per call, float32 math)."""
     if x.is_cuda if kernels is None else kernels:
         # Imported here: triton is needed (and installed) only where CUDA runs.
         from kernels.fp8_gemm import fp8_block_linear as fp8_gemm
 
-        return fp8_gemm(x, weight, scale_inv, block_size=block_size, bias=bias)
+        return fp8_gemm(x, weight, scale_inv, block_size=block_size, bias=bias, few_rows=few_rows)
     y = F.linear(
         x.float(), dequantize_blocks(weight, scale_inv, block_size), None if bias is None else bias.float()
     )
@@ -172,21 +173,35 @@ class Fp8LinearMethod:
     """A linear layer's product with its resident FP8 weight (`layer.weight` float8_e4m3fn,
     `layer.weight_scale_inv` float32), set as the layer's `quant_method` by fp8_weights.py.
 
-    Where the products run the Triton kernels (`kernels`; None: on CUDA tensors), a single contiguous row
-    goes through kernels/fp8_gemv.py's one-row GEMV, which also takes the decoder's RMSNorm before the
-    projection (apply_rmsnorm) or the MLP's SiLU-and-mul before down_proj (apply_silu_mul) in the same
-    launch, as "rows" GEMV tiles do for bf16 weights (layers/linear.py's Projection.fuses_prologue)."""
+    Where the products run the Triton kernels (`kernels`; None: on CUDA tensors), up to 16 rows go through
+    kernels/fp8_gemv_mma.py (`few_rows` "mma": the rows group-quantized, FP8 tensor cores) where its tiles
+    fit the weight, else kernels/fp8_gemv.py (weight-only). Both take the decoder's RMSNorm before the
+    projection (apply_rmsnorm) or the MLP's SiLU-and-mul before down_proj (apply_silu_mul) of a single
+    contiguous row in the same launch, as "rows" GEMV tiles do for bf16 weights (layers/linear.py's
+    Projection.fuses_prologue)."""
 
     block_size: tuple[int, int]
     kernels: bool | None = None
+    few_rows: str = "mma"
 
     def runs_kernels(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.kernels is None else self.kernels
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_block_linear(
-            x, layer.weight, layer.weight_scale_inv, self.block_size, bias, kernels=self.runs_kernels(x)
+            x,
+            layer.weight,
+            layer.weight_scale_inv,
+            self.block_size,
+            bias,
+            self.runs_kernels(x),
+            self.few_rows,
         )
+
+    def _mma(self, layer: nn.Module) -> bool:
+        from kernels.fp8_gemv_mma import mma_gemv_supported
+
+        return self.few_rows == "mma" and mma_gemv_supported(*layer.weight.shape, self.block_size)
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         return self.runs_kernels(x) and one_contiguous_row(x)
@@ -201,16 +216,18 @@ class Fp8LinearMethod:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(x + residual) W^T, x + residual) of one row in one launch (no bias)."""
         from kernels.fp8_gemv import fp8_rmsnorm_gemv
+        from kernels.fp8_gemv_mma import fp8_mma_rmsnorm_gemv
 
-        return fp8_rmsnorm_gemv(
-            x, residual, norm_weight, eps, layer.weight, layer.weight_scale_inv, self.block_size
-        )
+        product = fp8_mma_rmsnorm_gemv if self._mma(layer) else fp8_rmsnorm_gemv
+        return product(x, residual, norm_weight, eps, layer.weight, layer.weight_scale_inv, self.block_size)
 
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T of one row [gate | up] in one launch (no bias)."""
         from kernels.fp8_gemv import fp8_silu_mul_gemv
+        from kernels.fp8_gemv_mma import fp8_mma_silu_mul_gemv
 
-        return fp8_silu_mul_gemv(gate_up, layer.weight, layer.weight_scale_inv, self.block_size)
+        product = fp8_mma_silu_mul_gemv if self._mma(layer) else fp8_silu_mul_gemv
+        return product(gate_up, layer.weight, layer.weight_scale_inv, self.block_size)
 
 
 @dataclass(frozen=True)
