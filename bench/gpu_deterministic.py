@@ -55,13 +55,15 @@ from shared.progress import say  # noqa: E402
 
 # Qwen3-8B's products (N, K): qkv, o_proj, gate_up, down, LM head.
 SHAPES_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+# The 0.6B model's (P3's): qkv, o, gate_up, down; o and down take a split over K (tiles_for).
+SHAPES_06B = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
 
 def kernel_check() -> dict:
     """Per shape: rows (of 8 sampled) that differ between alone and batched, batch-invariant vs cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
     out: dict = {}
-    for n, k in SHAPES_8B:
+    for n, k in SHAPES_8B + SHAPES_06B:
         w = (torch.randn((n, k), generator=g, device="cuda") * 0.02).bfloat16()
         x = torch.randn((256, k), generator=g, device="cuda").bfloat16()
         counts = {"batch_invariant": 0, "cublas": 0}
@@ -86,15 +88,16 @@ def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
     import triton.testing
 
     out: dict = {}
-    for n, k in SHAPES_8B[:4]:
+    for n, k in SHAPES_8B[:4] + SHAPES_06B:
         w = torch.randn((n, k), device="cuda").bfloat16()
         for m in (1, 64, 256, 2048):
             x = torch.randn((m, k), device="cuda").bfloat16()
             base = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w))
-            for tiles in [DEFAULT_TILES, *alternatives]:
+            for tiles in [None, DEFAULT_TILES, *alternatives]:
                 label = (
+                    "per shape (tiles_for)" if tiles is None else
                     f"{tiles.block_m}/{tiles.block_n}/{tiles.block_k}/{tiles.num_warps}/{tiles.num_stages}"
-                )
+                )  # fmt: skip
                 ms = triton.testing.do_bench(lambda x=x, w=w, t=tiles: matmul(x, w, tiles=t))
                 out.setdefault(label, {})[f"{n}x{k} M={m}"] = ms / base
         del w

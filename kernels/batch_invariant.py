@@ -5,12 +5,16 @@ to 16) picks its tiles, its instruction and whether to split K from the number o
 is summed in a different order alone than among 63 others, and bf16 rounding turns that into different
 tokens a few hundred steps later ("Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025).
 
-This kernel has one launch shape whatever M is: fixed BLOCK_M x BLOCK_N output tiles, K walked in
-BLOCK_K steps from 0 to K in order, float32 accumulation, no split over K. An output element is then the
-same sequence of tl.dot accumulations over the same K tiles whichever tile its row lands in and whatever
-the other rows hold (a tensor-core product never mixes rows), so a row's result does not depend on the
-batch. The price is the tile that suits a large M: a decode step of a few rows still computes BLOCK_M
-rows per tile, and there is no split-K to fill the GPU when M x N is small.
+This kernel has one launch shape per weight shape (N, K) whatever M is: fixed BLOCK_M x BLOCK_N output
+tiles, K cut into SPLIT_K fixed ranges each walked in BLOCK_K steps in order, float32 accumulation, and
+the ranges' parts added in split order by the tile's last program (kernels/split_reduce.py). An output
+element is then the same sequence of tl.dot accumulations over the same K tiles, and the same sum of the
+same parts, whichever tile its row lands in and whatever the other rows hold (a tensor-core product
+never mixes rows), so a row's result does not depend on the batch. `tiles_for` picks the shape by (N, K)
+alone: narrower tiles and a split over K where N is small (a 0.6B model's o_proj and down_proj have N =
+1024: 8 tiles of 128 columns for 132 SMs at a decode batch), the Hopper warpgroup tile (64 x 128)
+elsewhere. The price is the tile that suits a large M: a decode step of a few rows still computes
+BLOCK_M rows per tile.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import dot_precision
+from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,28 @@ class MatmulTiles:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
 
 DEFAULT_TILES = MatmulTiles()
+# Programs a decode-sized launch (one row tile) should reach before K is split, and the fewest columns of
+# K a split keeps.
+FILL_PROGRAMS = 64
+MIN_SPLIT_COLUMNS = 512
+
+
+def tiles_for(n: int, k: int) -> MatmulTiles:
+    """The launch shape of a weight [N, K], the same for every M: 128 columns per tile, or 64 where one
+    row of tiles would have fewer than FILL_PROGRAMS programs, then K split (at most 8 ways, MIN_SPLIT_COLUMNS
+    each) for what is still short."""
+    block_n = 128
+    while block_n > 64 and triton.cdiv(n, block_n) < FILL_PROGRAMS:
+        block_n //= 2
+    tiles_n = triton.cdiv(n, block_n)
+    split = 1
+    while split < 8 and tiles_n * split < FILL_PROGRAMS and k // (2 * split) >= MIN_SPLIT_COLUMNS:
+        split *= 2
+    return MatmulTiles(block_n=block_n, split_k=split)
 
 
 @triton.jit
@@ -56,6 +80,10 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    Work,
+    Tickets,
+    k_per_split,
+    SPLIT: tl.constexpr,
 ):
     # Grouped order: GROUP_M row blocks share a column block's weight tiles in L2. The order decides
     # only which program runs when, never what a program computes.
@@ -73,35 +101,38 @@ def _matmul_kernel(
     # Out-of-range rows and columns read row / column 0; their results are never stored.
     safe_rows = tl.where(rows < M, rows, 0).to(tl.int64)
     safe_cols = tl.where(cols < N, cols, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(1) * k_per_split
+    offs_k = k_start + tl.arange(0, BLOCK_K)
     x_ptrs = X + safe_rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = W + safe_cols[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
-            k_mask = (k0 + offs_k) < K
+            k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(
-        Y + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask
-    )
+    out_offs = rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
+    part_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    store_split(acc, Y, out_offs, Work, part_offs, M * N, Tickets, pid, tl.program_id(1), mask, SPLIT)
 
 
 def matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    tiles: MatmulTiles = DEFAULT_TILES,
+    tiles: MatmulTiles | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ bias) for x [..., K] and weight [N, K] (rows of both contiguous along K), in x's dtype.
-    Each output row depends only on its own input row: the same bits alone or in any batch."""
+    """x W^T (+ bias) for x [..., K] and weight [N, K] (rows of both contiguous along K), in x's dtype,
+    with `tiles` (default: tiles_for(N, K)). Each output row depends only on its own input row: the same
+    bits alone or in any batch."""
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}] for inputs of {k} features, got {tuple(weight.shape)}")
@@ -116,8 +147,16 @@ def matmul(
     m, n = x2.shape[0], weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
-        grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
-        _matmul_kernel[grid](
+        tiles = tiles or tiles_for(n, k)
+        if tiles.split_k < 1:
+            raise ValueError(f"split_k must be at least 1, got {tiles.split_k}")
+        # Each split a whole number of BLOCK_K steps, so a split's K tiles are the unsplit walk's.
+        k_per_split = triton.cdiv(triton.cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
+        split = triton.cdiv(k, k_per_split)
+        out_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+        if split > 1:
+            check_tiles(out_tiles)
+        _matmul_kernel[(out_tiles, split)](
             x2,
             weight,
             y,
@@ -133,6 +172,10 @@ def matmul(
             GROUP_M=tiles.group_m,
             EVEN_K=k % tiles.block_k == 0,
             DOT_PRECISION=dot_precision(x.dtype),
+            Work=split_workspace(split, m * n, y),
+            Tickets=ticket_counters(x.device),
+            k_per_split=k_per_split,
+            SPLIT=split,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

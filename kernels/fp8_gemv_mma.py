@@ -15,11 +15,8 @@ its weight block's scale times the row's group scale before it joins the float32
 loop turn (the promotion DeepSeek-V3 describes for FP8 accumulation).
 
 Split-K: a decode-sized N makes too few programs to fill the GPU (N = 4096 in tiles of 64 rows is 64
-programs for 132 SMs), so K is split across programs too. Each writes its partial sums to a float32
-workspace and takes a ticket from a per-N-block counter; the program that takes the last ticket adds
-the parts in split order (the result does not depend on which program finishes first) and writes the
-output, then puts the counter back to zero, so the same counters serve the next launch and CUDA-graph
-replays.
+programs for 132 SMs), so K is split across programs too, the parts added in a fixed order by the
+tile's last program (kernels/split_reduce.py).
 
 One-row prologues as in kernels/gemv.py (the same jit helpers and rounding): RMSNorm of the row
 (adding the residual first, program (0, 0) writing the sum) and SiLU-and-mul of a gate_up row.
@@ -37,11 +34,10 @@ from kernels.fp8_gemm import _round_to_e4m3_grid
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_EPS, FP8_MAX, check_block_weight
 from kernels.gemv import GemvTiles, check_prologue_row, prologue_input, rmsnorm_outputs, rmsnorm_rstd
 from kernels.interpreter_compat import interpreting
+from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 MMA_MAX_ROWS = 16
 GROUP_K = 128  # the activation quantization group and the K of one loop turn
-# Ticket counters per device: one per N block of a launch (4096 of them: N up to 256k in tiles of 64).
-TICKETS = 4096
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,6 @@ class MmaGemvTiles:
 
 
 DEFAULT_MMA_TILES = MmaGemvTiles()
-_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def mma_gemv_supported(
@@ -63,22 +58,7 @@ def mma_gemv_supported(
     """Whether a weight [n, k] with this block size fits the kernel: K whole 128-column groups inside
     scale blocks of 128 columns, and tiles of rows that stay inside one row of block scales."""
     bn, bk = block_size
-    return (
-        k % GROUP_K == 0
-        and bk == GROUP_K
-        and bn % tiles.block_n == 0
-        and triton.cdiv(n, tiles.block_n) <= TICKETS
-    )
-
-
-def ticket_counters(device: torch.device) -> torch.Tensor:
-    """The zeroed ticket counters of a device (made once; call it before a CUDA graph is captured)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _tickets:
-        _tickets[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
-    return _tickets[device]
+    return k % GROUP_K == 0 and bk == GROUP_K and bn % tiles.block_n == 0
 
 
 def split_for(n: int, k: int, tiles: MmaGemvTiles) -> tuple[int, int]:
@@ -190,22 +170,9 @@ def _fp8_mma_gemv_kernel(
                                   PROLOGUE, HAS_RESIDUAL, ROUND_IN_F32, UNROLL > 1)  # fmt: skip
     out_mask = row_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :] * stride_ym + rows[:, None]
-    if SPLIT == 1:
-        tl.store(Y + out_offs, acc.to(Y.dtype.element_ty), mask=out_mask)
-    else:
-        # Work is [SPLIT, BLOCK_M, N] float32; the last program of this N block to finish adds the parts.
-        part_offs = offs_m[None, :] * N + rows[:, None]
-        tl.store(Work + pid_k * BLOCK_M * N + part_offs, acc, mask=out_mask)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(Tickets + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                total += tl.load(
-                    Work + s * BLOCK_M * N + part_offs, mask=out_mask, other=0.0, cache_modifier=".cg"
-                )
-            tl.store(Y + out_offs, total.to(Y.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(Tickets + pid_n, 0)
+    # Work is [SPLIT, BLOCK_M * N] float32: a split's part of row m, column n at m * N + n.
+    part_offs = offs_m[None, :] * N + rows[:, None]
+    store_split(acc, Y, out_offs, Work, part_offs, BLOCK_M * N, Tickets, pid_n, pid_k, out_mask, SPLIT)
 
 
 def _launch(
@@ -230,7 +197,8 @@ def _launch(
     m = x.shape[0] if prologue == 0 else 1
     split, k_per_split = split_for(n, k, tiles)
     blocks = triton.cdiv(n, tiles.block_n)
-    work = torch.empty((split, MMA_MAX_ROWS, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    check_tiles(blocks)
+    work = split_workspace(split, MMA_MAX_ROWS * n, out)
     _fp8_mma_gemv_kernel[(blocks, split)](
         x,
         w_q,

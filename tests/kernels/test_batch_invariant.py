@@ -6,6 +6,8 @@ in batches of any size)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 import triton.language as tl
 from triton.runtime import interpreter
 
-from kernels.batch_invariant import MatmulTiles, matmul
+from kernels.batch_invariant import MatmulTiles, matmul, tiles_for
 from kernels.decode_attention import (
     DecodeTiles,
     alloc_decode_partials,
@@ -21,6 +23,7 @@ from kernels.decode_attention import (
     fixed_size_kv_splits,
 )
 from kernels.reference import decode_attention_ref
+from kernels.split_reduce import ticket_counters
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.runtime.attention.base import AttentionBackend
 from services.worker.runtime.attention.deterministic_torch import DeterministicTorchAttnBackend
@@ -80,6 +83,29 @@ def test_triton_matmul_row_is_the_same_alone_and_in_batches(gen, row_dot, dtype,
     _alone_and_batched(lambda rows: matmul(rows, w, bias, tiles=SMALL_TILES), x)
 
 
+# K split three ways (the last split ragged in float32): each split's part and their sum in split order
+# are a row's own, so the split product is batch-invariant too, and near the unsplit one.
+@pytest.mark.parametrize(("dtype", "k"), [(torch.bfloat16, 192), (torch.float32, 150)])
+def test_split_k_matmul_row_is_the_same_alone_and_in_batches(gen, row_dot, dtype, k) -> None:
+    split = replace(SMALL_TILES, split_k=3)
+    w = torch.randn((40, k), generator=gen).to(dtype)
+    x = torch.randn((64, k), generator=gen).to(dtype)
+    out = matmul(x, w, tiles=split)
+    ref = x.float() @ w.float().t()
+    assert rel_error(out.float(), ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    _alone_and_batched(lambda rows: matmul(rows, w, tiles=split), x)
+    assert torch.equal(ticket_counters("cpu"), torch.zeros_like(ticket_counters("cpu")))
+
+
+def test_tiles_depend_on_the_weight_shape_only() -> None:
+    # A 0.6B model's o_proj / down_proj (N = 1024): 64-column tiles and K split four ways; wide weights
+    # keep the warpgroup tile unsplit.
+    assert tiles_for(1024, 2048) == MatmulTiles(block_n=64, split_k=4)
+    assert tiles_for(1024, 3072) == MatmulTiles(block_n=64, split_k=4)
+    assert tiles_for(151936, 1024) == MatmulTiles()
+    assert tiles_for(1024, 600) == MatmulTiles(block_n=64)  # too little K to split
+
+
 def test_triton_matmul_reads_strided_rows_and_keeps_leading_dims(gen, row_dot) -> None:
     w = torch.randn((24, 32), generator=gen)
     wide = torch.randn((2, 5, 48), generator=gen)
@@ -98,6 +124,8 @@ def test_triton_matmul_rejects_what_it_cannot_compute(gen) -> None:
         matmul(torch.randn((2, 16), generator=gen).bfloat16(), w)
     with pytest.raises(ValueError, match="K axis must be contiguous"):
         matmul(torch.randn((2, 8), generator=gen), w.t())
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        matmul(torch.randn((2, 16), generator=gen), w, tiles=replace(SMALL_TILES, split_k=0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,7 +23,6 @@ from kernels.fp8_gemv_mma import (
     fp8_mma_silu_mul_gemv,
     mma_gemv_supported,
     split_for,
-    ticket_counters,
 )
 from kernels.fp8_reference import (
     fp8_block_linear_reference,
@@ -32,6 +31,7 @@ from kernels.fp8_reference import (
     w8a8_block_fp8_matmul_reference,
 )
 from kernels.rmsnorm import fused_add_rmsnorm
+from kernels.split_reduce import ticket_counters
 from tests.kernels.conftest import rel_error
 
 BLOCK = (128, 128)
