@@ -1,10 +1,16 @@
-"""Fused mixture-of-experts MLP: sort (token, expert) pairs by expert, then two grouped GEMMs.
+"""Fused mixture-of-experts MLP: (token, expert) pairs in row blocks by expert, then two grouped GEMMs.
 
 Each token picks k experts, so there are T*k (token, expert) pairs; pair p = t*k + j. The pipeline:
 
-1. align_tokens_by_expert (torch ops, no host sync): order the pairs by expert and pad every expert's run
-   to a multiple of BLOCK_M with a sentinel id (T*k), so each BLOCK_M-row block belongs to one expert;
-   expert_ids[block] names it.
+1. Lay the pairs out in BLOCK_M-row blocks of one expert each (kernels/moe_blocks.py). Sorted:
+   align_tokens_by_expert (torch ops, no host sync) orders them by expert, every expert's run padded to
+   a multiple of BLOCK_M with a sentinel id (T*k); expert_ids[block] names its expert. Decode fast path
+   (one_pair_per_block: one token, or T*k <= min(64, E/4)): pair p alone at row 0 of block p. The kernel
+   derives that from its program id (PAIR_PER_BLOCK) and reads the expert from topk_ids: no launch before
+   the GEMMs (the sort's 28 are gone), nothing cached, CUDA-graph safe. A row's product does not depend
+   on the other rows of its block, so both layouts agree bit for bit with the same tiles (tested, fixed
+   deterministic tiles and FP8 forms included): a token alone still matches itself in a batch. Pairs
+   sharing an expert read its weights once each, hence the limit.
 2. Up GEMM: for each block, gather its tokens' hidden rows, multiply by that expert's gate and up rows of
    w13 in the same program (two accumulators) and write silu(gate) * up: the [pairs, 2I] intermediate
    never reaches memory.
@@ -29,7 +35,7 @@ K step meets one block column, and its product is scaled before it joins the flo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -39,42 +45,24 @@ from kernels.decode_attention import dot_precision
 from kernels.fp8_gemm import per_token_group_quant_fp8
 from kernels.fp8_gemv import pow2_divisor
 from kernels.fp8_reference import FP8_DTYPE
+from kernels.moe_blocks import (
+    DETERMINISTIC_MOE_TILES,
+    MoeTiles,
+    align_tokens_by_expert,
+    check_expert_ids,
+    moe_tiles_for,
+    one_pair_per_block,
+)
 
-
-@dataclass(frozen=True)
-class MoeTiles:
-    """One grouped GEMM's launch shape."""
-
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-# Deterministic inference: one launch shape whatever the batch (moe_tiles_for's choice varies with it).
-DETERMINISTIC_MOE_TILES = MoeTiles()
-
-
-def moe_tiles_for(num_pairs: int, num_experts: int, fp8: bool = False) -> MoeTiles:
-    """Few pairs per expert (decode): short row blocks, so padding does not multiply the work; the
-    kernel then streams weights, and a narrow N with a long K keeps many loads in flight.
-
-    FP8 experts get their own: each K step's scaled product needs registers of its own beside the two
-    accumulators of the gated GEMM, and the bf16 tiles spilled with it when compiled for sm90 (checked
-    offline with ptxas; these do not)."""
-    if fp8:
-        if num_pairs <= 2 * num_experts:
-            return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=8, num_stages=3)
-        if num_pairs <= 16 * num_experts:
-            return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
-        return MoeTiles(block_m=64, block_n=64, block_k=128, num_warps=8, num_stages=3)
-    if num_pairs <= 2 * num_experts:
-        return MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    if num_pairs <= 16 * num_experts:
-        return MoeTiles(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
-    return MoeTiles()
+__all__ = [
+    "DETERMINISTIC_MOE_TILES",
+    "MoeTiles",
+    "align_tokens_by_expert",
+    "fused_moe",
+    "moe_fp8_activations",
+    "moe_tiles_for",
+    "one_pair_per_block",
+]
 
 
 def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
@@ -85,37 +73,6 @@ def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
     stay for the size rule it is meant to become (w8a8 once experts see more than a couple of rows)."""
     del num_pairs, num_experts
     return False
-
-
-def align_tokens_by_expert(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids, expert_ids, num_padded) for topk_ids [T, k].
-
-    sorted_ids [max_padded] int32: pair ids grouped by expert, each expert's run padded to a multiple of
-    block_m with the sentinel T*k (and the unused tail filled with it too); expert_ids [max_padded /
-    block_m] int32: the expert of each block (-1 past the end); num_padded [1] int32: rows in use.
-    """
-    flat = topk_ids.flatten().to(torch.int64)
-    n = flat.numel()
-    device = flat.device
-    # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded_counts.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    run_start = counts.cumsum(0) - counts
-    rank = torch.arange(n, device=device) - run_start[sorted_experts]
-    dest = (padded_end - padded_counts)[sorted_experts] + rank
-    max_padded = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=device)
-    sorted_ids[dest] = order.to(torch.int32)
-    block_starts = torch.arange(0, max_padded, block_m, device=device)
-    expert_ids = torch.searchsorted(padded_end, block_starts, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids, padded_end[-1:].to(torch.int32)
 
 
 @triton.jit
@@ -145,6 +102,7 @@ def _moe_gemm_kernel(
     N,
     K,
     num_pairs,
+    num_experts,
     a_rows_per_pair,
     num_m_blocks,
     stride_am,
@@ -168,11 +126,14 @@ def _moe_gemm_kernel(
     B_FP8: tl.constexpr,
     GROUP_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PAIR_PER_BLOCK: tl.constexpr,
 ):
     """C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of each row block.
     GATED: B holds 2N rows (gate, then up) and C gets silu(gate) * up. WEIGHTED: rows are scaled by
     Pair_weights[pair]. B_FP8: B is fp8 with block scales B_scale [E, rows / bn, K / bk] (group_n = bn,
-    GROUP_K = bk); A_FP8: A is fp8 too, with group scales A_scale [rows of A, K / bk]."""
+    GROUP_K = bk); A_FP8: A is fp8 too, with group scales A_scale [rows of A, K / bk].
+    PAIR_PER_BLOCK: block m holds pair m alone, at row 0 (the other rows are padding), and Expert_ids is
+    topk_ids flattened (any integer dtype); Sorted_ids and Num_padded are not read."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n_blocks
@@ -180,9 +141,17 @@ def _moe_gemm_kernel(
     rows_in_group = tl.minimum(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
-    if pid_m * BLOCK_M < tl.load(Num_padded):
+    if PAIR_PER_BLOCK:
+        in_use = pid_m < num_pairs  # the grid has one row block per pair: always
+    else:
+        in_use = pid_m * BLOCK_M < tl.load(Num_padded)
+    if in_use:
         expert = tl.load(Expert_ids + pid_m).to(tl.int64)
-        pairs = tl.load(Sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        if PAIR_PER_BLOCK:
+            tl.device_assert((expert >= 0) & (expert < num_experts), "expert id outside [0, E)")
+            pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+        else:
+            pairs = tl.load(Sorted_ids + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -249,9 +218,11 @@ def _grouped_gemm(
     b_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] = (1, 1),
     quantize_a: bool = False,
+    pair_per_block: bool = False,
 ) -> None:
     """One grouped GEMM; with b_scale, b is fp8 in block_size blocks, and quantize_a quantizes a first
-    (per token, groups of bk) for the fp8 x fp8 product."""
+    (per token, groups of bk) for the fp8 x fp8 product. pair_per_block: one row block per pair, the
+    expert of each in expert_ids (topk_ids flattened); sorted_ids and num_padded are then unused."""
     a_scale = None
     if quantize_a:
         a, a_scale = per_token_group_quant_fp8(a, block_size[1])
@@ -271,6 +242,7 @@ def _grouped_gemm(
         n,
         a.shape[1],
         c.shape[0],
+        b.shape[0],
         a_rows_per_pair,
         num_m_blocks,
         a.stride(0),
@@ -294,6 +266,7 @@ def _grouped_gemm(
         B_FP8=b_scale is not None,
         GROUP_K=block_size[1],
         EVEN_K=a.shape[1] % tiles.block_k == 0,
+        PAIR_PER_BLOCK=pair_per_block,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -342,6 +315,7 @@ def fused_moe(
     w2_scale_inv: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
     fp8_activations: bool | None = None,
+    pair_per_block: bool | None = None,
 ) -> torch.Tensor:
     """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
     sum_in_order: add the k expert outputs j = 0, 1, ... one after another (deterministic inference: a
@@ -351,7 +325,10 @@ def fused_moe(
     Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
     Block-FP8 experts: w13 / w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
     w2_scale_inv [E, ceil(H/bn), ceil(I/bk)], block_size (bn, bk); fp8_activations picks w8a8 (True)
-    or weight-only (False), by default moe_fp8_activations.
+    or weight-only (False), by default moe_fp8_activations. pair_per_block: give every (token, expert)
+    pair a row block of its own instead of sorting the pairs by expert (the same result, bit for bit),
+    by default for decode-sized batches (moe_blocks.one_pair_per_block).
+    topk_ids: int32 or int64 in [0, E) (moe_blocks.check_expert_ids says what is checked where).
     """
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -371,6 +348,7 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if max(hidden.numel(), num_pairs * inter) >= 2**31:
         raise ValueError(f"{num_tokens} tokens are too many for one call (int32 offsets): split the batch")
+    check_expert_ids(topk_ids, num_experts)
     if num_pairs == 0:
         return torch.zeros_like(hidden)
     tiles = tiles or moe_tiles_for(num_pairs, num_experts, fp8=fp8_block is not None)
@@ -383,8 +361,15 @@ def fused_moe(
             raise ValueError(f"block_size[1] = {fp8_block[1]} must be a multiple of 16 for the expert GEMMs")
         tiles = replace(tiles, block_k=block_k)
         quantize = moe_fp8_activations(num_pairs, num_experts) if fp8_activations is None else fp8_activations
-    fp8 = dict(block_size=fp8_block or (1, 1), quantize_a=quantize)
-    sorted_ids, expert_ids, num_padded = align_tokens_by_expert(topk_ids, num_experts, tiles.block_m)
+    if pair_per_block is None:
+        pair_per_block = one_pair_per_block(num_tokens, top_k, num_experts)
+    fp8 = dict(block_size=fp8_block or (1, 1), quantize_a=quantize, pair_per_block=pair_per_block)
+    if pair_per_block:
+        # Block p is pair p's: its expert is topk_ids' entry p, read in the kernel (no launch, no cast).
+        expert_ids = topk_ids.reshape(-1).contiguous()
+        sorted_ids = num_padded = expert_ids
+    else:
+        sorted_ids, expert_ids, num_padded = align_tokens_by_expert(topk_ids, num_experts, tiles.block_m)
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(
         hidden, w13, act, sorted_ids, expert_ids, num_padded, None, top_k, True, tiles, w13_scale_inv, **fp8
@@ -394,10 +379,12 @@ def fused_moe(
     _grouped_gemm(
         act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles, w2_scale_inv, **fp8
     )
+    if top_k == 1:
+        return per_pair
     per_token = per_pair.view(num_tokens, top_k, hidden_size)
     if not sum_in_order:
         return per_token.sum(dim=1)
-    out = per_token[:, 0].clone()
-    for j in range(1, top_k):
+    out = per_token[:, 0] + per_token[:, 1]
+    for j in range(2, top_k):
         out += per_token[:, j]
     return out

@@ -10,10 +10,13 @@ import importlib
 import os
 import sys
 
+import numpy as np
+
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
@@ -55,6 +58,29 @@ install_interpreter_fix()
 def gen() -> torch.Generator:
     """A seeded generator per test: fresh, non-zero random inputs that are still reproducible."""
     return torch.Generator().manual_seed(20240611)
+
+
+@pytest.fixture
+def row_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter's tl.dot is NumPy's matmul, and OpenBLAS gives a row other bits when it sits at
+    another position of the tile (its edge kernels sum differently), which no GPU MMA does: there each
+    output element is its own float32 sum of products, whatever the other rows hold. Model that: each
+    element summed over K in order (bfloat16 widened first, which the interpreter cannot multiply, and
+    float8 to float16 as the interpreter's own dot does; both exact)."""
+
+    def widen(x: interpreter.TensorHandle) -> np.ndarray:
+        if x.dtype.scalar == tl.bfloat16:
+            return interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        if x.dtype.scalar.is_floating() and x.dtype.scalar.primitive_bitwidth == 8:
+            return interpreter._convert_float(x.data, x.dtype.scalar, tl.float16, None).view(np.float16)
+        return x.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        a32, b32 = widen(a), widen(b)
+        products = a32[:, :, None].astype(d.data.dtype) * b32[None, :, :].astype(d.data.dtype)
+        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 class PagedKV:

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-import triton.language as tl
-from triton.runtime import interpreter
 
 from kernels.batch_invariant import MatmulTiles, matmul, tiles_for
 from kernels.decode_attention import (
@@ -36,26 +33,6 @@ from tests.kernels.conftest import PagedKV, rel_error
 
 BATCH_SIZES = (3, 17, 64)
 SMALL_TILES = MatmulTiles(block_m=16, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
-
-
-@pytest.fixture
-def row_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interpreter's tl.dot is NumPy's matmul, and OpenBLAS gives a row other bits when it sits at
-    another position of the tile (its edge kernels sum differently), which no GPU MMA does: there each
-    output element is its own float32 sum of products, whatever the other rows hold. Model that: each
-    element summed over K in order (bfloat16 widened first, which the interpreter cannot multiply)."""
-
-    def widen(x: interpreter.TensorHandle) -> np.ndarray:
-        if x.dtype.scalar == tl.bfloat16:
-            return interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return x.data
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
-        a32, b32 = widen(a), widen(b)
-        products = a32[:, :, None].astype(d.data.dtype) * b32[None, :, :].astype(d.data.dtype)
-        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _alone_and_batched(fn, x: torch.Tensor, rows: tuple[int, ...] = (0, 5, 16, 40, 63)) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.fp8_reference import dequantize_block_weight, fused_moe_fp8_reference, quantize_block_weight
-from kernels.fused_moe import MoeTiles, fused_moe, moe_fp8_activations
+from kernels.fused_moe import DETERMINISTIC_MOE_TILES, MoeTiles, fused_moe, moe_fp8_activations
 from kernels.reference import fused_moe_ref
 from tests.kernels.conftest import rel_error
 from tests.kernels.test_fused_moe import _routing
@@ -62,6 +62,37 @@ def test_fp8_fused_moe_matches_the_reference(
     assert out.shape == (tokens, hidden) and out.dtype == x.dtype
     ref = fused_moe_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids, fp8_activations)
     assert rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("fp8_activations", [False, True])
+@pytest.mark.parametrize(
+    ("tiles", "dtype"),
+    [
+        (SMALL, torch.float32),
+        (DETERMINISTIC_MOE_TILES, torch.float16),
+        (DETERMINISTIC_MOE_TILES, torch.bfloat16),
+    ],
+)
+def test_fp8_one_pair_per_block_matches_the_sorted_layout_bit_for_bit(
+    gen, row_dot, fp8_activations, tiles, dtype
+) -> None:
+    # 7 tokens on 4 experts, top-2 (sorted blocks of several pairs); the deterministic tiles sum in order.
+    block, tokens, experts, top_k = (32, 32), 7, 4, 2
+    x = torch.randn((tokens, 72), generator=gen).to(dtype)
+    w13, w2, w13_s, w2_s = _experts(gen, experts, 72, 40, block)
+    weights, ids = _routing(gen, tokens, experts, top_k)
+    kw = dict(
+        w13_scale_inv=w13_s, w2_scale_inv=w2_s, block_size=block, fp8_activations=fp8_activations,
+        sum_in_order=tiles is DETERMINISTIC_MOE_TILES,
+    )  # fmt: skip
+    fast = fused_moe(x, w13, w2, weights, ids, tiles, pair_per_block=True, **kw)
+    assert torch.equal(fast, fused_moe(x, w13, w2, weights, ids, tiles, pair_per_block=False, **kw))
+    ref = fused_moe_fp8_reference(x.float(), w13, w2, w13_s, w2_s, block, weights, ids, fp8_activations)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_error(fast.float(), ref) < tolerance
+    for t in (0, 6):  # a token alone (one pair per block by default) is its row of the batch
+        alone = fused_moe(x[t : t + 1], w13, w2, weights[t : t + 1], ids[t : t + 1], tiles, **kw)
+        assert torch.equal(alone[0], fast[t])
 
 
 def test_weight_only_fp8_moe_is_the_dequantized_moe_and_w8a8_is_close_to_it(gen) -> None:
