@@ -54,9 +54,17 @@ BLOCK = (128, 128)
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 LAYERS = 36
 TOL = 1e-2
-SWEEP = [
-    MmaGemvTiles(bn, p, 4, st, u) for bn in (64, 128) for p in (264, 528) for st in (2, 3) for u in (1, 2, 4)
-] + [MmaGemvTiles(128, 528, 8, 3, 2), MmaGemvTiles(256, 264, 8, 2, 1), MmaGemvTiles(256, 264, 8, 2, 2)]
+SWEEP = (
+    [
+        MmaGemvTiles(bn, p, 4, st, u)
+        for bn in (64, 128)
+        for p in (264, 528)
+        for st in (2, 3)
+        for u in (1, 2, 4)
+    ]
+    + [MmaGemvTiles(128, 528, 8, 3, 2), MmaGemvTiles(256, 264, 8, 2, 1), MmaGemvTiles(256, 264, 8, 2, 2)]
+    + [MmaGemvTiles(bn, p, 4, st, 1, True) for bn in (64, 128) for p in (264, 528, 1056) for st in (3, 4)]
+)
 DOT16 = GemvTiles(32, 128, 4, 4, "dot")
 
 

@@ -47,6 +47,7 @@ class MmaGemvTiles:
     num_warps: int = 4
     num_stages: int = 4
     unroll: int = 1  # 128-column groups a loop turn (their tiles' copies issued together)
+    prequant: bool = False  # quantize the rows in a kernel of their own first (per_token_group_quant_fp8)
 
 
 DEFAULT_MMA_TILES = MmaGemvTiles()
@@ -123,6 +124,8 @@ def _fp8_mma_gemv_kernel(
     Y,
     Work,
     Tickets,
+    X_scale,
+    stride_sm,
     M,
     N,
     K,
@@ -144,6 +147,7 @@ def _fp8_mma_gemv_kernel(
     GROUP: tl.constexpr,
     SPLIT: tl.constexpr,
     UNROLL: tl.constexpr,
+    PREQUANT: tl.constexpr,
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_FULL: tl.constexpr,
@@ -162,12 +166,23 @@ def _fp8_mma_gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # UNROLL groups a turn: their weight tiles are issued together, UNROLL * 128 contiguous bytes a row.
-    for k0 in range(k_start, k_end, GROUP * UNROLL):
-        for u in tl.static_range(UNROLL):
-            acc += _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0 + u * GROUP,
-                                  k_end, K, stride_xm, stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP,
-                                  PROLOGUE, HAS_RESIDUAL, ROUND_IN_F32, UNROLL > 1)  # fmt: skip
+    if PREQUANT:
+        # X holds the rows already quantized (fp8 [M, K]) and X_scale their group scales ([M, K / GROUP]):
+        # both operands stream through the copies Triton pipelines for a dot, no reduction in the loop.
+        for k0 in range(k_start, k_end, GROUP):
+            cols = k0 + tl.arange(0, GROUP)
+            q = tl.load(X + offs_m[None, :] * stride_xm + cols[:, None], mask=m_mask[None, :], other=0.0)
+            w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
+            part = tl.dot(w, q)
+            x_scale = tl.load(X_scale + offs_m * stride_sm + k0 // GROUP, mask=m_mask, other=0.0)
+            acc += part * (tl.load(scale_row + k0 // GROUP) * x_scale[None, :])
+    else:
+        # UNROLL groups a turn: their weight tiles are issued together, UNROLL * 128 contiguous bytes a row.
+        for k0 in range(k_start, k_end, GROUP * UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc += _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0 + u * GROUP,
+                                      k_end, K, stride_xm, stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP,
+                                      PROLOGUE, HAS_RESIDUAL, ROUND_IN_F32, UNROLL > 1)  # fmt: skip
     out_mask = row_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :] * stride_ym + rows[:, None]
     # Work is [SPLIT, BLOCK_M * N] float32: a split's part of row m, column n at m * N + n.
@@ -199,17 +214,25 @@ def _launch(
     blocks = triton.cdiv(n, tiles.block_n)
     check_tiles(blocks)
     work = split_workspace(split, MMA_MAX_ROWS * n, out)
+    prequant = tiles.prequant and prologue == 0
+    x_rows, x_scale = x, out
+    if prequant:
+        from kernels.fp8_gemm import per_token_group_quant_fp8  # here: that module imports this one
+
+        x_rows, x_scale = per_token_group_quant_fp8(x, GROUP_K)
     _fp8_mma_gemv_kernel[(blocks, split)](
-        x,
+        x_rows,
         w_q,
         w_scale_inv,
         out,
         work,
         ticket_counters(x.device),
+        x_scale,
+        x_scale.stride(0),
         m,
         n,
         k,
-        x.stride(0),
+        x_rows.stride(0),
         w_q.stride(0),
         w_scale_inv.stride(0),
         out.stride(0),
@@ -227,6 +250,7 @@ def _launch(
         GROUP=GROUP_K,
         SPLIT=split,
         UNROLL=tiles.unroll,
+        PREQUANT=prequant,
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,

@@ -43,6 +43,7 @@ TILES = [
     MmaGemvTiles(programs=64),  # one group per split: the ticketed reduction
     MmaGemvTiles(block_n=128, programs=8, unroll=2),  # two groups a turn
     MmaGemvTiles(programs=8, unroll=4),  # a split's last turn overhangs K (masked groups)
+    MmaGemvTiles(programs=64, prequant=True),  # the rows quantized by their own kernel first
 ]
 
 
