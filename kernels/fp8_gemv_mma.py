@@ -42,14 +42,16 @@ GROUP_K = 128  # the activation quantization group and the K of one loop turn
 
 @dataclass(frozen=True)
 class MmaGemvTiles:
-    block_n: int = 64  # weight rows per program: 64 (a wgmma's M) or more; below 64, mma.sync
-    programs: int = 264  # split K until the launch has about this many programs (2 per H200 SM)
+    block_n: int = 128  # weight rows per program: 64 (a wgmma's M) or more; below 64, mma.sync
+    programs: int = 528  # split K until the launch has about this many programs (4 per H200 SM)
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 2
     unroll: int = 1  # 128-column groups a loop turn (their tiles' copies issued together)
     prequant: bool = False  # quantize the rows in a kernel of their own first (per_token_group_quant_fp8)
 
 
+# The H200 sweep's best or within 5 % of it at every Qwen3-8B decode shape (bench/gpu_fp8_mma.py,
+# gpu_fp8_mma_2026-12-03_b): 128 rows, K split to ~4 programs an SM, two copies in flight.
 DEFAULT_MMA_TILES = MmaGemvTiles()
 
 
