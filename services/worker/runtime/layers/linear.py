@@ -12,17 +12,13 @@ columns this rank keeps, so no rank materialises a whole sharded matrix.
 On the CPU, `prepack_cpu_weights` gives every linear layer (and the LM head) a copy of its weight in
 oneDNN's blocked layout. Batches of two rows or more multiply with it: the plain F.linear repacks
 the weight on every call, which at batch 16 costs as much as the product itself. For single rows the
-faster path depends on the CPU (MKL's matrix-vector product streams the plain weight at the memory's
-speed on Intel; on AMD it ran on one core at about half of it, where oneDNN's did not), so
-linear_calibration.py's `calibrate_single_row` times one pass over the model's weights each way at load time and keeps the
-faster, counting only passes during which no other process held one of the cores (a second model
-loading beside this one made the packed pass look 2x slower and kept the slower product for good).
+fastest product depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++
+product of kernels/cpu_matvec.py for float32); linear_calibration.py's `calibrate_single_row` times
+each at load and keeps the fastest (`set_single_row_product`).
 
 On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
-product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's weights at 0.99 of the
-copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). linear_calibration.py's `select_gemv_tiles` times both on each
-weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
-Triton product won.
+product in kernels/gemv.py instead of cuBLAS, where linear_calibration.py's `select_gemv_tiles` found it
+faster on the model's weight shapes (`gemv_tiles`; bench/gpu_gemv.py).
 
 With --enable-deterministic-inference, every product goes through batch_invariant.py's
 `invariant_linear` instead (`batch_invariant`, set by its make_batch_invariant).
@@ -37,18 +33,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_matvec import load_matvec
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.worker.runtime.layers.batch_invariant import invariant_linear
 
-# Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row (linear_calibration.py) found the packed
-# matrix-vector product faster on this CPU.
+# Rows from which linear() uses a prepacked weight (1 where calibrate_single_row chose the packed product
+# for single rows), and the C++ product (kernels/cpu_matvec.py) where it chose that one.
 PREPACKED_MIN_ROWS = 2
+_matvec: Callable[..., torch.Tensor] | None = None
 
 
-def set_single_row_product(packed: bool) -> None:
-    """Whether single rows use the prepacked weight (PREPACKED_MIN_ROWS 1) or F.linear (2)."""
-    global PREPACKED_MIN_ROWS
-    PREPACKED_MIN_ROWS = 1 if packed else 2
+def set_single_row_product(product: str) -> None:
+    """How linear() multiplies one row of a prepacked layer: "plain" (F.linear), "packed" (the oneDNN
+    weight) or "matvec" (the C++ product, for float32 weights; raises MatvecUnavailable where it is not)."""
+    global PREPACKED_MIN_ROWS, _matvec
+    if product not in ("plain", "packed", "matvec"):
+        raise ValueError(f"single-row product must be 'plain', 'packed' or 'matvec', got {product!r}")
+    _matvec = load_matvec() if product == "matvec" else None
+    PREPACKED_MIN_ROWS = 1 if product == "packed" else 2
 
 
 def cpu_prepack_available() -> bool:
@@ -77,22 +79,25 @@ def linear(
     gemv_tiles: Any = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
-    (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
-    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles).
-    batch_invariant: through invariant_linear whatever the rows (deterministic inference)."""
+    """x W^T + b: through the Triton matrix-vector product (with `gemv_tiles`, which select_gemv_tiles
+    sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles); for one float32 row of
+    a prepacked layer, through the C++ product where set_single_row_product chose it (min_rows not given);
+    through the prepacked weight when there is one and x has at least `min_rows` (default
+    PREPACKED_MIN_ROWS) rows. batch_invariant: invariant_linear whatever the rows (deterministic inference)."""
     if batch_invariant:
         return invariant_linear(x, weight, bias, packed)
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
+    if _matvec is not None and packed is not None and min_rows is None and weight.dtype == torch.float32:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return _matvec(x, weight, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-# kernels.gemv's products once load_gemv_kernels has imported them (Triton is imported only where it is
-# used: CPU-only installs may lack it).
+# kernels.gemv's products once load_gemv_kernels imported them (Triton only where used: CPU installs may lack it).
 _gemv: Callable[..., torch.Tensor] | None = None
 _rmsnorm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _silu_mul_gemv: Callable[..., torch.Tensor] | None = None
@@ -136,9 +141,8 @@ def norm_then_linear(
 
 
 def prepack_cpu_weights(model: nn.Module) -> int:
-    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy;
-    returns the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only
-    (float32; bfloat16 where this CPU has oneDNN's bf16 support)."""
+    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy; returns
+    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only."""
     total = 0
     dtypes = cpu_prepack_dtypes()
     for module in model.modules():
@@ -336,13 +340,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = get_tp_size()
         if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:
-            raise ValueError(
-                f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}"
-            )
+            raise ValueError(f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}")
         if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
-            raise ValueError(
-                f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}"
-            )
+            raise ValueError(f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}")
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
