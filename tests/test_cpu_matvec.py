@@ -273,7 +273,7 @@ def test_calibration_without_the_matvec_logs_why_and_times_two(
     def unavailable() -> None:
         raise MatvecUnavailable("no C++ compiler")
 
-    monkeypatch.setattr(calibration_module, "load_matvec", unavailable)
+    monkeypatch.setattr(cpu_matvec, "load_matvec", unavailable)
     monkeypatch.setattr(linear_module, "_matvec", None)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     with caplog.at_level(logging.WARNING, logger=calibration_module.__name__):

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_matvec import load_matvec
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.worker.runtime.layers.batch_invariant import invariant_linear
 
@@ -49,6 +48,8 @@ def set_single_row_product(product: str) -> None:
     global PREPACKED_MIN_ROWS, _matvec
     if product not in ("plain", "packed", "matvec"):
         raise ValueError(f"single-row product must be 'plain', 'packed' or 'matvec', got {product!r}")
+    from kernels.cpu_matvec import load_matvec  # imported where used, as kernels.gemv's products
+
     _matvec = load_matvec() if product == "matvec" else None
     PREPACKED_MIN_ROWS = 1 if product == "packed" else 2
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.cpu_matvec import MatvecUnavailable, load_matvec
 from services.worker.runtime.layers.linear import linear, load_gemv_kernels, set_single_row_product
 
 logger = logging.getLogger(__name__)
@@ -196,9 +195,11 @@ def single_row_matvec(modules: list[nn.Module]) -> Callable[..., torch.Tensor] |
     here; else None, with a log line saying why it could not be built or loaded."""
     if not all(m.weight.dtype == torch.float32 for m in modules):
         return None
+    from kernels import cpu_matvec  # imported where used, as kernels.gemv's products
+
     try:
-        return load_matvec()
-    except MatvecUnavailable as exc:
+        return cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable as exc:
         logger.warning("single rows cannot use the C++ matrix-vector product, only torch's: %s", exc)
         return None
 
