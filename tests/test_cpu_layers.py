@@ -10,15 +10,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from services.worker.runtime.layers.layernorm import RMSNorm
-from services.worker.runtime.layers.linear import (
-    ColumnParallelLinear,
+from services.worker.runtime.layers.cpu_prepack import (
     cpu_prepack_available,
     cpu_prepack_dtypes,
-    linear,
     prepack_cpu_weights,
     prepack_weight,
 )
+from services.worker.runtime.layers.layernorm import RMSNorm
+from services.worker.runtime.layers.linear import ColumnParallelLinear, linear
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
@@ -68,9 +67,9 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
     if bf16_supported and not real:
         pytest.skip("this CPU has no oneDNN bfloat16 products")
     if not bf16_supported:
-        import services.worker.runtime.layers.linear as linear_module
+        import services.worker.runtime.layers.cpu_prepack as cpu_prepack
 
-        monkeypatch.setattr(linear_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
+        monkeypatch.setattr(cpu_prepack, "cpu_prepack_dtypes", lambda: (torch.float32,))
     model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
     packed = prepack_cpu_weights(model)
     opted_in = [m for m in model.modules() if getattr(m, "prepackable", False)]

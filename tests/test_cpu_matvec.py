@@ -15,12 +15,8 @@ import kernels.cpu_matvec as cpu_matvec
 import services.worker.runtime.layers.linear as linear_module
 import services.worker.runtime.layers.linear_calibration as calibration_module
 from kernels.cpu_matvec import MatvecUnavailable, load_matvec, matvec_isa, use_matvec_isa
-from services.worker.runtime.layers.linear import (
-    linear,
-    prepack_cpu_weights,
-    prepack_weight,
-    set_single_row_product,
-)
+from services.worker.runtime.layers.cpu_prepack import prepack_cpu_weights, prepack_weight
+from services.worker.runtime.layers.linear import linear, set_single_row_product
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
@@ -147,13 +143,13 @@ def test_matvec_takes_a_flat_row_and_rows_of_a_wider_matrix() -> None:
     [
         (
             torch.randn(1, 8, dtype=torch.float64),
-            torch.randn(4, 8, dtype=torch.float64),
+            torch.randn(4, 8),
             None,
-            "must be float32",
+            "x must be a float32",
         ),
-        (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None, "must be float32"),
+        (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None, "weight must be a float32"),
         (torch.randn(2, 8), torch.randn(4, 8), None, "one row"),
-        (torch.randn(1, 9), torch.randn(4, 8), None, "K=8"),
+        (torch.randn(1, 9), torch.randn(4, 8), None, "x must end in K=8"),
         (torch.randn(1, 8), torch.randn(8, 4).T, None, "rows must be contiguous"),
         (torch.randn(1, 8), torch.randn(32), None, "must be 2-D"),
         (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5), "bias must be a float32 CPU vector of N=4"),
@@ -301,3 +297,86 @@ def test_model_logits_through_matvec_match_f_linear(llama_path, monkeypatch: pyt
         logits[product] = driver.decode([(row, 7)])
     ref = logits["plain"]
     assert ((logits["matvec"] - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-5
+
+
+def rmsnorm64(h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+
+
+def assert_product_close(y: torch.Tensor, v64: torch.Tensor, w: torch.Tensor) -> None:
+    """y against v64 W^T in float64, v64 being the float64 prologue's output: the product's bound plus a
+    few roundings of the prologue per term."""
+    ref = v64 @ w.double().T
+    bound = (w.shape[1] + 8) * torch.finfo(torch.float32).eps * (v64.abs() @ w.double().abs().T)
+    assert y.shape == ref.shape and ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (7, 13), (5, 40)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matvec_matches_a_float64_reference(
+    isa: str, two_threads: None, n: int, k: int, with_residual: bool
+) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    x, residual = torch.randn(1, k, generator=g), torch.randn(1, k, generator=g) if with_residual else None
+    norm_weight, w = torch.rand(k, generator=g) + 0.5, torch.randn(n, k, generator=g) * 0.05
+    y, summed = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, 1e-5, w)
+    h = x + residual if with_residual else x
+    assert torch.equal(summed, h) and summed.data_ptr() != x.data_ptr()
+    assert_product_close(y, rmsnorm64(h, norm_weight, 1e-5), w)
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (7, 13), (5, 40)])
+def test_silu_mul_matvec_matches_a_float64_reference(isa: str, two_threads: None, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    gate_up, w = torch.randn(1, 2 * k, generator=g) * 3, torch.randn(n, k, generator=g) * 0.05
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, w)
+    assert_product_close(y, gate * torch.sigmoid(gate) * up, w)
+
+
+@needs_matvec
+def test_the_fused_products_refuse_bad_input() -> None:
+    ops, w = torch.ops.radixserve_cpu, torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="gate_up must end in K=16"):
+        ops.silu_mul_matvec(torch.randn(1, 8), w)
+    with pytest.raises(RuntimeError, match="residual must be shaped like x"):
+        ops.rmsnorm_matvec(torch.randn(1, 8), torch.randn(8), torch.ones(8), 1e-6, w)
+    with pytest.raises(RuntimeError, match="norm_weight must end in K=8"):
+        ops.rmsnorm_matvec(torch.randn(1, 8), None, torch.ones(9), 1e-6, w)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ops.rmsnorm_matvec(torch.randn(1, 8).bfloat16(), None, torch.ones(8), 1e-6, w)
+
+
+@needs_matvec
+def test_layers_fold_the_norm_and_activation_into_the_cpu_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the C++ product chosen, one row's norm -> projection and SwiGLU -> down projection each go
+    through one fused call, with what the unfused layers give (within float32 rounding); two rows do not."""
+    from services.worker.runtime.layers.activation import SiluAndMul
+    from services.worker.runtime.layers.layernorm import RMSNorm
+    from services.worker.runtime.layers.linear import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        norm_then_linear,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    up, down, norm = ColumnParallelLinear(64, [96, 96]), RowParallelLinear(96, 64), RMSNorm(64, 1e-6)
+    for param in (up.weight, down.weight, norm.weight):
+        param.data.copy_(torch.randn(param.shape, generator=g) * 0.2 + (1.0 if param is norm.weight else 0.0))
+    prepack_cpu_weights(up), prepack_cpu_weights(down)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    x, residual = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    with torch.inference_mode():
+        hidden, summed = norm(x, residual)
+        ref_up = F.linear(hidden, up.weight)
+        ref_down = F.linear(SiluAndMul()(ref_up), down.weight)
+        set_single_row_product("matvec")
+        assert up.fuses_prologue(x) and not up.fuses_prologue(torch.randn(2, 64))
+        gate_up, new_residual = norm_then_linear(norm, up, x, residual)
+        y = down.forward_silu_and_mul(gate_up, SiluAndMul())
+        set_single_row_product("plain")
+        assert not up.fuses_prologue(x)
+    assert torch.equal(new_residual, summed)
+    for ours, ref in ((gate_up, ref_up), (y, ref_down)):
+        assert ((ours - ref).norm() / ref.norm()) <= 1e-5

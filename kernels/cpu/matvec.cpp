@@ -12,8 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -153,40 +155,100 @@ Path& path() {
 // of 4, so only the last band has single rows).
 constexpr int64_t kGrainRows = 64;
 
-at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "matvec: x and weight must be CPU tensors");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "matvec: x and weight must be float32, got ", x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2, "matvec: weight must be 2-D [N, K], got ", weight.dim(), " dims");
+// [N, K] float32 CPU weight with contiguous rows; returns K.
+int64_t check_weight(const char* op, const at::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat,
+              op, ": weight must be a float32 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [N, K], got ", weight.dim(), " dims");
   TORCH_CHECK(weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
-              "matvec: weight rows must be contiguous (stride(1) == 1), got strides ", weight.strides());
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "matvec: x must end in K=", k, " inputs, got shape ", x.sizes());
-  TORCH_CHECK(x.numel() == k, "matvec: x must hold one row of K=", k, " inputs, got shape ", x.sizes());
+              op, ": weight rows must be contiguous (stride(1) == 1), got strides ", weight.strides());
+  return weight.size(1);
+}
+
+// A float32 CPU tensor holding one row of `k` values (any leading dims of size 1).
+void check_row(const char* op, const char* what, const at::Tensor& t, int64_t k) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
+              op, ": ", what, " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() >= 1 && t.size(-1) == k, op, ": ", what, " must end in K=", k, " values, got shape ", t.sizes());
+  TORCH_CHECK(t.numel() == k, op, ": ", what, " must hold one row of K=", k, " values, got shape ", t.sizes());
+}
+
+// y = W v over the compute threads: bands of whole 4-row blocks, each thread ceil(blocks / threads)
+// of them, one contiguous stream; y (shaped like `like`, last dim N) is new.
+at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& like) {
+  const int64_t n = weight.size(0), k = weight.size(1), ld = weight.stride(0);
+  std::vector<int64_t> out_shape(like.sizes().begin(), like.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, like.options());
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const RowsFn fn = path().fn;
+  at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
+    fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
+  });
+  return y;
+}
+
+at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const int64_t k = check_weight("matvec", weight), n = weight.size(0);
+  check_row("matvec", "x", x, k);
   if (bias.has_value()) {
     TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n,
                 "matvec: bias must be a float32 CPU vector of N=", n, ", got ", bias->scalar_type(), " ", bias->sizes());
   }
   const at::Tensor xc = x.contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
-  const float* wp = weight.data_ptr<float>();
-  const float* xp = xc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t ld = weight.stride(0);
-  const RowsFn fn = path().fn;
-  // Bands of whole 4-row blocks: each thread gets ceil(blocks / threads) of them, one contiguous stream.
-  const int64_t blocks = (n + 3) / 4;
-  at::parallel_for(0, blocks, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
-    fn(wp, ld, xp, yp, b0 * 4, std::min(b1 * 4, n), k);
-  });
+  at::Tensor y = product(weight, xc.data_ptr<float>(), x);
   if (bias.has_value()) {
     const at::Tensor bc = bias->contiguous();
     const float* bp = bc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) yp[r] += bp[r];
   }
   return y;
+}
+
+// (W rmsnorm(x + residual), x + residual): RMSNorm's float32 steps (layers/layernorm.py), h * rsqrt(mean(h^2)
+// + eps) then times the norm's weight, on one row before the product. Without a residual the norm is of x
+// and the second output a copy of x.
+std::tuple<at::Tensor, at::Tensor> rmsnorm_matvec(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                  const at::Tensor& norm_weight, double eps, const at::Tensor& weight) {
+  const int64_t k = check_weight("rmsnorm_matvec", weight);
+  check_row("rmsnorm_matvec", "x", x, k);
+  check_row("rmsnorm_matvec", "norm_weight", norm_weight, k);
+  at::Tensor h;
+  if (residual.has_value()) {
+    check_row("rmsnorm_matvec", "residual", *residual, k);
+    TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm_matvec: residual must be shaped like x ", x.sizes(),
+                ", got ", residual->sizes());
+    h = at::empty(x.sizes(), x.options());
+    const at::Tensor xc = x.contiguous(), rc = residual->contiguous();
+    const float *xp = xc.data_ptr<float>(), *rp = rc.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < k; ++i) hp[i] = xp[i] + rp[i];
+  } else {
+    h = x.clone(at::MemoryFormat::Contiguous);
+  }
+  const at::Tensor nw = norm_weight.contiguous();
+  const float* hp = h.data_ptr<float>();
+  const float* wp = nw.data_ptr<float>();
+  double squares = 0.0;
+  for (int64_t i = 0; i < k; ++i) squares += static_cast<double>(hp[i]) * hp[i];
+  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / k) + static_cast<float>(eps));
+  std::vector<float> v(k);
+  for (int64_t i = 0; i < k; ++i) v[i] = wp[i] * (hp[i] * inv);
+  return {product(weight, v.data(), x), h};
+}
+
+// W (silu(gate) * up) for one row gate_up = [gate | up] of 2K values: the SwiGLU activation before
+// the down projection, silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_mul_matvec(const at::Tensor& gate_up, const at::Tensor& weight) {
+  const int64_t k = check_weight("silu_mul_matvec", weight);
+  check_row("silu_mul_matvec", "gate_up", gate_up, 2 * k);
+  const at::Tensor gu = gate_up.contiguous();
+  const float* gp = gu.data_ptr<float>();
+  std::vector<float> v(k);
+  for (int64_t i = 0; i < k; ++i) v[i] = gp[i] / (1.0f + std::exp(-gp[i])) * gp[k + i];
+  return product(weight, v.data(), gate_up);
 }
 
 std::string matvec_isa() { return path().name; }
@@ -209,8 +271,14 @@ std::string use_matvec_isa(const std::string& isa) {
 
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("rmsnorm_matvec(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight) -> (Tensor, Tensor)");
+  m.def("silu_mul_matvec(Tensor gate_up, Tensor weight) -> Tensor");
   m.def("matvec_isa() -> str", &matvec_isa);
   m.def("use_matvec_isa(str isa) -> str", &use_matvec_isa);
 }
 
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) { m.impl("matvec", &matvec); }
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("matvec", &matvec);
+  m.impl("rmsnorm_matvec", &rmsnorm_matvec);
+  m.impl("silu_mul_matvec", &silu_mul_matvec);
+}

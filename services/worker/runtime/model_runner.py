@@ -41,8 +41,8 @@ from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
 from services.worker.runtime.kv_scales import pool_layer_ids, read_kv_scales
 from services.worker.runtime.layers.batch_invariant import make_batch_invariant
+from services.worker.runtime.layers.cpu_prepack import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.fp8_weights import weight_bytes
-from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model, safetensors_files

@@ -9,12 +9,12 @@ this rank's slice of a checkpoint tensor, so a model's `load_weights` only maps 
 tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight` reads just the rows or
 columns this rank keeps, so no rank materialises a whole sharded matrix.
 
-On the CPU, `prepack_cpu_weights` gives every linear layer (and the LM head) a copy of its weight in
-oneDNN's blocked layout. Batches of two rows or more multiply with it: the plain F.linear repacks
-the weight on every call, which at batch 16 costs as much as the product itself. For single rows the
-fastest product depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++
-product of kernels/cpu_matvec.py for float32); linear_calibration.py's `calibrate_single_row` times
-each at load and keeps the fastest (`set_single_row_product`).
+On the CPU, cpu_prepack.py gives every linear layer (and the LM head) a copy of its weight in oneDNN's
+blocked layout, which batches of two rows or more multiply with. For single rows the fastest product
+depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++ product of
+kernels/cpu_matvec.py for float32); linear_calibration.py's `calibrate_single_row` times each at load
+and keeps the fastest (`set_single_row_product`). The C++ product also takes the norm before a
+projection and the activation before the down projection (Projection.fuses_prologue), as the GPU's do.
 
 On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
 product in kernels/gemv.py instead of cuBLAS, where linear_calibration.py's `select_gemv_tiles` found it
@@ -52,23 +52,6 @@ def set_single_row_product(product: str) -> None:
 
     _matvec = load_matvec() if product == "matvec" else None
     PREPACKED_MIN_ROWS = 1 if product == "packed" else 2
-
-
-def cpu_prepack_available() -> bool:
-    """Whether this torch build has the oneDNN linear ops (x86 and aarch64 builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def cpu_prepack_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has what
-    oneDNN's bf16 products need (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses the
-    reorder). Weights of another dtype keep F.linear."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-
-
-def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout, for `linear(..., packed=...)`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
 def linear(
@@ -139,22 +122,6 @@ def norm_then_linear(
         return layer(norm(x)), x
     hidden, residual = norm(x, residual)
     return layer(hidden), residual
-
-
-def prepack_cpu_weights(model: nn.Module) -> int:
-    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy; returns
-    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only."""
-    total = 0
-    dtypes = cpu_prepack_dtypes()
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
-            continue
-        if weight.device.type != "cpu" or weight.dtype not in dtypes:
-            continue
-        module.packed_weight = prepack_weight(weight)
-        total += weight.numel() * weight.element_size()
-    return total
 
 
 class WeightSlice(Protocol):
@@ -250,10 +217,15 @@ class Projection(nn.Module):
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether x goes through one launch with the norm or activation before this product folded in
-        (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides."""
+        (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides, or
+        on the CPU where single rows of this float32 layer go through the C++ product (cpu_single_row)."""
         if self.quant_method is not None:
             return self.quant_method.fuses_prologue(x)
-        return getattr(self.gemv_tiles, "kind", None) == "rows" and one_contiguous_row(x)
+        return (getattr(self.gemv_tiles, "kind", None) == "rows" or self.cpu_single_row(x)) and one_contiguous_row(x)
+
+    def cpu_single_row(self, x: torch.Tensor) -> bool:
+        """Whether one row x goes through the C++ product (linear() with _matvec set)."""
+        return _matvec is not None and self.packed_weight is not None and self.weight.dtype == x.dtype == torch.float32
 
     def rmsnorm_product(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
@@ -261,12 +233,16 @@ class Projection(nn.Module):
         """(rmsnorm(x + residual) W^T without the bias, x + residual), where fuses_prologue(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply_rmsnorm(self, x, residual, norm_weight, eps)
+        if self.gemv_tiles is None:  # the CPU's C++ product (cpu_single_row)
+            return torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, self.weight)
         return _rmsnorm_gemv(x, residual, norm_weight, eps, self.weight, tiles=self.gemv_tiles)
 
     def silu_mul_product(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T without the bias nor the all-reduce, where fuses_prologue(gate_up)."""
         if self.quant_method is not None:
             return self.quant_method.apply_silu_mul(self, gate_up)
+        if self.gemv_tiles is None:  # the CPU's C++ product (cpu_single_row)
+            return torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, self.weight)
         return _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
 
 
