@@ -1,8 +1,12 @@
 """The CPU single-row float32 product (kernels/cpu/matvec.cpp), built once with torch's C++ extension
 tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make setup` builds it
-(`python -m kernels.cpu_matvec`), a process that finds it missing builds it on first use (~30 s).
+(`python -m kernels.cpu_matvec`), a process that finds it missing builds it on first use (~10 s).
 
     y = matvec(x, weight, bias)   # x: one row [1, K] (or [K]); weight: [N, K]; float32 CPU tensors
+    y, x_plus_r = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, weight)
+    y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
+
+(the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them).
 
 It streams the weight in its own [N, K] layout, rows split across torch's compute threads, and
 accumulates in float32. Where it cannot be built (no C++ compiler, no ninja, an unsupported torch) or

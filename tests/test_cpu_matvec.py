@@ -351,7 +351,8 @@ def test_the_fused_products_refuse_bad_input() -> None:
 @needs_matvec
 def test_layers_fold_the_norm_and_activation_into_the_cpu_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the C++ product chosen, one row's norm -> projection and SwiGLU -> down projection each go
-    through one fused call, with what the unfused layers give (within float32 rounding); two rows do not."""
+    through one fused call, with what the unfused layers give (within float32 rounding); two rows and
+    batch-invariant layers do not."""
     from services.worker.runtime.layers.activation import SiluAndMul
     from services.worker.runtime.layers.layernorm import RMSNorm
     from services.worker.runtime.layers.linear import (
@@ -373,6 +374,9 @@ def test_layers_fold_the_norm_and_activation_into_the_cpu_product(monkeypatch: p
         ref_down = F.linear(SiluAndMul()(ref_up), down.weight)
         set_single_row_product("matvec")
         assert up.fuses_prologue(x) and not up.fuses_prologue(torch.randn(2, 64))
+        up.batch_invariant = True  # deterministic inference keeps its own products
+        assert not up.fuses_prologue(x)
+        up.batch_invariant = False
         gate_up, new_residual = norm_then_linear(norm, up, x, residual)
         y = down.forward_silu_and_mul(gate_up, SiluAndMul())
         set_single_row_product("plain")

@@ -1,4 +1,6 @@
-// Single-row float32 product y = x W^T (+ b) on the CPU, for batch-1 decode (kernels/cpu_matvec.py).
+// Single-row float32 product y = x W^T (+ b) on the CPU, for batch-1 decode (kernels/cpu_matvec.py),
+// plain or with the decoder's step before the projection folded in: add + RMSNorm (rmsnorm_matvec)
+// or SiLU-and-mul (silu_mul_matvec), each a few hundred floats formed once before the threads start.
 //
 // W stays in its natural [N, K] row-major layout (no packed copy); each of the process's compute
 // threads (at::parallel_for) streams one contiguous band of rows, four rows at a time against the

@@ -224,8 +224,10 @@ class Projection(nn.Module):
         return (getattr(self.gemv_tiles, "kind", None) == "rows" or self.cpu_single_row(x)) and one_contiguous_row(x)
 
     def cpu_single_row(self, x: torch.Tensor) -> bool:
-        """Whether one row x goes through the C++ product (linear() with _matvec set)."""
-        return _matvec is not None and self.packed_weight is not None and self.weight.dtype == x.dtype == torch.float32
+        """Whether one row x goes through the C++ product (linear() with _matvec set, not batch-invariant)."""
+        if _matvec is None or self.packed_weight is None or self.batch_invariant:
+            return False
+        return self.weight.dtype == x.dtype == torch.float32
 
     def rmsnorm_product(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
