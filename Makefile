@@ -31,7 +31,13 @@ $(VENV)/.installed: pyproject.toml
 	  $(PIP) uninstall -q -y kernels; fi
 	@touch $@
 
-setup: $(VENV)/.installed browser
+# The CPU single-row product (kernels/cpu/matvec.cpp), built with g++ and cached under ~/.cache/torch_extensions,
+# so no Engine pays for the build. Never fails setup: without a compiler the engines keep torch's products.
+$(VENV)/.cpu-kernels: $(VENV)/.installed kernels/cpu/matvec.cpp kernels/cpu_matvec.py
+	@$(PY) -m kernels.cpu_matvec
+	@touch $@
+
+setup: $(VENV)/.installed $(VENV)/.cpu-kernels browser
 
 # The playground's browser tests (tests/test_playground_browser.py) drive the system's Chromium through
 # Playwright; Playwright's own browser download is not used. apt-get installs it where it can (as root,

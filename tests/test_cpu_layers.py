@@ -10,15 +10,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from services.worker.runtime.layers.layernorm import RMSNorm
-from services.worker.runtime.layers.linear import (
-    ColumnParallelLinear,
+from services.worker.runtime.layers.cpu_prepack import (
     cpu_prepack_available,
     cpu_prepack_dtypes,
-    linear,
     prepack_cpu_weights,
     prepack_weight,
 )
+from services.worker.runtime.layers.layernorm import RMSNorm
+from services.worker.runtime.layers.linear import ColumnParallelLinear, linear
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
@@ -68,9 +67,9 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
     if bf16_supported and not real:
         pytest.skip("this CPU has no oneDNN bfloat16 products")
     if not bf16_supported:
-        import services.worker.runtime.layers.linear as linear_module
+        import services.worker.runtime.layers.cpu_prepack as cpu_prepack
 
-        monkeypatch.setattr(linear_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
+        monkeypatch.setattr(cpu_prepack, "cpu_prepack_dtypes", lambda: (torch.float32,))
     model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
     packed = prepack_cpu_weights(model)
     opted_in = [m for m in model.modules() if getattr(m, "prepackable", False)]
@@ -82,8 +81,20 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
     assert ((layer(x).float() - ref).norm() / ref.norm()) < 2e-2
 
 
+@pytest.fixture
+def without_matvec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calibration between torch's two products only (tests/test_cpu_matvec.py covers the C++ one)."""
+    import services.worker.runtime.layers.linear as linear_module
+    import services.worker.runtime.layers.linear_calibration as calibration_module
+
+    monkeypatch.setattr(calibration_module, "single_row_matvec", lambda modules: None)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+
+
 @needs_onednn
-def test_single_row_calibration_picks_the_faster_path(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_single_row_calibration_picks_the_faster_path(
+    llama_path, monkeypatch: pytest.MonkeyPatch, without_matvec: None
+) -> None:
     import services.worker.runtime.layers.linear as linear_module
 
     model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
@@ -91,16 +102,18 @@ def test_single_row_calibration_picks_the_faster_path(llama_path, monkeypatch: p
     prepack_cpu_weights(model)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     best = calibrate_single_row(model)
-    assert set(best) == {"plain", "packed", "clean_pairs"} and 0 < best["plain"] < 10 and 0 < best["packed"] < 10
+    assert set(best) == {"plain", "packed", "clean_rounds"} and 0 < best["plain"] < 10 and 0 < best["packed"] < 10
     assert linear_module.PREPACKED_MIN_ROWS == (1 if best["packed"] < best["plain"] else 2)
 
 
 @needs_onednn
-def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_single_row_calibration_skips_passes_run_beside_other_work(
+    llama_path, monkeypatch: pytest.MonkeyPatch, without_matvec: None
+) -> None:
     """With a core taken by another process, the packed product's threads wait for each other (its pass
     doubles, the process keeps fewer threads busy) while the one-core plain product does not slow down.
-    Such pairs do not count: the choice comes from undisturbed pairs. Scripted timings (seconds, CPU
-    share of 2 threads): the first two pairs disturbed, favouring plain; the next ones clean, packed 2x
+    Such rounds do not count: the choice comes from undisturbed rounds. Scripted timings (seconds, CPU
+    share of 2 threads): the first two rounds disturbed, favouring plain; the next ones clean, packed 2x
     faster."""
     import services.worker.runtime.layers.linear as linear_module
     import services.worker.runtime.layers.linear_calibration as calibration_module
@@ -117,13 +130,13 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(llama_path, m
     monkeypatch.setattr(calibration_module, "_timed", timed)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     best = calibrate_single_row(model, repeats=3)
-    assert best == {"plain": 0.035, "packed": 0.017, "clean_pairs": 3.0}
+    assert best == {"plain": 0.035, "packed": 0.017, "clean_rounds": 3.0}
     assert linear_module.PREPACKED_MIN_ROWS == 1
-    # Disturbed to the end (the time budget runs out with no clean pair): the best of all pairs decides.
+    # Disturbed to the end (the time budget runs out with no clean round): the best of all rounds decides.
     script = iter([(0.035, 1.2), (0.040, 1.4)] * 1000)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 1)
     best = calibrate_single_row(model, repeats=3, max_seconds=0.05)
-    assert best == {"plain": 0.035, "packed": 0.040, "clean_pairs": 0.0}
+    assert best == {"plain": 0.035, "packed": 0.040, "clean_rounds": 0.0}
     assert linear_module.PREPACKED_MIN_ROWS == 2
 
 
@@ -187,15 +200,17 @@ def test_rmsnorm_float32_is_bit_identical_to_hf(with_residual: bool) -> None:
 
 @needs_onednn
 def test_the_engine_reports_its_single_row_product(llama_path) -> None:
-    """get_info names the product single rows use, with the two timings that chose it (a load beside a
-    busy process can choose the slower one; this is how to see it)."""
+    """get_info names the product single rows use, with the timings that chose it (a load beside a busy
+    process can choose a slower one; this is how to see it)."""
     import services.worker.runtime.layers.linear as linear_module
     from services.worker.frontend.engine import Engine
 
     with Engine(str(llama_path), dtype="float32") as engine:
         chosen = engine.get_server_info()["cpu_single_row"]
-        min_rows = linear_module.PREPACKED_MIN_ROWS
-    assert chosen["product"] == ("packed" if chosen["packed_ms"] < chosen["plain_ms"] else "plain")
+        min_rows, matvec = linear_module.PREPACKED_MIN_ROWS, linear_module._matvec
+    timed = {name: chosen[f"{name}_ms"] for name in ("plain", "packed", "matvec") if f"{name}_ms" in chosen}
+    assert {"plain", "packed"} <= set(timed) and chosen["product"] == min(timed, key=timed.__getitem__)
     assert min_rows == (1 if chosen["product"] == "packed" else 2)
+    assert (matvec is not None) == (chosen["product"] == "matvec")
     with Engine(str(llama_path), dtype="float32", cpu_weight_prepack=False) as engine:
         assert engine.get_server_info()["cpu_single_row"] is None

@@ -28,7 +28,11 @@ from services.worker.runtime.attention.deterministic_triton import Deterministic
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.layers.attention import RadixAttention
 from services.worker.runtime.layers.batch_invariant import elementwise, invariant_linear
-from services.worker.runtime.layers.linear import cpu_prepack_available, cpu_prepack_dtypes, prepack_weight
+from services.worker.runtime.layers.cpu_prepack import (
+    cpu_prepack_available,
+    cpu_prepack_dtypes,
+    prepack_weight,
+)
 from tests.kernels.conftest import PagedKV, rel_error
 
 BATCH_SIZES = (3, 17, 64)

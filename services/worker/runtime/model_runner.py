@@ -41,8 +41,8 @@ from services.worker.runtime.forward_batch import ForwardBatch
 from services.worker.runtime.host_memory import available_ram_bytes as _available_ram_bytes
 from services.worker.runtime.kv_scales import pool_layer_ids, read_kv_scales
 from services.worker.runtime.layers.batch_invariant import make_batch_invariant
+from services.worker.runtime.layers.cpu_prepack import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.fp8_weights import weight_bytes
-from services.worker.runtime.layers.linear import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.linear_calibration import calibrate_single_row, select_gemv_tiles
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model, safetensors_files
@@ -225,18 +225,19 @@ class ModelRunner:
             packed = prepack_cpu_weights(self.model)
             best = None if deterministic else calibrate_single_row(self.model)
             if best:
+                times = {name: best[name] for name in ("plain", "packed", "matvec") if name in best}
                 self.single_row = {
-                    "product": "packed" if best["packed"] < best["plain"] else "plain",
-                    "plain_ms": best["plain"] * 1e3,
-                    "packed_ms": best["packed"] * 1e3,
-                    "clean_pairs": int(best["clean_pairs"]),
+                    "product": min(times, key=times.__getitem__),
+                    **{f"{name}_ms": seconds * 1e3 for name, seconds in times.items()},
+                    "clean_rounds": int(best["clean_rounds"]),
                 }
                 logger.info(
                     "prepacked %.1f MiB of linear weights for batched CPU products; single rows use the %s "
-                    "product (one pass over the weights: plain %.1f ms, packed %.1f ms; %d undisturbed pair(s)%s)",
-                    packed / 2**20, self.single_row["product"], self.single_row["plain_ms"],
-                    self.single_row["packed_ms"], self.single_row["clean_pairs"],
-                    "" if self.single_row["clean_pairs"] else ": every pass ran beside other work, so this choice may be the slower",
+                    "product (one pass over the weights: %s; %d undisturbed round(s)%s)",
+                    packed / 2**20, self.single_row["product"],
+                    ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in times.items()),
+                    self.single_row["clean_rounds"],
+                    "" if self.single_row["clean_rounds"] else ": every pass ran beside other work, so this choice may be the slower",
                 )
 
         if deterministic:

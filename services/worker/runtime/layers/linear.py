@@ -9,20 +9,16 @@ this rank's slice of a checkpoint tensor, so a model's `load_weights` only maps 
 tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight` reads just the rows or
 columns this rank keeps, so no rank materialises a whole sharded matrix.
 
-On the CPU, `prepack_cpu_weights` gives every linear layer (and the LM head) a copy of its weight in
-oneDNN's blocked layout. Batches of two rows or more multiply with it: the plain F.linear repacks
-the weight on every call, which at batch 16 costs as much as the product itself. For single rows the
-faster path depends on the CPU (MKL's matrix-vector product streams the plain weight at the memory's
-speed on Intel; on AMD it ran on one core at about half of it, where oneDNN's did not), so
-linear_calibration.py's `calibrate_single_row` times one pass over the model's weights each way at load time and keeps the
-faster, counting only passes during which no other process held one of the cores (a second model
-loading beside this one made the packed pass look 2x slower and kept the slower product for good).
+On the CPU, cpu_prepack.py gives every linear layer (and the LM head) a copy of its weight in oneDNN's
+blocked layout, which batches of two rows or more multiply with. For single rows the fastest product
+depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++ product of
+kernels/cpu_matvec.py for float32); linear_calibration.py's `calibrate_single_row` times each at load
+and keeps the fastest (`set_single_row_product`). The C++ product also takes the norm before a
+projection and the activation before the down projection (Projection.fuses_prologue), as the GPU's do.
 
 On CUDA in bfloat16/float16, a single row (batch-1 decode) can go through the Triton matrix-vector
-product in kernels/gemv.py instead of cuBLAS: on the H200 it read an 8B model's weights at 0.99 of the
-copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). linear_calibration.py's `select_gemv_tiles` times both on each
-weight shape of the model at load (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the
-Triton product won.
+product in kernels/gemv.py instead of cuBLAS, where linear_calibration.py's `select_gemv_tiles` found it
+faster on the model's weight shapes (`gemv_tiles`; bench/gpu_gemv.py).
 
 With --enable-deterministic-inference, every product goes through batch_invariant.py's
 `invariant_linear` instead (`batch_invariant`, set by its make_batch_invariant).
@@ -40,32 +36,22 @@ from torch import nn
 from services.worker.runtime.distributed import divide, get_tp_rank, get_tp_size, tp_all_reduce
 from services.worker.runtime.layers.batch_invariant import invariant_linear
 
-# Rows from which linear() uses a prepacked weight: 2, or 1 once calibrate_single_row (linear_calibration.py) found the packed
-# matrix-vector product faster on this CPU.
+# Rows from which linear() uses a prepacked weight (1 where calibrate_single_row chose the packed product
+# for single rows), and the C++ product (kernels/cpu_matvec.py) where it chose that one.
 PREPACKED_MIN_ROWS = 2
+_matvec: Callable[..., torch.Tensor] | None = None
 
 
-def set_single_row_product(packed: bool) -> None:
-    """Whether single rows use the prepacked weight (PREPACKED_MIN_ROWS 1) or F.linear (2)."""
-    global PREPACKED_MIN_ROWS
-    PREPACKED_MIN_ROWS = 1 if packed else 2
+def set_single_row_product(product: str) -> None:
+    """How linear() multiplies one row of a prepacked layer: "plain" (F.linear), "packed" (the oneDNN
+    weight) or "matvec" (the C++ product, for float32 weights; raises MatvecUnavailable where it is not)."""
+    global PREPACKED_MIN_ROWS, _matvec
+    if product not in ("plain", "packed", "matvec"):
+        raise ValueError(f"single-row product must be 'plain', 'packed' or 'matvec', got {product!r}")
+    from kernels.cpu_matvec import load_matvec  # imported where used, as kernels.gemv's products
 
-
-def cpu_prepack_available() -> bool:
-    """Whether this torch build has the oneDNN linear ops (x86 and aarch64 builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def cpu_prepack_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has what
-    oneDNN's bf16 products need (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses the
-    reorder). Weights of another dtype keep F.linear."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-
-
-def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
-    """`weight` [out, in] in oneDNN's blocked layout, for `linear(..., packed=...)`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+    _matvec = load_matvec() if product == "matvec" else None
+    PREPACKED_MIN_ROWS = 1 if product == "packed" else 2
 
 
 def linear(
@@ -77,22 +63,25 @@ def linear(
     gemv_tiles: Any = None,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """x W^T + b, through the prepacked weight when there is one and the batch has at least `min_rows`
-    (default PREPACKED_MIN_ROWS) rows, or through the Triton matrix-vector product (with `gemv_tiles`,
-    which select_gemv_tiles sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles).
-    batch_invariant: through invariant_linear whatever the rows (deterministic inference)."""
+    """x W^T + b: through the Triton matrix-vector product (with `gemv_tiles`, which select_gemv_tiles
+    sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles); for one float32 row of
+    a prepacked layer, through the C++ product where set_single_row_product chose it (min_rows not given);
+    through the prepacked weight when there is one and x has at least `min_rows` (default
+    PREPACKED_MIN_ROWS) rows. batch_invariant: invariant_linear whatever the rows (deterministic inference)."""
     if batch_invariant:
         return invariant_linear(x, weight, bias, packed)
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
+    if _matvec is not None and packed is not None and min_rows is None and weight.dtype == torch.float32:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return _matvec(x, weight, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-# kernels.gemv's products once load_gemv_kernels has imported them (Triton is imported only where it is
-# used: CPU-only installs may lack it).
+# kernels.gemv's products once load_gemv_kernels imported them (Triton only where used: CPU installs may lack it).
 _gemv: Callable[..., torch.Tensor] | None = None
 _rmsnorm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 _silu_mul_gemv: Callable[..., torch.Tensor] | None = None
@@ -133,23 +122,6 @@ def norm_then_linear(
         return layer(norm(x)), x
     hidden, residual = norm(x, residual)
     return layer(hidden), residual
-
-
-def prepack_cpu_weights(model: nn.Module) -> int:
-    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy;
-    returns the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only
-    (float32; bfloat16 where this CPU has oneDNN's bf16 support)."""
-    total = 0
-    dtypes = cpu_prepack_dtypes()
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
-            continue
-        if weight.device.type != "cpu" or weight.dtype not in dtypes:
-            continue
-        module.packed_weight = prepack_weight(weight)
-        total += weight.numel() * weight.element_size()
-    return total
 
 
 class WeightSlice(Protocol):
@@ -245,10 +217,17 @@ class Projection(nn.Module):
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether x goes through one launch with the norm or activation before this product folded in
-        (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides."""
+        (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides, or
+        on the CPU where single rows of this float32 layer go through the C++ product (cpu_single_row)."""
         if self.quant_method is not None:
             return self.quant_method.fuses_prologue(x)
-        return getattr(self.gemv_tiles, "kind", None) == "rows" and one_contiguous_row(x)
+        return (getattr(self.gemv_tiles, "kind", None) == "rows" or self.cpu_single_row(x)) and one_contiguous_row(x)
+
+    def cpu_single_row(self, x: torch.Tensor) -> bool:
+        """Whether one row x goes through the C++ product (linear() with _matvec set, not batch-invariant)."""
+        if _matvec is None or self.packed_weight is None or self.batch_invariant:
+            return False
+        return self.weight.dtype == x.dtype == torch.float32
 
     def rmsnorm_product(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
@@ -256,12 +235,16 @@ class Projection(nn.Module):
         """(rmsnorm(x + residual) W^T without the bias, x + residual), where fuses_prologue(x)."""
         if self.quant_method is not None:
             return self.quant_method.apply_rmsnorm(self, x, residual, norm_weight, eps)
+        if self.gemv_tiles is None:  # the CPU's C++ product (cpu_single_row)
+            return torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, self.weight)
         return _rmsnorm_gemv(x, residual, norm_weight, eps, self.weight, tiles=self.gemv_tiles)
 
     def silu_mul_product(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) W^T without the bias nor the all-reduce, where fuses_prologue(gate_up)."""
         if self.quant_method is not None:
             return self.quant_method.apply_silu_mul(self, gate_up)
+        if self.gemv_tiles is None:  # the CPU's C++ product (cpu_single_row)
+            return torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, self.weight)
         return _silu_mul_gemv(gate_up, self.weight, tiles=self.gemv_tiles)
 
 
@@ -336,13 +319,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         tp_size = get_tp_size()
         if total_num_kv_heads >= tp_size and total_num_kv_heads % tp_size:
-            raise ValueError(
-                f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}"
-            )
+            raise ValueError(f"num_key_value_heads={total_num_kv_heads} is not divisible by tp_size={tp_size}")
         if total_num_kv_heads < tp_size and tp_size % total_num_kv_heads:
-            raise ValueError(
-                f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}"
-            )
+            raise ValueError(f"tp_size={tp_size} is not a multiple of num_key_value_heads={total_num_kv_heads}")
         self.head_dim = head_dim
         self.num_heads = divide(total_num_heads, tp_size)
         self.num_kv_heads = max(1, total_num_kv_heads // tp_size)

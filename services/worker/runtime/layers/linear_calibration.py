@@ -6,14 +6,15 @@ copy bandwidth where cuBLAS reached 0.88 (bench/gpu_gemv.py). `select_gemv_tiles
 weight shape of the model (`gemv_backend='auto'`) and gives a module `gemv_tiles` where the Triton
 product won; linear.py's layers then take single rows through it.
 
-On the CPU, single rows are faster through the prepacked oneDNN weight or through MKL's plain
-matrix-vector product depending on the CPU; `calibrate_single_row` times one pass over the model's
-weights each way and keeps the faster, counting only passes during which no other process held one of
-the cores.
+On the CPU, single rows are fastest through the prepacked oneDNN weight, MKL's plain matrix-vector
+product or (float32) the C++ product of kernels/cpu_matvec.py depending on the CPU; `calibrate_single_row`
+times one pass over the model's weights each way and keeps the fastest, counting only passes during
+which no other process held one of the cores.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,8 @@ import torch
 from torch import nn
 
 from services.worker.runtime.layers.linear import linear, load_gemv_kernels, set_single_row_product
+
+logger = logging.getLogger(__name__)
 
 # Tiles select_gemv_tiles tries on each weight shape: the best "rows" tiles of bench/gpu_gemv.py's sweep
 # on the H200 at the shapes of an 8B decode step (qkv, o and down, gate_up, LM head), and "dot" tiles,
@@ -169,12 +172,14 @@ def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 
     return chosen
 
 
-# A packed pass counts only if the process got at least this share of its compute threads' time: with a
-# core taken by another process (a second model loading beside this one), the packed product's threads
-# wait for each other and its pass takes ~2x, while MKL's one-core product for a single row does not
-# slow down, so a disturbed timing would keep the slower product for the process's life.
+# A pass of a product that spreads over the compute threads (the packed one, the C++ one) counts only if
+# the process got at least this share of its compute threads' time: with a core taken by another process
+# (a second model loading beside this one), their threads wait for each other and the pass takes ~2x,
+# while MKL's one-core product for a single row (on some CPUs) does not slow down, so a disturbed timing
+# would keep the slower product for the process's life.
 CALIBRATION_MIN_CPU_SHARE = 0.85
 CALIBRATION_MAX_SECONDS = 3.0
+THREADED_PRODUCTS = ("packed", "matvec")
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, float]:
@@ -185,42 +190,65 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return wall, (time.process_time() - cpu) / max(wall, 1e-9)
 
 
+def single_row_matvec(modules: list[nn.Module]) -> Callable[..., torch.Tensor] | None:
+    """The C++ product (kernels/cpu_matvec.py) where every weight of `modules` is float32 and it builds
+    here; else None, with a log line saying why it could not be built or loaded."""
+    if not all(m.weight.dtype == torch.float32 for m in modules):
+        return None
+    from kernels import cpu_matvec  # imported where used, as kernels.gemv's products
+
+    try:
+        return cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable as exc:
+        logger.warning("single rows cannot use the C++ matrix-vector product, only torch's: %s", exc)
+        return None
+
+
 def calibrate_single_row(
     model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
 ) -> dict[str, float]:
-    """Time one single-row pass over every prepacked weight of `model` with F.linear and with the
-    packed product (alternating pairs after one warm pass each, best of `repeats` clean pairs), and make
-    single rows use the packed one if it was faster (linear.PREPACKED_MIN_ROWS 1). A pair is clean when the packed pass kept
-    its compute threads busy (CALIBRATION_MIN_CPU_SHARE); pairs are timed until `repeats` are clean or
-    `max_seconds` have passed, and if none was clean the best of all pairs decides. Returns the best
-    seconds per path and `clean_pairs`."""
+    """Time one single-row pass over every prepacked weight of `model` through each product this CPU
+    has: F.linear ("plain"), the packed weight ("packed") and, for a float32 model, the C++ product
+    ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
+    `repeats` rounds are clean or `max_seconds` have passed; single rows then use the product with the
+    fastest pass (set_single_row_product). A round is clean when the threaded products kept their
+    compute threads busy (CALIBRATION_MIN_CPU_SHARE); if none was, the best of all rounds decides.
+    Returns the best seconds per product and `clean_rounds`."""
     modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     if not modules:
         return {}
     inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+    matvec = single_row_matvec(modules)
 
-    def one_pass(rows_from: int) -> Callable[[], None]:
+    def through_linear(rows_from: int) -> Callable[[], None]:
         def run() -> None:
             for module, x in zip(modules, inputs):
                 linear(x, module.weight, None, module.packed_weight, min_rows=rows_from)
 
         return run
 
+    def through_matvec() -> None:
+        for module, x in zip(modules, inputs):
+            matvec(x, module.weight)
+
+    passes = {"plain": through_linear(2), "packed": through_linear(1)}
+    if matvec is not None:
+        passes["matvec"] = through_matvec
     busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
-    clean = {"plain": float("inf"), "packed": float("inf")}
+    clean = dict.fromkeys(passes, float("inf"))
     anyhow = dict(clean)
-    clean_pairs = pairs = 0
+    clean_rounds = rounds = 0
     with torch.inference_mode():
-        one_pass(2)(), one_pass(1)()
+        for run in passes.values():
+            run()
         deadline = time.perf_counter() + max_seconds
-        while clean_pairs < repeats and (pairs == 0 or time.perf_counter() < deadline):
-            plain, _ = _timed(one_pass(2))
-            packed, busy = _timed(one_pass(1))
-            pairs += 1
-            anyhow = {"plain": min(anyhow["plain"], plain), "packed": min(anyhow["packed"], packed)}
-            if busy >= busy_floor:
-                clean = {"plain": min(clean["plain"], plain), "packed": min(clean["packed"], packed)}
-                clean_pairs += 1
-    best = clean if clean_pairs else anyhow
-    set_single_row_product(best["packed"] < best["plain"])
-    return {**best, "clean_pairs": float(clean_pairs)}
+        while clean_rounds < repeats and (rounds == 0 or time.perf_counter() < deadline):
+            timed = {name: _timed(run) for name, run in passes.items()}
+            rounds += 1
+            anyhow = {name: min(anyhow[name], timed[name][0]) for name in passes}
+            if all(busy >= busy_floor for name, (_, busy) in timed.items() if name in THREADED_PRODUCTS):
+                clean = {name: min(clean[name], timed[name][0]) for name in passes}
+                clean_rounds += 1
+    best = clean if clean_rounds else anyhow
+    set_single_row_product(min(best, key=best.__getitem__))
+    return {**best, "clean_rounds": float(clean_rounds)}

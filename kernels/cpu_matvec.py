@@ -1,0 +1,116 @@
+"""The CPU single-row float32 product (kernels/cpu/matvec.cpp), built once with torch's C++ extension
+tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make setup` builds it
+(`python -m kernels.cpu_matvec`), a process that finds it missing builds it on first use (~10 s).
+
+    y = matvec(x, weight, bias)   # x: one row [1, K] (or [K]); weight: [N, K]; float32 CPU tensors
+    y, x_plus_r = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, weight)
+    y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
+
+(the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them).
+
+It streams the weight in its own [N, K] layout, rows split across torch's compute threads, and
+accumulates in float32. Where it cannot be built (no C++ compiler, no ninja, an unsupported torch) or
+loaded, `load_matvec` raises MatvecUnavailable with the reason and callers keep torch's products
+(layers/linear_calibration.py logs it once).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "cpu" / "matvec.cpp"
+# The extension's name and cache folder. torch rebuilds it when the source or flags change; the torch
+# version is in the name so that an upgrade (another C++ ABI) builds anew instead of loading a stale one.
+EXTENSION = "radixserve_cpu_matvec_" + re.sub(r"\W", "_", torch.__version__)
+
+
+class MatvecUnavailable(RuntimeError):
+    """The C++ matrix-vector product could not be built or loaded here; the message says why."""
+
+
+_loaded: Callable[..., torch.Tensor] | None = None
+_failure: str | None = None
+
+
+def _ensure_ninja() -> None:
+    """torch's extension builder runs `ninja` from PATH; the PyPI wheel's binary (a project dependency)
+    sits in the venv's bin folder, which PATH lacks when the venv's python runs unactivated."""
+    if shutil.which("ninja"):
+        return
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except ImportError:
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+            return
+    raise MatvecUnavailable("ninja is not installed (pip install ninja, or the system's ninja-build)")
+
+
+def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
+    """torch.ops.radixserve_cpu.matvec, building the extension if this machine has no cached build.
+    Raises MatvecUnavailable (once built or failed, the outcome is kept for the process)."""
+    global _loaded, _failure
+    if _loaded is not None:
+        return _loaded
+    if _failure is not None:
+        raise MatvecUnavailable(_failure)
+    try:
+        if not torch.backends.openmp.is_available():
+            raise MatvecUnavailable("this torch build has no OpenMP, which the product's threads use")
+        _ensure_ninja()
+        from torch.utils.cpp_extension import load
+
+        # -fopenmp: at::parallel_for's OpenMP region is compiled into this library; at run time it binds
+        # to the libgomp that torch already loaded (same soname), so both share one thread pool.
+        load(
+            name=EXTENSION,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+        _loaded = torch.ops.radixserve_cpu.matvec
+    except MatvecUnavailable as exc:
+        _failure = str(exc)
+        raise
+    except Exception as exc:  # a compiler error, a missing header, a failed load: all mean "not here"
+        _failure = (
+            f"building or loading {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-600:]}"
+        )
+        raise MatvecUnavailable(_failure) from exc
+    return _loaded
+
+
+def matvec_isa() -> str:
+    """The instruction set the product uses: on this CPU the best of 'avx512', 'avx2' and 'portable'."""
+    load_matvec()
+    return torch.ops.radixserve_cpu.matvec_isa()
+
+
+def use_matvec_isa(isa: str) -> str:
+    """Make later products use `isa` (tests and benchmarks run each path this CPU has); returns the one
+    before. Raises RuntimeError where this CPU lacks it."""
+    load_matvec()
+    return torch.ops.radixserve_cpu.use_matvec_isa(isa)
+
+
+if __name__ == "__main__":
+    # `make setup`: build now so no Engine pays for it; never fail setup (the engines fall back).
+    try:
+        load_matvec(verbose="-v" in sys.argv)
+        print(f"setup: built the CPU matrix-vector product ({matvec_isa()})")
+    except MatvecUnavailable as exc:
+        print(f"setup: the CPU matrix-vector product is not available, torch's products will be used: {exc}")

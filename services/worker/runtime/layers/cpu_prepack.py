@@ -1,0 +1,44 @@
+"""The CPU's prepacked weights: every linear layer (and the LM head) gets a copy of its weight in
+oneDNN's blocked layout, which layers/linear.py's `linear` multiplies batches of two rows or more with
+(the plain F.linear repacks the weight on every call, which at batch 16 costs as much as the product
+itself), and single rows where linear_calibration.py's `calibrate_single_row` found it the fastest."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def cpu_prepack_available() -> bool:
+    """Whether this torch build has the oneDNN linear ops (x86 and aarch64 builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def cpu_prepack_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can prepack on this CPU: float32, and bfloat16 where the CPU has what
+    oneDNN's bf16 products need (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses the
+    reorder). Weights of another dtype keep F.linear."""
+    return (
+        (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    )
+
+
+def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, for `linear(..., packed=...)`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+
+
+def prepack_cpu_weights(model: nn.Module) -> int:
+    """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy; returns
+    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only."""
+    total = 0
+    dtypes = cpu_prepack_dtypes()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
+            continue
+        if weight.device.type != "cpu" or weight.dtype not in dtypes:
+            continue
+        module.packed_weight = prepack_weight(weight)
+        total += weight.numel() * weight.element_size()
+    return total

@@ -1,0 +1,386 @@
+"""The C++ single-row product (kernels/cpu_matvec.py) against a float64 reference on every instruction
+set path this CPU has, its errors on bad input, its fallback when it cannot be built, and its use by
+linear() and by the single-row calibration (layers/linear_calibration.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.cpu_matvec as cpu_matvec
+import services.worker.runtime.layers.linear as linear_module
+import services.worker.runtime.layers.linear_calibration as calibration_module
+from kernels.cpu_matvec import MatvecUnavailable, load_matvec, matvec_isa, use_matvec_isa
+from services.worker.runtime.layers.cpu_prepack import prepack_cpu_weights, prepack_weight
+from services.worker.runtime.layers.linear import linear, set_single_row_product
+from services.worker.runtime.layers.linear_calibration import calibrate_single_row
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
+
+
+def _available() -> str | None:
+    try:
+        load_matvec()
+        return None
+    except MatvecUnavailable as exc:
+        return str(exc)
+
+
+_why_not = _available()
+needs_matvec = pytest.mark.skipif(
+    _why_not is not None, reason=f"the C++ product is not built here: {_why_not}"
+)
+ISAS = ("avx512", "avx2", "portable")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction-set path in turn (skipped where this CPU lacks it), the best one restored after."""
+    if _why_not is not None:
+        pytest.skip(f"the C++ product is not built here: {_why_not}")
+    try:
+        before = use_matvec_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU has no {request.param} path")
+    yield request.param
+    use_matvec_isa(before)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def float64_reference(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x W^T + b in float64, and the sum of the magnitudes of its terms (which bounds the rounding of any
+    summation order in float32)."""
+    y = x.double() @ w.double().T
+    magnitude = x.double().abs() @ w.double().abs().T
+    if b is None:
+        return y, magnitude
+    return y + b.double(), magnitude + b.double().abs()
+
+
+def assert_float32_close(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+) -> None:
+    """Within float32 accumulation error of the float64 reference: K+1 roundings of at most one ulp of
+    the running sum, bounded by the sum of |terms|."""
+    ref, magnitude = float64_reference(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    bound = (w.shape[1] + 1) * torch.finfo(torch.float32).eps * magnitude
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+# (N, K): SmolLM2-135M's shapes (qkv, o, gate_up, down, a slice of the LM head), then tails: K not a
+# multiple of 16 or 8, N not a multiple of 4 (the last rows one at a time), fewer rows than a block.
+SHAPES = [
+    (960, 576),
+    (576, 576),
+    (3072, 576),
+    (576, 1536),
+    (4096, 576),
+    (7, 13),
+    (5, 16),
+    (3, 1),
+    (1, 24),
+    (13, 40),
+]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matvec_matches_a_float64_reference(
+    isa: str, two_threads: None, n: int, k: int, with_bias: bool
+) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    x = torch.randn(1, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    assert matvec_isa() == isa
+    y = load_matvec()(x, w, b)
+    assert_float32_close(y, x, w, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matvec_is_the_same_over_any_number_of_threads(isa: str, threads: int) -> None:
+    """Each output row is summed by one thread in one order, so the threads only split the rows."""
+    w, x = torch.randn(1000, 576), torch.randn(1, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = load_matvec()(x, w)
+        torch.set_num_threads(threads)
+        assert torch.equal(load_matvec()(x, w), alone)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_matvec
+def test_matvec_takes_a_flat_row_and_rows_of_a_wider_matrix() -> None:
+    """x may be [K] (y is then [N]); weight may be a column slice of a wider matrix (row stride > K)."""
+    wide, x = torch.randn(64, 100), torch.randn(96)
+    w = wide[:, 2:98]
+    assert w.stride() == (100, 1)
+    y = load_matvec()(x, w)
+    assert y.shape == (64,)
+    assert_float32_close(y, x, w)
+
+
+@needs_matvec
+@pytest.mark.parametrize(
+    "x,w,b,message",
+    [
+        (
+            torch.randn(1, 8, dtype=torch.float64),
+            torch.randn(4, 8),
+            None,
+            "x must be a float32",
+        ),
+        (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None, "weight must be a float32"),
+        (torch.randn(2, 8), torch.randn(4, 8), None, "one row"),
+        (torch.randn(1, 9), torch.randn(4, 8), None, "x must end in K=8"),
+        (torch.randn(1, 8), torch.randn(8, 4).T, None, "rows must be contiguous"),
+        (torch.randn(1, 8), torch.randn(32), None, "must be 2-D"),
+        (torch.randn(1, 8), torch.randn(4, 8), torch.randn(5), "bias must be a float32 CPU vector of N=4"),
+        (torch.randn(1, 8), torch.randn(4, 8), torch.randn(4, dtype=torch.float64), "bias must be"),
+    ],
+)
+def test_matvec_refuses_bad_input_with_a_clear_error(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        load_matvec()(x, w, b)
+
+
+@needs_matvec
+def test_an_unknown_instruction_set_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="no 'neon' path"):
+        use_matvec_isa("neon")
+
+
+def test_a_failed_build_raises_unavailable_once_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension cannot be built, load_matvec says why, and does not try again in the process."""
+    import torch.utils.cpp_extension
+
+    calls = []
+
+    def failing_load(**kwargs: object) -> None:
+        calls.append(kwargs)
+        raise RuntimeError("Error building extension 'radixserve_cpu_matvec'")
+
+    monkeypatch.setattr(cpu_matvec, "_loaded", None)
+    monkeypatch.setattr(cpu_matvec, "_failure", None)
+    monkeypatch.setattr(cpu_matvec, "_ensure_ninja", lambda: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
+    for _ in range(2):
+        with pytest.raises(MatvecUnavailable, match="Error building extension"):
+            load_matvec()
+    assert len(calls) == 1
+
+
+def test_no_ninja_makes_it_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(cpu_matvec, "_loaded", None)
+    monkeypatch.setattr(cpu_matvec, "_failure", None)
+    monkeypatch.setattr(cpu_matvec.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_matvec.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setitem(__import__("sys").modules, "ninja", None)  # import ninja fails
+    with pytest.raises(MatvecUnavailable, match="ninja is not installed"):
+        load_matvec()
+
+
+@needs_matvec
+def test_linear_takes_single_float32_rows_through_matvec_once_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After set_single_row_product("matvec"), one row of a prepacked float32 layer goes through the C++
+    product (same bits as calling it); two rows keep the packed product; an explicit min_rows (the
+    calibration's own passes) keeps the path it names."""
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    w, b = torch.randn(300, 96), torch.randn(300)
+    packed = prepack_weight(w)
+    x = torch.randn(1, 96)
+    set_single_row_product("matvec")
+    assert linear_module.PREPACKED_MIN_ROWS == 2
+    assert torch.equal(linear(x, w, b, packed), load_matvec()(x, w, b))
+    assert torch.equal(linear(x, w, b, packed, min_rows=2), F.linear(x, w, b))
+    two = torch.randn(2, 96)
+    assert torch.equal(
+        linear(two, w, b, packed), torch.ops.mkldnn._linear_pointwise(two, packed, b, "none", [], "")
+    )
+    set_single_row_product("plain")
+    assert linear_module._matvec is None and torch.equal(linear(x, w, b, packed), F.linear(x, w, b))
+    with pytest.raises(ValueError, match="'plain', 'packed' or 'matvec'"):
+        set_single_row_product("fast")
+
+
+@needs_matvec
+def test_calibration_picks_the_fastest_of_three(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scripted timings (seconds, CPU share of 2 threads), rounds of plain, packed, matvec: the first
+    round disturbed (matvec's threads not busy), then clean rounds where matvec is fastest."""
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    script = iter(
+        [(0.030, 1.0), (0.030, 1.9), (0.010, 1.2)] + [(0.030, 1.0), (0.028, 1.9), (0.025, 1.9)] * 10
+    )
+
+    def timed(fn):
+        fn()
+        return next(script)
+
+    monkeypatch.setattr(calibration_module, "_timed", timed)
+    best = calibrate_single_row(model, repeats=3)
+    assert best == {"plain": 0.030, "packed": 0.028, "matvec": 0.025, "clean_rounds": 3.0}
+    assert linear_module._matvec is not None and linear_module.PREPACKED_MIN_ROWS == 2
+
+
+@needs_matvec
+def test_calibration_really_times_the_matvec(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    best = calibrate_single_row(model)
+    assert set(best) == {"plain", "packed", "matvec", "clean_rounds"}
+    assert all(0 < best[name] < 10 for name in ("plain", "packed", "matvec"))
+    fastest = min(("plain", "packed", "matvec"), key=best.__getitem__)
+    assert (linear_module._matvec is not None) == (fastest == "matvec")
+    assert linear_module.PREPACKED_MIN_ROWS == (1 if fastest == "packed" else 2)
+
+
+def test_calibration_without_the_matvec_logs_why_and_times_two(
+    llama_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+
+    def unavailable() -> None:
+        raise MatvecUnavailable("no C++ compiler")
+
+    monkeypatch.setattr(cpu_matvec, "load_matvec", unavailable)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    with caplog.at_level(logging.WARNING, logger=calibration_module.__name__):
+        best = calibrate_single_row(model)
+    assert set(best) == {"plain", "packed", "clean_rounds"}
+    assert "cannot use the C++ matrix-vector product" in caplog.text and "no C++ compiler" in caplog.text
+    assert linear_module._matvec is None
+
+
+@needs_matvec
+def test_model_logits_through_matvec_match_f_linear(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole decode step of one row through the C++ product against the same step through F.linear."""
+    from tests.forward_helpers import BatchDriver
+
+    config = ModelConfig.from_path(llama_path, dtype="float32")
+    model = load_model(config, "cpu")
+    prepack_cpu_weights(model)
+    logits = {}
+    for product in ("plain", "matvec"):
+        monkeypatch.setattr(linear_module, "_matvec", None)
+        set_single_row_product(product)
+        driver = BatchDriver(model, config)
+        row = driver.new_request()
+        driver.extend([(row, [5, 9, 17, 33, 2, 40])])
+        logits[product] = driver.decode([(row, 7)])
+    ref = logits["plain"]
+    assert ((logits["matvec"] - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-5
+
+
+def rmsnorm64(h: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = h.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+
+
+def assert_product_close(y: torch.Tensor, v64: torch.Tensor, w: torch.Tensor) -> None:
+    """y against v64 W^T in float64, v64 being the float64 prologue's output: the product's bound plus a
+    few roundings of the prologue per term."""
+    ref = v64 @ w.double().T
+    bound = (w.shape[1] + 8) * torch.finfo(torch.float32).eps * (v64.abs() @ w.double().abs().T)
+    assert y.shape == ref.shape and ((y.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (7, 13), (5, 40)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matvec_matches_a_float64_reference(
+    isa: str, two_threads: None, n: int, k: int, with_residual: bool
+) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    x, residual = torch.randn(1, k, generator=g), torch.randn(1, k, generator=g) if with_residual else None
+    norm_weight, w = torch.rand(k, generator=g) + 0.5, torch.randn(n, k, generator=g) * 0.05
+    y, summed = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, 1e-5, w)
+    h = x + residual if with_residual else x
+    assert torch.equal(summed, h) and summed.data_ptr() != x.data_ptr()
+    assert_product_close(y, rmsnorm64(h, norm_weight, 1e-5), w)
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (7, 13), (5, 40)])
+def test_silu_mul_matvec_matches_a_float64_reference(isa: str, two_threads: None, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    gate_up, w = torch.randn(1, 2 * k, generator=g) * 3, torch.randn(n, k, generator=g) * 0.05
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, w)
+    assert_product_close(y, gate * torch.sigmoid(gate) * up, w)
+
+
+@needs_matvec
+def test_the_fused_products_refuse_bad_input() -> None:
+    ops, w = torch.ops.radixserve_cpu, torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="gate_up must end in K=16"):
+        ops.silu_mul_matvec(torch.randn(1, 8), w)
+    with pytest.raises(RuntimeError, match="residual must be shaped like x"):
+        ops.rmsnorm_matvec(torch.randn(1, 8), torch.randn(8), torch.ones(8), 1e-6, w)
+    with pytest.raises(RuntimeError, match="norm_weight must end in K=8"):
+        ops.rmsnorm_matvec(torch.randn(1, 8), None, torch.ones(9), 1e-6, w)
+    with pytest.raises(RuntimeError, match="x must be a float32"):
+        ops.rmsnorm_matvec(torch.randn(1, 8).bfloat16(), None, torch.ones(8), 1e-6, w)
+
+
+@needs_matvec
+def test_layers_fold_the_norm_and_activation_into_the_cpu_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the C++ product chosen, one row's norm -> projection and SwiGLU -> down projection each go
+    through one fused call, with what the unfused layers give (within float32 rounding); two rows and
+    batch-invariant layers do not."""
+    from services.worker.runtime.layers.activation import SiluAndMul
+    from services.worker.runtime.layers.layernorm import RMSNorm
+    from services.worker.runtime.layers.linear import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        norm_then_linear,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    up, down, norm = ColumnParallelLinear(64, [96, 96]), RowParallelLinear(96, 64), RMSNorm(64, 1e-6)
+    for param in (up.weight, down.weight, norm.weight):
+        param.data.copy_(torch.randn(param.shape, generator=g) * 0.2 + (1.0 if param is norm.weight else 0.0))
+    prepack_cpu_weights(up), prepack_cpu_weights(down)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    x, residual = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    with torch.inference_mode():
+        hidden, summed = norm(x, residual)
+        ref_up = F.linear(hidden, up.weight)
+        ref_down = F.linear(SiluAndMul()(ref_up), down.weight)
+        set_single_row_product("matvec")
+        assert up.fuses_prologue(x) and not up.fuses_prologue(torch.randn(2, 64))
+        up.batch_invariant = True  # deterministic inference keeps its own products
+        assert not up.fuses_prologue(x)
+        up.batch_invariant = False
+        gate_up, new_residual = norm_then_linear(norm, up, x, residual)
+        y = down.forward_silu_and_mul(gate_up, SiluAndMul())
+        set_single_row_product("plain")
+        assert not up.fuses_prologue(x)
+    assert torch.equal(new_residual, summed)
+    for ours, ref in ((gate_up, ref_up), (y, ref_down)):
+        assert ((ours - ref).norm() / ref.norm()) <= 1e-5
