@@ -9,9 +9,15 @@
   float8e4nv / float8e5 go through torch, so the interpreter stores the bits a GPU stores and tests can
   compare a float8 KV pool bit for bit (kernels/kv_store.py clips to the finite range first, so the
   GPU's saturation never differs from torch's).
+- bfloat16: the interpreter casts float32 -> bfloat16 by dropping the low 16 bits (toward zero), where the
+  GPU (cvt.rn.bf16.f32) and torch round to nearest even; float16 <-> bfloat16 it casts the raw integers.
+  `install()` makes every cast between bfloat16 and another float type go through torch. Truncation is
+  a bias of half an ulp on every stored bfloat16: where a kernel quantizes a value it stored in bfloat16
+  (the FP8 MoE's w8a8 intermediate), e4m3's rounding turned that into a 1-2 % error against a reference
+  that rounds to nearest, which the GPU does not have.
 
 kernels/__init__.py calls `install()` whenever the interpreter is on, so every process that runs a
-kernel under it (test processes, and the Engine's TP rank processes they spawn) has both. Compiled GPU
+kernel under it (test processes, and the Engine's TP rank processes they spawn) has them all. Compiled GPU
 runs never touch this.
 """
 
@@ -42,7 +48,8 @@ def _install_scalar_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def _install_fp8_conversions() -> None:
+def _torch_conversion() -> tuple[dict, Any]:
+    """(the float types torch can stand in for, convert(src handle, dst scalar type) -> handle)."""
     import numpy as np
     import torch
     import triton.language as tl
@@ -57,6 +64,24 @@ def _install_fp8_conversions() -> None:
         tl.float32: (np.float32, torch.float32),
         tl.float64: (np.float64, torch.float64),
     }
+    as_bits = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, torch.bfloat16: torch.uint16}
+
+    def convert(src: Any, dst_ty: Any) -> Any:
+        src_np, src_torch = as_torch[src.dtype.scalar]
+        dst_np, dst_torch = as_torch[dst_ty]
+        values = torch.from_numpy(np.ascontiguousarray(src.data).view(src_np)).view(src_torch)
+        converted = values.to(dst_torch)
+        data = converted.view(as_bits.get(dst_torch, dst_torch)).numpy()
+        return interpreter.TensorHandle(data.view(dst_np).reshape(src.data.shape), dst_ty)
+
+    return as_torch, convert
+
+
+def _install_fp8_conversions() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    as_torch, convert = _torch_conversion()
     fp8 = (tl.float8e4nv, tl.float8e5)
     original = interpreter.InterpreterBuilder.create_fp_to_fp
 
@@ -67,30 +92,37 @@ def _install_fp8_conversions() -> None:
             return original(self, src, dst_type, rounding_mode)
         if downcast_rtz:
             return original(self, src, dst_type, rounding_mode)
-        src_np, src_torch = as_torch[src_ty]
-        dst_np, dst_torch = as_torch[dst_ty]
-        values = torch.from_numpy(np.ascontiguousarray(src.data).view(src_np)).view(src_torch)
-        converted = values.to(dst_torch)
-        if converted.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            data = converted.view(torch.uint8).numpy()
-        elif converted.dtype == torch.bfloat16:
-            data = converted.view(torch.uint16).numpy()
-        else:
-            data = converted.numpy()
-        return interpreter.TensorHandle(data.view(dst_np).reshape(src.data.shape), dst_ty)
+        return convert(src, dst_ty)
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
 
 
+def _install_bf16_conversions() -> None:
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    as_torch, convert = _torch_conversion()
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if tl.bfloat16 in (src_ty, dst_ty) and src_ty != dst_ty and src_ty in as_torch and dst_ty in as_torch:
+            return convert(src, dst_ty)
+        return original(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 def install() -> None:
-    """Patch the interpreter (idempotent): the scalar __index__ (a no-op before NumPy 2.4) and float8
-    conversions."""
+    """Patch the interpreter (idempotent): the scalar __index__ (a no-op before NumPy 2.4), float8 and
+    bfloat16 conversions."""
     global _installed
     if _installed:
         return
     _installed = True
     _install_scalar_index()
     _install_fp8_conversions()
+    _install_bf16_conversions()
 
 
 def interpreting() -> bool:

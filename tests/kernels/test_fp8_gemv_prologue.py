@@ -52,7 +52,7 @@ def test_fp8_rmsnorm_gemv_is_the_norm_then_the_dequantized_product(gen, n, k, bl
         normed, want_res = fused_add_rmsnorm(x, residual, norm_w, EPS)
         # Written back rounded as the unfused norm rounds it, and to a buffer of its own.
         assert torch.equal(res_out, want_res)
-        # (The interpreter rounds to bfloat16 by truncating, the GPU and torch to nearest: exact only in float32.)
+        # (The unrounded sum is exact only in float32: bfloat16 holds it rounded.)
         total = x.float() + residual.float()
         assert torch.equal(res_out, total) if dtype == torch.float32 else rel_error(res_out, total) < 1e-2
         assert res_out.data_ptr() not in (x.data_ptr(), residual.data_ptr())

@@ -3,9 +3,9 @@ the Triton interpreter: the decode update that forms g and beta from the raw a a
 (fused_sigmoid_gating_delta_rule_update), and the one-pass gated RMSNorm (kernels/gated_rms_norm.py).
 
 Half precision: float16 pins the rounding points down (the interpreter rounds float32 -> float16 to
-nearest, as the GPU does), so results match the reference nearly bit for bit. bfloat16 gets a few ulps:
-Triton 3.6's interpreter truncates float32 -> bfloat16 (tests/kernels/test_qk_norm_rope.py says more),
-so each rounding point may be an ulp off toward zero here; on the GPU bfloat16 rounds to nearest."""
+nearest, as the GPU does), so results match the reference nearly bit for bit. bfloat16 gets a few ulps,
+set while Triton 3.6's interpreter truncated float32 -> bfloat16 (kernels/interpreter_compat.py now
+rounds to nearest, as the GPU does): loose bounds."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_gated_rms_norm_matches_the_module(gen, dtype: torch.dtype, weight_dtype
     elif dtype == torch.float16:  # the same rounding points: a last-bit float32 difference may tip one
         torch.testing.assert_close(out, ref, rtol=2**-10, atol=1e-5)
         assert (out == ref).float().mean() > 0.97
-    else:  # three rounding points, each up to an ulp toward zero under the interpreter
+    else:  # three rounding points (a bound from when the interpreter truncated to bfloat16)
         torch.testing.assert_close(out, ref, rtol=3 * 2**-7, atol=1e-5)
     # 2-D rows of head_dim give the same values.
     torch.testing.assert_close(gated_rms_norm(x.reshape(-1, DV), gate.reshape(-1, DV), norm.weight.detach(),

@@ -7,9 +7,9 @@ the inputs whose rounding it carries):
 - float16: one ulp (2^-10), and nearly every element identical to the reference rounded to float16: the
   interpreter rounds float32 -> float16 to nearest as the GPU does, so this pins the rounding points
   (normalized value, times weight, rotated output) down; only a last-bit float32 difference may tip one.
-- bfloat16: four ulps (4 * 2^-7). Triton 3.6's interpreter truncates float32 -> bfloat16 instead of
-  rounding to nearest, so each of the three rounding points may be a whole ulp off toward zero. The GPU
-  rounds to nearest, so there bfloat16 should agree as float16 does here (one ulp).
+- bfloat16: four ulps (4 * 2^-7), set while Triton 3.6's interpreter truncated float32 -> bfloat16 (each
+  of the three rounding points a whole ulp off toward zero). kernels/interpreter_compat.py now rounds it
+  to nearest as the GPU does, so this bound is loose.
 """
 
 from __future__ import annotations

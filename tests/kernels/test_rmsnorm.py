@@ -42,8 +42,8 @@ def test_per_head_norm_in_place_on_a_strided_view(gen) -> None:
 
 
 def test_half_precision_rounding_follows_hugging_face(gen) -> None:
-    # float16 rather than bf16: Triton 3.6's interpreter truncates float32 -> bf16 instead of rounding
-    # to nearest, so bf16 rounding is checked on the GPU (bench/gpu_kernels.py).
+    # float16; bf16 rounding is checked on the GPU (bench/gpu_kernels.py), written while Triton 3.6's
+    # interpreter truncated float32 -> bf16 (kernels/interpreter_compat.py now rounds to nearest).
     x = torch.randn((4, 64), generator=gen).half()
     residual = torch.randn((4, 64), generator=gen).half()
     w = (1 + 0.1 * torch.randn(64, generator=gen)).half()
