@@ -413,11 +413,12 @@ QWEN35_GPU = Area(
                lambda d: int(d["results"]["bfloat16_repeat_hits_all_but_the_last_token"]["hits_all_but_the_last_token"]),
                "{:d} of 1", target=Target("==", 1, "1 of 1", on="value"),
                command="python bench/gpu_qwen35_check.py bfloat16"),
-        Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers", "gpu_qwen35_2026-12-02_d.json",
+        Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers (MoE pairs one per row block)",
+               "gpu_qwen35_2026-12-03_c.json",
                lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: _q35(d)["ceiling_tok_s"], peer_label="ceiling: bytes read (top-8 experts) / copy bw",
                target=Target(">=", 0.8, "≥ 0.8 of the ceiling"),
-               command=f"{Q35} --models 35b-a3b --moe-layers 12 --hf-steps 16"),
+               command=f"{Q35} --models 35b-a3b --moe-layers 12 --figures decode"),
         Figure("batch-1 decode vs transformers' eager generate, 35B-A3B shape (12 layers)",
                "gpu_qwen35_2026-12-02_d.json",
                lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
@@ -463,6 +464,10 @@ def _fp8_step(d: dict[str, Any]) -> dict[str, Any]:
     return _row(d["rows"], table="step", case="fp8 gemv, default tiles")
 
 
+def _fp8_mma_step(d: dict[str, Any]) -> dict[str, Any]:
+    return _row(d["rows"], table="step", case="mma, best tiles")
+
+
 def _fp8_gemm(d: dict[str, Any], shape: str) -> dict[str, Any]:
     return _row(d["rows"], table="gemm", m=4096, shape=shape)
 
@@ -479,11 +484,17 @@ def _fp8r(d: dict[str, Any]) -> dict[str, Any]:
 FP8_GPU = Area(
     "fp8_gpu", "FP8 weights and KV cache, deterministic inference, GPU", H200,
     (
-        Figure("FP8 GEMV, batch-1 step of a Qwen3-8B shape's 144 linears", "gpu_fp8_2026-12-03_a.json",
-               lambda d: _fp8_step(d)["ms"] * 1000, "{:,.0f} µs",
-               peer=lambda d: _fp8_step(d)["ceiling_ms"] * 1000, peer_label="ceiling: FP8 weight bytes / copy bw",
-               ratio=lambda d: _fp8_step(d)["of_ceiling"], ratio_fmt="{:.3f} of the ceiling",
-               target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command="python bench/gpu_fp8.py --quick"),
+        Figure("FP8 decode products on the tensor cores (rows quantized in the kernel), batch-1 step of a Qwen3-8B "
+               "shape's 144 linears, the sweep's best tiles", "gpu_fp8_mma_2026-12-03_b.json",
+               lambda d: _fp8_mma_step(d)["ms"] * 1000, "{:,.0f} µs",
+               peer=lambda d: _fp8_mma_step(d)["ceiling_ms"] * 1000, peer_label="ceiling: FP8 weight bytes / copy bw",
+               ratio=lambda d: _fp8_mma_step(d)["of_ceiling"], ratio_fmt="{:.3f} of the ceiling",
+               target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command="python bench/gpu_fp8_mma.py"),
+        Figure("the same step, weight-only FP8 GEMV (kernels/fp8_gemv.py)", "gpu_fp8_mma_2026-12-03_b.json",
+               lambda d: _row(d["rows"], table="step", case="weight-only gemv")["ms"] * 1000, "{:,.0f} µs",
+               peer=lambda d: _fp8_mma_step(d)["ceiling_ms"] * 1000, peer_label="ceiling: FP8 weight bytes / copy bw",
+               ratio=lambda d: _row(d["rows"], table="step", case="weight-only gemv")["of_ceiling"],
+               ratio_fmt="{:.3f} of the ceiling", command="python bench/gpu_fp8_mma.py"),
         Figure("w8a8 block-FP8 GEMM, M = 4,096, gate_up 24,576 × 4,096 (default tiles)", "gpu_fp8_2026-12-03_a.json",
                lambda d: _fp8_gemm(d, "gate_up")["w8a8_default_us"], "{:,.0f} µs",
                peer=lambda d: _fp8_gemm(d, "gate_up")["bf16_us"], peer_label="bf16 torch.matmul",
@@ -496,32 +507,32 @@ FP8_GPU = Area(
                lambda d: d["results"]["decode_kernel_fp8_e4m3"]["us_per_call"], "{:,.0f} µs",
                peer=lambda d: d["results"]["decode_kernel_auto"]["us_per_call"], peer_label="bf16 pool",
                ratio_fmt="{:.2f}× bf16's time", command="python bench/gpu_fp8_kv.py --kernels-only"),
-        Figure("batch-invariant product vs cuBLAS, Qwen3-8B shapes, M = 1..2,048 (mean time ratio)",
-               "gpu_deterministic_2026-12-03_a.json",
-               lambda d: float(dict(d["rows"])["matmul tiles 64/128/64/4/3: time / cuBLAS"].split()[1].rstrip(",")),
-               "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-throughput"),
+        Figure("batch-invariant product vs cuBLAS, Qwen3-8B and 0.6B shapes, M = 1..2,048 (mean time ratio, "
+               "per-shape launch: tiles_for)", "gpu_deterministic_2026-12-03_c.json",
+               lambda d: float(dict(d["rows"])["matmul tiles per shape (tiles_for): time / cuBLAS"].split()[1].rstrip(",")),
+               "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --tiles="),
         Figure("FP8 batch-1 decode, Qwen3-8B shape, FP8 checkpoint (block 128 × 128) resident, CUDA graphs",
-               "gpu_fp8_resident_2026-12-03_a.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
+               "gpu_fp8_resident_2026-12-03_c.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
                peer=lambda d: _fp8r(d)["decode_ceiling_tok_s"]["fp8"], peer_label="ceiling: FP8 checkpoint bytes / copy bw",
                target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command=FP8R + " 8b"),
         Figure("FP8 vs bf16 batch-1 decode, Qwen3-8B shape (bf16: the dequantized copy, same run)",
-               "gpu_fp8_resident_2026-12-03_a.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
+               "gpu_fp8_resident_2026-12-03_c.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
                peer=lambda d: _fp8r(d)["decode_tok_s"]["bf16"], peer_label="bf16", ratio_fmt="{:.2f}×",
                command=FP8R + " 8b"),
-        Figure("FP8 vs bf16 batch-1 decode, Qwen3-0.6B shape", "gpu_fp8_resident_2026-12-03_b.json",
+        Figure("FP8 vs bf16 batch-1 decode, Qwen3-0.6B shape", "gpu_fp8_resident_2026-12-03_d.json",
                lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
                peer=lambda d: _fp8r(d)["decode_tok_s"]["bf16"], peer_label="bf16", ratio_fmt="{:.2f}×",
                command=FP8R + " 0.6b"),
         Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, Qwen3-0.6B shape",
-               "gpu_fp8_resident_2026-12-03_b.json",
+               "gpu_fp8_resident_2026-12-03_d.json",
                lambda d: _fp8r(d)["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 0.6b"),
         Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, small Qwen3-MoE (32 experts, top-4)",
-               "gpu_fp8_resident_2026-12-03_b.json",
+               "gpu_fp8_resident_2026-12-03_d.json",
                lambda d: d["results"]["qwen3-moe-small"]["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 0.6b"),
         Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, Qwen3-8B shape (FP8 KV cache alone: 0.231)",
-               "gpu_fp8_resident_2026-12-03_a.json",
+               "gpu_fp8_resident_2026-12-03_c.json",
                lambda d: _fp8r(d)["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 8b"),
         Figure("max concurrent 4k-token requests, FP8 (e4m3) KV cache, Qwen3-8B shape, same memory",
@@ -540,9 +551,10 @@ FP8_GPU = Area(
                peer_label="without the flag", peer_fmt="{:d} of 64", ratio=no_ratio,
                target=Target("==", 64, "64 of 64", on="value"), command="python bench/gpu_deterministic.py --skip-kernels"),
         Figure("--enable-deterministic-inference: throughput kept, nano-vllm recipe, Qwen3-0.6B shape",
-               "gpu_deterministic_2026-12-03_b.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
+               "gpu_deterministic_2026-12-03_c.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
                "{:,.0f} tok/s", peer=lambda d: d["results"]["p3"]["default"]["tok_s"], peer_label="without the flag",
-               target=Target(">=", 0.8, "≥ 0.8 of it"), command="python bench/gpu_deterministic.py --skip-kernels"),
+               target=Target(">=", 0.8, "≥ 0.8 of it"),
+               command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --tiles="),
     ),
     note="Random-init checkpoints: the 8B shape's prompt log-probs move by 0.23 (mean) under the FP8 KV cache's "
          "rounding of K and V alone, so its FP8-weights figure is read beside that control (bench/gpu_fp8_resident.py "
