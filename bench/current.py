@@ -333,6 +333,8 @@ def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_6.json", peer
                   command=".venv/bin/python bench/peers_cpu.py" + (" --skip served" if row != "served" else ""))
 
 
+# The loaded-host rows: two busy-loop processes beside the benchmark for its whole run.
+LOADED = "(for i in 1 2; do python3 -c 'while True: pass' & done) ; "
 CPU_PEERS = Area(
     "cpu_peers", "CPU engine vs vLLM-CPU and llama.cpp (same float32 weights, alternating rounds, medians of 3)",
     CPU_INTEL,
@@ -348,6 +350,12 @@ CPU_PEERS = Area(
                        "liveness under load not yet run with it)", "peers_cpu_2026-12-03_7.json"),
                 command="RS_CPU_RESERVED_CORES=0 .venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
         _peers("served", "vs llama.cpp's server: served, 16 concurrent streams × 64 tokens", peer="llamacpp"),
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes (load 3.5–4.1), `up` defaults",
+                       "peers_cpu_2026-12-03_9.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip "
+                "offline --engines ours,vllm --rounds 2"),
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded the same, RS_CPU_RESERVED_CORES=0",
+                       "peers_cpu_2026-12-03_8.json"), command=LOADED + "RS_CPU_RESERVED_CORES=0 .venv/bin/python "
+                "bench/peers_cpu.py --skip offline --engines ours,vllm --rounds 2"),
     ),
     note="A different host from the CPU area's (an Intel Xeon KVM guest with AVX-512, this session's); the peers "
          "rebuilt on it (bench/peers_cpu.py). Greedy ids equal across the three engines in every offline row.",
