@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_gemm import _round_to_e4m3_grid
+from kernels.fp8_quant import _round_to_e4m3_grid, per_token_group_quant_fp8
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_EPS, FP8_MAX, check_block_weight
 from kernels.gemv import GemvTiles, check_prologue_row, prologue_input, rmsnorm_outputs, rmsnorm_rstd
 from kernels.interpreter_compat import interpreting
@@ -219,8 +219,6 @@ def _launch(
     prequant = tiles.prequant and prologue == 0
     x_rows, x_scale = x, out
     if prequant:
-        from kernels.fp8_gemm import per_token_group_quant_fp8  # here: that module imports this one
-
         x_rows, x_scale = per_token_group_quant_fp8(x, GROUP_K)
     _fp8_mma_gemv_kernel[(blocks, split)](
         x_rows,
