@@ -6,9 +6,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, d, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, d, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -30,6 +33,14 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        x,
+        out,
+        d,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        PDL=bool(pdl := launch_options(x.device)),
+        **pdl,
+        num_warps=4,
     )
     return out

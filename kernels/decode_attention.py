@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 # A split's shortest length: one 64-key tile. Batch-1 decode of an 8B model at a 256-token context ran
 # 3 % faster on the H200 with 64 than with 256 (a 0.6B model 10 %; 32 was slower again), because one KV
 # head's keys are read by several programs at once instead of one program looping over four tiles.
@@ -212,7 +214,9 @@ def _decode_kernel(
     HEAD_MAJOR: tl.constexpr,
     K_ROWS: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     if HEAD_MAJOR:
         kv_head = tl.program_id(0)
         b = tl.program_id(1)
@@ -420,6 +424,7 @@ def decode_attention(
     grid = (
         (num_kv_heads, batch_size, max_kv_splits) if tiles.head_major else (batch_size, num_kv_heads, max_kv_splits)
     )
+    pdl = launch_options(q.device)
     _decode_kernel[grid](
         q3,
         k_buffer,
@@ -458,6 +463,8 @@ def decode_attention(
         HEAD_MAJOR=tiles.head_major,
         K_ROWS=tiles.k_rows,
         SPLIT_TOKENS=split_tokens,
+        PDL=bool(pdl),
+        **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_DTYPE, FP8_EPS, FP8_MAX
 from kernels.interpreter_compat import interpreting
+from kernels.pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -48,9 +49,11 @@ def _group_quant_kernel(
     BLOCK: tl.constexpr,
     UNITS: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A unit is one group of one row (unit u: row u // num_groups, group u % num_groups); a program
     takes UNITS consecutive units, which run on across rows, so short rows still fill a program."""
+    pdl_enter(PDL)
     units = tl.program_id(0) * UNITS + tl.arange(0, UNITS)
     rows = (units // num_groups).to(tl.int64)
     groups = units % num_groups
@@ -99,6 +102,8 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[t
         BLOCK=block,
         UNITS=units,
         ROUND_IN_F32=interpreting(),
+        PDL=bool(pdl := launch_options(x.device)),
+        **pdl,
         num_warps=4,
     )
     return q, scale

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_store import fp8_max, to_pool
+from kernels.pdl import launch_options, pdl_enter
 
 
 @triton.jit
@@ -140,7 +141,9 @@ def _qk_norm_rope_kernel(
     BLOCK_DIM: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)
@@ -301,6 +304,12 @@ def qk_norm_rope_(
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         BLOCK_QH=triton.next_power_of_2(q3.shape[1]),
         BLOCK_KH=triton.next_power_of_2(k3.shape[1]),
+        **_pdl_options(q3.device),
         num_warps=4,
     )
     return q, k
+
+
+def _pdl_options(device: torch.device) -> dict:
+    options = launch_options(device)
+    return {"PDL": bool(options), **options}

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_options, pdl_enter
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -44,7 +46,9 @@ def _rmsnorm_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     outer = (rows // n_inner).to(tl.int64)
     inner = (rows % n_inner).to(tl.int64)
@@ -126,6 +130,8 @@ def _launch(
         ZERO_CENTERED=zero_centered,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
+        PDL=bool(pdl := launch_options(x3.device)),
+        **pdl,
         num_warps=min(16, max(1, block_cols * block_rows // 256)),
     )
 

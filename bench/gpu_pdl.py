@@ -1,0 +1,137 @@
+"""Programmatic dependent launch (kernels/pdl.py) on and off, through the Engine, batch-1 decode.
+
+    python bench/gpu_pdl.py [--models 0.6b,8b-fp8,8b] [--rounds 2]     (GPU, repository root)
+
+For each model (random Qwen3-shaped checkpoints from bench/gpu_common; `8b-fp8` is the 8B one quantized
+at load, `quantization="fp8"`, block-wise 128x128), the Engine runs with RS_PDL=0 and RS_PDL=1 in
+alternation, --rounds times, CUDA graphs on (the default):
+- check: the greedy tokens of 4 prompts (32 new tokens) and the prompt log-probs are identical bit for
+  bit with PDL on and off (the kernels compute the same sums in the same order; only when a kernel
+  starts changes, so any difference is a missed wait);
+- figure: batch-1 decode tok/s (128-token prompt, 256 new tokens) beside the ceiling, the worker's
+  resident weight bytes / measured copy bandwidth; best of the rounds for each setting.
+Prints a table last; JSON to $OUT/gpu_pdl.json. Exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
+from services.worker.frontend.engine import Engine  # noqa: E402
+
+PROMPT_LENS = (7, 130, 300, 64)
+NEW_TOKENS = 32
+DECODE_STEPS = 256
+
+
+def run(path: Path, pdl: bool, **kw: object) -> dict:
+    """Greedy tokens, prompt log-probs, resident weight bytes and batch-1 decode tok/s with PDL on/off."""
+    os.environ["RS_PDL"] = "1" if pdl else "0"
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    t0 = time.perf_counter()
+    with Engine(str(path), mem_fraction_static=0.5, **kw) as e:
+        info = e.get_server_info()
+        greedy = e.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        )
+        scored = e.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        prompt = list(range(1000, 1128))
+        e.generate(
+            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        )
+        t1 = time.perf_counter()
+        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
+        ttft = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        e.generate(
+            input_ids=prompt[:-2] + [9, 9],
+            sampling_params={"temperature": 0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True},
+        )
+        decode = (DECODE_STEPS - 1) / max(time.perf_counter() - t1 - ttft, 1e-9)
+    print(f"  {path.name} {kw} pdl={pdl}: {decode:.1f} tok/s ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return {
+        "tokens": [r["output_ids"] for r in greedy],
+        "logprobs": [[lp for lp, _, _ in r["meta_info"]["input_token_logprobs"][1:]] for r in scored],
+        "weight_bytes": info["weight_bytes"],
+        "decode_tok_s": decode,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="0.6b,8b-fp8,8b")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    results: dict = {"copy_bandwidth_gb_s": bw / 1e9, "models": {}}
+    failed = False
+    for name in args.models.split(","):
+        base = name.removesuffix("-fp8")
+        path = build_checkpoint(base, torch.bfloat16, 0.02)
+        kw = {"quantization": "fp8"} if name.endswith("-fp8") else {}
+        runs: dict[bool, list[dict]] = {False: [], True: []}
+        for _ in range(args.rounds):
+            for pdl in (False, True):
+                runs[pdl].append(run(path, pdl, **kw))
+        off, on = runs[False][0], runs[True][0]
+        # Each run against the first PDL-off run: a difference between two off runs is not PDL's.
+        agree = {
+            f"{'on' if pdl else 'off'}{i}": r["tokens"] == off["tokens"] and r["logprobs"] == off["logprobs"]
+            for pdl in (False, True)
+            for i, r in enumerate(runs[pdl])
+        }
+        same = all(
+            r["tokens"] == off["tokens"] and r["logprobs"] == off["logprobs"]
+            for r in runs[True] + runs[False]
+        )
+        failed |= not same
+        ceiling = bw / off["weight_bytes"]
+        best = {pdl: max(r["decode_tok_s"] for r in runs[pdl]) for pdl in (False, True)}
+        results["models"][name] = {
+            "identical_on_off": same,
+            "agree_with_off0": agree,
+            "prefetch": os.environ.get("RS_PDL_PREFETCH", "1") != "0",
+            "ceiling_tok_s": ceiling,
+            "weight_bytes": off["weight_bytes"],
+            "pdl_off_tok_s": [r["decode_tok_s"] for r in runs[False]],
+            "pdl_on_tok_s": [r["decode_tok_s"] for r in runs[True]],
+            "ratio_off": best[False] / ceiling,
+            "ratio_on": best[True] / ceiling,
+            "speedup": best[True] / best[False],
+            "tokens_equal": on["tokens"] == off["tokens"],
+        }
+        print(json.dumps({name: results["models"][name]}), flush=True)
+        Path(OUT).mkdir(parents=True, exist_ok=True)
+        (Path(OUT) / "gpu_pdl.json").write_text(json.dumps(results, indent=1))
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+    print(
+        f"{'model':10} {'ceiling':>8} {'off tok/s':>10} {'on tok/s':>10} {'off':>6} {'on':>6} {'x':>6} identical"
+    )
+    for name, r in results["models"].items():
+        print(
+            f"{name:10} {r['ceiling_tok_s']:8.0f} {max(r['pdl_off_tok_s']):10.1f} {max(r['pdl_on_tok_s']):10.1f} "
+            f"{r['ratio_off']:6.3f} {r['ratio_on']:6.3f} {r['speedup']:6.3f} {r['identical_on_off']}"
+        )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
