@@ -1,11 +1,11 @@
 """Launches of one MoE block forward as CUDA runs it, counted on the CPU (no GPU needed).
 
 Qwen3.5-MoE's block (models/qwen3_5_moe.py) at a 35B-A3B-like shape, scaled down in H and I (the
-number of launches does not depend on them): router linear, select_experts, FusedMoE's CUDA branch
-(kernels/fused_moe.fused_moe), and the gated shared expert. Each torch op outside another op is counted
-through torch.profiler and sorted into kernels and free ops (allocations and views, which launch
-nothing on CUDA); the grouped GEMM launches are counted by a stand-in for the Triton kernel (its output
-is left unwritten, which does not change the count).
+number of launches does not depend on them): router linear, select_experts (its CUDA path,
+kernels/moe_routing.py, and the torch ops it replaced), FusedMoE's CUDA branch (kernels/fused_moe.fused_moe),
+and the gated shared expert. Each torch op outside another op is counted through torch.profiler and sorted
+into kernels and free ops (allocations and views, which launch nothing on CUDA); Triton launches are
+counted by stand-ins for the kernels (their outputs are left unwritten, which does not change the count).
 
 CPU ops are a proxy for CUDA launches, with known differences: on CUDA softmax(dtype=float32) of a
 bfloat16 input is one kernel (two ops here: a cast and the softmax), topk may add a sort kernel, and at
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels.fused_moe as fm  # noqa: E402
+import kernels.moe_routing as mr  # noqa: E402
 from services.worker.runtime.layers.linear import ReplicatedLinear  # noqa: E402
 from services.worker.runtime.layers.moe import select_experts  # noqa: E402
 from services.worker.runtime.models.llama import LlamaMLP  # noqa: E402
@@ -62,9 +63,10 @@ def _copies(event: object) -> bool:
 
 def count(fn: Callable[[], object]) -> tuple[Counter[str], Counter[str], int]:
     """(top-level torch ops of one call of fn that launch a kernel on CUDA, those that do not, grouped
-    GEMM launches). fused_moe's range check of the ids is left out: it runs only off CUDA."""
+    and routing launches). fused_moe's range check of the ids is left out: it runs only off CUDA."""
     counter = _KernelCounter()
     kernel, fm._moe_gemm_kernel = fm._moe_gemm_kernel, counter
+    routing, mr._moe_routing_kernel = mr._moe_routing_kernel, counter
     check, fm.check_expert_ids = getattr(fm, "check_expert_ids", None), lambda ids, experts: None
     try:
         fn()  # warm up: first-call work (imports, caches) is not the step's
@@ -73,6 +75,7 @@ def count(fn: Callable[[], object]) -> tuple[Counter[str], Counter[str], int]:
             fn()
     finally:
         fm._moe_gemm_kernel, fm.check_expert_ids = kernel, check
+        mr._moe_routing_kernel = routing
     kernels: Counter[str] = Counter()
     free: Counter[str] = Counter()
     for event in prof.events():
@@ -110,7 +113,8 @@ class Block:
         w13, w2 = self.w13, self.w2
         return {
             "router linear": lambda: self.gate(x),
-            "select_experts": lambda: select_experts(logits, self.top_k, True),
+            "select_experts (moe_routing kernel)": lambda: mr.moe_topk_softmax(logits, self.top_k, True),
+            "select_experts (torch ops, before)": lambda: select_experts(logits, self.top_k, True),
             "fused_moe": lambda: fm.fused_moe(x, w13, w2, weights, ids, **layout),
             "fused_moe (deterministic)": lambda: fm.fused_moe(
                 x, w13, w2, weights, ids, fm.DETERMINISTIC_MOE_TILES, sum_in_order=True, **layout
@@ -138,7 +142,7 @@ def main() -> None:
         total = 0
         for name, fn in block.stages(tokens, layout).items():
             kernels, free, gemms = count(fn)
-            if name != "fused_moe (deterministic)":
+            if name not in ("fused_moe (deterministic)", "select_experts (torch ops, before)"):
                 total += kernels.total() + gemms
             listed = ", ".join(f"{op[6:]}x{n}" if n > 1 else op[6:] for op, n in sorted(kernels.items()))
             print(f"  {name:36s} {kernels.total():2d} torch + {gemms} triton [{listed}] free {free.total()}")

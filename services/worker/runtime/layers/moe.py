@@ -57,7 +57,15 @@ def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32), keep the top k; renormalize makes the kept weights sum to 1.
-    Returns (weights [tokens, k] float32, expert ids [tokens, k] int64)."""
+    Returns (weights [tokens, k] float32, expert ids [tokens, k] int64), largest weight first.
+
+    On CUDA one Triton launch (kernels/moe_routing.py) instead of the four or five torch ops below, which
+    at batch-1 decode cost more in launches than in work; it breaks ties toward the lower expert id."""
+    if router_logits.is_cuda:
+        # Imported here: triton is needed (and installed) only where CUDA runs.
+        from kernels.moe_routing import moe_topk_softmax
+
+        return moe_topk_softmax(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
