@@ -108,7 +108,6 @@ def main() -> int:
         results["models"][name] = {
             "identical_on_off": same,
             "agree_with_off0": agree,
-            "prefetch": os.environ.get("RS_PDL_PREFETCH", "1") != "0",
             "ceiling_tok_s": ceiling,
             "weight_bytes": off["weight_bytes"],
             "pdl_off_tok_s": [r["decode_tok_s"] for r in runs[False]],

@@ -34,7 +34,7 @@ from kernels.fp8_quant import _round_to_e4m3_grid, per_token_group_quant_fp8
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_EPS, FP8_MAX, check_block_weight
 from kernels.gemv import GemvTiles, check_prologue_row, prologue_input, rmsnorm_outputs, rmsnorm_rstd
 from kernels.interpreter_compat import interpreting
-from kernels.pdl import launch_options, pdl_enter, prefetch_bytes, prefetch_l2
+from kernels.pdl import launch_options, pdl_enter
 from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 MMA_MAX_ROWS = 16
@@ -155,9 +155,7 @@ def _fp8_mma_gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_FULL: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,
-    prefetch_nbytes,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -168,11 +166,10 @@ def _fp8_mma_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     scale_row = W_scale + ((pid_n * BLOCK_N) // group_n).to(tl.int64) * stride_wsn
-    k_start = pid_k * k_per_split
-    prefetch_l2(W + safe_rows * stride_wn + k_start, prefetch_nbytes, PREFETCH)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     if PREQUANT:
         # X holds the rows already quantized (fp8 [M, K]) and X_scale their group scales ([M, K / GROUP]):
@@ -227,8 +224,6 @@ def _launch(
     if prequant:
         x_rows, x_scale = per_token_group_quant_fp8(x, GROUP_K)
     pdl = launch_options(x.device)
-    # The first two groups of the split's columns, one 128-byte line each, asked of the L2 while waiting.
-    nbytes = prefetch_bytes(w_q, min(k_per_split, 2 * GROUP_K)) if pdl else 0
     _fp8_mma_gemv_kernel[(blocks, split)](
         x_rows,
         w_q,
@@ -264,9 +259,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         ROUND_IN_F32=interpreting(),
-        prefetch_nbytes=nbytes,
         PDL=bool(pdl),
-        PREFETCH=nbytes > 0,
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enter, prefetch_bytes, prefetch_l2
+from kernels.pdl import launch_options, pdl_enter
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
@@ -122,9 +122,7 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_FULL: tl.constexpr,
-    prefetch_nbytes,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """x is prologue_input's: X itself (PROLOGUE 0), rmsnorm(X (+ Residual)) with program 0 writing
     X + Residual to Res_out (1), silu(gate) * up of X = [gate | up] (2)."""
@@ -133,7 +131,6 @@ def _gemv_kernel(
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    prefetch_l2(W + safe_rows * stride_wn, prefetch_nbytes, PREFETCH)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -169,14 +166,11 @@ def _gemv_dot_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     EVEN_K: tl.constexpr,
-    prefetch_nbytes,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     safe_n = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    prefetch_l2(W + safe_n * stride_wn, prefetch_nbytes, PREFETCH)
     pdl_enter(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
@@ -262,18 +256,12 @@ def _launch_rows(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
-        **_pdl_arguments(weight, tiles),
+        PDL=bool(pdl := launch_options(weight.device)),
+        **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
-
-def _pdl_arguments(weight: torch.Tensor, tiles: GemvTiles) -> dict:
-    """The launch's PDL arguments (kernels/pdl.py): on, with the first two tiles of each row prefetched
-    into the L2 while the kernel before finishes, where the device takes PDL."""
-    options = launch_options(weight.device)
-    nbytes = prefetch_bytes(weight, 2 * tiles.block_k) if options else 0
-    return {"prefetch_nbytes": nbytes, "PDL": bool(options), "PREFETCH": nbytes > 0, **options}
 
 
 def _check_row_operands(x: torch.Tensor, features: int, weight: torch.Tensor, tiles: GemvTiles, name: str) -> None:
@@ -363,7 +351,8 @@ def _gemv_dot(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, t
         BLOCK_K=tiles.block_k,
         BLOCK_M=DOT_MAX_ROWS,
         EVEN_K=k % tiles.block_k == 0,
-        **_pdl_arguments(weight, tiles),
+        PDL=bool(pdl := launch_options(weight.device)),
+        **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

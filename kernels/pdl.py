@@ -9,17 +9,19 @@ anything the earlier kernels wrote, and the wait returns once those kernels have
 writes are visible. CUDA graphs keep the dependency (a programmatic edge), so replays overlap the same way.
 
 The protocol every kernel here follows when PDL is on (`pdl_enter`):
-- before the wait, a program only reads what no kernel of the forward writes (weights), never writes;
+- before the wait, a program reads nothing and writes nothing;
 - every program waits, unconditionally, before anything else: a kernel that completes has then seen its
   predecessor complete, so the guarantee is transitive down the chain;
-- a program releases its dependents right after its wait, never before: the next kernel is resident at
-  most one kernel early, so its pre-wait reads overlap the kernel just before it and nothing older is
-  still running when they happen.
-What the overlap buys is spent in `prefetch_l2`: while it waits, a GEMV asks the L2 for the first bytes of
-its weight rows, so its loop starts on L2 hits instead of DRAM misses.
+- a program releases its dependents right after its wait, never before: the next kernel becomes
+  resident at most one kernel early (two kernels of the chain at a time), and what it saves is its
+  launch and ramp-up, hidden behind the kernel before it.
+What it buys (H200, CUDA graphs, bench/gpu_pdl.py, 2026-12-04): batch-1 decode 1.10x on Qwen3-0.6B
+(1,057 -> 1,164 tok/s) and 1.02x on Qwen3-8B, greedy tokens and log-probs identical bit for bit. Spending
+the early start on an L2 bulk prefetch of each GEMV's first weight columns (cp.async.bulk.prefetch) was
+tried and dropped: no gain at 0.6B and 0.87x at 8B (the cause was not isolated).
 
 Off (the default elsewhere): under the interpreter, on CPUs and GPUs before sm90, and with RS_PDL=0
-(for A/B runs; RS_PDL_PREFETCH=0 keeps PDL without the prefetch). `launch_options` gives the launch's keyword, `PDL` the kernels' constexpr.
+(for A/B runs). `launch_options` gives the launch's keyword, `PDL` the kernels' constexpr.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import triton.language as tl
 from kernels.interpreter_compat import interpreting
 
 PDL_ENV = "RS_PDL"
-PREFETCH_ENV = "RS_PDL_PREFETCH"
 
 
 @functools.cache
@@ -62,30 +63,3 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(row_ptrs, nbytes, PREFETCH: tl.constexpr):
-    """Start copying `nbytes` (> 0, a multiple of 16, from 16-byte aligned addresses: prefetch_bytes) at
-    each of `row_ptrs` into the L2 (sm90's bulk prefetch: no registers, nothing waits on it). A hint
-    only; PREFETCH False (no PDL, or prefetch_bytes 0) leaves it out."""
-    if PREFETCH:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [row_ptrs, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-
-def prefetch_bytes(weight: torch.Tensor, columns: int) -> int:
-    """Bytes of each weight row prefetch_l2 may ask for: the first `columns` of them (at most the row),
-    or 0 where the bulk prefetch's 16-byte alignment does not hold for every row."""
-    if os.environ.get(PREFETCH_ENV, "1") == "0":
-        return 0
-    size = weight.element_size()
-    nbytes = min(columns, weight.shape[-1]) * size
-    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(-2) * size) % 16 == 0 and nbytes % 16 == 0
-    return nbytes if aligned else 0

@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (kernels/pdl.py): when it is on, and the protocol every PDL kernel keeps.
+
+The overlap itself runs only on an sm90 GPU (bench/gpu_pdl.py checks there that greedy tokens and log-probs
+are identical with PDL on and off). What can be checked here is the part a future edit could break
+silently: a kernel that takes the PDL flag must wait (pdl_enter) before it touches memory.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+import pytest
+import torch
+
+from kernels import pdl
+
+PDL_MODULES = [
+    "kernels.activation",
+    "kernels.decode_attention",
+    "kernels.fp8_gemv_mma",
+    "kernels.fp8_quant",
+    "kernels.gemv",
+    "kernels.qk_norm_rope",
+    "kernels.rmsnorm",
+]
+MEMORY_OPS = {"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min"}
+
+
+def test_off_on_cpu_and_under_the_interpreter(monkeypatch) -> None:
+    assert pdl.launch_options(torch.device("cpu")) == {}
+    # The interpreter rejects launch_pdl, whatever the device says.
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))
+    monkeypatch.setattr(pdl, "interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: True)
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"launch_pdl": True}
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.launch_options(torch.device("cuda", 0)) == {}
+    monkeypatch.setattr(pdl, "_device_supports", lambda index: False)  # before sm90
+    monkeypatch.delenv(pdl.PDL_ENV)
+    assert pdl.launch_options(torch.device("cuda", 0)) == {}
+
+
+def _pdl_kernels() -> list[tuple[str, ast.FunctionDef]]:
+    found = []
+    for name in PDL_MODULES:
+        tree = ast.parse(inspect.getsource(importlib.import_module(name)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args):
+                found.append((f"{name}.{node.name}", node))
+    return found
+
+
+def _calls(node: ast.AST) -> set[str]:
+    names = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            f = sub.func
+            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def test_every_pdl_kernel_is_found() -> None:
+    # One per module at least: a renamed flag would otherwise make the protocol test below vacuous.
+    assert {name.rsplit(".", 1)[0] for name, _ in _pdl_kernels()} == set(PDL_MODULES)
+
+
+@pytest.mark.parametrize(("name", "fn"), _pdl_kernels(), ids=lambda v: v if isinstance(v, str) else "")
+def test_pdl_kernels_wait_before_touching_memory(name, fn) -> None:
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    enter = [i for i, s in enumerate(body) if isinstance(s, ast.Expr) and "pdl_enter" in _calls(s)]
+    assert enter, f"{name} takes PDL but never calls pdl_enter(PDL) at its top level"
+    before = body[: enter[0]]
+    for stmt in before:
+        calls = _calls(stmt)
+        assert not calls & MEMORY_OPS, f"{name} touches memory before pdl_enter: {ast.unparse(stmt)}"
+        # Helpers could load; only Triton's own arithmetic may run before the wait.
+        assert calls <= {"program_id", "arange", "where", "to", "num_programs", "minimum", "maximum"}, (
+            f"{name} calls {sorted(calls)} before pdl_enter: {ast.unparse(stmt)}"
+        )
