@@ -2,8 +2,9 @@
 
 Qwen3.5-MoE's block (models/qwen3_5_moe.py) at a 35B-A3B-like shape, scaled down in H and I (the
 number of launches does not depend on them): router linear, select_experts (its CUDA path,
-kernels/moe_routing.py, and the torch ops it replaced), FusedMoE's CUDA branch (kernels/fused_moe.fused_moe),
-and the gated shared expert. Each torch op outside another op is counted through torch.profiler and sorted
+kernels/moe_routing.py, and the torch ops it replaced), FusedMoE's CUDA branch (kernels/fused_moe.fused_moe,
+its sorted layout laid out as on CUDA by kernels/moe_blocks.py's kernel; the torch ops that kernel replaced
+are listed apart), and the gated shared expert. Each torch op outside another op is counted through torch.profiler and sorted
 into kernels and free ops (allocations and views, which launch nothing on CUDA); Triton launches are
 counted by stand-ins for the kernels (their outputs are left unwritten, which does not change the count).
 
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels.fused_moe as fm  # noqa: E402
+import kernels.moe_blocks as mb  # noqa: E402
 import kernels.moe_routing as mr  # noqa: E402
 from services.worker.runtime.layers.linear import ReplicatedLinear  # noqa: E402
 from services.worker.runtime.layers.moe import select_experts  # noqa: E402
@@ -45,7 +47,7 @@ COPIES = {"aten::_to_copy", "aten::clone", "aten::copy_"}
 
 
 class _KernelCounter:
-    """Stands in for fm._moe_gemm_kernel: kernel[grid](...) counts one launch."""
+    """Stands in for a Triton kernel (fm._moe_gemm_kernel...): kernel[grid](...) counts one launch."""
 
     def __init__(self) -> None:
         self.launches = 0
@@ -57,17 +59,27 @@ class _KernelCounter:
         return launch
 
 
+def _no_check(ids: torch.Tensor, experts: int) -> None:
+    """Stands in for the ids' range check, which runs only off CUDA."""
+
+
 def _copies(event: object) -> bool:
     return any(child.name in COPIES or _copies(child) for child in event.cpu_children)
 
 
 def count(fn: Callable[[], object]) -> tuple[Counter[str], Counter[str], int]:
-    """(top-level torch ops of one call of fn that launch a kernel on CUDA, those that do not, grouped
-    and routing launches). fused_moe's range check of the ids is left out: it runs only off CUDA."""
+    """(top-level torch ops of one call of fn that launch a kernel on CUDA, those that do not, Triton
+    launches). fused_moe's range check of the ids is left out: it runs only off CUDA. fused_moe's sorted
+    layout takes its CUDA path, the Triton kernel (in a tree that has it)."""
     counter = _KernelCounter()
     kernel, fm._moe_gemm_kernel = fm._moe_gemm_kernel, counter
     routing, mr._moe_routing_kernel = mr._moe_routing_kernel, counter
-    check, fm.check_expert_ids = getattr(fm, "check_expert_ids", None), lambda ids, experts: None
+    check, fm.check_expert_ids = getattr(fm, "check_expert_ids", None), _no_check
+    mb_check, align = getattr(mb, "check_expert_ids", None), fm.align_tokens_by_expert
+    align_kernel = getattr(mb, "_moe_align_kernel", None)
+    if align_kernel is not None:
+        fm.align_tokens_by_expert = mb.align_tokens_by_expert_kernel
+        mb._moe_align_kernel, mb.check_expert_ids = counter, _no_check
     try:
         fn()  # warm up: first-call work (imports, caches) is not the step's
         counter.launches = 0
@@ -76,6 +88,9 @@ def count(fn: Callable[[], object]) -> tuple[Counter[str], Counter[str], int]:
     finally:
         fm._moe_gemm_kernel, fm.check_expert_ids = kernel, check
         mr._moe_routing_kernel = routing
+        fm.align_tokens_by_expert = align
+        if align_kernel is not None:
+            mb._moe_align_kernel, mb.check_expert_ids = align_kernel, mb_check
     kernels: Counter[str] = Counter()
     free: Counter[str] = Counter()
     for event in prof.events():
@@ -111,11 +126,14 @@ class Block:
         weights, ids = select_experts(logits, self.top_k, True)
         routed = torch.randn_like(x)
         w13, w2 = self.w13, self.w2
+        block_m = fm.moe_tiles_for(ids.numel(), w13.shape[0]).block_m
+        sort = getattr(mb, "align_tokens_by_expert_torch", fm.align_tokens_by_expert)
         return {
             "router linear": lambda: self.gate(x),
             "select_experts (moe_routing kernel)": lambda: mr.moe_topk_softmax(logits, self.top_k, True),
             "select_experts (torch ops, before)": lambda: select_experts(logits, self.top_k, True),
             "fused_moe": lambda: fm.fused_moe(x, w13, w2, weights, ids, **layout),
+            "sorted layout (torch ops, before)": lambda: sort(ids, w13.shape[0], block_m),
             "fused_moe (deterministic)": lambda: fm.fused_moe(
                 x, w13, w2, weights, ids, fm.DETERMINISTIC_MOE_TILES, sum_in_order=True, **layout
             ),
@@ -142,7 +160,7 @@ def main() -> None:
         total = 0
         for name, fn in block.stages(tokens, layout).items():
             kernels, free, gemms = count(fn)
-            if name not in ("fused_moe (deterministic)", "select_experts (torch ops, before)"):
+            if not name.endswith(("(deterministic)", "before)")):
                 total += kernels.total() + gemms
             listed = ", ".join(f"{op[6:]}x{n}" if n > 1 else op[6:] for op, n in sorted(kernels.items()))
             print(f"  {name:36s} {kernels.total():2d} torch + {gemms} triton [{listed}] free {free.total()}")

@@ -13,7 +13,8 @@
 # fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
 # 8b needs ~330 s), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
 # moestages (bench/gpu_moe_stages.py), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
-# routing (MoE routing: torch ops vs kernels/moe_routing.py in CUDA graphs, bench/gpu_moe_routing.py),
+# routing (MoE routing and the sorted layout: torch ops vs kernels/moe_routing.py and kernels/moe_blocks.py in CUDA
+# graphs, bench/gpu_moe_routing.py),
 # deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-outputs
 # --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline` does),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
@@ -81,7 +82,7 @@ for step in "${steps[@]}"; do
     pdl)     timeout 560 python bench/gpu_pdl.py ${PDL_ARGS:-} > "$OUT/pdl.log" 2>&1 ;;
     moestages) timeout 200 python bench/gpu_moe_stages.py ${MOESTAGES_ARGS:-} > "$OUT/moestages.log" 2>&1 ;;
     q35check) timeout 300 python bench/gpu_qwen35_check.py ${Q35CHECK_ARGS:-} > "$OUT/q35check.log" 2>&1 ;;
-    routing) timeout 200 python bench/gpu_moe_routing.py > "$OUT/routing.log" 2>&1 ;;
+    routing) timeout 300 python bench/gpu_moe_routing.py > "$OUT/routing.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
   echo "== $step: exit $?"

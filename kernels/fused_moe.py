@@ -3,14 +3,14 @@
 Each token picks k experts, so there are T*k (token, expert) pairs; pair p = t*k + j. The pipeline:
 
 1. Lay the pairs out in BLOCK_M-row blocks of one expert each (kernels/moe_blocks.py). Sorted:
-   align_tokens_by_expert (torch ops, no host sync) orders them by expert, every expert's run padded to
-   a multiple of BLOCK_M with a sentinel id (T*k); expert_ids[block] names its expert. Decode fast path
-   (one_pair_per_block: one token, or T*k <= min(64, E/4)): pair p alone at row 0 of block p. The kernel
-   derives that from its program id (PAIR_PER_BLOCK) and reads the expert from topk_ids: no launch before
-   the GEMMs (the sort's 28 are gone), nothing cached, CUDA-graph safe. A row's product does not depend
-   on the other rows of its block, so both layouts agree bit for bit with the same tiles (tested, fixed
-   deterministic tiles and FP8 forms included): a token alone still matches itself in a batch. Pairs
-   sharing an expert read its weights once each, hence the limit.
+   align_tokens_by_expert (one Triton launch on CUDA, torch ops elsewhere; no host sync) orders them by
+   expert, every expert's run padded to a multiple of BLOCK_M with a sentinel id (T*k); expert_ids[block]
+   names its expert. Decode fast path (one_pair_per_block: one token, or T*k <= min(64, E/4)): pair p
+   alone at row 0 of block p. The kernel derives that from its program id (PAIR_PER_BLOCK) and reads the
+   expert from topk_ids: no launch before the GEMMs, nothing cached, CUDA-graph safe. A row's product
+   does not depend on the other rows of its block, so both layouts agree bit for bit with the same tiles
+   (tested, fixed deterministic tiles and FP8 forms included): a token alone still matches itself in a
+   batch. Pairs sharing an expert read its weights once each, hence the limit.
 2. Up GEMM: for each block, gather its tokens' hidden rows, multiply by that expert's gate and up rows of
    w13 in the same program (two accumulators) and write silu(gate) * up: the [pairs, 2I] intermediate
    never reaches memory.
