@@ -5,7 +5,7 @@ to 16) picks its tiles, its instruction and whether to split K from the number o
 is summed in a different order alone than among 63 others, and bf16 rounding turns that into different
 tokens a few hundred steps later ("Defeating Nondeterminism in LLM Inference", Thinking Machines, 2025).
 
-This kernel has one walk over K per weight shape (N, K) whatever M is: fixed BLOCK_N-column output
+This kernel has one launch shape per weight shape (N, K) whatever M is: fixed BLOCK_M x BLOCK_N output
 tiles, K cut into SPLIT_K fixed ranges each walked in BLOCK_K steps in order, float32 accumulation, and
 the ranges' parts added in split order by the tile's last program (kernels/split_reduce.py). An output
 element is then the same sequence of tl.dot accumulations over the same K tiles, and the same sum of the
@@ -13,10 +13,8 @@ same parts, whichever tile its row lands in and whatever the other rows hold (a 
 never mixes rows), so a row's result does not depend on the batch. `tiles_for` picks the shape by (N, K)
 alone: narrower tiles and a split over K where N is small (a 0.6B model's o_proj and down_proj have N =
 1024: 8 tiles of 128 columns for 132 SMs at a decode batch), the Hopper warpgroup tile (64 x 128)
-elsewhere. Only the row tile follows M: 128 rows over two warpgroups from LARGE_M rows on, 64 over one
-below. Either way each warpgroup issues the same m64nNk16 warpgroup MMAs over the same K steps (checked
-in the sm90 PTX of both shapes), so a row's sums are the same instructions in the same order; a decode
-step of a few rows computes 64 rows per tile, a prefill chunk gets the larger tile.
+elsewhere. The price is the tile that suits a large M: a decode step of a few rows still computes
+BLOCK_M rows per tile.
 """
 
 from __future__ import annotations
@@ -45,19 +43,16 @@ class MatmulTiles:
 
 
 DEFAULT_TILES = MatmulTiles()
-# Rows from which a launch takes 128-row tiles (two warpgroups, the same instructions per row).
-LARGE_M = 128
 # Programs a decode-sized launch (one row tile) should reach before K is split, and the fewest columns of
 # K a split keeps.
 FILL_PROGRAMS = 64
 MIN_SPLIT_COLUMNS = 512
 
 
-def tiles_for(n: int, k: int, m: int = 0) -> MatmulTiles:
-    """The launch shape of a weight [N, K] for M rows. The columns and the walk over K depend on (N, K)
-    alone: 128 columns per tile, or 64 where one row of tiles would have fewer than FILL_PROGRAMS programs,
-    then K split (at most 8 ways, MIN_SPLIT_COLUMNS each) for what is still short. From LARGE_M rows on,
-    128-row tiles over 8 warps (per row the same instructions as the 64-row tile's)."""
+def tiles_for(n: int, k: int) -> MatmulTiles:
+    """The launch shape of a weight [N, K], the same for every M: 128 columns per tile, or 64 where one
+    row of tiles would have fewer than FILL_PROGRAMS programs, then K split (at most 8 ways, MIN_SPLIT_COLUMNS
+    each) for what is still short."""
     block_n = 128
     while block_n > 64 and triton.cdiv(n, block_n) < FILL_PROGRAMS:
         block_n //= 2
@@ -65,8 +60,6 @@ def tiles_for(n: int, k: int, m: int = 0) -> MatmulTiles:
     split = 1
     while split < 8 and tiles_n * split < FILL_PROGRAMS and k // (2 * split) >= MIN_SPLIT_COLUMNS:
         split *= 2
-    if m >= LARGE_M:
-        return MatmulTiles(block_m=128, block_n=block_n, num_warps=8, split_k=split)
     return MatmulTiles(block_n=block_n, split_k=split)
 
 
@@ -138,7 +131,7 @@ def matmul(
     tiles: MatmulTiles | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for x [..., K] and weight [N, K] (rows of both contiguous along K), in x's dtype,
-    with `tiles` (default: tiles_for(N, K, M)). Each output row depends only on its own input row: the same
+    with `tiles` (default: tiles_for(N, K)). Each output row depends only on its own input row: the same
     bits alone or in any batch."""
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
@@ -154,7 +147,7 @@ def matmul(
     m, n = x2.shape[0], weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
-        tiles = tiles or tiles_for(n, k, m)
+        tiles = tiles or tiles_for(n, k)
         if tiles.split_k < 1:
             raise ValueError(f"split_k must be at least 1, got {tiles.split_k}")
         # Each split a whole number of BLOCK_K steps, so a split's K tiles are the unsplit walk's.

@@ -85,11 +85,6 @@ def test_tiles_depend_on_the_weight_shape_only() -> None:
     assert tiles_for(1024, 3072) == MatmulTiles(block_n=64, split_k=4)
     assert tiles_for(151936, 1024) == MatmulTiles()
     assert tiles_for(1024, 600) == MatmulTiles(block_n=64)  # too little K to split
-    # M moves the row tile alone: the columns, the K step and the split stay the weight shape's.
-    for n, k in ((1024, 2048), (151936, 1024), (4096, 4096)):
-        small, large = tiles_for(n, k, 1), tiles_for(n, k, 4096)
-        assert small == tiles_for(n, k) and (large.block_m, large.num_warps) == (128, 8)
-        assert (large.block_n, large.block_k, large.split_k) == (small.block_n, small.block_k, small.split_k)
 
 
 def test_triton_matmul_reads_strided_rows_and_keeps_leading_dims(gen, row_dot) -> None:
