@@ -15,6 +15,12 @@ alone: narrower tiles and a split over K where N is small (a 0.6B model's o_proj
 1024: 8 tiles of 128 columns for 132 SMs at a decode batch), the Hopper warpgroup tile (64 x 128)
 elsewhere. The price is the tile that suits a large M: a decode step of a few rows still computes
 BLOCK_M rows per tile.
+
+The split is arithmetic, not scheduling: a row's value is the sum, in split order, of the K ranges' parts,
+each walked from zero. Where a launch has programs enough without it (a prefill chunk: FILL_PROGRAMS
+output tiles or more), one program walks its tile's ranges one after another and adds each part as it
+finishes, the same float32 additions in the same order as the split launch's last program makes from the
+workspace, with no workspace, tickets or second pass; a decode step spreads the ranges over programs.
 """
 
 from __future__ import annotations
@@ -64,6 +70,30 @@ def tiles_for(n: int, k: int) -> MatmulTiles:
 
 
 @triton.jit
+def _walk_k(X, W, safe_rows, safe_cols, k_start, k_per_split, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The float32 [BLOCK_M, BLOCK_N] product of one K range, [k_start, k_start + k_per_split) cut at K,
+    walked from zero in BLOCK_K steps."""
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    x_ptrs = X + safe_rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + safe_cols[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _matmul_kernel(
     X,
     W,
@@ -84,6 +114,7 @@ def _matmul_kernel(
     Tickets,
     k_per_split,
     SPLIT: tl.constexpr,
+    SPLITS_IN_PROGRAM: tl.constexpr,
 ):
     # Grouped order: GROUP_M row blocks share a column block's weight tiles in L2. The order decides
     # only which program runs when, never what a program computes.
@@ -101,23 +132,15 @@ def _matmul_kernel(
     # Out-of-range rows and columns read row / column 0; their results are never stored.
     safe_rows = tl.where(rows < M, rows, 0).to(tl.int64)
     safe_cols = tl.where(cols < N, cols, 0).to(tl.int64)
-    k_start = tl.program_id(1) * k_per_split
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X + safe_rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + safe_cols[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_end = tl.minimum(k_start + k_per_split, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = (k0 + tl.arange(0, BLOCK_K)) < k_end
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if SPLITS_IN_PROGRAM > 1:
+        # The split launch's arithmetic in one program: each range from zero, the parts added in order.
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLITS_IN_PROGRAM):
+            acc += _walk_k(X, W, safe_rows, safe_cols, s * k_per_split, k_per_split, K, stride_xm, stride_wn,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)  # fmt: skip
+    else:
+        acc = _walk_k(X, W, safe_rows, safe_cols, tl.program_id(1) * k_per_split, k_per_split, K, stride_xm,
+                      stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION)  # fmt: skip
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     out_offs = rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
     part_offs = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -129,10 +152,12 @@ def matmul(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: MatmulTiles | None = None,
+    splits_in_program: bool | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for x [..., K] and weight [N, K] (rows of both contiguous along K), in x's dtype,
     with `tiles` (default: tiles_for(N, K)). Each output row depends only on its own input row: the same
-    bits alone or in any batch."""
+    bits alone or in any batch. A split over K is walked by one program where the launch has
+    FILL_PROGRAMS output tiles or more, by a program per range below (`splits_in_program` forces either)."""
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight must be [N, {k}] for inputs of {k} features, got {tuple(weight.shape)}")
@@ -154,9 +179,11 @@ def matmul(
         k_per_split = triton.cdiv(triton.cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
         split = triton.cdiv(k, k_per_split)
         out_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-        if split > 1:
+        in_program = split if (out_tiles >= FILL_PROGRAMS if splits_in_program is None else splits_in_program) else 1
+        grid_split = 1 if in_program > 1 else split
+        if grid_split > 1:
             check_tiles(out_tiles)
-        _matmul_kernel[(out_tiles, split)](
+        _matmul_kernel[(out_tiles, grid_split)](
             x2,
             weight,
             y,
@@ -172,10 +199,11 @@ def matmul(
             GROUP_M=tiles.group_m,
             EVEN_K=k % tiles.block_k == 0,
             DOT_PRECISION=dot_precision(x.dtype),
-            Work=split_workspace(split, m * n, y),
+            Work=split_workspace(grid_split, m * n, y),
             Tickets=ticket_counters(x.device),
             k_per_split=k_per_split,
-            SPLIT=split,
+            SPLIT=grid_split,
+            SPLITS_IN_PROGRAM=in_program,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )

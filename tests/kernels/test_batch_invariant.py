@@ -78,6 +78,25 @@ def test_split_k_matmul_row_is_the_same_alone_and_in_batches(gen, row_dot, dtype
     assert torch.equal(ticket_counters("cpu"), torch.zeros_like(ticket_counters("cpu")))
 
 
+# The split walked by one program (a prefill chunk's launch) adds the same parts in the same order as
+# the split launch (a decode step's): every row the same bits either way, and so alone or batched.
+@pytest.mark.parametrize(("dtype", "k"), [(torch.bfloat16, 192), (torch.float32, 150)])
+def test_split_k_walked_in_one_program_is_the_split_launch_bit_for_bit(gen, row_dot, dtype, k) -> None:
+    split = replace(SMALL_TILES, split_k=3)
+    w = torch.randn((40, k), generator=gen).to(dtype)
+    x = torch.randn((48, k), generator=gen).to(dtype)
+    spread = matmul(x, w, tiles=split, splits_in_program=False)
+    walked = matmul(x, w, tiles=split, splits_in_program=True)
+    assert torch.equal(walked.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       spread.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    if dtype == torch.float32:
+        # Not the unsplit product's bits (the ranges' sums are rounded apart), so the check above can
+        # fail; in bfloat16 the output's rounding hides the difference.
+        assert not torch.equal(walked, matmul(x, w, tiles=SMALL_TILES))
+    _alone_and_batched(lambda rows: matmul(rows, w, tiles=split, splits_in_program=rows.shape[0] > 1), x,
+                       rows=(0, 17, 40))
+
+
 def test_tiles_depend_on_the_weight_shape_only() -> None:
     # A 0.6B model's o_proj / down_proj (N = 1024): 64-column tiles and K split four ways; wide weights
     # keep the warpgroup tile unsplit.
