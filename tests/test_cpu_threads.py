@@ -1,8 +1,8 @@
 """How many threads a CPU rank computes with and where they run (cpu_placement.py): --cpu-threads
 when given, else the cores of a --cpu-bind list, else OMP_NUM_THREADS when set (torch's own reading of it
-stands), else every usable core but one, at least one, so the event loop, the other services and the host
-keep a core; 'auto' pins the threads one to a core on the cores after the first, claimed so that a second
-rank on the host takes other cores or none."""
+stands), else every usable core, fewer while other processes want them (cpu_threads.py, its own tests),
+or with that off or cpu_reserved_cores set every usable core but the reserved ones (1), at least one;
+'auto' pins the threads one to a core, claimed so that a second rank on the host takes other cores or none."""
 
 from __future__ import annotations
 
@@ -45,18 +45,29 @@ def test_omp_num_threads_is_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> No
     assert EngineConfig().compute_threads() is None
 
 
-def test_by_default_one_usable_core_is_left_free(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_by_default_a_worker_starts_on_every_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     usable = len(os.sched_getaffinity(0))
-    assert EngineConfig().compute_threads() == max(1, usable - 1)
+    assert EngineConfig().adaptive_threads()
+    assert EngineConfig().compute_threads() == usable
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert EngineConfig().compute_threads() == 1
+
+
+def test_without_adaptive_threads_one_usable_core_is_left_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    usable = len(os.sched_getaffinity(0))
+    assert EngineConfig(cpu_adaptive_threads=False).compute_threads() == max(1, usable - 1)
+    assert EngineConfig(cpu_reserved_cores=1).compute_threads() == max(1, usable - 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert EngineConfig(cpu_adaptive_threads=False).compute_threads() == 1
 
 
 def test_ranks_of_one_node_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(9)))
-    assert EngineConfig(tp_size=2).compute_threads() == 4
+    assert EngineConfig(tp_size=2, cpu_adaptive_threads=False).compute_threads() == 4
+    assert EngineConfig(tp_size=2).compute_threads() == 4  # 9 // 2: nothing kept, the odd core unused
     first = plan_placement(4, "auto", tuple(range(9)), local_rank=0, ranks_per_node=2)
     second = plan_placement(4, "auto", tuple(range(9)), local_rank=1, ranks_per_node=2)
     assert (first.cores, second.cores) == ((1, 2, 3, 4), (5, 6, 7, 8))
@@ -111,19 +122,22 @@ def test_with_no_core_reserved_auto_pins_to_every_usable_core(monkeypatch: pytes
     assert EngineConfig(cpu_reserved_cores=0).compute_threads() == 6
     assert EngineConfig(cpu_reserved_cores=2).compute_threads() == 4
     assert EngineConfig(cpu_reserved_cores=6).compute_threads() == 6  # no more than kept: none kept
-    assert EngineConfig().compute_threads() == 5
+    assert EngineConfig(cpu_adaptive_threads=False).compute_threads() == 5
+    assert EngineConfig().compute_threads() == 6  # adaptive: starts on them all
     with pytest.raises(ValueError, match=r"cpu_reserved_cores must be in \[0, 1024\], got -1"):
         EngineConfig(cpu_reserved_cores=-1)
 
 
-def test_the_offline_engine_keeps_no_core_and_a_worker_keeps_one(qwen3_path: Path) -> None:
+def test_the_offline_engine_keeps_no_core_and_a_worker_adapts(qwen3_path: Path) -> None:
     from services.worker.frontend.engine import Engine
 
     with Engine(str(qwen3_path)) as engine:
-        assert engine.config.reserved_cores() == 0
+        assert engine.config.reserved_cores() == 0 and not engine.config.adaptive_threads()
     with Engine(str(qwen3_path), cpu_reserved_cores=1) as engine:
         assert engine.config.reserved_cores() == 1
-    assert EngineConfig(model_path=str(qwen3_path)).reserved_cores() == 1  # how the worker service builds it
+    worker = EngineConfig(model_path=str(qwen3_path))  # how the worker service builds it
+    assert worker.adaptive_threads() and worker.reserved_cores() == 0
+    assert EngineConfig(model_path=str(qwen3_path), cpu_adaptive_threads=False).reserved_cores() == 1
 
 
 def test_under_a_restricted_affinity_auto_stays_inside_it() -> None:

@@ -24,6 +24,7 @@ FLOORS = ["base", "mem", "runtime", "scheduler", "frontend"]  # bottom to top
 FLOOR_OF_PREFIX = {
     "services.worker.config": "base",
     "services.worker.cpu_placement": "base",  # the config's CPU thread and core plan (stdlib only)
+    "services.worker.cpu_threads": "base",  # the CPU thread count chosen at run time (stdlib, cpu_placement)
     "services.worker.mem": "mem",
     "services.worker.runtime": "runtime",
     "services.worker.scheduler": "scheduler",

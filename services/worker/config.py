@@ -104,20 +104,28 @@ class EngineConfig:
     cpu_threads: int | None = _help(
         "CPU: compute threads per rank; default: the cores of cpu_bind when it lists them, else OMP_NUM_THREADS "
         "when set, else every usable core but cpu_reserved_cores (at least 1; usable: the affinity mask, cut to a cgroup CPU "
-        "quota), shared among the node's ranks, leaving a core to the event loop, the other services and the host, "
-        "so a loaded host slows the steps instead of stalling them (vLLM's CPU build keeps one too)",
+        "quota), shared among the node's ranks; with cpu_adaptive_threads the most it computes with",
         None,
     )
     cpu_reserved_cores: int | None = _help(
         "CPU: usable cores kept free of compute threads for the event loop, the other services and the host "
-        "(the first ones; none when no more are usable); default: 1 for a worker service, 0 for the offline "
-        "Engine, whose caller waits while it computes (on 2 vCPUs its batch-1 decode went from 13.8 to "
-        "19 tok/s with both cores)",
+        "(the first ones; none when no more are usable); default: 0 with cpu_adaptive_threads (it gives cores "
+        "back while others need them), else 1 for a worker service, so a loaded host slows the steps instead "
+        "of stalling them; 0 for the offline Engine, whose caller waits while it computes (on 2 vCPUs its "
+        "batch-1 decode went from 13.8 to 19 tok/s with both cores). Setting it fixes the thread count",
+        None,
+    )
+    cpu_adaptive_threads: bool | None = _help(
+        "CPU: choose the compute threads between steps (cpu_threads.py): start on every usable core after "
+        "cpu_reserved_cores, give cores back while other processes (the host's, the other services) take CPU "
+        "time on them, take them back once they stop; default: on for a worker service under cpu_bind 'auto' "
+        "unless cpu_threads, cpu_reserved_cores, OMP_NUM_THREADS or enable_deterministic_inference is set, "
+        "each of which fixes the count (so is it for the offline Engine, which sets cpu_reserved_cores 0)",
         None,
     )
     cpu_bind: str = _help(
         "CPU: where compute threads run (cpu_placement.py): 'auto' pins them one to a core, on the usable "
-        "cores after the first (kept for the services); 'none' leaves placement to the OS; a core list such as "
+        "cores after cpu_reserved_cores; 'none' leaves placement to the OS; a core list such as "
         "'1-3,6' pins one thread to each of those cores",
         "auto",
     )
@@ -251,6 +259,13 @@ class EngineConfig:
         if self.cpu_reserved_cores is not None and not 0 <= self.cpu_reserved_cores <= 1024:
             raise ValueError(f"cpu_reserved_cores must be in [0, 1024], got {self.cpu_reserved_cores}")
         check_cpu_bind(self.cpu_bind)
+        if self.cpu_adaptive_threads and (
+            self.cpu_threads is not None or self.cpu_bind != BIND_AUTO or self.enable_deterministic_inference
+        ):
+            raise ValueError(
+                "cpu_adaptive_threads needs cpu_bind 'auto' and no cpu_threads (it picks the count and pins the "
+                "threads), and not enable_deterministic_inference (a count that changes changes the sums)"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.radix_eviction_policy not in EVICTION_POLICIES:
@@ -428,22 +443,42 @@ class EngineConfig:
             return self.cpu_threads
         if self.cpu_bind not in (BIND_AUTO, BIND_NONE):
             return max(1, len(parse_cpu_list(self.cpu_bind)) // self.ranks_per_node())
-        if os.environ.get("OMP_NUM_THREADS"):
+        if os.environ.get("OMP_NUM_THREADS") and not self.adaptive_threads():
             return None
         return default_compute_threads(len(usable_cores()), self.ranks_per_node(), self.reserved_cores())
 
+    def adaptive_threads(self) -> bool:
+        """Whether a CPU rank picks its thread count between steps (cpu_adaptive_threads, resolved)."""
+        if self.cpu_adaptive_threads is not None:
+            return self.cpu_adaptive_threads
+        return (
+            self.cpu_bind == BIND_AUTO
+            and self.cpu_threads is None
+            and self.cpu_reserved_cores is None
+            and not os.environ.get("OMP_NUM_THREADS")
+            and not self.enable_deterministic_inference
+        )
+
     def reserved_cores(self) -> int:
-        """Usable cores kept free of this node's compute threads (cpu_reserved_cores; default 1)."""
-        return 1 if self.cpu_reserved_cores is None else self.cpu_reserved_cores
+        """Usable cores kept free of this node's compute threads (cpu_reserved_cores; default 0 when the
+        count adapts, else 1)."""
+        if self.cpu_reserved_cores is not None:
+            return self.cpu_reserved_cores
+        return 0 if self.adaptive_threads() else 1
 
     def compute_placement(self, rank: int, torch_threads: int) -> ComputePlacement:
         """Threads and cores of CPU rank `rank` (cpu_placement.py); torch_threads: torch's count,
         used when compute_threads() leaves it (OMP_NUM_THREADS)."""
         threads = self.compute_threads() or torch_threads
         local = rank - self.local_ranks().start
-        return plan_placement(
+        placement = plan_placement(
             threads, self.cpu_bind, usable_cores(), local, self.ranks_per_node(), self.reserved_cores()
         )
+        if self.adaptive_threads() and placement.cores is not None:
+            # The model's thread on the last core, the workers on the ones before: a team cut to k
+            # threads computes on the last k and gives back the first, those cpu_reserved_cores keeps.
+            placement = dataclasses.replace(placement, cores=placement.cores[::-1])
+        return placement
 
     def scheduler_in_process(self) -> bool:
         """Whether the scheduler runs in processes of its own (always with TP; see scheduler_process)."""

@@ -2,9 +2,11 @@
 
 Done the way vLLM's CPU build and llama.cpp do it. The usable cores are this process's affinity mask,
 cut to the cgroup's CPU quota where one is set (a container limited to 2 CPUs on a 64-core host must
-not start 63 threads: the quota throttles them all at once). One core stays to the event loop, the
-other services and the host (vLLM keeps one for its front end), unless only one is usable. The rest are
-split among the node's ranks, and each rank pins its compute threads one to a core: the thread that
+not start 63 threads: the quota throttles them all at once). With a fixed count (cpu_reserved_cores set,
+or cpu_adaptive_threads off) one core stays to the event loop, the other services and the host (vLLM
+keeps one for its front end), unless only one is usable; an adaptive rank takes them all and gives cores
+back at run time while others want them (cpu_threads.py, through resize_compute_threads here). The cores
+are split among the node's ranks, and each rank pins its compute threads one to a core: the thread that
 runs the model to the first of its cores, every OpenMP worker of its pool to the next.
 
 Why pin: an unpinned team of OpenMP threads migrates, and a step waits for its slowest thread at every
@@ -215,3 +217,39 @@ def pin_compute_threads(placement: ComputePlacement) -> dict[int, int]:
             list(cores),
         )
     return pinned
+
+
+def resize_compute_threads(cores: tuple[int, ...], pinned: dict[int, int], threads: int) -> dict[int, int]:
+    """Compute on the first `threads` of `cores` (pinned as pin_compute_threads left them, `pinned`
+    what it or an earlier resize returned): torch's count set, and any OpenMP worker started for it pinned.
+    Call it from the model's thread, which keeps cores[0]. libgomp reuses its pool in order and ends the
+    workers a smaller team leaves out, so the workers still alive keep their cores, and the ones a larger
+    team starts, which inherit this thread's one-core mask, get the cores left. Returns the live
+    {thread id: core}."""
+    import torch
+
+    if not 1 <= threads <= len(cores):
+        raise ValueError(f"threads must be in [1, {len(cores)}] (the placement's cores), got {threads}")
+    torch.set_num_threads(threads)
+    alive = _task_ids()
+    kept = {tid: core for tid, core in pinned.items() if tid in alive}
+    wanted = [core for core in cores[1:threads] if core not in kept.values()]
+    if not wanted or not hasattr(os, "sched_setaffinity"):
+        return kept
+    os.sched_setaffinity(0, set(cores[:threads]))
+    before = _task_ids()
+    torch.ones(1 << 20).add_(1.0)
+    workers = sorted(_task_ids() - before)
+    os.sched_setaffinity(0, {cores[0]})
+    if len(workers) != len(wanted):
+        logger.warning(
+            "%d new threads where %d OpenMP workers were expected: they keep cores %s",
+            len(workers),
+            len(wanted),
+            list(cores[:threads]),
+        )
+        return kept
+    for tid, core in zip(workers, wanted):
+        os.sched_setaffinity(tid, {core})
+        kept[tid] = core
+    return kept

@@ -29,6 +29,7 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
+from services.worker.cpu_threads import AdaptiveThreads, adaptive_threads
 from services.worker.runtime import distributed
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
@@ -159,12 +160,17 @@ class SchedulerLoop:
         self.rank = rank
         device = resolve_device(config, rank)
         self.placement: ComputePlacement | None = None
+        self.adaptive: AdaptiveThreads | None = None
         if device.type == "cpu":
             # In this thread, before any parallel op: it runs the model, and its OpenMP pool starts here.
             self.placement = config.compute_placement(rank, torch.get_num_threads())
             pinned = pin_compute_threads(self.placement)
             where = f"pinned to cores {sorted(pinned.values())}" if pinned else "placed by the OS"
-            logger.info("rank %d computes with %d CPU thread(s), %s", rank, self.placement.threads, where)
+            threads = self.placement.threads
+            if config.adaptive_threads() and threads > 1 and len(pinned) == threads:
+                self.adaptive = adaptive_threads(self.placement, pinned)
+                where += ", fewer while other processes take CPU time there"
+            logger.info("rank %d computes with %d CPU thread(s), %s", rank, threads, where)
         distributed.init_tp(rank, config.tp_size, init_method, device, config.dist_timeout, pp_size=config.pp_size)
         model_config = ModelConfig.from_path(
             config.model_path, dtype=config.dtype, context_length=config.context_length, device=device,
@@ -217,6 +223,8 @@ class SchedulerLoop:
             "stats": vars(s.stats).copy(),
             "device": str(self.runner.device),
             "cpu_single_row": self.runner.single_row,
+            "cpu_threads": self.adaptive.threads if self.adaptive else getattr(self.placement, "threads", None),
+            "cpu_foreign_load": self.adaptive.foreign if self.adaptive else None,
             "loop_seconds": dict(self.loop_seconds),
             "scheduler_pid": os.getpid(),
         }
@@ -281,6 +289,8 @@ class SchedulerLoop:
                         trace.mark(out.rid, "scheduler.outputs")
                 outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
             t3 = clock()
+            if self.adaptive is not None:
+                self.adaptive.after_step(waited_s=t1 - t0)
             spent["commands"] += t1 - t0
             spent["step"] += t2 - t1
             spent["hand_off"] += t3 - t2

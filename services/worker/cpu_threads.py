@@ -1,0 +1,180 @@
+"""How many of its cores a CPU rank computes on, chosen between steps from the CPU time others take there.
+
+A team of OpenMP threads waits at every barrier for its slowest thread, so when another process takes a
+core from one of them the whole step waits: on 2 vCPUs with two busy neighbour processes, two compute
+threads served 60 tok/s where one served 130. Keeping a core back for good avoids that but costs a
+third of the speed on a quiet host (143 tok/s against 201). So under cpu_bind 'auto' a rank starts on
+all of its cores and, every `interval_s` of stepping, reads the foreign load of its cores: the CPU time
+they gave to anything but its compute threads (/proc/stat less /proc/self/task/*/stat), in cores. That
+counts the host's other processes and also this deployment's gateway, tokenizer, detokenizer, NATS and
+the worker's own event loop, whose work grows with ours; the thresholds sit above what those take while
+the rank serves at full speed on a quiet host (measured in docs/ARCHITECTURE.md).
+
+With `given` the cores already given back (its cores less its threads), the rank
+  - gives cores back (threads fewer) when the foreign load exceeds `given + shrink_above` in
+    `shrink_windows` windows running: as many as the load needs, ceil(load - shrink_above) in all;
+  - takes one back when the load would fit in one core fewer with room, under `given - 1 + grow_below`,
+    in `grow_windows` windows running: slower to come back than to leave, so a neighbour that pauses
+    for a moment does not bring the stall back.
+A window is only taken while the rank steps: one that spans a wait for work is dropped, since an idle
+rank's cores say nothing about what a step would meet (on the benchmark host the next engine's turn).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.cpu_placement import ComputePlacement, resize_compute_threads
+
+logger = logging.getLogger(__name__)
+
+PROC_STAT = Path("/proc/stat")
+TASK_DIR = Path("/proc/self/task")
+# /proc/stat's per-core columns counted as busy: user, nice, system, irq, softirq, steal (a hypervisor
+# running another guest stalls a thread of ours just as a neighbour does). Idle and iowait are not.
+BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+
+
+def read_busy_ticks(cores: tuple[int, ...], stat: Path = PROC_STAT) -> int:
+    """Clock ticks the cores `cores` have spent busy since boot, all processes together."""
+    wanted = {f"cpu{core}" for core in cores}
+    total = 0
+    for line in stat.read_text().splitlines():
+        label, _, rest = line.partition(" ")
+        if label in wanted:
+            columns = rest.split()
+            total += sum(int(columns[i]) for i in BUSY_COLUMNS if i < len(columns))
+    return total
+
+
+def read_thread_ticks(tids: tuple[int, ...], task_dir: Path = TASK_DIR) -> dict[int, int]:
+    """{thread id: user + system clock ticks} of those threads of this process still alive."""
+    ticks: dict[int, int] = {}
+    for tid in tids:
+        try:
+            text = (task_dir / str(tid) / "stat").read_text()
+        except OSError:
+            continue
+        fields = text.rpartition(")")[2].split()  # after the command name, which may hold spaces
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """When a rank gives a core back and takes it again (the module's docstring says how they act)."""
+
+    interval_s: float = 0.25
+    shrink_above: float = 0.5
+    grow_below: float = 0.35
+    shrink_windows: int = 2
+    grow_windows: int = 4
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.shrink_windows < 1 or self.grow_windows < 1:
+            raise ValueError(f"interval_s must be > 0 and the window counts >= 1, got {self}")
+        if not 0 <= self.grow_below <= self.shrink_above:
+            raise ValueError(
+                f"need 0 <= grow_below <= shrink_above (else a rank would give and take a core in turn), got {self}"
+            )
+
+
+class AdaptiveThreads:
+    """A rank's compute thread count between 1 and `most`, moved by the foreign load of its cores.
+
+    The readers and the clock are passed in (the tests drive it with made-up readings): `read_busy`
+    gives the busy ticks of the rank's cores, `read_own` the ticks of each of its compute threads (a
+    thread gone since the last reading, as libgomp ends the workers a smaller team leaves out, is
+    simply not counted), `set_threads` applies a new count."""
+
+    def __init__(
+        self,
+        most: int,
+        set_threads: Callable[[int], None],
+        read_busy: Callable[[], int],
+        read_own: Callable[[], Mapping[int, int]],
+        policy: AdaptivePolicy | None = None,
+        ticks_per_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if most < 1:
+            raise ValueError(f"most must be >= 1, got {most}")
+        self.most = most
+        self.threads = most
+        self.policy = policy or AdaptivePolicy()
+        self.foreign: float | None = None  # the last window's foreign load, in cores
+        self._set_threads, self._read_busy, self._read_own = set_threads, read_busy, read_own
+        self._ticks_per_s = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
+        self._clock = clock
+        self._over = self._under = 0
+        self._restart()
+
+    def _restart(self) -> None:
+        self._t0 = self._clock()
+        self._busy0 = self._read_busy()
+        self._own0 = dict(self._read_own())
+
+    def after_step(self, waited_s: float = 0.0) -> None:
+        """Call between steps, from the thread that runs the model; `waited_s`: how long the loop waited
+        for work before this step. Cheap unless a window has ended."""
+        if waited_s >= self.policy.interval_s:
+            self._over = self._under = 0
+            self._restart()
+            return
+        now = self._clock()
+        if now - self._t0 < self.policy.interval_s:
+            return
+        busy, own = self._read_busy(), dict(self._read_own())
+        mine = sum(own[tid] - self._own0[tid] for tid in own.keys() & self._own0.keys())
+        self.foreign = max(0.0, (busy - self._busy0 - mine) / self._ticks_per_s / (now - self._t0))
+        self._t0, self._busy0, self._own0 = now, busy, own
+        self._decide(self.foreign)
+
+    def _decide(self, foreign: float) -> None:
+        policy, given = self.policy, self.most - self.threads
+        self._over = self._over + 1 if self.threads > 1 and foreign > given + policy.shrink_above else 0
+        self._under = self._under + 1 if given > 0 and foreign < given - 1 + policy.grow_below else 0
+        if self._over >= policy.shrink_windows:
+            needed = math.ceil(foreign - policy.shrink_above)
+            self._apply(max(1, min(self.threads - 1, self.most - needed)), foreign)
+        elif self._under >= policy.grow_windows:
+            self._apply(self.threads + 1, foreign)
+
+    def _apply(self, threads: int, foreign: float) -> None:
+        logger.info(
+            "CPU compute threads %d -> %d of %d: the other processes took %.2f core(s) of this rank's cores",
+            self.threads,
+            threads,
+            self.most,
+            foreign,
+        )
+        self._set_threads(threads)
+        self.threads = threads
+        self._over = self._under = 0
+        self._restart()
+
+
+def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> AdaptiveThreads:
+    """The AdaptiveThreads of a pinned placement (pin_compute_threads' result `pinned`), reading /proc."""
+    if placement.cores is None or len(pinned) != placement.threads:
+        raise ValueError("adaptive threads need every compute thread pinned to a core of its own")
+    cores = placement.cores[: placement.threads]
+    team = dict(pinned)
+
+    def set_threads(threads: int) -> None:
+        live = resize_compute_threads(cores, team, threads)
+        team.clear()
+        team.update(live)
+
+    return AdaptiveThreads(
+        placement.threads,
+        set_threads,
+        read_busy=lambda: read_busy_ticks(cores),
+        read_own=lambda: read_thread_ticks(tuple(team)),
+    )
