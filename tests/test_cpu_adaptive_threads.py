@@ -201,6 +201,7 @@ def test_adaptive_threads_by_default_and_what_fixes_the_count(monkeypatch: pytes
 def test_the_switch_off_from_the_environment(monkeypatch: pytest.MonkeyPatch, qwen3_path: Path) -> None:
     from services.worker.frontend.service_config import WorkerServiceConfig
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # `make test` sets it, which fixes the count
     env = {"RS_MODEL_PATH": str(qwen3_path), "RS_CPU_ADAPTIVE_THREADS": "0"}
     assert not WorkerServiceConfig.from_args(None, env).engine.adaptive_threads()
     assert WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path)}).engine.adaptive_threads()

@@ -128,13 +128,16 @@ def test_with_no_core_reserved_auto_pins_to_every_usable_core(monkeypatch: pytes
         EngineConfig(cpu_reserved_cores=-1)
 
 
-def test_the_offline_engine_keeps_no_core_and_a_worker_adapts(qwen3_path: Path) -> None:
+def test_the_offline_engine_keeps_no_core_and_a_worker_adapts(qwen3_path: Path, monkeypatch) -> None:
     from services.worker.frontend.engine import Engine
 
     with Engine(str(qwen3_path)) as engine:
         assert engine.config.reserved_cores() == 0 and not engine.config.adaptive_threads()
     with Engine(str(qwen3_path), cpu_reserved_cores=1) as engine:
         assert engine.config.reserved_cores() == 1
+    # `make test` sets OMP_NUM_THREADS, which fixes the count (and turns adapting off) by design.
+    assert not EngineConfig(model_path=str(qwen3_path)).adaptive_threads() or not os.environ.get("OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     worker = EngineConfig(model_path=str(qwen3_path))  # how the worker service builds it
     assert worker.adaptive_threads() and worker.reserved_cores() == 0
     assert EngineConfig(model_path=str(qwen3_path), cpu_adaptive_threads=False).reserved_cores() == 1
