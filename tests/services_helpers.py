@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import signal
 import socket
@@ -50,8 +51,25 @@ READY_TIMEOUT_S = 180.0
 STREAM_TIMEOUT_S = 60.0
 
 
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default): a port the kernel picks for
+# bind(0) is also what it picks as the local port of an outgoing connection, so a test's service could
+# find "its" free port taken by some other test's NATS client before it listens (CI saw a worker's
+# metrics port go that way: "Address already in use").
+_PORTS = range(20000, 32000)
+_port_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago, drawn at random below the ephemeral
+    range (so no outgoing connection takes it in the meantime)."""
+    for _ in range(64):
+        port = _port_rng.choice(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
