@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import kernels.decode_attention as decode  # noqa: E402
-from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
+from bench.gpu_common import OUT, batch1_decode_tok_s, build_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
 from services.worker.frontend.engine import Engine  # noqa: E402
 from shared.progress import progress_bar  # noqa: E402
 
@@ -60,17 +60,8 @@ def engine_greedy(path: Path, prompts: list[list[int]], n: int, **kw: object) ->
 
 
 def decode_speed(path: Path, steps: int, **kw: object) -> float:
-    prompt = list(range(1000, 1128))
     with Engine(str(path), max_total_tokens=POOL, **kw) as e:
-        e.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
-        t0 = time.perf_counter()
-        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        e.generate(input_ids=prompt[:-2] + [9, 9], sampling_params={"temperature": 0, "max_new_tokens": steps,
-                                                                    "ignore_eos": True})
-        total = time.perf_counter() - t0
-    return (steps - 1) / max(total - ttft, 1e-9)
+        return batch1_decode_tok_s(e, steps)
 
 
 def hf_speed(path: Path, steps: int) -> float:

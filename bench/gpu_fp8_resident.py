@@ -41,7 +41,14 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_common import OUT, build_checkpoint, build_moe_checkpoint, copy_bandwidth, weight_bytes  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    OUT,
+    batch1_decode_tok_s,
+    build_checkpoint,
+    build_moe_checkpoint,
+    copy_bandwidth,
+    weight_bytes,
+)
 from services.worker.frontend.engine import Engine  # noqa: E402
 from services.worker.runtime.layers.fp8 import dequantize_blocks, quantize_blocks  # noqa: E402
 
@@ -117,19 +124,7 @@ def run(path: Path, **kw: object) -> dict:
             input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1}, return_logprob=True,
             logprob_start_len=0,
         )  # fmt: skip
-        prompt = list(range(1000, 1128))
-        e.generate(
-            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-        )
-        t1 = time.perf_counter()
-        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
-        ttft = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        e.generate(
-            input_ids=prompt[:-2] + [9, 9],
-            sampling_params={"temperature": 0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True},
-        )
-        decode = (DECODE_STEPS - 1) / max(time.perf_counter() - t1 - ttft, 1e-9)
+        decode = batch1_decode_tok_s(e, DECODE_STEPS)
     print(f"  {path.name} {kw}: {time.perf_counter() - t0:.1f} s", flush=True)
     return {
         "tokens": [r["output_ids"] for r in greedy],

@@ -5,7 +5,7 @@
 For each model (random Qwen3-shaped checkpoints from bench/gpu_common; `8b-fp8` is the 8B one quantized
 at load, `quantization="fp8"`, block-wise 128x128), the Engine runs with RS_PDL=0 and RS_PDL=1 in
 alternation, --rounds times, CUDA graphs on (the default):
-- check: the greedy tokens of 4 prompts (32 new tokens) and the prompt log-probs are identical bit for
+- check: the greedy tokens of 8 prompts (32 new tokens) and the prompt log-probs are identical bit for
   bit with PDL on and off (the kernels compute the same sums in the same order; only when a kernel
   starts changes, so any difference is a missed wait);
 - figure: batch-1 decode tok/s (128-token prompt, 256 new tokens) beside the ceiling, the worker's
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,51 +27,16 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
-from services.worker.frontend.engine import Engine  # noqa: E402
-
-PROMPT_LENS = (7, 130, 300, 64)
-NEW_TOKENS = 32
-DECODE_STEPS = 256
+from bench.gpu_fp8_resident import run as fp8_resident_run  # noqa: E402
 
 
 def run(path: Path, pdl: bool, **kw: object) -> dict:
-    """Greedy tokens, prompt log-probs, resident weight bytes and batch-1 decode tok/s with PDL on/off."""
+    """bench/gpu_fp8_resident.py's run (greedy tokens of 8 prompts, prompt log-probs, resident weight
+    bytes, batch-1 decode tok/s) with PDL on or off."""
     os.environ["RS_PDL"] = "1" if pdl else "0"
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    t0 = time.perf_counter()
-    with Engine(str(path), mem_fraction_static=0.5, **kw) as e:
-        info = e.get_server_info()
-        greedy = e.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-        )
-        scored = e.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0, "max_new_tokens": 1},
-            return_logprob=True,
-            logprob_start_len=0,
-        )
-        prompt = list(range(1000, 1128))
-        e.generate(
-            input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-        )
-        t1 = time.perf_counter()
-        e.generate(input_ids=prompt[:-1] + [7], sampling_params={"temperature": 0, "max_new_tokens": 1})
-        ttft = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        e.generate(
-            input_ids=prompt[:-2] + [9, 9],
-            sampling_params={"temperature": 0, "max_new_tokens": DECODE_STEPS, "ignore_eos": True},
-        )
-        decode = (DECODE_STEPS - 1) / max(time.perf_counter() - t1 - ttft, 1e-9)
-    print(f"  {path.name} {kw} pdl={pdl}: {decode:.1f} tok/s ({time.perf_counter() - t0:.1f} s)", flush=True)
-    return {
-        "tokens": [r["output_ids"] for r in greedy],
-        "logprobs": [[lp for lp, _, _ in r["meta_info"]["input_token_logprobs"][1:]] for r in scored],
-        "weight_bytes": info["weight_bytes"],
-        "decode_tok_s": decode,
-    }
+    result = fp8_resident_run(path, **kw)
+    print(f"  {path.name} {kw} pdl={pdl}: {result['decode_tok_s']:.1f} tok/s", flush=True)
+    return result
 
 
 def main() -> int:
