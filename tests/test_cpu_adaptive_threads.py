@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.worker.config import EngineConfig
 from services.worker.cpu_threads import AdaptivePolicy, AdaptiveThreads, read_busy_ticks, read_thread_ticks
+from tests.cpu_helpers import python_stdout
 
-REPO = Path(__file__).resolve().parent.parent
 TICKS = 100.0  # clock ticks per second, as USER_HZ
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
 
@@ -242,17 +240,7 @@ for threads in {steps!r}:
     print(json.dumps({{"threads": torch.get_num_threads(), "cores": cores, "team": {{str(k): v for k, v in team.items()}},
                       "allowed": allowed, "me": threading.get_native_id()}}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return [json.loads(line) for line in out.stdout.strip().splitlines()]
+    return [json.loads(line) for line in python_stdout(code).strip().splitlines()]
 
 
 @TWO_CORES

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from services.worker.cpu_placement import (
     plan_placement,
     usable_cores,
 )
+from tests.cpu_helpers import python_stdout
 
-REPO = Path(__file__).resolve().parent.parent
 TWO_CORES = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
 
 
@@ -193,17 +191,7 @@ print(json.dumps({{"threads": torch.get_num_threads(), "cores": placement.cores,
                   "pinned": {{str(k): v for k, v in pinned.items()}}, "allowed": allowed,
                   "me": threading.get_native_id()}}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(python_stdout(code).strip().splitlines()[-1])
 
 
 @TWO_CORES
