@@ -11,6 +11,11 @@ import os
 # Triton kernels run on CPU tensors through Triton's interpreter in tests; the variable is read when
 # a function is decorated, so it must be set before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Test processes run a gateway (and its gRPC server) in a thread and start services with fork + exec.
+# gRPC's fork handlers then run in the child between the two while the parent's gRPC threads are busy, and
+# CI saw a just-forked worker abort there (epoll_wait: Bad file descriptor, exit -6). The children exec at
+# once and never use the parent's gRPC, so the handlers are off; set before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from collections.abc import Iterator
 from pathlib import Path
