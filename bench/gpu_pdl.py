@@ -1,6 +1,6 @@
 """Programmatic dependent launch (kernels/pdl.py) on and off, through the Engine, batch-1 decode.
 
-    python bench/gpu_pdl.py [--models 0.6b,8b-fp8,8b] [--rounds 2]     (GPU, repository root)
+    python bench/gpu_pdl.py [--models 0.6b,8b-fp8,8b] [--rounds 2] [--env RS_PDL]   (GPU, repository root)
 
 For each model (random Qwen3-shaped checkpoints from bench/gpu_common; `8b-fp8` is the 8B one quantized
 at load, `quantization="fp8"`, block-wise 128x128), the Engine runs with RS_PDL=0 and RS_PDL=1 in
@@ -11,6 +11,11 @@ alternation, --rounds times, CUDA graphs on (the default):
 - figure: batch-1 decode tok/s (128-token prompt, 256 new tokens) beside the ceiling, the worker's
   resident weight bytes / measured copy bandwidth; best of the rounds for each setting.
 Prints a table last; JSON to $OUT/gpu_pdl.json. Exit 1 when a check fails.
+
+--env NAME A/B-tests another switch of the decode kernels the same way (NAME=0 "off" against NAME=1 "on",
+PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the PDL wait) or
+RS_ROPE_IN_DECODE (q/k norm, rotary and the KV store folded into decode attention); JSON to
+$OUT/gpu_pdl_<name>.json.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
 from bench.gpu_fp8_resident import run as fp8_resident_run  # noqa: E402
 
 
-def run(path: Path, pdl: bool, **kw: object) -> dict:
+def run(path: Path, env: str, on: bool, **kw: object) -> dict:
     """bench/gpu_fp8_resident.py's run (greedy tokens of 8 prompts, prompt log-probs, resident weight
-    bytes, batch-1 decode tok/s) with PDL on or off."""
-    os.environ["RS_PDL"] = "1" if pdl else "0"
+    bytes, batch-1 decode tok/s) with the switch `env` on or off."""
+    os.environ[env] = "1" if on else "0"
     result = fp8_resident_run(path, **kw)
-    print(f"  {path.name} {kw} pdl={pdl}: {result['decode_tok_s']:.1f} tok/s", flush=True)
+    print(f"  {path.name} {kw} {env}={int(on)}: {result['decode_tok_s']:.1f} tok/s", flush=True)
     return result
 
 
@@ -43,9 +48,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.6b,8b-fp8,8b")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--env", default="RS_PDL", help="the switch to A/B (default RS_PDL)")
     args = ap.parse_args()
     bw = copy_bandwidth()
-    results: dict = {"copy_bandwidth_gb_s": bw / 1e9, "models": {}}
+    results: dict = {"copy_bandwidth_gb_s": bw / 1e9, "env": args.env, "models": {}}
+    out_name = "gpu_pdl.json" if args.env == "RS_PDL" else f"gpu_pdl_{args.env.lower()}.json"
     failed = False
     for name in args.models.split(","):
         base = name.removesuffix("-fp8")
@@ -54,7 +61,7 @@ def main() -> int:
         runs: dict[bool, list[dict]] = {False: [], True: []}
         for _ in range(args.rounds):
             for pdl in (False, True):
-                runs[pdl].append(run(path, pdl, **kw))
+                runs[pdl].append(run(path, args.env, pdl, **kw))
         off, on = runs[False][0], runs[True][0]
         # Each run against the first PDL-off run: a difference between two off runs is not PDL's.
         agree = {
@@ -83,8 +90,8 @@ def main() -> int:
         }
         print(json.dumps({name: results["models"][name]}), flush=True)
         Path(OUT).mkdir(parents=True, exist_ok=True)
-        (Path(OUT) / "gpu_pdl.json").write_text(json.dumps(results, indent=1))
-    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s")
+        (Path(OUT) / out_name).write_text(json.dumps(results, indent=1))
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; off/on: {args.env}=0/1")
     print(
         f"{'model':10} {'ceiling':>8} {'off tok/s':>10} {'on tok/s':>10} {'off':>6} {'on':>6} {'x':>6} identical"
     )

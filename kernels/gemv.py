@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, preload_weights
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
@@ -105,6 +105,17 @@ def prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE: tl.constexpr, H
 
 
 @triton.jit
+def _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K: tl.constexpr):
+    """W's [rows, cols] tile (columns >= K read 0), loaded evict_first."""
+    if EVEN_K:
+        w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
+    else:
+        w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], mask=(cols < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    return w
+
+
+@triton.jit
 def _gemv_kernel(
     X,
     W,
@@ -123,6 +134,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_FULL: tl.constexpr,
     PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     """x is prologue_input's: X itself (PROLOGUE 0), rmsnorm(X (+ Residual)) with program 0 writing
     X + Residual to Res_out (1), silu(gate) * up of X = [gate | up] (2)."""
@@ -131,20 +143,20 @@ def _gemv_kernel(
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    if PRELOAD:
+        # The weight is never written during a step, so its first tile may be read before the wait: the
+        # loads are in flight while the kernel before this one finishes (pdl.py's protocol bars only
+        # activations before the wait).
+        w_first = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PRELOAD:
+        x = prologue_input(X, Residual, Norm_w, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        acc += w_first.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
-        else:
-            w = tl.load(
-                W + safe_rows[:, None] * stride_wn + cols[None, :],
-                mask=(cols < K)[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )
+        w = _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K)
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
@@ -257,11 +269,11 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=bool(pdl := launch_options(weight.device)),
+        PRELOAD=preload_weights(),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-
 
 
 def _check_row_operands(x: torch.Tensor, features: int, weight: torch.Tensor, tiles: GemvTiles, name: str) -> None:

@@ -36,6 +36,7 @@ import triton.language as tl
 from kernels.interpreter_compat import interpreting
 
 PDL_ENV = "RS_PDL"
+PRELOAD_ENV = "RS_PDL_PRELOAD"
 
 
 @functools.cache
@@ -48,6 +49,12 @@ def pdl_enabled(device: torch.device) -> bool:
     if device.type != "cuda" or interpreting() or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def preload_weights() -> bool:
+    """Whether a PDL kernel reads its first weight tile before its wait (RS_PDL_PRELOAD, default on):
+    weights are constant during a step, so those loads may overlap the kernel before."""
+    return os.environ.get(PRELOAD_ENV, "1") != "0"
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:

@@ -2,7 +2,8 @@
 
 The overlap itself runs only on an sm90 GPU (bench/gpu_pdl.py checks there that greedy tokens and log-probs
 are identical with PDL on and off). What can be checked here is the part a future edit could break
-silently: a kernel that takes the PDL flag must wait (pdl_enter) before it touches memory.
+silently: a kernel that takes the PDL flag must wait (pdl_enter) before it touches memory, except to
+read a weight (constant during a step) through a weight loader, under `if PRELOAD:`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ PDL_MODULES = [
     "kernels.qk_norm_rope",
     "kernels.rmsnorm",
 ]
+# Loaders a PDL kernel may call before its wait, on its weight operand only (the argument named here).
+WEIGHT_LOADERS = {"_weight_tile": "W"}
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min"}
 
 
@@ -73,9 +76,35 @@ def test_pdl_kernels_wait_before_touching_memory(name, fn) -> None:
     assert enter, f"{name} takes PDL but never calls pdl_enter(PDL) at its top level"
     before = body[: enter[0]]
     for stmt in before:
+        if isinstance(stmt, ast.If) and ast.unparse(stmt.test) == "PRELOAD":
+            _check_weight_preload(name, stmt)
+            continue
         calls = _calls(stmt)
         assert not calls & MEMORY_OPS, f"{name} touches memory before pdl_enter: {ast.unparse(stmt)}"
         # Helpers could load; only Triton's own arithmetic may run before the wait.
         assert calls <= {"program_id", "arange", "where", "to", "num_programs", "minimum", "maximum"}, (
             f"{name} calls {sorted(calls)} before pdl_enter: {ast.unparse(stmt)}"
         )
+
+
+def _check_weight_preload(name: str, stmt: ast.If) -> None:
+    assert not stmt.orelse, f"{name}: the PRELOAD block has an else branch"
+    for call in (n for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+        f = call.func
+        callee = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if callee in WEIGHT_LOADERS:
+            arg = call.args[0]
+            assert isinstance(arg, ast.Name) and arg.id == WEIGHT_LOADERS[callee], (
+                f"{name} preloads {ast.unparse(arg)}, not its weight, before pdl_enter"
+            )
+        else:
+            assert callee in {"arange", "to"}, f"{name} calls {callee} before pdl_enter: {ast.unparse(call)}"
+
+
+def test_weight_loaders_read_only_the_weight() -> None:
+    from kernels import gemv
+
+    tree = ast.parse(inspect.getsource(gemv._weight_tile.fn))
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _calls(n) & MEMORY_OPS]
+    assert loads and all(ast.unparse(n.args[0]).startswith("W ") for n in loads)
+    assert not {"store", "atomic_add"} & _calls(tree)
