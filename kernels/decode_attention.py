@@ -35,7 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_rope import DecodeRope, rope_operands
+from kernels.kv_store import fp8_max
 from kernels.pdl import launch_options, pdl_enter
+from kernels.qk_norm_rope import rope_heads, store_new_kv
 
 # A split's shortest length: one 64-key tile. Batch-1 decode of an 8B model at a 256-token context ran
 # 3 % faster on the H200 with 64 than with 256 (a 0.6B model 10 %; 32 was slower again), because one KV
@@ -188,6 +191,23 @@ def _decode_kernel(
     Part_out,
     Part_lse,
     Split_counters,
+    Positions,
+    K_new,
+    V_new,
+    Cos,
+    Sin,
+    Q_w,
+    K_w,
+    Loc,
+    eps,
+    inv_k_scale,
+    inv_v_scale,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cos,
+    stride_sin,
     sm_scale_log2,
     v_scale,
     stride_qb,
@@ -214,6 +234,9 @@ def _decode_kernel(
     HEAD_MAJOR: tl.constexpr,
     K_ROWS: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
+    ROPE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -246,7 +269,27 @@ def _decode_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         hd_mask = h_mask[:, None] & d_mask[None, :]
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
+        if ROPE:
+            # The q/k norm, rotary and KV store (kernels/qk_norm_rope.py's arithmetic) as this launch's
+            # prologue: every program rotates its own q heads, and the program whose split holds the new
+            # position stores that token's K/V head before its loop reads the pool.
+            new_pos = tl.load(Positions + b).to(tl.int64)
+            offs_half = tl.arange(0, HEAD_DIM // 2)
+            cos = tl.load(Cos + new_pos * stride_cos + offs_half).to(tl.float32)[None, :]
+            sin = tl.load(Sin + new_pos * stride_sin + offs_half).to(tl.float32)[None, :]
+            q = rope_heads(
+                Q + b * stride_qb, heads, h_mask, stride_qh, Q_w, eps, cos, sin, HAS_NORM, HEAD_DIM, HEAD_DIM // 2
+            )
+            if (end >= seq_len) & ((start < seq_len) | (split == 0)):
+                store_new_kv(
+                    K_new + b * stride_knt, V_new + b * stride_vnt, kv_head, stride_knh, stride_vnh, K_w, eps, cos,
+                    sin, K_buf, V_buf, tl.load(Loc + b).to(tl.int64), stride_kt, stride_kh, stride_vt, stride_vh,
+                    inv_k_scale, inv_v_scale, HAS_NORM, FP8_MAX, HEAD_DIM, HEAD_DIM // 2,
+                )
+                # The loop below reads that slot back through other threads of this program.
+                tl.debug_barrier()
+        else:
+            q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -373,6 +416,7 @@ def decode_attention(
     split_tokens: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
@@ -384,6 +428,8 @@ def decode_attention(
     so num_kv_splits must be cdiv(seq_lens, split_tokens) (fixed_size_kv_splits) and max_kv_splits at least
     its largest value; 0: the splits share each sequence evenly (kv_splits_per_request).
     k_scale / v_scale: a float8 pool's scales (the keys and values are the stored ones times these).
+    rope: q/k norm, rotary and the new tokens' KV store done by this launch (DecodeRope); without it q is
+    already rotated and the pool already holds every position.
     One launch; never syncs with the host.
     """
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -424,6 +470,7 @@ def decode_attention(
     grid = (
         (num_kv_heads, batch_size, max_kv_splits) if tiles.head_major else (batch_size, num_kv_heads, max_kv_splits)
     )
+    r = rope_operands(rope, batch_size, num_kv_heads, head_dim, q3)
     pdl = launch_options(q.device)
     _decode_kernel[grid](
         q3,
@@ -437,6 +484,23 @@ def decode_attention(
         part_out,
         part_lse,
         split_counters,
+        r.positions,
+        r.k,
+        r.v,
+        r.cos_cache,
+        r.sin_cache,
+        r.q_weight,
+        r.k_weight,
+        r.out_cache_loc,
+        r.eps,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        r.k.stride(0),
+        r.k.stride(1),
+        r.v.stride(0),
+        r.v.stride(1),
+        r.cos_cache.stride(0),
+        r.sin_cache.stride(0),
         sm_scale * k_scale * _LOG2E,
         v_scale,
         q3.stride(0),
@@ -463,9 +527,13 @@ def decode_attention(
         HEAD_MAJOR=tiles.head_major,
         K_ROWS=tiles.k_rows,
         SPLIT_TOKENS=split_tokens,
+        ROPE=rope is not None,
+        HAS_NORM=rope is not None and rope.q_weight is not None,
+        FP8_MAX=fp8_max(k_buffer.dtype) if rope is not None else 0.0,
         PDL=bool(pdl),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
     return out
+

@@ -34,6 +34,56 @@ def _normed(x, rstd, W, offs, mask, X):
 
 
 @triton.jit
+def norm_rotate(x1, x2, rstd, W, offs_i, i_mask, cos, sin, X, HAS_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Heads' two rotated halves x1, x2 [heads, half] (float32): normalized with rstd [heads, 1] and the
+    norm weight W (HAS_NORM), then rotated; returned in X's dtype. The one place of this arithmetic, so
+    kernels/decode_attention.py's fused prologue rounds exactly as this kernel does."""
+    if HAS_NORM:
+        x1 = _normed(x1, rstd, W, offs_i, i_mask, X)
+        x2 = _normed(x2, rstd, W + HALF, offs_i, i_mask, X)
+    out1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
+    out2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    return out1, out2
+
+
+@triton.jit
+def rope_heads(
+    X, heads, h_mask, stride_h, W, eps, cos, sin, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Rows `heads` of one token's X (pointer at the token; each head HEAD_DIM = 2 * HALF wide, a power of
+    two, wholly rotated; cos/sin [1, HALF]) normalized and rotated, as [len(heads), HEAD_DIM] in X's dtype;
+    masked heads give zeros. Nothing is written."""
+    offs_i = tl.arange(0, HALF)
+    i_mask = offs_i < HALF
+    first = X + heads[:, None] * stride_h + offs_i[None, :]
+    x1 = tl.load(first, mask=h_mask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=h_mask[:, None], other=0.0).to(tl.float32)
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    out1, out2 = norm_rotate(x1, x2, rstd, W, offs_i, i_mask, cos, sin, X, HAS_NORM, HALF)
+    # [heads, half, 2] -> [heads, 2, half] -> [heads, BLOCK_D]: the first half's columns, then the second's.
+    return tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), (out1.shape[0], HEAD_DIM))
+
+
+@triton.jit
+def store_new_kv(
+    K_new, V_new, kv_head, stride_kh, stride_vh, K_w, eps, cos, sin, K_buf, V_buf, slot, stride_kbs, stride_kbh,
+    stride_vbs, stride_vbh, inv_k_scale, inv_v_scale, HAS_NORM: tl.constexpr, FP8_MAX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+):
+    """One new token's KV head `kv_head` into the pool at `slot`: k normalized and rotated (rope_heads),
+    v as it is, each cast to the pool's dtype as _qk_norm_rope_kernel stores them."""
+    head = kv_head + tl.arange(0, 1)
+    k = rope_heads(K_new, head, head >= 0, stride_kh, K_w, eps, cos, sin, HAS_NORM, HEAD_DIM, HALF)
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(K_buf + slot * stride_kbs + head[:, None] * stride_kbh + cols, to_pool(k, inv_k_scale, K_buf, FP8_MAX))
+    v = tl.load(V_new + head[:, None] * stride_vh + cols)
+    tl.store(V_buf + slot * stride_vbs + head[:, None] * stride_vbh + cols, to_pool(v, inv_v_scale, V_buf, FP8_MAX))
+
+
+@triton.jit
 def _norm_rope_heads(
     X,
     token,
@@ -80,12 +130,11 @@ def _norm_rope_heads(
         if REST > 0:
             sum_sq += tl.sum(xr * xr, 1)
         rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
-        x1 = _normed(x1, rstd, W, offs_i, i_mask, X)
-        x2 = _normed(x2, rstd, W + HALF, offs_i, i_mask, X)
         if REST > 0:
             xr = _normed(xr, rstd, W, offs_r, r_col_mask, X)
-    out1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
-    out2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    else:
+        rstd = 1.0
+    out1, out2 = norm_rotate(x1, x2, rstd, W, offs_i, i_mask, cos, sin, X, HAS_NORM, HALF)
     tl.store(first, out1, mask=mask)
     tl.store(first + HALF, out2, mask=mask)
     if REST > 0:

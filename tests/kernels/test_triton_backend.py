@@ -153,10 +153,12 @@ def test_reserved_decode_buffers_never_move(gen) -> None:
     assert backend._scratch.data_ptr() == scratch
 
 
+@pytest.mark.parametrize("rope_in_decode", ["1", "0"], ids=["rope-in-decode", "rope-launch"])
 @pytest.mark.parametrize("checkpoint", ["qwen3_path", "llama_path"])
 def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str, rope_in_decode: str
 ) -> None:
+    monkeypatch.setenv(triton_backend.ROPE_IN_DECODE_ENV, rope_in_decode)
     path: Path = request.getfixturevalue(checkpoint)
     config = ModelConfig.from_path(path, dtype="float32")
     model = load_model(config, "cpu")
@@ -172,7 +174,17 @@ def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
     def unfused_store(*args: object) -> None:
         raise AssertionError("the triton backend stored K/V again after the fused prologue")
 
+    decode = triton_backend.decode_attention
+    in_decode: list[bool] = []
+
+    def decode_spy(*args: object, **kwargs: object) -> object:
+        rope = kwargs["rope"]
+        if rope is not None:  # the prologue folded into decode attention (kernels/decode_rope.py)
+            in_decode.append(rope.q_weight is not None)
+        return decode(*args, **kwargs)
+
     monkeypatch.setattr(triton_backend, "qk_norm_rope_", fused_spy)
+    monkeypatch.setattr(triton_backend, "decode_attention", decode_spy)
     monkeypatch.setattr(triton_backend, "store_kv", unfused_store)
 
     def check(logits: dict[str, torch.Tensor]) -> None:
@@ -181,8 +193,10 @@ def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
 
     run_mixed_steps(drivers, check)
 
-    # Every layer of every step went through the fused kernel, with the norms exactly when the model has them.
-    assert fused_calls == [checkpoint == "qwen3_path"] * (5 * config.num_layers)
+    # Every layer of every step went through a fused prologue, with the norms exactly when the model has
+    # them: its own launch in extend steps, inside decode attention in decode steps.
+    assert bool(in_decode) == (rope_in_decode == "1"), f"RS_ROPE_IN_DECODE={rope_in_decode}: {len(in_decode)}"
+    assert fused_calls + in_decode == [checkpoint == "qwen3_path"] * (5 * config.num_layers)
     pools = {name: driver.kv_pool for name, driver in drivers.items()}
     for layer_id in range(config.num_layers):
         for buffers in ("k_buffer", "v_buffer"):
