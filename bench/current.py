@@ -96,7 +96,8 @@ def _loss(d: dict[str, Any]) -> float:
     return d["throughput"]["loss_median"]
 
 
-def _pipeline(file: str, label: str, command: str, text: bool = True, floor: bool = True) -> tuple[Figure, ...]:
+def _pipeline(file: str, label: str, command: str, text: bool = True, floor: bool = True,
+              prompt_lens: tuple[str, ...] = ()) -> tuple[Figure, ...]:
     """Throughput loss, added TTFT (ids, text) and the added floor of one bench/gpu_pipeline.py or
     bench/pipeline_overhead.py run: the pipeline's figure beside the in-process Engine's, same run."""
     ms = "{:.2f} ms"
@@ -109,6 +110,13 @@ def _pipeline(file: str, label: str, command: str, text: bool = True, floor: boo
                ratio=lambda d: d["ttft"]["added_median_ms"], ratio_fmt="{:+.2f} ms added (pair median)",
                target=TTFT, command=command),
     ]
+    for n in prompt_lens:
+        figures.append(
+            Figure(f"TTFT, {n}-token prompts, {label}", file,
+                   lambda d, n=n: d["ttft_by_prompt_len"][n]["gateway_median_ms"], ms,
+                   peer=lambda d, n=n: d["ttft_by_prompt_len"][n]["engine_median_ms"], peer_label="Engine",
+                   ratio=lambda d, n=n: d["ttft_by_prompt_len"][n]["added_median_ms"],
+                   ratio_fmt="{:+.2f} ms added (pair median)", target=TTFT, command=command))
     if text:
         figures.append(
             Figure(f"TTFT, text prompts, {label}", file, lambda d: d["ttft_text"]["gateway_median_ms"], ms,
@@ -124,34 +132,42 @@ def _pipeline(file: str, label: str, command: str, text: bool = True, floor: boo
 
 
 PDL = "python bench/gpu_pdl.py"
+ROPE_AB = " --env RS_ROPE_IN_DECODE --models 0.6b,8b --rounds 2"
 
 
-def _pdl_figure(model: str, label: str, file: str, args: str) -> Figure:
-    """Batch-1 decode with programmatic dependent launch on against off (best of the rounds each), the
-    tokens and log-probs of every run identical."""
-    return Figure(f"programmatic dependent launch on vs off, batch-1 decode, {label} (outputs identical)", file,
+def _pdl_figure(model: str, label: str, file: str, args: str, switch: str = "programmatic dependent launch",
+                env: str = "RS_PDL") -> Figure:
+    """Batch-1 decode with a decode-kernel switch (bench/gpu_pdl.py --env) on against off (best of the
+    rounds each), the tokens and log-probs of every run identical."""
+    return Figure(f"{switch} on vs off, batch-1 decode, {label} (outputs identical)", file,
                   lambda d: max(d["models"][model]["pdl_on_tok_s"]), "{:,.1f} tok/s",
-                  peer=lambda d: max(d["models"][model]["pdl_off_tok_s"]), peer_label="PDL off (RS_PDL=0)",
+                  peer=lambda d: max(d["models"][model]["pdl_off_tok_s"]), peer_label=f"off ({env}=0)",
                   ratio_fmt="{:.3f}×", command=PDL + args)
 
 
 GPU_ENGINE = Area(
     "gpu_engine", "GPU engine (P1–P6, speculative decoding, CUDA graphs, kernels)", H200,
     (
-        Figure("P1 batch-1 decode, Qwen3-8B (PDL on)", "gpu_pdl_2026-12-04_b.json",
+        Figure("P1 batch-1 decode, Qwen3-8B", "gpu_pdl_2026-12-04_e.json",
                lambda d: max(d["models"]["8b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["8b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
-               target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command=PDL + " --models 0.6b,8b"),
+               target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command=PDL + ROPE_AB),
         Figure("P1 peer: transformers static cache + torch.compile, Qwen3-8B", "gpu_engine_2026-11-29_f.json",
                lambda d: d["results"]["8b"]["hf_compile_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: d["results"]["8b"]["tok_s"], peer_label="radixserve",
                command="python bench/gpu_engine.py --hf-compile"),
-        Figure("P2 batch-1 decode, Qwen3-0.6B (PDL on)", "gpu_pdl_2026-12-04_b.json",
+        Figure("P2 batch-1 decode, Qwen3-0.6B", "gpu_pdl_2026-12-04_e.json",
                lambda d: max(d["models"]["0.6b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["0.6b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
-               target=Target(">=", 0.6, "≥ 0.6 of the ceiling"), command=PDL + " --models 0.6b,8b"),
+               target=Target(">=", 0.6, "≥ 0.6 of the ceiling"), command=PDL + ROPE_AB),
         _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_b.json", " --models 0.6b,8b"),
         _pdl_figure("8b", "Qwen3-8B", "gpu_pdl_2026-12-04_b.json", " --models 0.6b,8b"),
+        _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_f.json", " --env RS_PDL_PRELOAD --models 0.6b --rounds 3",
+                    "GEMV weight tile read before the PDL wait", "RS_PDL_PRELOAD"),
+        _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_e.json", ROPE_AB,
+                    "q/k norm, rotary and KV store inside decode attention", "RS_ROPE_IN_DECODE"),
+        _pdl_figure("8b", "Qwen3-8B", "gpu_pdl_2026-12-04_e.json", ROPE_AB,
+                    "q/k norm, rotary and KV store inside decode attention", "RS_ROPE_IN_DECODE"),
         Figure("P3 offline throughput, nano-vllm recipe (256 requests), 0.6B", "gpu_serving_2026-12-02_e.json",
                lambda d: d["p3"]["tok_s"], "{:,.0f} tok/s",
                peer=lambda d: d["p3"]["ceiling_tok_s"], peer_label="ceiling: workload bytes and FLOPs",
@@ -270,7 +286,8 @@ TP = Area(
 
 PIPELINE_GPU = Area(
     "pipeline_gpu", "NATS pipeline vs the in-process Engine, GPU host", H200 + "; 4 gateways, tokenizer service",
-    _pipeline("gpu_pipeline_2026-12-03_a.json", "light load (64 × 128 → 128)", "python bench/gpu_pipeline.py")
+    _pipeline("gpu_pipeline_2026-12-04_a.json", "light load (64 × 128 → 128)", "python bench/gpu_pipeline.py",
+              prompt_lens=("512",))
     + _pipeline("gpu_pipeline_2026-11-30_80.json", "light load, `--busy-poll-ms 100`",
                 PIPE_GPU + " --busy-poll-ms 100")
     + _pipeline("gpu_pipeline_2026-11-30_74.json", "heavy load (256 × 128 → 512)",
@@ -572,9 +589,9 @@ FP8_GPU = Area(
                peer=lambda d: d["results"]["decode_kernel_auto"]["us_per_call"], peer_label="bf16 pool",
                ratio_fmt="{:.2f}× bf16's time", command="python bench/gpu_fp8_kv.py --kernels-only"),
         Figure("batch-invariant product vs cuBLAS, Qwen3-8B and 0.6B shapes, M = 1..2,048 (mean time ratio, "
-               "per-shape launch: tiles_for)", "gpu_deterministic_2026-12-03_c.json",
+               "per-shape launch: tiles_for)", "gpu_deterministic_2026-12-04_e.json",
                lambda d: float(dict(d["rows"])["matmul tiles per shape (tiles_for): time / cuBLAS"].split()[1].rstrip(",")),
-               "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --tiles="),
+               "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --skip-throughput"),
         Figure("FP8 batch-1 decode, Qwen3-8B shape, `--quantization fp8` (block 128 × 128) resident, PDL on",
                "gpu_pdl_2026-12-04_c.json", lambda d: max(d["models"]["8b-fp8"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["8b-fp8"]["ceiling_tok_s"],
@@ -615,17 +632,17 @@ FP8_GPU = Area(
                peer=lambda d: d["results"]["engine_auto"]["decode_tok_s"], peer_label="bf16 KV cache",
                ratio_fmt="{:.2f}×", command=FP8KV),
         Figure("--enable-deterministic-inference: 64 requests (greedy and seeded) batched, chunked, cached == alone",
-               "gpu_deterministic_2026-12-04_a.json",
+               "gpu_deterministic_2026-12-04_f.json",
                lambda d: min(d["results"]["deterministic"]["identical_to_alone"].values()), "{:d} of 64 (each run)",
                peer=lambda d: max(d["results"]["default"]["identical_to_alone"].values()),
                peer_label="without the flag", peer_fmt="{:d} of 64", ratio=no_ratio,
                target=Target("==", 64, "64 of 64", on="value"),
-               command="python bench/gpu_deterministic.py --skip-kernels --skip-throughput"),
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-pipeline"),
         Figure("--enable-deterministic-inference: throughput kept, nano-vllm recipe, Qwen3-0.6B shape",
-               "gpu_deterministic_2026-12-04_c.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
+               "gpu_deterministic_2026-12-04_f.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
                "{:,.0f} tok/s", peer=lambda d: d["results"]["p3"]["default"]["tok_s"], peer_label="without the flag",
                target=Target(">=", 0.8, "≥ 0.8 of it"),
-               command="python bench/gpu_deterministic.py --skip-kernels --skip-outputs --skip-pipeline"),
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-pipeline"),
     ),
     note="Random-init checkpoints: the 8B shape's prompt log-probs move by 0.23 (mean) under the FP8 KV cache's "
          "rounding of K and V alone, so its FP8-weights figure is read beside that control (bench/gpu_fp8_resident.py "
