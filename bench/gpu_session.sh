@@ -12,6 +12,7 @@
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
 # fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
 # 8b needs ~330 s), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
+# flagchain (bench/gpu_flag_chain.py: a 0.6B-shaped GEMV chain with stream order, the PDL wait, or counters),
 # moestages (bench/gpu_moe_stages.py), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
 # routing (MoE routing and the sorted layout: torch ops vs kernels/moe_routing.py and kernels/moe_blocks.py in CUDA
 # graphs, bench/gpu_moe_routing.py),
@@ -79,6 +80,7 @@ for step in "${steps[@]}"; do
     fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} > "$OUT/fp8res.log" 2>&1
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk
     q35)     timeout 500 python bench/gpu_qwen35.py ${Q35_ARGS:---models 9b} > "$OUT/q35.log" 2>&1 ;;
+    flagchain) timeout 300 python bench/gpu_flag_chain.py ${FLAGCHAIN_ARGS:-} > "$OUT/flagchain.log" 2>&1 ;;
     pdl)     timeout 560 python bench/gpu_pdl.py ${PDL_ARGS:-} > "$OUT/pdl.log" 2>&1 ;;
     moestages) timeout 200 python bench/gpu_moe_stages.py ${MOESTAGES_ARGS:-} > "$OUT/moestages.log" 2>&1 ;;
     q35check) timeout 300 python bench/gpu_qwen35_check.py ${Q35CHECK_ARGS:-} > "$OUT/q35check.log" 2>&1 ;;
