@@ -35,6 +35,8 @@ from kernels.pdl import launch_options, pdl_enter, preload_weights
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
+# Most weight tiles a "rows" program reads before its PDL wait.
+MAX_PRELOAD_TILES = 3
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class GemvTiles:
     num_warps: int = 4
     num_stages: int = 2
     kind: str = "rows"  # "rows": one row, float32 partial sums per element; "dot": up to 16 rows, tl.dot
+    # "rows": BLOCK_K-wide weight tiles a program reads before its PDL wait (1 to MAX_PRELOAD_TILES, capped at
+    # the tiles K has): with the whole slice preloaded, a product's weight traffic overlaps the kernel before.
+    preload: int = 1
 
     @property
     def max_rows(self) -> int:
@@ -143,18 +148,30 @@ def _gemv_kernel(
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    if PRELOAD:
-        # The weight is never written during a step, so its first tile may be read before the wait: the
-        # loads are in flight while the kernel before this one finishes (pdl.py's protocol bars only
-        # activations before the wait).
-        w_first = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
+    # The weight is never written during a step, so its first PRELOAD tiles (at most the tiles K has) may be
+    # read before the wait: the loads are in flight while the kernel before this one finishes (pdl.py's
+    # protocol bars only activations before the wait). Summed below in the loop's order.
+    if PRELOAD >= 1:
+        w_0 = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
+    if PRELOAD >= 2:
+        w_1 = _weight_tile(W, safe_rows, stride_wn, BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
+    if PRELOAD >= 3:
+        w_2 = _weight_tile(W, safe_rows, stride_wn, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PRELOAD:
+    if PRELOAD >= 1:
         x = prologue_input(X, Residual, Norm_w, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        acc += w_first.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
+        acc += w_0.to(tl.float32) * x[None, :]
+    if PRELOAD >= 2:
+        cols = BLOCK_K + tl.arange(0, BLOCK_K)
+        x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        acc += w_1.to(tl.float32) * x[None, :]
+    if PRELOAD >= 3:
+        cols = 2 * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        acc += w_2.to(tl.float32) * x[None, :]
+    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K)
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
@@ -231,6 +248,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
 
 
+def preload_tiles(tiles: GemvTiles, k: int) -> int:
+    """Weight tiles a "rows" launch reads before its PDL wait: tiles.preload, capped at K's tiles; 0 with
+    RS_PDL_PRELOAD=0."""
+    if not 1 <= tiles.preload <= MAX_PRELOAD_TILES:
+        raise ValueError(f"tiles.preload must be 1..{MAX_PRELOAD_TILES}, got {tiles.preload}")
+    return min(tiles.preload, triton.cdiv(k, tiles.block_k)) if preload_weights() else 0
+
+
 def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(n, dtype=like.dtype, device=like.device)
@@ -269,7 +294,7 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=bool(pdl := launch_options(weight.device)),
-        PRELOAD=preload_weights(),
+        PRELOAD=preload_tiles(tiles, k),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
