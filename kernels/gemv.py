@@ -37,6 +37,12 @@ from kernels.pdl import launch_options, pdl_enter, preload_weights
 DOT_MAX_ROWS = 16
 # Most weight tiles a "rows" program reads before its PDL wait.
 MAX_PRELOAD_TILES = 3
+# Only products of at most this many weight bytes read ahead. On the H200 (bench/gpu_pdl.py --env
+# RS_PDL_PRELOAD, 2026-12-04) reading ahead made Qwen3-0.6B's batch-1 decode 1.07-1.10x faster (every
+# product <= 12.6 MB, one wave of short programs) and Qwen3-8B's 0.96x (products of 34-201 MB in several
+# waves of long programs, where the early programs hold their registers through the wait while the
+# product before still has waves to run).
+PRELOAD_MAX_WEIGHT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -248,12 +254,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
 
 
-def preload_tiles(tiles: GemvTiles, k: int) -> int:
-    """Weight tiles a "rows" launch reads before its PDL wait: tiles.preload, capped at K's tiles; 0 with
-    RS_PDL_PRELOAD=0."""
+def preload_tiles(tiles: GemvTiles, weight: torch.Tensor) -> int:
+    """Weight tiles a "rows" launch reads before its PDL wait: tiles.preload, capped at K's tiles; 0 for a
+    weight above PRELOAD_MAX_WEIGHT_BYTES, and with RS_PDL_PRELOAD=0."""
     if not 1 <= tiles.preload <= MAX_PRELOAD_TILES:
         raise ValueError(f"tiles.preload must be 1..{MAX_PRELOAD_TILES}, got {tiles.preload}")
-    return min(tiles.preload, triton.cdiv(k, tiles.block_k)) if preload_weights() else 0
+    n, k = weight.shape
+    if not preload_weights() or n * k * weight.element_size() > PRELOAD_MAX_WEIGHT_BYTES:
+        return 0
+    return min(tiles.preload, triton.cdiv(k, tiles.block_k))
 
 
 def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -294,7 +303,7 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=bool(pdl := launch_options(weight.device)),
-        PRELOAD=preload_tiles(tiles, k),
+        PRELOAD=preload_tiles(tiles, weight),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -9,7 +9,7 @@ anything the earlier kernels wrote, and the wait returns once those kernels have
 writes are visible. CUDA graphs keep the dependency (a programmatic edge), so replays overlap the same way.
 
 The protocol every kernel here follows when PDL is on (`pdl_enter`):
-- before the wait, a program reads nothing and writes nothing;
+- before the wait, a program writes nothing and reads nothing but weights (kernels/gemv.py's preload);
 - every program waits, unconditionally, before anything else: a kernel that completes has then seen its
   predecessor complete, so the guarantee is transitive down the chain;
 - a program releases its dependents right after its wait, never before: the next kernel becomes
@@ -18,7 +18,9 @@ The protocol every kernel here follows when PDL is on (`pdl_enter`):
 What it buys (H200, CUDA graphs, bench/gpu_pdl.py, 2026-12-04): batch-1 decode 1.10x on Qwen3-0.6B
 (1,057 -> 1,164 tok/s) and 1.02x on Qwen3-8B, greedy tokens and log-probs identical bit for bit. Spending
 the early start on an L2 bulk prefetch of each GEMV's first weight columns (cp.async.bulk.prefetch) was
-tried and dropped: no gain at 0.6B and 0.87x at 8B (the cause was not isolated).
+tried and dropped: no gain at 0.6B and 0.87x at 8B. Loading them into registers instead (kernels/gemv.py's
+PRELOAD, RS_PDL_PRELOAD) gave 1.07-1.10x at 0.6B and 0.96x at 8B, so only products up to 16 MiB do it.
+Weights are the one thing read before the wait: they are constant during a step.
 
 Off (the default elsewhere): under the interpreter, on CPUs and GPUs before sm90, and with RS_PDL=0
 (for A/B runs). `launch_options` gives the launch's keyword, `PDL` the kernels' constexpr.

@@ -54,11 +54,17 @@ def test_weight_tiles_read_before_the_wait_give_the_same_bits(gen, monkeypatch, 
 def test_preload_tiles_are_capped_and_checked() -> None:
     from kernels.gemv import preload_tiles
 
-    assert preload_tiles(GemvTiles(8, 1024, preload=3), 3072) == 3
-    assert preload_tiles(GemvTiles(8, 1024, preload=3), 2048) == 2  # K has two tiles
-    assert preload_tiles(GemvTiles(8, 1024, preload=2), 1000) == 1
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.empty((n, k), dtype=torch.bfloat16, device="meta")
+
+    assert preload_tiles(GemvTiles(8, 1024, preload=3), w(1024, 3072)) == 3
+    assert preload_tiles(GemvTiles(8, 1024, preload=3), w(1024, 2048)) == 2  # K has two tiles
+    assert preload_tiles(GemvTiles(8, 1024, preload=2), w(6144, 1000)) == 1
+    # Qwen3-0.6B's largest product reads ahead, Qwen3-8B's smallest does not (PRELOAD_MAX_WEIGHT_BYTES).
+    assert preload_tiles(GemvTiles(8, 512), w(6144, 1024)) == 1
+    assert preload_tiles(GemvTiles(8, 512), w(4096, 4096)) == 0
     with pytest.raises(ValueError, match="preload must be 1..3"):
-        preload_tiles(GemvTiles(8, 1024, preload=4), 4096)
+        preload_tiles(GemvTiles(8, 1024, preload=4), w(1024, 4096))
 
 
 def test_gemv_reads_a_row_slice_of_a_wider_weight(gen) -> None:
