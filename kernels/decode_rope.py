@@ -12,9 +12,14 @@ This module holds the host side: the operands and their checks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# RS_ROPE_IN_DECODE=0 keeps decode's q/k norm, rotary and KV store a launch of their own (for A/B runs).
+ROPE_IN_DECODE_ENV = "RS_ROPE_IN_DECODE"
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,24 @@ class DecodeRope:
 def rope_fusable(head_dim: int, rotary_dim: int) -> bool:
     """Whether DecodeRope can take a layer's rotary: the whole head rotated, a power-of-two width."""
     return rotary_dim == head_dim and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def decode_rope_for(
+    head_dim: int,
+    positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary_emb: Any,
+    out_cache_loc: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> DecodeRope | None:
+    """A decode batch's DecodeRope for one layer (rotary_emb: its cos_cache / sin_cache tables), or None
+    where the prologue stays a launch of its own: RS_ROPE_IN_DECODE=0, or a partial rotary."""
+    if os.environ.get(ROPE_IN_DECODE_ENV, "1") == "0" or not rope_fusable(head_dim, 2 * rotary_emb.cos_cache.shape[-1]):
+        return None
+    return DecodeRope(positions, k, v, rotary_emb.cos_cache, rotary_emb.sin_cache, out_cache_loc, q_weight, k_weight, eps)
 
 
 def rope_operands(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.decode_rope import ROPE_IN_DECODE_ENV
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.runtime.attention import triton_backend
 from services.worker.runtime.attention.torch_backend import TorchAttnBackend
@@ -158,7 +159,7 @@ def test_reserved_decode_buffers_never_move(gen) -> None:
 def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str, rope_in_decode: str
 ) -> None:
-    monkeypatch.setenv(triton_backend.ROPE_IN_DECODE_ENV, rope_in_decode)
+    monkeypatch.setenv(ROPE_IN_DECODE_ENV, rope_in_decode)
     path: Path = request.getfixturevalue(checkpoint)
     config = ModelConfig.from_path(path, dtype="float32")
     model = load_model(config, "cpu")

@@ -4,11 +4,9 @@ Per step, init_forward_metadata turns the batch into the few device tensors the 
 req_to_token rows and lengths the batch already has, plus per-request split counts for decode or
 cumulative new-token offsets and prefix lengths for extend); every layer then stores its new K/V with
 one kernel and attends with one more (decode merges its splits inside that launch: the last split
-program of a request and KV head to finish merges, so there is no separate merge launch). Layers that hand over unrotated q/k
-(`forward_with_rope`) get their per-head q/k norm, rotary embedding and KV store in that one store
-launch (kernels/qk_norm_rope.py), and a decode batch gets them inside its attention launch
-(kernels/decode_rope.py; RS_ROPE_IN_DECODE=0 keeps them separate): at batch 1 a decode step is bound by
-kernel launches.
+program of a request and KV head to finish merges). Layers that hand over unrotated q/k (`forward_with_rope`)
+get their q/k norm, rotary and KV store in that one store launch (kernels/qk_norm_rope.py), or at decode
+inside the attention launch (kernels/decode_rope.py): at batch 1 a decode step is bound by launches.
 
 CUDA graphs: decode's grid depends on the batch size alone (kernels.decode_attention.max_kv_splits_for),
 its split counts are computed on the device from seq_lens, and its scratch and its merge's arrival
@@ -23,14 +21,13 @@ that keep their addresses between replays.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
-from kernels.decode_rope import DecodeRope, rope_fusable
+from kernels.decode_rope import DecodeRope, decode_rope_for
 from kernels.extend_attention import (
     PAD_ENTRY,
     TABLE_ROWS,
@@ -144,14 +141,6 @@ def _fusable_norms(q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
     return q_norm.eps == k_norm.eps
 
 
-# RS_ROPE_IN_DECODE=0 keeps decode's q/k norm, rotary and KV store a launch of their own (for A/B runs).
-ROPE_IN_DECODE_ENV = "RS_ROPE_IN_DECODE"
-
-
-def _rope_in_decode() -> bool:
-    return os.environ.get(ROPE_IN_DECODE_ENV, "1") != "0"
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -262,19 +251,9 @@ class TritonAttnBackend(AttentionBackend):
         decode = batch.forward_mode.is_decode()
         meta = self._metadata(batch, TritonDecodeMetadata if decode else TritonExtendMetadata)
         pool = batch.token_to_kv_pool
-        if decode and _rope_in_decode() and rope_fusable(layer.head_dim, 2 * rotary_emb.cos_cache.shape[-1]):
-            # One launch: decode attention normalizes and rotates q and k and stores the new K/V itself.
-            rope = DecodeRope(
-                positions,
-                k,
-                v,
-                rotary_emb.cos_cache,
-                rotary_emb.sin_cache,
-                batch.out_cache_loc,
-                q_norm.weight if q_norm is not None else None,
-                k_norm.weight if k_norm is not None else None,
-                q_norm.eps if q_norm is not None else 0.0,
-            )
+        norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
+        rope = decode_rope_for(layer.head_dim, positions, k, v, rotary_emb, batch.out_cache_loc, *norms) if decode else None
+        if rope is not None:  # one launch: decode attention rotates q and k and stores the new K/V itself
             return self._decode(q, layer, batch, meta, rope)
         qk_norm_rope_(
             positions,
@@ -336,11 +315,7 @@ class TritonAttnBackend(AttentionBackend):
         )
 
     def _decode(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        meta: TritonDecodeMetadata,
+        self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, meta: TritonDecodeMetadata,
         rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """Split-K decode attention over the pool (the new token's K/V already stored, or stored by this
