@@ -395,7 +395,7 @@ CPU_PEERS = Area(
 
 
 CPU_SERVED = Area(
-    "cpu_served", "CPU served vs vLLM-CPU with compute threads chosen at run time (this session's host)",
+    "cpu_served", "CPU vs vLLM-CPU (served, threads chosen at run time) and llama.cpp (batch 1), AMD EPYC hosts",
     CPU_AMD + "; peers rebuilt on it",
     (
         replace(_peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults "
@@ -404,6 +404,13 @@ CPU_SERVED = Area(
         replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults",
                        "peers_cpu_2026-12-04_11.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, the single-row product one sequential stream "
+                       "per thread (2026-12-04, a later AMD EPYC guest; the run before: 1.02×, `_13`)",
+                       "peers_cpu_2026-12-04_14.json", peer="llamacpp"),
+                command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
+        replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1 (same host)",
+                       "peers_cpu_2026-12-04_14.json", peer="llamacpp"),
+                command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
     ),
     note="The served defaults changed on 2026-12-04 (services/worker/cpu_threads.py: all cores while the host is "
          "quiet, one given back while other processes want it); the cpu_peers area's served rows are the "
