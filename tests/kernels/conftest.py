@@ -127,3 +127,10 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An output buffer full of NaN, so any element a kernel fails to write fails the comparison."""
     return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def rotary_caches(rotary_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary cos/sin tables [max_position, rotary_dim / 2] (base 10000), float32."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return freqs.cos(), freqs.sin()

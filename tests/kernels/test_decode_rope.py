@@ -21,15 +21,9 @@ from kernels.decode_attention import (
 )
 from kernels.decode_rope import DecodeRope, rope_fusable
 from kernels.qk_norm_rope import qk_norm_rope_
-from tests.kernels.conftest import poisoned
+from tests.kernels.conftest import poisoned, rotary_caches
 
 EPS = 1e-6
-
-
-def _caches(head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
-    return freqs.cos(), freqs.sin()
 
 
 class Case:
@@ -50,7 +44,7 @@ class Case:
         rows = self.kv.req_to_token[self.kv.req_pool_indices]
         # A row of length 0 (a padded CUDA-graph row) stores to spare slot 0, as the graph's padding does.
         self.loc = torch.where(lens > 0, rows.gather(1, self.positions[:, None])[:, 0], 0).to(torch.int64)
-        self.cos, self.sin = _caches(head_dim, int(lens.max()) + 1)
+        self.cos, self.sin = rotary_caches(head_dim, int(lens.max()) + 1)
         self.weights = (
             (
                 (torch.rand(head_dim, generator=gen) + 0.5).to(dtype),

@@ -20,16 +20,13 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kernels.qk_norm_rope import qk_norm_rope_
 from kernels.reference import kv_store_ref, qk_norm_rope_ref
+from tests.kernels.conftest import rotary_caches
 
 EPS = 1e-6
 TOKENS = 7
 NUM_SLOTS = 24
 
 
-def _caches(rotary_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
-    return freqs.cos(), freqs.sin()
 
 
 # Largest error allowed, relative to the largest value in the head (see the module docstring).
@@ -62,7 +59,7 @@ def test_fused_prologue_on_qkv_views_matches_unfused_reference(
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
     v_before = v.clone()
     positions = torch.randint(0, 500, (TOKENS,), generator=gen)
-    cos, sin = _caches(rotary_dim, 512)
+    cos, sin = rotary_caches(rotary_dim, 512)
     q_weight = k_weight = None
     if with_norm:
         q_weight = (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(dtype)
@@ -99,7 +96,7 @@ def test_store_casts_to_the_pool_dtype(gen) -> None:
     k_buffer = torch.zeros((NUM_SLOTS, kv_heads, head_dim), dtype=torch.float32)
     v_buffer = torch.zeros((NUM_SLOTS, kv_heads, head_dim), dtype=torch.float32)
     loc = torch.randperm(NUM_SLOTS, generator=gen)[:TOKENS]
-    cos, sin = _caches(head_dim, 64)
+    cos, sin = rotary_caches(head_dim, 64)
     weight = torch.ones(head_dim, dtype=torch.bfloat16)
     positions = torch.arange(TOKENS) * 5
     qk_norm_rope_(
@@ -121,7 +118,7 @@ def test_norm_at_position_zero_is_hugging_faces_qwen3_rmsnorm(gen) -> None:
     for norm in hf_norms:
         norm.weight.copy_(1 + torch.randn(head_dim, generator=gen))
     expected = [norm(x.reshape(3, -1, head_dim)).reshape(x.shape) for norm, x in zip(hf_norms, (q, k))]
-    cos, sin = _caches(head_dim, 8)
+    cos, sin = rotary_caches(head_dim, 8)
     qk_norm_rope_(
         torch.zeros(3, dtype=torch.int64), q, k, cos, sin, head_dim,
         q_weight=hf_norms[0].weight, k_weight=hf_norms[1].weight, eps=EPS,
@@ -133,7 +130,7 @@ def test_norm_at_position_zero_is_hugging_faces_qwen3_rmsnorm(gen) -> None:
 def _bad_call_kwargs(gen: torch.Generator) -> dict:
     head_dim = 16
     qkv = torch.randn((3, 8 * head_dim), generator=gen)
-    cos, sin = _caches(head_dim, 8)
+    cos, sin = rotary_caches(head_dim, 8)
     return dict(
         positions=torch.zeros(3, dtype=torch.int64),
         q=qkv[:, : 4 * head_dim],
