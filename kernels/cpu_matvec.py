@@ -5,6 +5,7 @@ tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make s
     y = matvec(x, weight, bias)   # x: one row [1, K] (or [K]); weight: [N, K]; float32 CPU tensors
     y, x_plus_r = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, weight)
     y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
+    out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, scale)  # batch-1 decode attention
 
 (the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them).
 
@@ -92,6 +93,12 @@ def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
         )
         raise MatvecUnavailable(_failure) from exc
     return _loaded
+
+
+def row_attention() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.radixserve_cpu.decode_attention_row (one decode query row's attention over a span of the
+    pool) where the library is already loaded in this process, else None: never builds."""
+    return torch.ops.radixserve_cpu.decode_attention_row if _loaded is not None else None
 
 
 def matvec_isa() -> str:

@@ -223,6 +223,111 @@ at::Tensor silu_mul_matvec(const at::Tensor& gate_up, const at::Tensor& weight) 
 
 std::string matvec_isa() { return path().name; }
 
+// One decode query row's attention over L cached positions, for batch-1 decode on the CPU, where torch's
+// SDPA spends ~70 us a layer on dispatch and threading for a few hundred thousand FLOPs: q [kv_heads, group,
+// D] (query head h * group + j attends with KV head h, HF's order), k and v [L, kv_heads, D] with any stride
+// over L (a span of the pool) and contiguous [kv_heads, D] rows. Per query head: the scores through the
+// products' own row kernel, softmax with the maximum subtracted, the weights' sum, then the weighted values
+// divided by it. One thread: the work is smaller than a parallel region's start-up.
+void softmax_weights(float* p, int64_t len, float scale, float* total);
+void add_scaled_rows(float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d);
+
+at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "decode_attention_row: q, k and v must be float32 CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) >= 1,
+              "decode_attention_row: q must be [kv_heads, group, D] and k, v [L >= 1, kv_heads, D], got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  const int64_t heads = q.size(0), group = q.size(1), d = q.size(2), len = k.size(0);
+  TORCH_CHECK(k.size(1) == heads && k.size(2) == d, "decode_attention_row: k ", k.sizes(), " does not match q ",
+              q.sizes());
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
+              "decode_attention_row: k and v need contiguous [kv_heads, D] rows");
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({heads * group * d}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> p(len);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t j = 0; j < group; ++j) {
+      float* o = op + (h * group + j) * d;
+      path().fn(kp + h * d, k.stride(0), qp + (h * group + j) * d, p.data(), 0, len, d);  // scores
+      float total;
+      softmax_weights(p.data(), len, static_cast<float>(scale), &total);
+      add_scaled_rows(o, vp + h * d, v.stride(0), p.data(), len, d);
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    }
+  }
+  return out;
+}
+
+#ifdef RS_X86
+// exp on 16 lanes: 2^(x log2 e) as 2^n (scalef) times 2^f, f in [-0.5, 0.5], by its degree-6 Taylor
+// polynomial (relative error ~1e-7); arguments below -87.3 give 0's neighbourhood as expf does.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 r = _mm512_set1_ps(1.5403530393381609e-4f);
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(r, n);
+}
+
+__attribute__((target("avx512f"))) void softmax_weights_avx512(float* p, int64_t len, float scale, float* total) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t] *= scale);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 live = len - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - t)) - 1u);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + t), mv));
+    _mm512_mask_storeu_ps(p + t, live, e);
+    acc = _mm512_mask_add_ps(acc, live, acc, e);
+  }
+  *total = _mm512_reduce_add_ps(acc);
+}
+
+__attribute__((target("avx512f"))) void add_scaled_rows_avx512(
+    float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) {
+    const __mmask16 live = d - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (d - i)) - 1u);
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(live, v + t * vs + i), a);
+    _mm512_mask_storeu_ps(o + i, live, a);
+  }
+}
+#endif
+
+bool use_avx512() { return std::string(path().name) == "avx512"; }
+
+void softmax_weights(float* p, int64_t len, float scale, float* total) {
+#ifdef RS_X86
+  if (use_avx512()) return softmax_weights_avx512(p, len, scale, total);
+#endif
+  float m = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t] *= scale);
+  float sum = 0.0f;
+  for (int64_t t = 0; t < len; ++t) sum += (p[t] = std::exp(p[t] - m));
+  *total = sum;
+}
+
+void add_scaled_rows(float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d) {
+#ifdef RS_X86
+  if (use_avx512()) return add_scaled_rows_avx512(o, v, vs, p, len, d);
+#endif
+  std::fill(o, o + d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    for (int64_t i = 0; i < d; ++i) o[i] += p[t] * v[t * vs + i];
+  }
+}
+
 // Makes every later product use `isa` (tests and benchmarks: each path on one CPU); returns the one before.
 std::string use_matvec_isa(const std::string& isa) {
   std::string names;
@@ -243,6 +348,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("rmsnorm_matvec(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight) -> (Tensor, Tensor)");
   m.def("silu_mul_matvec(Tensor gate_up, Tensor weight) -> Tensor");
+  m.def("decode_attention_row(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("matvec_isa() -> str", &matvec_isa);
   m.def("use_matvec_isa(str isa) -> str", &use_matvec_isa);
 }
@@ -251,4 +357,5 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("matvec", &matvec);
   m.impl("rmsnorm_matvec", &rmsnorm_matvec);
   m.impl("silu_mul_matvec", &silu_mul_matvec);
+  m.impl("decode_attention_row", &decode_attention_row);
 }

@@ -8,7 +8,9 @@ scaled_dot_product_attention call (on CPU a fused kernel: in bfloat16 a fifth of
 batched matmuls and softmax it replaced at batch 1, see bench/HISTORY.md). The keys come from dense
 blocks kept across decode steps (attention/dense_kv.py: only each step's new K/V is copied in), from
 a view of the pool for a lone request whose slots are consecutive, or else gathered from the pool per
-KV head. All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
+KV head. That lone float32 request on the CPU skips SDPA: its ~70 us of dispatch a layer is more than the
+work, so kernels/cpu/matvec.cpp's decode_attention_row attends instead (~6-16 us at 64-192 positions;
+RS_CPU_ROW_ATTENTION=0 off). All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
 costs a handful of tensor ops whatever the batch size.
 Extend keeps a per-request SDPA loop (the causal bookkeeping of mixed prefix lengths stays obvious), shaped
 for torch's fused CPU kernel (flash attention for CPU): 4-D, the KV heads repeated to the query heads, and
@@ -21,8 +23,9 @@ folded into the softmax scale and its V scale multiplies the output.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -191,6 +194,10 @@ class TorchAttnBackend(AttentionBackend):
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         elif meta.first_slot is not None:
             span = slice(meta.first_slot, meta.first_slot + meta.max_len)
+            if bs == 1 and (attend := _row_attention(q, k_buffer, pool.v_scales[layer.layer_id])) is not None:
+                # One request over a contiguous span: the C++ single-row attention, not SDPA's dispatch.
+                out = attend(qg[0], k_buffer[span], v_buffer[span], _scales(batch, layer)[0])
+                return out.view(1, layer.num_heads * head_dim)
             # [max_len, kv_heads, head_dim] slots -> [1, kv_heads, max_len, head_dim], a strided view.
             keys = k_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
             values = v_buffer[span].permute(1, 0, 2).unsqueeze(0).to(q.dtype)
@@ -205,6 +212,22 @@ class TorchAttnBackend(AttentionBackend):
         if v_scale != 1.0:
             out.mul_(v_scale)
         return out.reshape(bs, layer.num_heads * head_dim)
+
+
+# RS_CPU_ROW_ATTENTION=0 keeps SDPA for batch-1 CPU decode (for A/B runs).
+ROW_ATTENTION_ENV = "RS_CPU_ROW_ATTENTION"
+
+
+def _row_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_scale: float) -> Any:
+    """kernels/cpu_matvec.py's decode_attention_row where it applies: float32 q and pool on the CPU, no V
+    scale, the C++ library already loaded (the single-row products load it), RS_CPU_ROW_ATTENTION not 0."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_buffer.dtype != torch.float32 or v_scale != 1.0:
+        return None
+    if os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
+        return None
+    from kernels.cpu_matvec import row_attention  # imported where used: the CPU library's module
+
+    return row_attention()
 
 
 def _scales(batch: ForwardBatch, layer: AttentionLayer) -> tuple[float, float]:

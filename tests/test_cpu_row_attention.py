@@ -1,0 +1,99 @@
+"""Batch-1 decode attention on the CPU (kernels/cpu/matvec.cpp's decode_attention_row) against a float64
+reference, on every instruction-set path, and through the torch backend against SDPA.
+
+The op is one query row's attention over a span of the pool: each query head's scores, softmax (its
+exponential a degree-6 polynomial on AVX-512, libm's expf elsewhere) and weighted values, in float32.
+Held to 2e-6 of the output's scale against float64. Bad operands are RuntimeErrors naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_matvec
+from tests.test_cpu_matvec import isa, needs_matvec  # noqa: F401 (the fixture)
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [kv_heads, group, D], k/v [L, kv_heads, D] -> [kv_heads * group * D], in float64."""
+    q64, k64, v64 = q.double(), k.double().permute(1, 0, 2), v.double().permute(1, 0, 2)
+    weights = torch.softmax(q64 @ k64.transpose(1, 2) * scale, dim=-1)  # [kv_heads, group, L]
+    return (weights @ v64).reshape(-1)
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (1, 4, 40)])
+def test_row_attention_matches_float64(isa, length, kv_heads, group, head_dim) -> None:  # noqa: F811
+    g = torch.Generator().manual_seed(length * 7 + head_dim)
+    # A span of a bigger pool: rows are strided by the pool's slot stride, not packed.
+    pool_k = torch.randn(length + 9, kv_heads, head_dim, generator=g) * 2
+    pool_v = torch.randn(length + 9, kv_heads, head_dim, generator=g)
+    k, v = pool_k[4 : 4 + length], pool_v[4 : 4 + length]
+    q = torch.randn(kv_heads, group, head_dim, generator=g)
+    out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, head_dim**-0.5)
+    ref = _reference(q, k, v, head_dim**-0.5)
+    assert out.shape == (kv_heads * group * head_dim,)
+    assert (out.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+def test_large_scores_neither_overflow_nor_underflow(isa) -> None:  # noqa: F811
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 32, generator=g) * 40
+    k, v = torch.randn(50, 1, 32, generator=g) * 40, torch.randn(50, 1, 32, generator=g)
+    out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, 1.0)
+    ref = _reference(q, k, v, 1.0)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+@needs_matvec
+@pytest.mark.parametrize(
+    ("q", "k", "match"),
+    [
+        (torch.zeros(2, 1, 16, dtype=torch.float64), torch.zeros(4, 2, 16), "float32"),
+        (torch.zeros(2, 1, 16), torch.zeros(4, 3, 16), "does not match"),
+        (torch.zeros(2, 16), torch.zeros(4, 2, 16), r"q must be \[kv_heads, group, D\]"),
+        (torch.zeros(2, 1, 16), torch.zeros(4, 2, 32)[:, :, :16], "contiguous"),
+        (torch.zeros(2, 1, 16), torch.zeros(0, 2, 16), r"L >= 1"),
+    ],
+    ids=["dtype", "heads", "q-dims", "rows", "empty"],
+)
+def test_bad_operands_are_clear_errors(q, k, match) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.radixserve_cpu.decode_attention_row(q, k, torch.zeros_like(k), 0.25)
+
+
+@needs_matvec
+def test_a_lone_cpu_decode_uses_it_and_matches_sdpa(llama_path, monkeypatch) -> None:
+    """The torch backend's batch-1 float32 decode goes through the op (spied) and gives SDPA's tokens and
+    log-probs (within float32 rounding) for 12 greedy steps."""
+    from services.worker.frontend.engine import Engine
+    from services.worker.runtime.attention import torch_backend
+
+    cpu_matvec.load_matvec()
+    calls = []
+    real = cpu_matvec.row_attention
+
+    def spy():  # noqa: ANN202
+        op = real()
+        return lambda *args: calls.append(args[1].shape[0]) or op(*args)
+
+    monkeypatch.setattr(cpu_matvec, "row_attention", spy)
+    params = {"max_new_tokens": 12, "min_new_tokens": 12, "temperature": 0.0}
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(torch_backend.ROW_ATTENTION_ENV, setting)
+        with Engine(str(llama_path), dtype="float32", max_total_tokens=160) as engine:
+            out = engine.generate(
+                input_ids=[[5, 9, 2, 31, 7, 12]], sampling_params=params, return_logprob=True
+            )[0]
+        runs[setting] = out
+        if setting == "1":
+            assert calls and max(calls) >= 6, "batch-1 decode did not reach decode_attention_row"
+            calls.clear()
+    assert not calls, "RS_CPU_ROW_ATTENTION=0 still used the op"
+    assert runs["1"]["output_ids"] == runs["0"]["output_ids"]
+    ours = torch.tensor([lp for lp, *_ in runs["1"]["meta_info"]["output_token_logprobs"]])
+    ref = torch.tensor([lp for lp, *_ in runs["0"]["meta_info"]["output_token_logprobs"]])
+    assert (ours - ref).abs().max() <= 1e-4
