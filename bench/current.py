@@ -404,12 +404,12 @@ CPU_SERVED = Area(
         replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults",
                        "peers_cpu_2026-12-04_11.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, the single-row product one sequential stream "
-                       "per thread (2026-12-04, a later AMD EPYC guest; the run before: 1.02×, `_13`)",
-                       "peers_cpu_2026-12-04_14.json", peer="llamacpp"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, one-stream single-row product and C++ "
+                       "single-row attention (2026-12-04, a later AMD EPYC guest; with the product alone: 1.02× "
+                       "`_13`, 0.96× `_14`)", "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1 (same host)",
-                       "peers_cpu_2026-12-04_14.json", peer="llamacpp"),
+                       "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
     ),
     note="The served defaults changed on 2026-12-04 (services/worker/cpu_threads.py: all cores while the host is "
