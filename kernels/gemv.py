@@ -35,8 +35,6 @@ from kernels.pdl import launch_options, pdl_enter, preload_weights
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
-# Most weight tiles a "rows" program reads before its PDL wait.
-MAX_PRELOAD_TILES = 3
 # Only products of at most this many weight bytes read ahead. On the H200 (bench/gpu_pdl.py --env
 # RS_PDL_PRELOAD, 2026-12-04) reading ahead made Qwen3-0.6B's batch-1 decode 1.07-1.10x faster (every
 # product <= 12.6 MB, one wave of short programs) and Qwen3-8B's 0.96x (products of 34-201 MB in several
@@ -52,9 +50,6 @@ class GemvTiles:
     num_warps: int = 4
     num_stages: int = 2
     kind: str = "rows"  # "rows": one row, float32 partial sums per element; "dot": up to 16 rows, tl.dot
-    # "rows": BLOCK_K-wide weight tiles a program reads before its PDL wait (1 to MAX_PRELOAD_TILES, capped at
-    # the tiles K has): with the whole slice preloaded, a product's weight traffic overlaps the kernel before.
-    preload: int = 1
 
     @property
     def max_rows(self) -> int:
@@ -154,30 +149,18 @@ def _gemv_kernel(
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
     safe_rows = tl.where(row_mask, rows, 0).to(tl.int64)
-    # The weight is never written during a step, so its first PRELOAD tiles (at most the tiles K has) may be
-    # read before the wait: the loads are in flight while the kernel before this one finishes (pdl.py's
-    # protocol bars only activations before the wait). Summed below in the loop's order.
-    if PRELOAD >= 1:
-        w_0 = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
-    if PRELOAD >= 2:
-        w_1 = _weight_tile(W, safe_rows, stride_wn, BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
-    if PRELOAD >= 3:
-        w_2 = _weight_tile(W, safe_rows, stride_wn, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
+    # The weight is never written during a step, so its first tile may be read before the wait: the loads
+    # are in flight while the kernel before this one finishes (pdl.py's protocol bars only activations
+    # before the wait). Summed below in the loop's order.
+    if PRELOAD:
+        w_first = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PRELOAD >= 1:
+    if PRELOAD:
         x = prologue_input(X, Residual, Norm_w, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        acc += w_0.to(tl.float32) * x[None, :]
-    if PRELOAD >= 2:
-        cols = BLOCK_K + tl.arange(0, BLOCK_K)
-        x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        acc += w_1.to(tl.float32) * x[None, :]
-    if PRELOAD >= 3:
-        cols = 2 * BLOCK_K + tl.arange(0, BLOCK_K)
-        x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-        acc += w_2.to(tl.float32) * x[None, :]
-    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+        acc += w_first.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K)
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
@@ -254,15 +237,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     return out.view(x.shape[:-1] + (n,)) if x.dim() == 2 else out.view(n)
 
 
-def preload_tiles(tiles: GemvTiles, weight: torch.Tensor) -> int:
-    """Weight tiles a "rows" launch reads before its PDL wait: tiles.preload, capped at K's tiles; 0 for a
-    weight above PRELOAD_MAX_WEIGHT_BYTES, and with RS_PDL_PRELOAD=0."""
-    if not 1 <= tiles.preload <= MAX_PRELOAD_TILES:
-        raise ValueError(f"tiles.preload must be 1..{MAX_PRELOAD_TILES}, got {tiles.preload}")
-    n, k = weight.shape
-    if not preload_weights() or n * k * weight.element_size() > PRELOAD_MAX_WEIGHT_BYTES:
-        return 0
-    return min(tiles.preload, triton.cdiv(k, tiles.block_k))
+def reads_ahead(weight: torch.Tensor) -> bool:
+    """Whether a "rows" launch over `weight` reads its first weight tile before its PDL wait: a weight of at
+    most PRELOAD_MAX_WEIGHT_BYTES, unless RS_PDL_PRELOAD=0."""
+    return preload_weights() and weight.numel() * weight.element_size() <= PRELOAD_MAX_WEIGHT_BYTES
 
 
 def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -303,7 +281,7 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=bool(pdl := launch_options(weight.device)),
-        PRELOAD=preload_tiles(tiles, weight),
+        PRELOAD=reads_ahead(weight),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -22,49 +22,45 @@ def test_gemv_matches_float32_product(gen, n, k, tiles) -> None:
     assert rel_error(out, x @ w.t()) < 1e-5
 
 
-@pytest.mark.parametrize("k", [96, 100, 64, 40], ids=["three-tiles", "ragged-fourth", "two-tiles", "one-ragged"])
+@pytest.mark.parametrize("k", [96, 100, 32, 20], ids=["three-tiles", "ragged-fourth", "one-tile", "one-ragged"])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
-def test_weight_tiles_read_before_the_wait_give_the_same_bits(gen, monkeypatch, k, prologue) -> None:
-    """preload = 1..3 tiles read ahead (capped at the tiles K has), or none (RS_PDL_PRELOAD=0): the same
+def test_the_weight_tile_read_before_the_wait_gives_the_same_bits(gen, monkeypatch, k, prologue) -> None:
+    """The first weight tile read ahead (the default for a small weight) or not (RS_PDL_PRELOAD=0): the same
     sums in the same order, so the same bits, with and without a prologue."""
-    from kernels.gemv import rmsnorm_gemv, silu_mul_gemv
+    from kernels.gemv import reads_ahead, rmsnorm_gemv, silu_mul_gemv
 
     n = 24
     w = torch.randn((n, k), generator=gen)
     x = torch.randn((1, 2 * k if prologue == "silu_mul" else k), generator=gen)
     res, norm_w = torch.randn((1, k), generator=gen), torch.rand(k, generator=gen) + 0.5
 
-    def run(preload: int) -> torch.Tensor:
-        tiles = GemvTiles(8, 32, preload=preload)
+    def run() -> torch.Tensor:
+        tiles = GemvTiles(8, 32)
         if prologue == "rmsnorm":
             return rmsnorm_gemv(x, res, norm_w, 1e-6, w, tiles)[0]
         if prologue == "silu_mul":
             return silu_mul_gemv(x, w, tiles)
         return gemv(x, w, tiles=tiles)
 
-    outs = [run(p) for p in (1, 2, 3)]
+    assert reads_ahead(w)
+    ahead = run()
     monkeypatch.setenv("RS_PDL_PRELOAD", "0")
-    outs.append(run(3))
-    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert not reads_ahead(w)
+    assert torch.equal(run(), ahead)
     ref = {"none": lambda: x @ w.t(), "silu_mul": lambda: (torch.nn.functional.silu(x[:, :k]) * x[:, k:]) @ w.t()}
     if prologue in ref:
-        assert rel_error(outs[0], ref[prologue]()) < 1e-5
+        assert rel_error(ahead, ref[prologue]()) < 1e-5
 
 
-def test_preload_tiles_are_capped_and_checked() -> None:
-    from kernels.gemv import preload_tiles
+def test_only_weights_up_to_16_mib_read_ahead() -> None:
+    from kernels.gemv import reads_ahead
 
     def w(n: int, k: int) -> torch.Tensor:
         return torch.empty((n, k), dtype=torch.bfloat16, device="meta")
 
-    assert preload_tiles(GemvTiles(8, 1024, preload=3), w(1024, 3072)) == 3
-    assert preload_tiles(GemvTiles(8, 1024, preload=3), w(1024, 2048)) == 2  # K has two tiles
-    assert preload_tiles(GemvTiles(8, 1024, preload=2), w(6144, 1000)) == 1
     # Qwen3-0.6B's largest product reads ahead, Qwen3-8B's smallest does not (PRELOAD_MAX_WEIGHT_BYTES).
-    assert preload_tiles(GemvTiles(8, 512), w(6144, 1024)) == 1
-    assert preload_tiles(GemvTiles(8, 512), w(4096, 4096)) == 0
-    with pytest.raises(ValueError, match="preload must be 1..3"):
-        preload_tiles(GemvTiles(8, 1024, preload=4), w(1024, 4096))
+    assert reads_ahead(w(6144, 1024))
+    assert not reads_ahead(w(4096, 4096))
 
 
 def test_gemv_reads_a_row_slice_of_a_wider_weight(gen) -> None:

@@ -32,11 +32,6 @@ logger = logging.getLogger(__name__)
 GEMV_CANDIDATES = (
     (8, 512, 4, 3, "rows"), (16, 1024, 8, 1, "rows"), (32, 256, 8, 1, "rows"), (16, 256, 4, 3, "rows"),
     (16, 512, 4, 3, "dot"), (32, 256, 4, 3, "dot"), (64, 128, 4, 4, "dot"),
-    # A program's whole weight slice (or its first 3,072 columns) read before the PDL wait, so the
-    # product's weight traffic overlaps the kernel before it: a 0.6B-shaped chain of 112 products ran in
-    # 348 us this way against 472 us with one tile (bench/gpu_flag_chain.py, H200). (16, 1024, 8, 1) above
-    # already holds a K = 1,024 slice whole.
-    (8, 1024, 8, 2, "rows", 2), (8, 1024, 8, 2, "rows", 3),
 )
 # The Triton product must beat cuBLAS by this much to be kept under 'auto'.
 GEMV_MIN_GAIN = 0.02
