@@ -248,10 +248,10 @@ def _decode_kernel(
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
-    split = tl.program_id(2)
-    # Clamped to the grid, so every split that is counted below is also launched.
+    first_split = tl.program_id(2)
+    # Clamped to MAX_SPLITS, so every split that is counted below is also run.
     num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
-    if split < num_splits:
+    if first_split < num_splits:
         seq_len = tl.load(Seq_lens + b).to(tl.int32)
         req_row = tl.load(Req_pool_indices + b).to(tl.int64)
         if SPLIT_TOKENS > 0:
@@ -260,8 +260,6 @@ def _decode_kernel(
         else:
             # Whole tiles per split so only the sequence's last tile is partial.
             split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
 
         offs_h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + offs_h
@@ -280,103 +278,110 @@ def _decode_kernel(
             q = rope_heads(
                 Q + b * stride_qb, heads, h_mask, stride_qh, Q_w, eps, cos, sin, HAS_NORM, HEAD_DIM, HEAD_DIM // 2
             )
-            if (end >= seq_len) & ((start < seq_len) | (split == 0)):
-                store_new_kv(
-                    K_new + b * stride_knt, V_new + b * stride_vnt, kv_head, stride_knh, stride_vnh, K_w, eps, cos,
-                    sin, K_buf, V_buf, tl.load(Loc + b).to(tl.int64), stride_kt, stride_kh, stride_vt, stride_vh,
-                    inv_k_scale, inv_v_scale, HAS_NORM, FP8_MAX, HEAD_DIM, HEAD_DIM // 2,
-                )
-                # The loop below reads that slot back through other threads of this program.
-                tl.debug_barrier()
         else:
             q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=hd_mask, other=0.0)
 
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-        token_row = Req_to_token + req_row * stride_r2t
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            n_mask = pos < end
-            slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
-            if K_ROWS:
-                k = tl.trans(
-                    tl.load(
-                        K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                        mask=n_mask[:, None] & d_mask[None, :],
+        # A grid narrower than the splits (grid_splits) walks them: split s's arithmetic is the same
+        # whichever program runs it, and the merge below adds the splits in index order.
+        for split in range(first_split, num_splits, tl.num_programs(2)):
+            start = split * split_len
+            end = tl.minimum(start + split_len, seq_len)
+            if ROPE:
+                if (end >= seq_len) & ((start < seq_len) | (split == 0)):
+                    store_new_kv(
+                        K_new + b * stride_knt, V_new + b * stride_vnt, kv_head, stride_knh, stride_vnh, K_w, eps,
+                        cos, sin, K_buf, V_buf, tl.load(Loc + b).to(tl.int64), stride_kt, stride_kh, stride_vt,
+                        stride_vh, inv_k_scale, inv_v_scale, HAS_NORM, FP8_MAX, HEAD_DIM, HEAD_DIM // 2,
+                    )
+                    # The loop below reads that slot back through other threads of this program.
+                    tl.debug_barrier()
+
+            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+            token_row = Req_to_token + req_row * stride_r2t
+            for n0 in range(start, end, BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                n_mask = pos < end
+                slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+                if K_ROWS:
+                    k = tl.trans(
+                        tl.load(
+                            K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                            mask=n_mask[:, None] & d_mask[None, :],
+                            other=0.0,
+                        ).to(q.dtype)
+                    )
+                else:
+                    k = tl.load(
+                        K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                        mask=n_mask[None, :] & d_mask[:, None],
                         other=0.0,
                     ).to(q.dtype)
-                )
-            else:
-                k = tl.load(
-                    K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None],
+                s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+                s = tl.where(n_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :],
                     other=0.0,
                 ).to(q.dtype)
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=n_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            ).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
 
-        # No tokens (an empty split, or a padded CUDA-graph row of length 0) gives zeros and lse = -inf.
-        has_tokens = l_i > 0
-        part = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
-        if num_splits == 1:
-            tl.store(
-                Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                part.to(Out.dtype.element_ty),
-                mask=hd_mask,
-            )
-        else:
-            lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-            part_rows = Part_out + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
-            tl.store(part_rows + split * stride_pos, part, mask=hd_mask)
-            tl.store(Part_lse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
-            # The last program to count itself in merges. On the GPU one elected thread performs a scalar
-            # atomic, so each side takes two steps. Writers: the barrier orders every thread's partial stores
-            # before that thread's atomic, whose release (gpu scope, cumulative) publishes them. Merger: its
-            # acquire sees every earlier release, and the barrier after it orders all its threads' reads
-            # (from L2, see _merge_splits) after that acquire. No program waits for another, so any
-            # scheduling order is safe, and the counter is zero again when the launch ends. The interpreter
-            # runs programs one at a time, highest split last, so tests cannot exercise these orderings.
-            tl.debug_barrier()
-            counter = Split_counters + b * num_kv_heads + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                tl.debug_barrier()
-                _merge_splits(
-                    Part_out,
-                    Part_lse,
-                    Out,
-                    b,
-                    heads,
-                    h_mask,
-                    offs_d,
-                    d_mask,
-                    num_splits,
-                    stride_pob,
-                    stride_poh,
-                    stride_pos,
-                    stride_plb,
-                    stride_plh,
-                    stride_ob,
-                    stride_oh,
-                    BLOCK_H,
-                    BLOCK_D,
-                    MAX_SPLITS,
+            # No tokens (an empty split, or a padded CUDA-graph row of length 0) gives zeros and lse = -inf.
+            has_tokens = l_i > 0
+            part = acc / tl.where(has_tokens, l_i, 1.0)[:, None] * v_scale
+            if num_splits == 1:
+                tl.store(
+                    Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                    part.to(Out.dtype.element_ty),
+                    mask=hd_mask,
                 )
-                # Every split of this launch has counted in, so nothing else touches the counter now;
-                # the launch boundary makes the zero visible to the next layer's launch.
-                tl.store(counter, 0)
+            else:
+                lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+                part_rows = Part_out + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
+                tl.store(part_rows + split * stride_pos, part, mask=hd_mask)
+                tl.store(Part_lse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
+                # The last program to count itself in merges. On the GPU one elected thread performs a scalar
+                # atomic, so each side takes two steps. Writers: the barrier orders every thread's partial stores
+                # before that thread's atomic, whose release (gpu scope, cumulative) publishes them. Merger: its
+                # acquire sees every earlier release, and the barrier after it orders all its threads' reads
+                # (from L2, see _merge_splits) after that acquire. No program waits for another, so any
+                # scheduling order is safe, and the counter is zero again when the launch ends. The interpreter
+                # runs programs one at a time, highest split last, so tests cannot exercise these orderings.
+                tl.debug_barrier()
+                counter = Split_counters + b * num_kv_heads + kv_head
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if arrived == num_splits - 1:
+                    tl.debug_barrier()
+                    _merge_splits(
+                        Part_out,
+                        Part_lse,
+                        Out,
+                        b,
+                        heads,
+                        h_mask,
+                        offs_d,
+                        d_mask,
+                        num_splits,
+                        stride_pob,
+                        stride_poh,
+                        stride_pos,
+                        stride_plb,
+                        stride_plh,
+                        stride_ob,
+                        stride_oh,
+                        BLOCK_H,
+                        BLOCK_D,
+                        MAX_SPLITS,
+                    )
+                    # Every split of this launch has counted in, so nothing else touches the counter now;
+                    # the launch boundary makes the zero visible to the next layer's launch.
+                    tl.store(counter, 0)
 
 
 def alloc_decode_partials(
@@ -417,6 +422,7 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rope: DecodeRope | None = None,
+    grid_splits: int = 0,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
@@ -430,6 +436,9 @@ def decode_attention(
     k_scale / v_scale: a float8 pool's scales (the keys and values are the stored ones times these).
     rope: q/k norm, rotary and the new tokens' KV store done by this launch (DecodeRope); without it q is
     already rotated and the pool already holds every position.
+    grid_splits: programs per (request, kv_head), each walking splits s, s + grid_splits, ... (0: max_kv_splits,
+    one split each). Fewer programs than splits change nothing in the result: a lone long request needs
+    max_kv_splits of them, but a batch of 256 launching 64 each mostly starts programs that exit at once.
     One launch; never syncs with the host.
     """
     num_kv_heads, head_dim = k_buffer.shape[1], k_buffer.shape[2]
@@ -464,11 +473,14 @@ def decode_attention(
         raise ValueError(
             f"split_tokens must be 0 or a multiple of block_n {tiles.block_n}, got {split_tokens}"
         )
+    grid_splits = grid_splits or max_kv_splits
+    if not 1 <= grid_splits <= max_kv_splits:
+        raise ValueError(f"grid_splits must be between 1 and max_kv_splits {max_kv_splits}, got {grid_splits}")
     q3 = q.view(batch_size, num_heads, head_dim)
     o3 = out.view(batch_size, num_heads, head_dim)
     group = num_heads // num_kv_heads
     grid = (
-        (num_kv_heads, batch_size, max_kv_splits) if tiles.head_major else (batch_size, num_kv_heads, max_kv_splits)
+        (num_kv_heads, batch_size, grid_splits) if tiles.head_major else (batch_size, num_kv_heads, grid_splits)
     )
     r = rope_operands(rope, batch_size, num_kv_heads, head_dim, q3)
     pdl = launch_options(q.device)

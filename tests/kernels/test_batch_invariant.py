@@ -154,7 +154,7 @@ def test_fixed_size_decode_splits_make_a_request_the_same_in_any_batch(gen) -> N
     q = torch.randn((len(seq_lens), 4 * 16), generator=gen)
     tiles, split_tokens, scale = DecodeTiles(block_n=16), 32, 0.25
 
-    def run(index: list[int], max_splits: int) -> torch.Tensor:
+    def run(index: list[int], max_splits: int, grid_splits: int = 0) -> torch.Tensor:
         rows = torch.tensor(index)
         lens = kv.seq_lens[rows]
         part_out, part_lse = alloc_decode_partials(len(index), 4, max_splits, 16, "cpu")
@@ -162,7 +162,7 @@ def test_fixed_size_decode_splits_make_a_request_the_same_in_any_batch(gen) -> N
         decode_attention(
             q[rows], kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices[rows], lens,
             fixed_size_kv_splits(lens, split_tokens), max_splits, scale, part_out, part_lse, tiles,
-            split_tokens=split_tokens,
+            split_tokens=split_tokens, grid_splits=grid_splits,
         )  # fmt: skip
         return out
 
@@ -174,9 +174,13 @@ def test_fixed_size_decode_splits_make_a_request_the_same_in_any_batch(gen) -> N
         q, kv.k_buffer, kv.v_buffer, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, scale
     )
     assert rel_error(alone, ref) < 1e-5
-    for bs, max_splits in ((3, 4), (len(seq_lens), 8)):
+    # A grid narrower than the splits (each program walking several, as the deterministic backend
+    # launches large batches) gives the same bits as well.
+    for bs, max_splits, grid_splits in ((3, 4, 0), (len(seq_lens), 8, 0), (len(seq_lens), 8, 1), (3, 4, 3)):
         starts = range(0, len(seq_lens), bs)
-        batched = torch.cat([run(list(range(s, min(s + bs, len(seq_lens)))), max_splits) for s in starts])
+        batched = torch.cat(
+            [run(list(range(s, min(s + bs, len(seq_lens)))), max_splits, grid_splits) for s in starts]
+        )
         assert torch.equal(batched, alone)
 
 

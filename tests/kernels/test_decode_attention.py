@@ -64,6 +64,7 @@ def _run(
     scratch: Scratch | None = None,
     splits: torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
+    grid_splits: int = 0,
 ) -> torch.Tensor:
     bs, num_kv_heads, head_dim = q.shape[0], kv.k_buffer.shape[1], kv.k_buffer.shape[2]
     if splits is None:
@@ -73,7 +74,7 @@ def _run(
     decode_attention(
         q, kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
         splits, max_splits, sm_scale, scratch.part_out, scratch.part_lse, tiles or DecodeTiles(block_n=16),
-        scratch.counters,
+        scratch.counters, grid_splits=grid_splits,
     )  # fmt: skip
     return out
 
@@ -136,6 +137,26 @@ def test_decode_result_does_not_depend_on_split_count(gen, paged_kv, max_splits)
     one = _run(kv, q, 4, max_splits=1, sm_scale=0.3)
     many = _run(kv, q, 4, max_splits=max_splits, sm_scale=0.3)
     assert rel_error(many, one) < 1e-5
+
+
+@pytest.mark.parametrize("grid_splits", [1, 3])
+def test_programs_walking_several_splits_give_the_same_bits(gen, paged_kv, grid_splits) -> None:
+    """grid_splits below max_kv_splits: each program runs splits s, s + grid_splits, ...; every split's
+    arithmetic and the merge's order are unchanged, and the counters end at zero."""
+    kv = paged_kv(gen, [1030, 3, 130, 0], num_kv_heads=2, head_dim=16)
+    q = torch.randn((4, 4 * 16), generator=gen)
+    scratch = Scratch(4, 4, 2, 8, 16)
+    walked = _run(kv, q, 4, 8, 0.3, scratch=scratch, grid_splits=grid_splits)
+    assert torch.equal(walked, _run(kv, q, 4, 8, 0.3))
+    assert rel_error(walked, _ref(kv, q, 0.3)) < 1e-3
+    assert scratch.counters.eq(0).all()
+
+
+def test_decode_rejects_a_grid_wider_than_the_splits(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [10], num_kv_heads=1, head_dim=16)
+    q = torch.randn((1, 16), generator=gen)
+    with pytest.raises(ValueError, match="grid_splits must be between 1 and max_kv_splits 4, got 8"):
+        _run(kv, q, 1, 4, 1.0, grid_splits=8)
 
 
 def test_one_split_requests_write_out_without_scratch_or_counters(gen, paged_kv) -> None:

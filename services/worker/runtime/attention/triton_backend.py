@@ -73,10 +73,12 @@ class ExtendSplitting:
 
 @dataclass(frozen=True)
 class TritonDecodeMetadata:
-    """num_kv_splits: [bs] int32 splits each request uses; max_kv_splits: the grid's split bound."""
+    """num_kv_splits: [bs] int32 splits per request; max_kv_splits: their bound (the merge's width);
+    grid_splits: programs per (request, kv_head) walking them (0: max_kv_splits, a split each)."""
 
     num_kv_splits: torch.Tensor
     max_kv_splits: int
+    grid_splits: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,11 +122,9 @@ def extend_metadata_rows(
     if width is None:
         width = max(len(extend_lens) + 1, table.shape[1])
     rows = torch.zeros((EXTEND_METADATA_ROWS, width), dtype=torch.int32)
-    indptr = [0]
-    for n in extend_lens:
-        indptr.append(indptr[-1] + n)
+    indptr = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     rows[_QO_INDPTR] = indptr[-1]
-    rows[_QO_INDPTR, : len(indptr)] = torch.tensor(indptr, dtype=torch.int32)
+    rows[_QO_INDPTR, : len(indptr)] = indptr
     rows[_PREFIX_LENS, : len(prefix_lens)] = torch.tensor(prefix_lens, dtype=torch.int32)
     rows[_BLOCK_TABLE] = torch.tensor(PAD_ENTRY, dtype=torch.int32)[:, None]
     rows[_BLOCK_TABLE, : table.shape[1]] = table
@@ -150,7 +150,9 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttnBackend(AttentionBackend):
     """Triton kernels over the token-paged KV pool. Stateless between steps apart from three reusable
     device buffers (decode split counts, decode scratch and the merge's arrival counters), which only
-    grow."""
+    grow. extend_graph_max_seq_len: the longest request an extend CUDA graph may hold (None: any)."""
+
+    extend_graph_max_seq_len: int | None = None
 
     def __init__(self) -> None:
         self._num_sms: dict[torch.device, int] = {}
@@ -318,14 +320,11 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch, meta: TritonDecodeMetadata,
         rope: DecodeRope | None = None,
     ) -> torch.Tensor:
-        """Split-K decode attention over the pool (the new token's K/V already stored, or stored by this
-        launch with `rope`)."""
+        """Split-K decode attention over the pool (the new token's K/V already stored, or stored with `rope`)."""
         pool = batch.token_to_kv_pool
         bs = q.shape[0]
         out = torch.empty((bs, layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
-        part_out, part_lse = self._decode_scratch(
-            bs, layer.num_heads, meta.max_kv_splits, layer.head_dim, q.device
-        )
+        part_out, part_lse = self._decode_scratch(bs, layer.num_heads, meta.max_kv_splits, layer.head_dim, q.device)
         return decode_attention(
             q,
             pool.get_key_buffer(layer.layer_id),
@@ -343,6 +342,7 @@ class TritonAttnBackend(AttentionBackend):
             k_scale=pool.k_scales[layer.layer_id],
             v_scale=pool.v_scales[layer.layer_id],
             rope=rope,
+            grid_splits=meta.grid_splits,
             **self._decode_options(),
         )
 
