@@ -5,7 +5,8 @@ CUDA graphs cannot be captured on CPU, so the runner replays by running the forw
 directly: the padding (tokens, requests, the block table's length), the static metadata buffer and the
 device-side logits rows are the same as inside a graph. The model is a tiny seeded Qwen3 on the triton
 attention backend, under the Triton interpreter, with 16-row query blocks so that requests span several
-blocks and the padded block tables hold many unused entries.
+blocks and the padded block tables hold many unused entries. With --enable-deterministic-inference the
+replay must give eager's logits bit for bit (the per-token rows come from the graph's static offsets).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import pytest
 import torch
 
 from kernels import extend_attention
+from kernels.decode_attention import DecodeTiles
 from kernels.extend_attention import ExtendTiles
 from services.worker.config import EngineConfig
 from services.worker.runtime.attention import triton_backend
+from services.worker.runtime.attention.deterministic_triton import DeterministicTritonAttnBackend
 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner, extend_token_buckets
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_config import ModelConfig
@@ -34,15 +37,22 @@ SMALL_TILES = ExtendTiles(block_m=16, block_n=16, num_warps=4, num_stages=1)
 class _Session:
     """A CPU ModelRunner on the triton backend with a graph runner attached, and its requests' lengths."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, deterministic: bool = False) -> None:
         config = EngineConfig(
             model_path=str(path),
             attention_backend="triton",
             max_total_tokens=600,
             max_running_requests=MAX_REQUESTS,
             cpu_weight_prepack=False,
+            enable_deterministic_inference=deterministic,
         )
         self.runner = ModelRunner(config, ModelConfig.from_path(path, dtype="float32"), torch.device("cpu"))
+        if deterministic:
+            # 16-key splits of one 16-key tile (the interpreter is slow): graphs then hold requests of up
+            # to GRAPH_SPLITS x 16 = 64 positions, and a step's merge adds up to four splits.
+            self.runner.attn_backend = DeterministicTritonAttnBackend(
+                self.runner.model_config.context_len, 16, DecodeTiles(block_n=16)
+            )
         self.graphs = CudaGraphRunner(self.runner, max_bs=4, max_extend_tokens=MAX_EXTEND_TOKENS)
         self.runner.graph_runner = self.graphs
         self.seq_lens: dict[int, int] = {}
@@ -99,9 +109,9 @@ class _Session:
         self.runner.attn_backend.init_forward_metadata(batch)
         return self.runner.model(batch.input_ids, batch.positions, batch)
 
-    def check_graph_matches_eager(self, batch: ForwardBatch, padded: tuple[int, int]) -> None:
+    def check_graph_matches_eager(self, batch: ForwardBatch, padded: tuple[int, int], tolerance: float = TOLERANCE) -> None:
         """The step replays the graph of (tokens, requests) `padded` and gives eager's logits, and
-        writes eager's K/V and nothing else but the padding slot 0."""
+        writes eager's K/V and nothing else but the padding slot 0 (within `tolerance`; 0: the same bits)."""
         assert self.graphs.can_run(batch)
         assert self.graphs.padded_extend(batch.num_tokens, batch.batch_size) == padded
         before = self.pool()
@@ -111,9 +121,9 @@ class _Session:
         self.restore(before)
         eager_logits = self.eager(batch)
         assert graph_logits.shape == eager_logits.shape == (batch.batch_size, 300)
-        assert (graph_logits - eager_logits).abs().max() <= TOLERANCE
+        assert (graph_logits - eager_logits).abs().max() <= tolerance
         for ours, ref in zip(graph_pool, self.pool()):
-            assert (ours[1:] - ref[1:]).abs().max() <= TOLERANCE
+            assert (ours[1:] - ref[1:]).abs().max() <= tolerance
 
 
 @pytest.fixture
@@ -121,6 +131,24 @@ def session(qwen3_path: Path, monkeypatch: pytest.MonkeyPatch) -> _Session:
     # The backend reads its tiles when it builds a block table, sizes one and launches the kernel.
     monkeypatch.setattr(triton_backend, "EXTEND_TILES", SMALL_TILES)
     return _Session(qwen3_path)
+
+
+@pytest.fixture
+def deterministic_session(qwen3_path: Path) -> _Session:
+    return _Session(qwen3_path, deterministic=True)
+
+
+def test_deterministic_extend_graphs_give_eager_bits(deterministic_session: _Session) -> None:
+    session = deterministic_session
+    assert session.runner.attn_backend.extend_graph_max_seq_len == 64
+    a, b, c = (session.new_request() for _ in range(3))
+    session.check_graph_matches_eager(session.batch({a: 9, b: 30, c: 24}), (64, MAX_REQUESTS), tolerance=0)
+    # Continuing prefixes into a third 16-key split (a at 39 positions, c at 47: a three-way merge), one
+    # request a single token (as in a mixed step), the bucket padded by 10 tokens and two requests.
+    session.check_graph_matches_eager(session.batch({a: 30, c: 23, b: 1}), (64, MAX_REQUESTS), tolerance=0)
+    # A request past the bound (b at 65 positions) needs more splits than the graphs hold: eager.
+    assert not session.graphs.can_run(session.batch({b: 34}))
+    assert session.graphs.can_run(session.batch({a: 25}))  # a at 64 positions: four splits still fit
 
 
 def test_extend_token_buckets() -> None:

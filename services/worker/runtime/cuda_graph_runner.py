@@ -20,7 +20,8 @@ A graph replays the exact kernels and addresses it saw, so:
   fixed per bucket (TritonAttnBackend.extend_blocks_bound). Padded tokens belong to no request and no
   query block, so attention leaves their rows alone and every other layer works row by row: they never
   touch a real token's values. The logits rows (each request's last new token) are gathered with an
-  index the graph computes from the static offsets;
+  index the graph computes from the static offsets. The deterministic backend derives its per-token rows
+  from the same offsets and takes requests of up to extend_graph_max_seq_len positions (longer: eager);
 - hybrid models (linear-attention layers, mem/state_pool.py): a decode graph's layers read each row's
   state row from a static buffer filled before the replay (request row -> state row, on the device);
   padded rows take state row 0, the padding row, so they never touch a request's state (request row 0
@@ -278,6 +279,9 @@ class CudaGraphRunner:
             return False
         if batch.forward_mode.is_decode():
             return batch.batch_size <= self.max_bs and batch.num_tokens == batch.batch_size
+        longest = self.backend.extend_graph_max_seq_len  # the deterministic backend's bound
+        if longest is not None and max(batch.seq_lens_cpu, default=0) > longest:
+            return False
         return self._extend_graph(batch.num_tokens, batch.batch_size) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

@@ -312,9 +312,9 @@ class ModelRunner:
                 # dependency (absent off Linux).
                 from services.worker.runtime.cuda_graph_runner import CudaGraphRunner
 
-                # Deterministic extend attention runs per token (no block table to replay): eager.
-                extend_tokens = 0 if deterministic else config.cuda_graph_max_extend_tokens
-                self.graph_runner = CudaGraphRunner(self, min(config.cuda_graph_max_bs, rows), extend_tokens)
+                self.graph_runner = CudaGraphRunner(
+                    self, min(config.cuda_graph_max_bs, rows), config.cuda_graph_max_extend_tokens
+                )
             else:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
