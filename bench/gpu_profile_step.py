@@ -4,6 +4,7 @@ workload, to find what bounds each figure.
 
     python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128] [--temperature 0]
                                      [--host-profile] [--extend] [--p3-timeline [--scale 1.0]]
+                                     [--deterministic]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
         s.step()
 
 
-def extend_probe(loop: SchedulerLoop) -> None:
+def extend_probe(loop: SchedulerLoop, host_profile: bool = False) -> None:
     """Host launch and wall time of EXTEND forwards (a CUDA-graph replay where a bucket holds the batch,
     else eager), and the host ops of the smallest one."""
     s, runner = loop.scheduler, loop.runner
@@ -112,6 +113,15 @@ def extend_probe(loop: SchedulerLoop) -> None:
         launch, total = sorted(times[2:])[len(times[2:]) // 2]
         print(f"extend step {reqs_n} req x {tokens} tokens: host launch {launch * 1e3:.2f} ms, "
               f"wall {total * 1e3:.2f} ms")
+        if host_profile and (reqs_n, tokens) == (1, 128):
+            fb = prepare(reqs)
+            prof = cProfile.Profile()
+            prof.enable()
+            runner.forward(fb)
+            prof.disable()
+            sync()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+            release(reqs)
         if (reqs_n, tokens) == (1, 5):
             fb = prepare(reqs)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -168,11 +178,14 @@ def main() -> None:
     ap.add_argument("--extend", action="store_true", help="time EXTEND forwards")
     ap.add_argument("--p3-timeline", action="store_true", help="step timeline of the P3 workload")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
     args = ap.parse_args()
     pool = max(400_000 if args.p3_timeline else 65536, args.batch * (args.prompt + 600))
-    loop = SchedulerLoop(EngineConfig(model_path=args.model, max_total_tokens=pool), 0, "tcp://127.0.0.1:0")
+    loop = SchedulerLoop(EngineConfig(
+        model_path=args.model, max_total_tokens=pool, enable_deterministic_inference=args.deterministic
+    ), 0, "tcp://127.0.0.1:0")
     if args.extend:
-        extend_probe(loop)
+        extend_probe(loop, args.host_profile)
     if args.p3_timeline:
         p3_timeline(loop, args.scale)
     if args.batch > 0:

@@ -13,6 +13,9 @@
 # fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
 # 8b needs ~330 s), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
 # flagchain (bench/gpu_flag_chain.py: a 0.6B-shaped GEMV chain with stream order, the PDL wait, or counters),
+# profiledet (the bs-256 decode kernel table and extend probe, with and without --enable-deterministic-inference;
+# PROFILEDET_MODES=deterministic for one side, PROFILEDET_ARGS=--host-profile for cProfile tables),
+# pipetrace (gpu_pipeline.py with RS_TRACE_DIR set, then bench/pipeline_trace.py: where TTFT goes, stage by stage),
 # moestages (bench/gpu_moe_stages.py), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
 # routing (MoE routing and the sorted layout: torch ops vs kernels/moe_routing.py and kernels/moe_blocks.py in CUDA
 # graphs, bench/gpu_moe_routing.py),
@@ -85,6 +88,13 @@ for step in "${steps[@]}"; do
     moestages) timeout 200 python bench/gpu_moe_stages.py ${MOESTAGES_ARGS:-} > "$OUT/moestages.log" 2>&1 ;;
     q35check) timeout 300 python bench/gpu_qwen35_check.py ${Q35CHECK_ARGS:-} > "$OUT/q35check.log" 2>&1 ;;
     routing) timeout 300 python bench/gpu_moe_routing.py > "$OUT/routing.log" 2>&1 ;;
+    profiledet) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
+               && for mode in ${PROFILEDET_MODES:-default deterministic}; do flag=; [ "$mode" = deterministic ] && flag=--deterministic
+                  timeout 200 python bench/gpu_profile_step.py --extend --batch 256 --prompt 600 --temperature 0.6 $flag \
+                  ${PROFILEDET_ARGS:-}; done > "$OUT/profiledet.log" 2>&1 ;;
+    pipetrace) rm -rf /tmp/rs-trace && RS_TRACE_DIR=/tmp/rs-trace timeout 400 python bench/gpu_pipeline.py --repeats 1 \
+               --floor-runs 4 --text-runs 4 ${PIPETRACE_ARGS:-} --out "$OUT/gpu_pipeline_trace.json" > "$OUT/pipetrace.log" 2>&1 \
+               && python bench/pipeline_trace.py /tmp/rs-trace >> "$OUT/pipetrace.log" 2>&1 ;;
     *)       echo "unknown step $step"; continue ;;
   esac
   echo "== $step: exit $?"
