@@ -6,6 +6,7 @@ tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make s
     y, x_plus_r = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, weight)
     y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
     out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, scale)  # batch-1 decode attention
+    out = torch.ops.radixserve_cpu.decode_attention_rows(q, k_pool, v_pool, slots, seq_lens, scale)  # a batch's
 
 (the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them).
 
@@ -99,6 +100,12 @@ def row_attention() -> Callable[..., torch.Tensor] | None:
     """torch.ops.radixserve_cpu.decode_attention_row (one decode query row's attention over a span of the
     pool) where the library is already loaded in this process, else None: never builds."""
     return torch.ops.radixserve_cpu.decode_attention_row if _loaded is not None else None
+
+
+def rows_attention() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.radixserve_cpu.decode_attention_rows (a decode batch's attention, each request's keys read
+    from the pool through its slots) where the library is already loaded in this process, else None."""
+    return torch.ops.radixserve_cpu.decode_attention_rows if _loaded is not None else None
 
 
 def matvec_isa() -> str:

@@ -1,15 +1,21 @@
 """The torch backend's decode attention against a naive attention over every K/V written so far, through
 each way it reads keys: dense blocks kept across decode steps (rebuilt when the batch changes, outgrows
 them, or a request's earlier slots change), a gather from the pool (a request in several rows, or a
-batch over the blocks' memory budget)."""
+batch over the blocks' memory budget), and the C++ batch op reading the pool through the slots (float32
+with kernels/cpu/matvec.cpp built; the other tests turn it off with RS_CPU_ROW_ATTENTION=0)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels import cpu_matvec
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from services.worker.runtime.attention.torch_backend import DecodeMetadata, TorchAttnBackend
+from services.worker.runtime.attention.torch_backend import (
+    ROW_ATTENTION_ENV,
+    DecodeMetadata,
+    TorchAttnBackend,
+)
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.layers.attention import RadixAttention
 from tests.forward_helpers import step_batch
@@ -118,8 +124,28 @@ def _filled(batch: ForwardBatch) -> bool:
 
 
 @pytest.fixture
-def reqs() -> _Requests:
+def reqs(monkeypatch: pytest.MonkeyPatch) -> _Requests:
+    monkeypatch.setenv(ROW_ATTENTION_ENV, "0")  # the float32 pool would take the C++ batch op
     return _Requests(TorchAttnBackend(), torch.Generator().manual_seed(0))
+
+
+def test_float32_batches_attend_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable as exc:
+        pytest.skip(f"the C++ library is not built here: {exc}")
+    monkeypatch.setenv(ROW_ATTENTION_ENV, "1")
+    reqs = _Requests(TorchAttnBackend(), torch.Generator().manual_seed(3))
+    a, b, c = (reqs.new_request() for _ in range(3))
+    reqs.extend([a, b, c], [5, 13, 2])
+    for rows in ([a, b, c], [c, a], [a, a, a, b], [b, c]):  # batches change; a in several rows
+        for _ in range(3):
+            meta = _meta(reqs.decode(rows))  # each layer checked against the naive attention
+            assert meta.rows and meta.head_rows is None
+            # Over the dense blocks where the batch has them, else over the pool's slots.
+            assert (meta.dense is None) == (rows == [a, a, a, b])
+            assert (meta.row_slots is None) == (meta.dense is None)
+    assert reqs.length(a) == 5 + 3 + 3 + 9
 
 
 def test_decode_appends_to_dense_blocks_and_regathers_as_they_fill(reqs: _Requests) -> None:

@@ -1,4 +1,5 @@
-"""Batch-1 decode attention on the CPU (kernels/cpu/matvec.cpp's decode_attention_row) against a float64
+"""Decode attention on the CPU (kernels/cpu/matvec.cpp's decode_attention_row for one request over a span
+of the pool, decode_attention_rows for a batch read through each request's slots) against a float64
 reference, on every instruction-set path, and through the torch backend against SDPA.
 
 The op is one query row's attention over a span of the pool: each query head's scores, softmax (its
@@ -62,6 +63,44 @@ def test_large_scores_neither_overflow_nor_underflow(isa) -> None:  # noqa: F811
 def test_bad_operands_are_clear_errors(q, k, match) -> None:
     with pytest.raises(RuntimeError, match=match):
         torch.ops.radixserve_cpu.decode_attention_row(q, k, torch.zeros_like(k), 0.25)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (1, 4, 40)])
+def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head_dim) -> None:  # noqa: F811
+    """Requests of 1 to 70 positions whose slots are scattered over the pool (past each length the slot
+    table holds slot 0, which must not be read: it is poisoned)."""
+    g = torch.Generator().manual_seed(head_dim + group)
+    pool_k = torch.randn(300, kv_heads, head_dim, generator=g) * 2
+    pool_v = torch.randn(300, kv_heads, head_dim, generator=g)
+    pool_k[0], pool_v[0] = float("nan"), float("nan")
+    lens = torch.tensor([1, 70, 16, 17, 33])
+    slots = torch.zeros(5, 80, dtype=torch.int64)
+    for b, n in enumerate(lens.tolist()):
+        slots[b, :n] = torch.randperm(299, generator=g)[:n] + 1
+    q = torch.randn(5, kv_heads, group, head_dim, generator=g)
+    out = torch.ops.radixserve_cpu.decode_attention_rows(q, pool_k, pool_v, slots, lens, head_dim**-0.5)
+    assert out.shape == (5, kv_heads * group * head_dim)
+    for b, n in enumerate(lens.tolist()):
+        ref = _reference(q[b], pool_k[slots[b, :n]], pool_v[slots[b, :n]], head_dim**-0.5)
+        assert (out[b].double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+@needs_matvec
+@pytest.mark.parametrize(
+    ("slots", "lens", "match"),
+    [
+        (torch.ones(2, 4, dtype=torch.int64), torch.tensor([4, 0]), r"seq_lens\[1\] = 0 is outside \[1, 4\]"),
+        (torch.ones(2, 4, dtype=torch.int64), torch.tensor([5, 1]), r"seq_lens\[0\] = 5 is outside \[1, 4\]"),
+        (torch.tensor([[1, 2], [3, 9]]), torch.tensor([2, 2]), "slot 9 of request 1 is outside the pool's 8"),
+        (torch.ones(2, 4, dtype=torch.int32), torch.tensor([1, 1]), "slots must be int64"),
+        (torch.ones(3, 4, dtype=torch.int64), torch.tensor([1, 1]), "slots must be int64"),
+    ],
+    ids=["empty", "too-long", "slot", "slot-dtype", "rows"],
+)
+def test_bad_batch_operands_are_clear_errors(slots, lens, match) -> None:
+    k = torch.zeros(8, 2, 16)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.radixserve_cpu.decode_attention_rows(torch.zeros(2, 2, 1, 16), k, k, slots, lens, 0.25)
 
 
 @needs_matvec

@@ -263,6 +263,72 @@ at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const 
   return out;
 }
 
+// Decode attention of a batch, one query row per request, each request's keys and values read straight
+// from the pool through its slots (no gathered or padded copy): q [bs, kv_heads, group, D]; k_pool and
+// v_pool [slots, kv_heads, D] with contiguous [kv_heads, D] rows; slots [bs, >= max(seq_lens)] int64 with
+// contiguous rows; seq_lens [bs] int64, each >= 1. Per request: every query head's score against each key
+// row as it is read, softmax per query head (softmax_weights), then the weighted value rows. Requests are
+// spread over torch's compute threads.
+void gather_scores(const float* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
+                   int64_t group, int64_t d, float* p);
+void gather_add_rows(float* o, const float* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
+                     int64_t rows, int64_t group, int64_t d);
+
+at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                 const at::Tensor& slots, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                  q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "decode_attention_rows: q, k_pool and v_pool must be float32 CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
+              "decode_attention_rows: q must be [bs, kv_heads, group, D] and k_pool, v_pool [slots, kv_heads, D], got ",
+              q.sizes(), ", ", k_pool.sizes(), ", ", v_pool.sizes());
+  const int64_t bs = q.size(0), heads = q.size(1), group = q.size(2), d = q.size(3);
+  TORCH_CHECK(k_pool.size(1) == heads && k_pool.size(2) == d, "decode_attention_rows: k_pool ", k_pool.sizes(),
+              " does not match q ", q.sizes());
+  TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1 && k_pool.stride(1) == d && v_pool.stride(1) == d,
+              "decode_attention_rows: k_pool and v_pool need contiguous [kv_heads, D] rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong && slots.dim() == 2 &&
+                  seq_lens.dim() == 1 && slots.size(0) == bs && seq_lens.size(0) == bs && slots.stride(1) == 1 &&
+                  slots.device().is_cpu() && seq_lens.device().is_cpu(),
+              "decode_attention_rows: slots must be int64 [bs, len] with contiguous rows and seq_lens int64 [bs], got ",
+              slots.scalar_type(), " ", slots.sizes(), ", ", seq_lens.scalar_type(), " ", seq_lens.sizes());
+  const at::Tensor qc = q.contiguous(), lens = seq_lens.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t pool_slots = k_pool.size(0);
+  const int64_t *sp = slots.data_ptr<int64_t>(), s0 = slots.stride(0);
+  for (int64_t b = 0; b < bs; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= slots.size(1), "decode_attention_rows: seq_lens[", b, "] = ", lp[b],
+                " is outside [1, ", slots.size(1), "]");
+    for (int64_t t = 0; t < lp[b]; ++t) {
+      TORCH_CHECK(sp[b * s0 + t] >= 0 && sp[b * s0 + t] < pool_slots, "decode_attention_rows: slot ",
+                  sp[b * s0 + t], " of request ", b, " is outside the pool's ", pool_slots);
+    }
+  }
+  at::Tensor out = at::empty({bs, heads * group * d}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  // One request per task, all its heads together: each key and value row ([kv_heads, D], contiguous) is read
+  // once, front to back, so a request whose rows are one run (the dense blocks) is one sequential stream.
+  at::parallel_for(0, bs, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p, totals(heads * group);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t len = lp[b], q_rows = heads * group;
+      const int64_t* sl = sp + b * s0;
+      p.resize(q_rows * len);
+      gather_scores(kp, k_pool.stride(0), sl, len, qp + b * q_rows * d, heads, group, d, p.data());
+      for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
+      float* o = op + b * q_rows * d;
+      gather_add_rows(o, vp, v_pool.stride(0), sl, p.data(), len, heads, group, d);
+      for (int64_t r = 0; r < q_rows; ++r) {
+        const float inv = 1.0f / totals[r];
+        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
+      }
+    }
+  });
+  return out;
+}
+
 #ifdef RS_X86
 // exp on 16 lanes: 2^(x log2 e) as 2^n (scalef) times 2^f, f in [-0.5, 0.5], by its degree-6 Taylor
 // polynomial (relative error ~1e-7); arguments below -87.3 give 0's neighbourhood as expf does.
@@ -303,6 +369,42 @@ __attribute__((target("avx512f"))) void add_scaled_rows_avx512(
     _mm512_mask_storeu_ps(o + i, live, a);
   }
 }
+
+// gather_scores / gather_add_rows on 16 lanes, for D a multiple of 16.
+__attribute__((target("avx512f"))) void gather_scores_avx512(const float* k, int64_t ks, const int64_t* sl, int64_t len,
+                                                            const float* q, int64_t rows, int64_t group, int64_t d,
+                                                            float* p) {
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = k + sl[t] * ks;
+    for (int64_t h = 0; h < rows; ++h) {
+      const float* kh = row + h * d;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = q + (h * group + j) * d;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(kh), _mm512_loadu_ps(qj));
+        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(kh + i), _mm512_loadu_ps(qj + i), acc);
+        p[(h * group + j) * len + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const float* v, int64_t vs, const int64_t* sl,
+                                                              const float* p, int64_t len, int64_t rows, int64_t group,
+                                                              int64_t d) {
+  std::fill(o, o + rows * group * d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = v + sl[t] * vs;
+    for (int64_t h = 0; h < rows; ++h) {
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 x = _mm512_loadu_ps(row + h * d + i);
+        for (int64_t j = 0; j < group; ++j) {
+          float* oj = o + (h * group + j) * d + i;
+          _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_set1_ps(p[(h * group + j) * len + t]), x, _mm512_loadu_ps(oj)));
+        }
+      }
+    }
+  }
+}
 #endif
 
 bool use_avx512() { return std::string(path().name) == "avx512"; }
@@ -328,6 +430,37 @@ void add_scaled_rows(float* o, const float* v, int64_t vs, const float* p, int64
   }
 }
 
+void gather_scores(const float* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
+                   int64_t group, int64_t d, float* p) {
+#ifdef RS_X86
+  if (use_avx512() && d % 16 == 0) return gather_scores_avx512(k, ks, sl, len, q, rows, group, d, p);
+#endif
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = k + sl[t] * ks;
+    for (int64_t r = 0; r < rows * group; ++r) {
+      const float* kh = row + (r / group) * d;
+      float s = 0.0f;
+      for (int64_t i = 0; i < d; ++i) s += kh[i] * q[r * d + i];
+      p[r * len + t] = s;
+    }
+  }
+}
+
+void gather_add_rows(float* o, const float* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
+                     int64_t rows, int64_t group, int64_t d) {
+#ifdef RS_X86
+  if (use_avx512() && d % 16 == 0) return gather_add_rows_avx512(o, v, vs, sl, p, len, rows, group, d);
+#endif
+  std::fill(o, o + rows * group * d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* row = v + sl[t] * vs;
+    for (int64_t r = 0; r < rows * group; ++r) {
+      const float* vh = row + (r / group) * d;
+      for (int64_t i = 0; i < d; ++i) o[r * d + i] += p[r * len + t] * vh[i];
+    }
+  }
+}
+
 // Makes every later product use `isa` (tests and benchmarks: each path on one CPU); returns the one before.
 std::string use_matvec_isa(const std::string& isa) {
   std::string names;
@@ -349,6 +482,7 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("rmsnorm_matvec(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight) -> (Tensor, Tensor)");
   m.def("silu_mul_matvec(Tensor gate_up, Tensor weight) -> Tensor");
   m.def("decode_attention_row(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("decode_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scale) -> Tensor");
   m.def("matvec_isa() -> str", &matvec_isa);
   m.def("use_matvec_isa(str isa) -> str", &use_matvec_isa);
 }
@@ -358,4 +492,5 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("rmsnorm_matvec", &rmsnorm_matvec);
   m.impl("silu_mul_matvec", &silu_mul_matvec);
   m.impl("decode_attention_row", &decode_attention_row);
+  m.impl("decode_attention_rows", &decode_attention_rows);
 }

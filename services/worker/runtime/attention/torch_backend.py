@@ -10,7 +10,10 @@ blocks kept across decode steps (attention/dense_kv.py: only each step's new K/V
 a view of the pool for a lone request whose slots are consecutive, or else gathered from the pool per
 KV head. That lone float32 request on the CPU skips SDPA: its ~70 us of dispatch a layer is more than the
 work, so kernels/cpu/matvec.cpp's decode_attention_row attends instead (~6-16 us at 64-192 positions;
-RS_CPU_ROW_ATTENTION=0 off). All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
+RS_CPU_ROW_ATTENTION=0 off). A float32 batch on the CPU skips SDPA too: decode_attention_rows attends per
+request, reading each key and value row once, over the dense blocks (each request's rows one sequential run)
+or the pool's slots (SmolLM2 at batch 16, ~120 positions, one thread: 196 us a layer against SDPA's 549 over
+the same blocks, with the padding and mask it needs; the step 89 -> 74 ms). All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
 costs a handful of tensor ops whatever the batch size.
 Extend keeps a per-request SDPA loop (the causal bookkeeping of mixed prefix lengths stays obvious), shaped
 for torch's fused CPU kernel (flash attention for CPU): 4-D, the KV heads repeated to the query heads, and
@@ -55,7 +58,8 @@ class DecodeMetadata:
     (entries past its length read slot 0, the padding row); `mask` is True for real keys and False
     for padding, shaped [bs, 1, 1, max_len], None when every request has the same length.
 
-    Exactly one way of reading them is set: `first_slot`, `dense`, or `head_rows`."""
+    Exactly one way of reading them is set: `first_slot`, `dense`, `head_rows` or `rows` (with or without
+    `dense`)."""
 
     slots: torch.Tensor  # [bs, max_len] int64
     max_len: int
@@ -69,6 +73,11 @@ class DecodeMetadata:
     # Otherwise row (b * kv_heads + h) * max_len + i of the gather reads KV head h of request b's slot
     # at position i, the pool viewed as [slots * kv_heads, head_dim].
     head_rows: torch.Tensor | None = None  # [bs * kv_heads * max_len] int64
+    # Several requests, float32 on the CPU: kernels/cpu/matvec.cpp's decode_attention_rows attends, over
+    # the dense blocks through `row_slots` (request b's position i at row b * capacity + i of a block
+    # viewed as [bs * capacity, kv_heads, head_dim]) when `dense` is set, else over the pool through `slots`.
+    rows: bool = False
+    row_slots: torch.Tensor | None = None
 
 
 def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
@@ -135,6 +144,12 @@ class TorchAttnBackend(AttentionBackend):
                 self.dense.drop()
             elif (step := self.dense.plan(batch, meta.slots)) is not None:
                 meta = replace(meta, dense=step)
+                if _rows_attention(batch.token_to_kv_pool) is not None:
+                    bs, capacity = step.keys[0].shape[:2]
+                    local = torch.arange(bs)[:, None] * capacity + torch.arange(meta.max_len)[None, :]
+                    meta = replace(meta, rows=True, row_slots=local)
+            elif _rows_attention(batch.token_to_kv_pool) is not None:
+                meta = replace(meta, rows=True)
             else:
                 meta = replace(meta, head_rows=_head_rows(meta.slots, batch.token_to_kv_pool.num_kv_heads))
             batch.attn_metadata = meta
@@ -189,6 +204,16 @@ class TorchAttnBackend(AttentionBackend):
         # queries are the "query positions" of KV head h.
         qg = q.reshape(bs, kv_heads, group, head_dim)
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        if meta.rows:  # float32 on the CPU (_rows_attention): q is float32 like the pool
+            keys, values, slots = k_buffer, v_buffer, meta.slots
+            if meta.dense is not None:  # each request's rows one sequential run, not scattered slots
+                meta.dense.store(layer.layer_id, k, v, pool, meta.max_len)
+                keys = meta.dense.keys[layer.layer_id].view(-1, kv_heads, head_dim)
+                values = meta.dense.values[layer.layer_id].view(-1, kv_heads, head_dim)
+                slots = meta.row_slots
+            attend = torch.ops.radixserve_cpu.decode_attention_rows
+            out = attend(qg, keys, values, slots, batch.seq_lens, _scales(batch, layer)[0])
+            return out.view(bs, layer.num_heads * head_dim)
         if meta.dense is not None:
             keys, values = meta.dense.store(layer.layer_id, k, v, pool, meta.max_len)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
@@ -228,6 +253,17 @@ def _row_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_scale: float) -> A
     from kernels.cpu_matvec import row_attention  # imported where used: the CPU library's module
 
     return row_attention()
+
+
+def _rows_attention(pool: Any) -> Any:
+    """kernels/cpu_matvec.py's decode_attention_rows where it applies to a decode batch over `pool`: a
+    float32 pool on the CPU (its scales are 1), the C++ library loaded, RS_CPU_ROW_ATTENTION not 0."""
+    k_buffer = pool.get_key_buffer(0)
+    if k_buffer.device.type != "cpu" or k_buffer.dtype != torch.float32 or os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
+        return None
+    from kernels.cpu_matvec import rows_attention  # imported where used: the CPU library's module
+
+    return rows_attention()
 
 
 def _scales(batch: ForwardBatch, layer: AttentionLayer) -> tuple[float, float]:
