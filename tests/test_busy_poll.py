@@ -104,18 +104,20 @@ def test_a_window_out_of_range_is_refused_naming_the_setting() -> None:
 
 def test_busy_polling_needs_a_scheduler_process(qwen3_path: Path, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU the scheduler is a thread of the worker unless --scheduler-process: the worker and
-    `radixserve up` refuse to poll there, before anything starts."""
+    """A worker whose scheduler is a thread (--no-scheduler-process; a worker service's default is a
+    process, on the CPU too): the worker and `radixserve up` refuse to poll, before anything starts."""
     from services.launch import add_up_commands, run_up
     from services.worker.frontend.service_config import WorkerServiceConfig
 
     with pytest.raises(ValueError, match="busy_poll_ms needs the scheduler in its own process"):
         WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path), "RS_DEVICE": "cpu",
-                                             "RS_BUSY_POLL_MS": "50"})
+                                             "RS_BUSY_POLL_MS": "50", "RS_SCHEDULER_PROCESS": "0"})
+    assert WorkerServiceConfig.from_args(None, {"RS_MODEL_PATH": str(qwen3_path), "RS_DEVICE": "cpu",
+                                                "RS_BUSY_POLL_MS": "50"}).engine.scheduler_in_process()
 
     parser = argparse.ArgumentParser()
     add_up_commands(parser.add_subparsers())
-    model = ["--model-path", str(qwen3_path), "--device", "cpu"]
+    model = ["--model-path", str(qwen3_path), "--device", "cpu", "--no-scheduler-process"]
     assert run_up(parser.parse_args(["up", "--busy-poll-ms", "50", *model])) == 2
     assert "busy_poll_ms needs the scheduler in its own process" in capsys.readouterr().err
     assert run_up(parser.parse_args(["up", "--busy-poll-ms", "-3", *model])) == 2

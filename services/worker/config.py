@@ -92,7 +92,8 @@ class EngineConfig:
     )
     scheduler_process: bool | None = _help(
         "tp_size 1: run the scheduler in its own process rather than a thread of the caller's (so the "
-        "caller's Python work never waits on, or stalls, the scheduler's for the GIL); default: on CUDA",
+        "caller's Python work never waits on, or stalls, the scheduler's for the GIL); default: on CUDA, and in "
+        "a worker service on any device",
         None,
     )
     device: str | None = _help("'cpu', 'cuda' or 'cuda:N'; default: cuda when available", None)

@@ -40,7 +40,7 @@ def run_rank_process(
     """A TP rank's process; its exit code is 1 when its loop failed. Ctrl-C reaches the whole process
     group, but draining is the parent's job (it shuts the ranks down after), so ranks ignore SIGINT;
     they die with their parent, so a killed worker leaves no rank behind. `log_level`: configure
-    logging here (multi-node ranks log that they joined; a lone node's ranks stay quiet as before)."""
+    logging here at that level (None: leave it unconfigured)."""
     # Imported here: torch and the model code load in the rank processes, not in a node's parent.
     from services.worker.frontend.scheduler_loop import run_scheduler_loop
 
@@ -64,7 +64,9 @@ def run_rank_process(
 def start_ranks(config: EngineConfig, init_method: str, inbox: Any = None, outbox: Any = None) -> list[Any]:
     """Spawn this node's ranks (config.local_ranks()); global rank 0, on node 0, gets the inbox and outbox."""
     ctx = mp.get_context("spawn")
-    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel()) if config.nnodes > 1 else None
+    # The ranks log at the parent's level (a worker service's INFO: the model load, the thread choices;
+    # an offline Engine's default WARNING keeps them quiet).
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     procs = []
     for rank in config.local_ranks():
         io = (inbox, outbox) if rank == 0 else (None, None)

@@ -72,6 +72,13 @@ class WorkerServiceConfig(ServiceConfig):
         engine_values = flags.values_from(EngineConfig, args, env)
         given = str(engine_values.pop("model_path", "")) or None
         engine = EngineConfig.resolved(given, **engine_values)
+        if engine.scheduler_process is None:
+            # A worker service runs its scheduler in a process of its own on the CPU as well (the CUDA
+            # default; vLLM-CPU likewise keeps its engine core apart from its API server): a thread would
+            # share the GIL with the event loop, and on a host where other processes take the cores the
+            # OS preempts whichever thread holds it, stalling the other (SmolLM2 served with two busy
+            # processes beside it: 186.7 vs 149.5 tok/s, bench/HISTORY.md "CPU, twenty-third session").
+            engine = engine.replace(scheduler_process=True)
         values = flags.values_from(cls, args, env, exclude=("engine",))
         values.setdefault("served_model_name", served_name(given, Path(engine.model_path)))
         return cls(engine=engine, **values)
