@@ -304,16 +304,16 @@ PIPELINE_GPU = Area(
 
 PIPELINE_CPU = Area(
     "pipeline_cpu", "NATS pipeline vs the in-process Engine, CPU", CPU_AMD + "; 1 gateway, 2 compute threads a side",
-    _pipeline("pipeline_cpu_2026-11-30_r.json", "32 × 64 → 64", PIPE_CPU)
+    _pipeline("pipeline_cpu_2026-12-04_a.json", "32 × 64 → 64, the scheduler in its own process", PIPE_CPU)
     + (
         Figure("TTFT less the prefill, by the trace, token-id prompts",
-               "pipeline_cpu_2026-11-30_s_stages.json", lambda d: _trace_own_ms(d, "ttft", "gateway"), "{:.2f} ms",
+               "pipeline_cpu_2026-12-04_b_stages.json", lambda d: _trace_own_ms(d, "ttft", "gateway"), "{:.2f} ms",
                peer=lambda d: _trace_own_ms(d, "ttft", "engine"), peer_label="Engine",
                ratio=lambda d: _trace_own_ms(d, "ttft", "gateway") - _trace_own_ms(d, "ttft", "engine"),
                ratio_fmt="{:+.2f} ms added", target=TTFT,
                command=PIPE_CPU_TRACED),
         Figure("TTFT less the prefill, by the trace, text prompts",
-               "pipeline_cpu_2026-11-30_s_stages.json", lambda d: _trace_own_ms(d, "text", "gateway"), "{:.2f} ms",
+               "pipeline_cpu_2026-12-04_b_stages.json", lambda d: _trace_own_ms(d, "text", "gateway"), "{:.2f} ms",
                peer=lambda d: _trace_own_ms(d, "text", "engine"), peer_label="Engine",
                ratio=lambda d: _trace_own_ms(d, "text", "gateway") - _trace_own_ms(d, "text", "engine"),
                ratio_fmt="{:+.2f} ms added", target=TTFT,
