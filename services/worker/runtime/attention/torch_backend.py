@@ -258,8 +258,7 @@ def _row_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_scale: float) -> A
 def _rows_attention(pool: Any) -> Any:
     """kernels/cpu_matvec.py's decode_attention_rows where it applies to a decode batch over `pool`: a
     float32 pool on the CPU (its scales are 1), the C++ library loaded, RS_CPU_ROW_ATTENTION not 0."""
-    k_buffer = pool.get_key_buffer(0)
-    if k_buffer.device.type != "cpu" or k_buffer.dtype != torch.float32 or os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
+    if pool.device.type != "cpu" or pool.dtype != torch.float32 or os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
         return None
     from kernels.cpu_matvec import rows_attention  # imported where used: the CPU library's module
 
