@@ -36,6 +36,8 @@ from services.worker.frontend.scheduler_loop import (
     AddReqs,
     Control,
     ControlReply,
+    FirstTokensOut,
+    HandOverFirstTokens,
     LoopFailed,
     Ready,
     Shutdown,
@@ -415,6 +417,15 @@ class SchedulerClient:
         """Queue requests for the scheduler as one command: it takes all of them before the same step."""
         if reqs:
             self._inbox.put(AddReqs(list(reqs)))
+
+    def hand_over_first_tokens(self) -> None:
+        """Make the scheduler wait, after a step that gave a request its first output, for
+        first_tokens_out() (at most scheduler_loop.FIRST_TOKEN_WAIT_S) before its next step."""
+        self._inbox.put(HandOverFirstTokens())
+
+    def first_tokens_out(self) -> None:
+        """The first tokens the scheduler waits for are published."""
+        self._inbox.put(FirstTokensOut())
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> None:
         """Abort a waiting or running request; its final output comes with the next step, with

@@ -73,6 +73,23 @@ class Shutdown:
 
 
 @dataclass
+class HandOverFirstTokens:
+    """From a worker service whose scheduler is a process on the CPU (tp_size 1): after a step that gave
+    some request its first output, wait for FirstTokensOut (at most FIRST_TOKEN_WAIT_S) before the next
+    step, so a first token leaves alone and before the next step's compute threads take every core (the
+    process form of the thread's hand-over in service.py)."""
+
+
+@dataclass
+class FirstTokensOut:
+    """The worker published the first tokens of a step."""
+
+
+# How long a step that gave a request its first output waits for the worker's FirstTokensOut.
+FIRST_TOKEN_WAIT_S = 0.005
+
+
+@dataclass
 class ControlReply:
     token: int
     value: Any
@@ -190,12 +207,43 @@ class SchedulerLoop:
         self.loop_seconds = {"commands": 0.0, "step": 0.0, "hand_off": 0.0}
         self._stall = _fault_stall(os.environ.get(FAULT_STALL_ENV, ""))
         self._steps_with_outputs = 0
+        self._init_hand_over()
         self.scheduler = Scheduler(
             config,
             self.runner,
             decode_tail=(lambda ids: tokenizer.decode(ids)) if tokenizer is not None else (lambda ids: ""),
             grammar=grammar,
         )
+
+    def _init_hand_over(self) -> None:
+        # HandOverFirstTokens: on once the worker asks; the requests that have had an output; commands
+        # that arrived during a wait, applied before the next step.
+        self._hand_over = False
+        self._started: set[str] = set()
+        self._pending: list[object] = []
+
+    def _gave_first_outputs(self, outputs: list[Any]) -> bool:
+        """Whether a request among `outputs` had its first output (forgets finished requests)."""
+        first = False
+        for out in outputs:
+            if out.rid not in self._started:
+                first = True
+                self._started.add(out.rid)
+            if out.finished_reason is not None:
+                self._started.discard(out.rid)
+        return first
+
+    def _await_first_tokens_out(self, inbox: Any) -> None:
+        """Wait (at most FIRST_TOKEN_WAIT_S) for FirstTokensOut; other commands wait in `_pending`."""
+        deadline = time.monotonic() + FIRST_TOKEN_WAIT_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                cmd = inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            if isinstance(cmd, FirstTokensOut):
+                return
+            self._pending.append(cmd)
 
     def _stall_once(self) -> None:
         """Fault injection (RS_FAULT_STALL=N:S): after the N-th step with outputs, block S seconds once,
@@ -244,12 +292,14 @@ class SchedulerLoop:
                 outbox.put(ControlReply(cmd.token, value))
         elif isinstance(cmd, Shutdown):
             return False
-        return True
+        elif isinstance(cmd, HandOverFirstTokens):
+            self._hand_over = self.config.world_size() == 1
+        return True  # FirstTokensOut outside a wait: it came after the wait gave up
 
     def _take_commands(self, inbox: Any) -> list[object]:
-        cmds: list[object] = []
+        cmds, self._pending = self._pending, []
         if self.rank == 0:
-            if not self.scheduler.has_work():
+            if not cmds and not self.scheduler.has_work():
                 if self.config.world_size() == 1:
                     cmds.append(inbox.get())
                 else:
@@ -288,6 +338,8 @@ class SchedulerLoop:
                     for out in outputs:
                         trace.mark(out.rid, "scheduler.outputs")
                 outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
+                if self._hand_over and self._gave_first_outputs(outputs):
+                    self._await_first_tokens_out(inbox)
             t3 = clock()
             if self.adaptive is not None:
                 self.adaptive.after_step(waited_s=t1 - t0)

@@ -16,7 +16,8 @@ Which tokens go out in which message (every step for a streamed request; the fir
 for one whose client wants the whole answer) is services/worker/frontend/output_batcher.py's. A scheduler thread
 computing on the CPU starts no step until the loop has written the message of a step that gave some
 request its first token (at most FIRST_TOKEN_WAIT_S): its compute threads would otherwise hold every
-core, and it the GIL, while that token is on its way to the client. A worker refuses to start under an id that a live worker of its namespace serves (its control subject
+core, and it the GIL, while that token is on its way to the client. A scheduler process there does the
+same through its inbox (HandOverFirstTokens, then a FirstTokensOut once such a step's message is written). A worker refuses to start under an id that a live worker of its namespace serves (its control subject
 has a responder). An abort for a request not (yet) here is remembered for a minute: a request whose abort
 overtook it (the client left while it was at the tokenizer) ends with an 'abort' final on arrival. On SIGTERM the worker sends a last WorkerLoad marked draining (gateways stop routing to it at once), refuses new
 requests with an error final, gives running ones drain_timeout seconds, ends the rest (with an 'error' final
@@ -122,8 +123,11 @@ class WorkerService(Service):
         self._load_task: asyncio.Task[None] | None = None
         self._loop_thread = -1  # the event loop thread's id, once started
         self._metrics_server: MetricsServer | None = None
-        # Set in start(): a scheduler thread computing on the CPU waits for first tokens to go out.
+        # Set in start(): a scheduler thread computing on the CPU waits for first tokens to go out; a
+        # scheduler process there waits for the FirstTokensOut this loop sends (_first_out: one is due).
         self._await_first_tokens = False
+        self._ack_first_tokens = False
+        self._first_out = False
         self._handed_off: list[threading.Event] = []  # set once their step's message is written
         self._requests_sub: Subscription | None = None
         # Requests of one NATS delivery, handed to the scheduler together (_admit).
@@ -147,9 +151,11 @@ class WorkerService(Service):
             SchedulerClient, cfg.engine, self._outputs_from_thread, self._failure_from_thread, outputs_inline=True,
             outputs_loop=self._loop,
         )
-        self._await_first_tokens = (
-            not cfg.engine.scheduler_in_process() and self.client.server_info["device"].startswith("cpu")
-        )
+        on_cpu = self.client.server_info["device"].startswith("cpu")
+        self._await_first_tokens = not cfg.engine.scheduler_in_process() and on_cpu
+        self._ack_first_tokens = cfg.engine.scheduler_in_process() and on_cpu and cfg.engine.world_size() == 1
+        if self._ack_first_tokens:
+            self.client.hand_over_first_tokens()
         if cfg.with_detokenizer:
             if self.client.tokenizer is None:
                 raise ValueError("--with-detokenizer needs a tokenizer; this checkpoint has none")
@@ -237,6 +243,7 @@ class WorkerService(Service):
                 trace.mark(out.rid, "worker.outputs")
         if threading.get_ident() == self._loop_thread:
             self.bus.poller.touch()
+            self._first_out = self._first_out or (self._ack_first_tokens and self._has_first_output(outputs))
             self._steps.put_nowait(outputs)
             return
         handed_off = threading.Event() if self._await_first_tokens and self._has_first_output(outputs) else None
@@ -275,6 +282,7 @@ class WorkerService(Service):
         while True:
             steps, stopping = await self._next_round()
             handed_off, self._handed_off = self._handed_off, []  # the waits of exactly these steps
+            first_out, self._first_out = self._first_out, False  # set before such a step was queued
             batch = self.batcher.batch(steps)
             if batch.items:
                 try:
@@ -284,10 +292,12 @@ class WorkerService(Service):
                 if trace.TRACE_DIR is not None:
                     for item in batch.items:
                         trace.mark(item.rid, "worker.published")
-            if handed_off:
+            if handed_off or first_out:
                 await asyncio.sleep(0)  # the NATS client's flusher writes the message to the socket
                 for event in handed_off:
                     event.set()
+                if first_out:
+                    self.client.first_tokens_out()
             if stopping:
                 return
             await asyncio.sleep(0)  # arrivals and controls go before the next round
