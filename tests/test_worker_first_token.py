@@ -38,25 +38,33 @@ def private_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(worker_service, "FIRST_TOKEN_WAIT_S", 10 * SEND_S)
 
 
+def scripted_service(
+    steps: list[list[ReqOutput]], events: list[tuple[str, float]], send_s: float
+) -> tuple[WorkerService, asyncio.Task[None]]:
+    """On the running loop: a worker service with a flight for every request of `steps`, whose publish
+    takes send_s and logs ('written', t), and its step publisher running."""
+    service = WorkerService(WorkerServiceConfig(worker_id="w", served_model_name="tiny"))
+    service._loop = asyncio.get_running_loop()
+    service._loop_thread = threading.get_ident()
+    for rid in {out.rid for step in steps for out in step}:
+        service._flights[rid] = Flight(gateway_id="g", stop=[], skip_special_tokens=True)
+
+    async def send(batch: BatchTokenOut) -> None:
+        await asyncio.sleep(send_s)
+        events.append(("written", time.monotonic()))
+
+    service._send = send  # type: ignore[method-assign]
+    return service, asyncio.create_task(service._publish_steps())
+
+
 def run_steps(steps: list[list[ReqOutput]], await_first_tokens: bool, send_s: float = SEND_S) -> list[tuple[str, float]]:
     """Feed `steps` from a scheduler thread; the timeline of ('returned', t) for each hand-over and
     ('written', t) for each message the loop finished writing."""
     events: list[tuple[str, float]] = []
 
     async def main() -> None:
-        service = WorkerService(WorkerServiceConfig(worker_id="w", served_model_name="tiny"))
-        service._loop = asyncio.get_running_loop()
-        service._loop_thread = threading.get_ident()
+        service, publisher = scripted_service(steps, events, send_s)
         service._await_first_tokens = await_first_tokens
-        for rid in {out.rid for step in steps for out in step}:
-            service._flights[rid] = Flight(gateway_id="g", stop=[], skip_special_tokens=True)
-
-        async def send(batch: BatchTokenOut) -> None:
-            await asyncio.sleep(send_s)
-            events.append(("written", time.monotonic()))
-
-        service._send = send  # type: ignore[method-assign]
-        publisher = asyncio.create_task(service._publish_steps())
 
         def scheduler() -> None:
             for outputs in steps:
@@ -107,21 +115,10 @@ def run_loop_steps(steps: list[list[ReqOutput]]) -> list[tuple[str, float]]:
             events.append(("acknowledged", time.monotonic()))
 
     async def main() -> None:
-        service = WorkerService(WorkerServiceConfig(worker_id="w", served_model_name="tiny"))
-        service._loop = asyncio.get_running_loop()
-        service._loop_thread = threading.get_ident()
+        service, publisher = scripted_service(steps, events, SEND_S)
         service._ack_first_tokens = True
         service.client = Client()  # type: ignore[assignment]
         service.bus = SimpleNamespace(poller=SimpleNamespace(touch=lambda: None))  # type: ignore[assignment]
-        for rid in {out.rid for step in steps for out in step}:
-            service._flights[rid] = Flight(gateway_id="g", stop=[], skip_special_tokens=True)
-
-        async def send(batch: BatchTokenOut) -> None:
-            await asyncio.sleep(SEND_S)
-            events.append(("written", time.monotonic()))
-
-        service._send = send  # type: ignore[method-assign]
-        publisher = asyncio.create_task(service._publish_steps())
         for outputs in steps:
             service._outputs_from_thread(outputs)
             while sum(kind == "written" for kind, _ in events) < steps.index(outputs) + 1:
