@@ -35,19 +35,18 @@ RANK_EXIT_GRACE_S = 5.0
 
 
 def run_rank_process(
-    config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any, log_level: str | None
+    config: EngineConfig, rank: int, init_method: str, inbox: Any, outbox: Any, log_level: str
 ) -> None:
     """A TP rank's process; its exit code is 1 when its loop failed. Ctrl-C reaches the whole process
     group, but draining is the parent's job (it shuts the ranks down after), so ranks ignore SIGINT;
     they die with their parent, so a killed worker leaves no rank behind. `log_level`: configure
-    logging here at that level (None: leave it unconfigured)."""
+    logging here at that level (the parent's)."""
     # Imported here: torch and the model code load in the rank processes, not in a node's parent.
     from services.worker.frontend.scheduler_loop import run_scheduler_loop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(signal.SIGKILL)
-    if log_level is not None:
-        setup_logging(log_level)
+    setup_logging(log_level)
     ok = run_scheduler_loop(config, rank, init_method, inbox, outbox, own_process=True)
     # The loop has left the group and released what it held. Leave without the interpreter's
     # finalization: a Llama rank whose group ended within a second of its start aborted there in 3
