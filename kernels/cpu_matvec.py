@@ -8,7 +8,13 @@ tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make s
     out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, scale)  # batch-1 decode attention
     out = torch.ops.radixserve_cpu.decode_attention_rows(q, k_pool, v_pool, slots, seq_lens, scale)  # a batch's
 
-(the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them).
+(the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them), and
+kernels/cpu/rows.cpp's row-wise steps for batches of rows, through `row_ops()`:
+
+    normed, x_plus_r = ops.add_rmsnorm_rows(x, residual, norm_weight, eps)   # x: [M, K]
+    normed = ops.rmsnorm_rows(x, norm_weight, eps)
+    ops.qk_norm_rope_rows_(q, k, positions, cos, sin, q_norm, k_norm, eps, head_dim)   # in place
+    ops.store_kv_rows_(k, v, k_dst, v_dst, rows)   # k_dst[rows[i]] = k[i], the same for v
 
 It streams the weight in its own [N, K] layout, rows split across torch's compute threads, and
 accumulates in float32. Where it cannot be built (no C++ compiler, no ninja, an unsupported torch) or
@@ -24,10 +30,13 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "cpu" / "matvec.cpp"
+# The decoder layer's row-wise steps for batches (norms, RoPE, KV stores), built into the same library.
+ROWS_SOURCE = SOURCE.with_name("rows.cpp")
 # The extension's name and cache folder. torch rebuilds it when the source or flags change; the torch
 # version is in the name so that an upgrade (another C++ ABI) builds anew instead of loading a stale one.
 EXTENSION = "radixserve_cpu_matvec_" + re.sub(r"\W", "_", torch.__version__)
@@ -38,6 +47,9 @@ class MatvecUnavailable(RuntimeError):
 
 
 _loaded: Callable[..., torch.Tensor] | None = None
+# RS_CPU_ROW_OPS=0 keeps torch's ops for the row-wise steps (rows.cpp) for A/B runs.
+ROW_OPS_ENV = "RS_CPU_ROW_OPS"
+_row_ops: Any = None
 _failure: str | None = None
 
 
@@ -78,13 +90,17 @@ def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
         # to the libgomp that torch already loaded (same soname), so both share one thread pool.
         load(
             name=EXTENSION,
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
+            sources=[str(SOURCE), str(ROWS_SOURCE)],
+            # -ffp-contract=off: no multiply-add is fused unless written so, which keeps rows.cpp's
+            # products and sums rounded one by one, as torch's ops round them.
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=verbose,
         )
         _loaded = torch.ops.radixserve_cpu.matvec
+        global _row_ops
+        _row_ops = torch.ops.radixserve_cpu if os.environ.get(ROW_OPS_ENV, "1") != "0" else None
     except MatvecUnavailable as exc:
         _failure = str(exc)
         raise
@@ -106,6 +122,13 @@ def rows_attention() -> Callable[..., torch.Tensor] | None:
     """torch.ops.radixserve_cpu.decode_attention_rows (a decode batch's attention, each request's keys read
     from the pool through its slots) where the library is already loaded in this process, else None."""
     return torch.ops.radixserve_cpu.decode_attention_rows if _loaded is not None else None
+
+
+def row_ops() -> Any:
+    """torch.ops.radixserve_cpu for rows.cpp's row-wise steps (add_rmsnorm_rows, rmsnorm_rows,
+    qk_norm_rope_rows_, store_kv_rows_) where the library is already loaded in this process and
+    RS_CPU_ROW_OPS is not 0, else None: never builds. Float32 CPU rows only; callers check."""
+    return _row_ops
 
 
 def matvec_isa() -> str:

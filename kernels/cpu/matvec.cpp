@@ -477,6 +477,11 @@ std::string use_matvec_isa(const std::string& isa) {
 
 }  // namespace
 
+// rows.cpp's vector paths follow the products' choice (use_matvec_isa switches both).
+namespace radixserve_cpu_paths {
+bool avx512() { return use_avx512(); }
+}  // namespace radixserve_cpu_paths
+
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("rmsnorm_matvec(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight) -> (Tensor, Tensor)");

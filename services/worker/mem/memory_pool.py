@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.cpu_matvec import row_ops
+
 # kv_cache_dtype names (SGLang's and vLLM's spellings) of the float8 storage types.
 FP8_KV_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -166,6 +168,12 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, num_kv_heads, head_dim] (or flattened heads) written at slots `loc`."""
+        if (
+            self.dtype == torch.float32
+            and self.device.type == "cpu"
+            and store_rows(k, v, self.k_buffer[layer_id], self.v_buffer[layer_id], loc)
+        ):
+            return
         self.k_buffer[layer_id][loc] = self.quantize_k(layer_id, k.view(-1, self.num_kv_heads, self.head_dim))
         self.v_buffer[layer_id][loc] = self.quantize_v(layer_id, v.view(-1, self.num_kv_heads, self.head_dim))
 
@@ -175,6 +183,24 @@ class TokenToKVPool:
 
     def quantize_v(self, layer_id: int, v: torch.Tensor) -> torch.Tensor:
         return quantize_kv(v, self.v_scales[layer_id], self.dtype)
+
+
+def store_rows(
+    k: torch.Tensor, v: torch.Tensor, k_dst: torch.Tensor, v_dst: torch.Tensor, rows: torch.Tensor
+) -> bool:
+    """k_dst[rows] = k and v_dst[rows] = v in one C++ call (kernels/cpu/rows.cpp, for float32 CPU tensors
+    with contiguous rows: two torch index_puts cost ~10 us each at batch 16), and True; False where that
+    op does not apply (the caller stores with torch)."""
+    ops = row_ops()
+    if ops is None or k.dtype != torch.float32 or v.dtype != torch.float32 or rows.dtype != torch.int64:
+        return False
+    if k.device.type != "cpu" or k_dst.dtype != torch.float32 or rows.dim() != 1:
+        return False
+    k2, v2 = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+    if k2.stride(-1) != 1 or v2.stride(-1) != 1:
+        return False
+    ops.store_kv_rows_(k2, v2, k_dst, v_dst, rows)
+    return True
 
 
 def _zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.mem.memory_pool import store_rows
+
 if TYPE_CHECKING:
     from services.worker.mem.memory_pool import TokenToKVPool
     from services.worker.runtime.forward_batch import ForwardBatch
@@ -56,6 +58,10 @@ class DenseStep:
             torch.index_select(v_pool.view(-1, row), 0, self.fill_slots, out=values.view(-1, row))
         else:
             assert self.new_rows is not None
+            if keys.dtype == torch.float32 and store_rows(
+                k, v, keys.view(-1, row), values.view(-1, row), self.new_rows
+            ):
+                return keys[:, :length].transpose(1, 2), values[:, :length].transpose(1, 2)
             # As the pool stored them (a float8 pool: scaled, clipped and rounded).
             new_k = pool.quantize_k(layer_id, k.view(bs, row))
             new_v = pool.quantize_v(layer_id, v.view(bs, row))

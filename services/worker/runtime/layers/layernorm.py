@@ -1,14 +1,18 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
 
 On CUDA each is one Triton launch (kernels/rmsnorm.py: the add, the statistics and the scaling in one
-pass); elsewhere a few torch ops with the same rounding.
+pass); on the CPU in float32, one C++ op (kernels/cpu/rows.cpp: the squares summed in double, as the
+batch-1 product's prologue does); elsewhere a few torch ops.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from kernels.cpu_matvec import row_ops
 from services.worker.runtime.layers.linear import default_weight_loader, new_parameter
 
 
@@ -40,11 +44,25 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rmsnorm(x, self.weight, self.eps)
             return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+        if (ops := _cpu_rows(x, self.weight)) is not None:
+            if residual is None:
+                return ops.rmsnorm_rows(x, self.weight, self.eps)
+            if residual.stride(-1) == 1 and residual.dim() == 2:
+                return ops.add_rmsnorm_rows(x, residual, self.weight, self.eps)
         # (torch.rms_norm is bit-identical in float32 but measured slower here at batch 16.)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def _cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """kernels/cpu/rows.cpp's ops where they take x: float32 CPU rows [M, K] with contiguous rows and
+    a float32 weight, the library loaded (one op for the norm's ~7 torch calls); else None."""
+    ops = row_ops()
+    if ops is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
+        return None
+    return ops if x.stride(-1) == 1 and x.device.type == "cpu" else None
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -2,8 +2,9 @@
 
 cos/sin are precomputed once per model for every position up to the context length, in float32 and
 exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/qk_norm_rope.py
-with its norm and pool store off) rotates q and k in place, in float32; elsewhere torch ops return
-rotated copies, with the per-position tables gathered once per forward rather than once per layer.
+with its norm and pool store off) rotates q and k in place, in float32; on the CPU in float32 one C++ op
+(kernels/cpu/rows.cpp, `norm_rope_in_place`) does the same with the heads' norms; elsewhere torch ops
+return rotated copies, with the per-position tables gathered once per forward rather than once per layer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kernels.cpu_matvec import row_ops
+from services.worker.runtime.layers.layernorm import RMSNorm
 
 # Rope types whose frequencies are fixed at load time (dynamic NTK rescales per sequence length).
 STATIC_SCALED_ROPE_TYPES = ("linear", "yarn", "llama3")
@@ -74,6 +78,28 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def norm_rope_in_place(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None
+    ) -> bool:
+        """On the CPU in float32 with kernels/cpu/rows.cpp loaded: each head of q and k RMS-normalized by
+        q_norm / k_norm (None skips it) and rotated, in place, in one op (the same bits as the torch
+        ops' rotation; the norms sum their squares in double), and True. Else nothing and False."""
+        ops = row_ops()
+        if ops is None or q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 2 or k.dim() != 2:
+            return False
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64:
+            return False
+        norms = (q_norm, k_norm)
+        if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != torch.float32) for n in norms):
+            return False
+        epses = {n.eps for n in norms if isinstance(n, RMSNorm)}
+        if len(epses) > 1:
+            return False
+        weights = [n.weight if isinstance(n, RMSNorm) else None for n in norms]
+        eps = epses.pop() if epses else 0.0
+        ops.qk_norm_rope_rows_(q, k, positions, self.cos_cache, self.sin_cache, *weights, eps, self.head_dim)
+        return True
 
     def _full_width(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, 1, head_dim] (cos, cos) and (-sin, sin) for these positions, built once per forward:

@@ -1,0 +1,228 @@
+"""kernels/cpu/rows.cpp, the decoder layer's row-wise steps for batches of float32 rows on the CPU, against
+references: RMSNorm (with and without the residual add) against float64, the q/k norm + RoPE bit for bit
+against the torch ops it replaces, the KV row store against index_put, SiLU-and-mul within 2 ulp of torch
+on each instruction-set path; their errors on bad input; and a model whose layers take them against the
+same model on torch's ops (RS_CPU_ROW_OPS=0's path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import kernels.cpu_matvec as cpu_matvec
+from kernels.cpu_matvec import MatvecUnavailable, load_matvec, use_matvec_isa
+from services.worker.runtime.layers.activation import silu_and_mul
+from services.worker.runtime.layers.layernorm import RMSNorm
+from services.worker.runtime.layers.rotary import RotaryEmbedding
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
+from tests.forward_helpers import BatchDriver
+
+
+def _why_not() -> str | None:
+    try:
+        load_matvec()
+        return None
+    except MatvecUnavailable as exc:
+        return str(exc)
+
+
+pytestmark = pytest.mark.skipif(
+    _why_not() is not None, reason=f"the C++ library is not built here: {_why_not()}"
+)
+
+
+def ops():
+    return torch.ops.radixserve_cpu
+
+
+@pytest.fixture
+def without_row_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers as RS_CPU_ROW_OPS=0 leaves them: torch's ops."""
+    monkeypatch.setattr(cpu_matvec, "_row_ops", None)
+
+
+@pytest.fixture(params=("avx512", "avx2", "portable"))
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    try:
+        before = use_matvec_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU has no {request.param} path")
+    yield request.param
+    use_matvec_isa(before)
+
+
+def _norm64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h64 = h.double()
+    return w.double() * h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_add_rmsnorm_rows_matches_float64_and_adds_exactly(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    # Rows of a wider tensor (strided), as a projection's slice would be.
+    x = torch.randn(rows, 600, generator=g)[:, :576]
+    residual, w = torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    normed, total = ops().add_rmsnorm_rows(x, residual, w, 1e-5)
+    assert torch.equal(total, x + residual)
+    ref = _norm64(x + residual, w, 1e-5)
+    torch.testing.assert_close(normed.double(), ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        ops().rmsnorm_rows(x, w, 1e-5).double(), _norm64(x, w, 1e-5), rtol=2e-6, atol=2e-6
+    )
+
+
+def test_rmsnorm_layer_takes_the_op_and_stays_within_an_ulp_of_torch(without_row_ops: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(16, 96, generator=g), torch.randn(16, 96, generator=g)
+    norm = RMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    torch_y, torch_sum = norm(x, residual)
+    cpu_matvec._row_ops = torch.ops.radixserve_cpu
+    y, total = norm(x, residual)
+    assert torch.equal(total, torch_sum)
+    torch.testing.assert_close(y, torch_y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_rope_in_place_is_bit_identical_to_the_torch_rotation(rows: int, rotary_dim: int) -> None:
+    head_dim = 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    rope = RotaryEmbedding(head_dim, inv_freq, 4096)
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (6 + 2 + 2) * head_dim, generator=g)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    q, k, v = qkv.split([6 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
+    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
+    try:
+        ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    finally:
+        cpu_matvec._row_ops = saved
+    v_before = v.clone()
+    assert rope.norm_rope_in_place(positions, q, k, None, None)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
+
+
+def test_qk_norms_then_rope_match_the_layers_steps() -> None:
+    head_dim = 32
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rope = RotaryEmbedding(head_dim, inv_freq, 256)
+    g = torch.Generator().manual_seed(9)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(head_dim, generator=g))
+        k_norm.weight.copy_(torch.randn(head_dim, generator=g))
+    q, k = torch.randn(8, 4 * head_dim, generator=g), torch.randn(8, 2 * head_dim, generator=g)
+    positions = torch.randint(0, 256, (8,), generator=g)
+    nq = torch.from_numpy(_norm64(q.view(-1, head_dim), q_norm.weight.detach(), 1e-6).float().numpy()).view(
+        q.shape
+    )
+    nk = torch.from_numpy(_norm64(k.view(-1, head_dim), k_norm.weight.detach(), 1e-6).float().numpy()).view(
+        k.shape
+    )
+    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
+    try:
+        ref_q, ref_k = rope(positions, nq, nk)
+    finally:
+        cpu_matvec._row_ops = saved
+    assert rope.norm_rope_in_place(positions, q, k, q_norm, k_norm)
+    torch.testing.assert_close(q, ref_q, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k, ref_k, rtol=2e-6, atol=2e-6)
+
+
+def test_rope_in_place_declines_what_it_does_not_take() -> None:
+    rope = RotaryEmbedding(16, 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 64)
+    positions = torch.arange(3)
+    q, k = torch.randn(3, 32), torch.randn(3, 16)
+    q0, k0 = q.clone(), k.clone()
+    assert not rope.norm_rope_in_place(positions, q.double(), k.double(), None, None)
+    assert not rope.norm_rope_in_place(positions, q.t().contiguous().t(), k, None, None)  # columns strided
+    norm_a, norm_b = RMSNorm(16, 1e-6), RMSNorm(16, 1e-5)
+    assert not rope.norm_rope_in_place(positions, q, k, norm_a, norm_b)  # two epsilons: the torch steps
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_store_kv_rows_equals_index_put() -> None:
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(6, 3 * 48, generator=g)
+    k, v = qkv[:, 48:96], qkv[:, 96:]
+    pool_k, pool_v = torch.zeros(20, 3, 16), torch.zeros(20, 3, 16)
+    rows = torch.tensor([19, 0, 4, 7, 8, 2])
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    ref_k[rows], ref_v[rows] = k.reshape(6, 3, 16), v.reshape(6, 3, 16)
+    ops().store_kv_rows_(k, v, pool_k, pool_v, rows)
+    assert torch.equal(pool_k, ref_k) and torch.equal(pool_v, ref_v)
+
+
+@pytest.mark.parametrize("cols", [1536, 17, 1])
+def test_silu_mul_rows_within_two_ulp_of_torch(isa: str, cols: int) -> None:
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(16, 2 * cols, generator=g) * 6
+    if cols >= 4:  # the exp's clamps: far below and above its range
+        x[0, :4] = torch.tensor([-200.0, -90.0, 88.0, 200.0])
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    got = ops().silu_mul_rows(x)
+    torch.testing.assert_close(got, ref, rtol=3e-7, atol=1e-30)
+    assert torch.equal(silu_and_mul(x), got)
+
+
+def test_row_ops_refuse_bad_input_with_a_clear_error() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous float32 CPU vector of 8"):
+        ops().rmsnorm_rows(x, torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        ops().add_rmsnorm_rows(x.double(), x, w, 1e-6)
+    with pytest.raises(RuntimeError, match="residual has 3 rows"):
+        ops().add_rmsnorm_rows(x, torch.randn(3, 8), w, 1e-6)
+    cos = sin = torch.randn(10, 4)
+    with pytest.raises(RuntimeError, match="position 10 of row 1 is outside the rotary table's 10"):
+        ops().qk_norm_rope_rows_(x, x.clone(), torch.tensor([0, 10, 1, 2]), cos, sin, None, None, 1e-6, 8)
+    with pytest.raises(RuntimeError, match="not whole heads of 3"):
+        ops().qk_norm_rope_rows_(x, x.clone(), torch.arange(4), cos, sin, None, None, 1e-6, 3)
+    with pytest.raises(RuntimeError, match="row 5 is outside the destination's 5"):
+        ops().store_kv_rows_(x, x, torch.zeros(5, 8), torch.zeros(5, 8), torch.tensor([0, 1, 5, 2]))
+    with pytest.raises(RuntimeError, match="an even number of values"):
+        ops().silu_mul_rows(torch.randn(2, 7))
+
+
+@torch.no_grad()
+def test_a_model_on_the_row_ops_matches_torch_ops_and_transformers(
+    qwen3_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny Qwen3 (q/k norms) in float32, a batched prefill then 5 greedy decode steps of 3 requests: the
+    same tokens with the row ops as on torch's ops, logits within 1e-5, and the last step within 1e-4 of
+    transformers on the whole sequences."""
+    config = ModelConfig.from_path(qwen3_path, dtype="float32")
+    model = load_model(config, "cpu")
+    prompts = [[5, 9, 31, 7, 2, 44], [8, 3, 61, 17], [12, 40, 2, 9, 9]]
+
+    def run() -> tuple[list[torch.Tensor], list[list[int]]]:
+        driver = BatchDriver(model, config)
+        rows = [driver.new_request() for _ in prompts]
+        logits, tokens = [driver.extend(list(zip(rows, prompts)))], [list(p) for p in prompts]
+        for _ in range(5):
+            nxt = logits[-1].argmax(-1).tolist()
+            for seq, token in zip(tokens, nxt):
+                seq.append(token)
+            logits.append(driver.decode(list(zip(rows, nxt))))
+        return logits, tokens
+
+    assert cpu_matvec.row_ops() is not None
+    ours, tokens = run()
+    monkeypatch.setattr(cpu_matvec, "_row_ops", None)
+    torch_logits, torch_tokens = run()
+    assert tokens == torch_tokens
+    for a, b in zip(ours, torch_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    hf = AutoModelForCausalLM.from_pretrained(
+        qwen3_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ref = torch.stack([hf(torch.tensor([seq])).logits[0, -1].float() for seq in tokens])
+    assert ((ours[-1] - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
