@@ -42,8 +42,9 @@ bool avx512();  // matvec.cpp: whether the products' chosen path is AVX-512 (use
 
 namespace {
 
-// Rows per thread band: below this many a row's few hundred floats are not worth a thread's start.
-constexpr int64_t kGrain = 32;
+// Rows per thread band: a batch-16 decode step's rows go to two threads (the other compute thread is
+// spinning at the barrier the products left it at, so it starts at once).
+constexpr int64_t kGrain = 8;
 
 void check_rows(const char* op, const char* what, const at::Tensor& t, int64_t k) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, op, ": ", what,
@@ -60,11 +61,37 @@ void check_vector(const char* op, const char* what, const at::Tensor& t, int64_t
               t.sizes());
 }
 
+#ifdef RS_X86
+// sum(h^2) in double, 16 floats a step (each product is exact in double, so only the sums round).
+__attribute__((target("avx512f"))) double squares_avx512(const float* h, int64_t k) {
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const __m512 x = _mm512_loadu_ps(h + i);
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+  }
+  double s = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+  for (; i < k; ++i) s += static_cast<double>(h[i]) * h[i];
+  return s;
+}
+#endif
+
+double squares(const float* h, int64_t k) {
+#ifdef RS_X86
+  if (radixserve_cpu_paths::avx512()) return squares_avx512(h, k);
+#endif
+  double s = 0.0;
+  for (int64_t i = 0; i < k; ++i) s += static_cast<double>(h[i]) * h[i];
+  return s;
+}
+
 // o = w * (h * inv), inv = 1 / sqrt(mean(h^2) + eps), over k values.
 inline void norm_row(const float* h, const float* w, float eps, int64_t k, float* o) {
-  double squares = 0.0;
-  for (int64_t i = 0; i < k; ++i) squares += static_cast<double>(h[i]) * h[i];
-  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / k) + eps);
+  const double sum = squares(h, k);
+  const float inv = 1.0f / std::sqrt(static_cast<float>(sum / k) + eps);
   for (int64_t i = 0; i < k; ++i) o[i] = w[i] * (h[i] * inv);
 }
 
