@@ -184,7 +184,7 @@ def test_adaptive_threads_by_default_and_what_fixes_the_count(monkeypatch: pytes
     assert EngineConfig().adaptive_threads()
     assert not EngineConfig(cpu_adaptive_threads=False).adaptive_threads()
     assert not EngineConfig(cpu_reserved_cores=1).adaptive_threads()
-    assert not EngineConfig(cpu_reserved_cores=0).adaptive_threads()  # the offline Engine's setting
+    assert not EngineConfig(cpu_reserved_cores=0).adaptive_threads()
     assert not EngineConfig(cpu_threads=2).adaptive_threads()
     assert not EngineConfig(cpu_bind="none").adaptive_threads()
     assert EngineConfig(cpu_reserved_cores=1, cpu_adaptive_threads=True).reserved_cores() == 1
@@ -194,6 +194,21 @@ def test_adaptive_threads_by_default_and_what_fixes_the_count(monkeypatch: pytes
         EngineConfig(cpu_bind="0-1", cpu_adaptive_threads=True)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert not EngineConfig().adaptive_threads()
+
+
+def test_the_offline_engine_adapts_where_the_count_may_and_else_keeps_no_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """offline_cpu_defaults: under the defaults the Engine adapts as a service does, starting on every core;
+    where something fixes the count it computes on every core (cpu_reserved_cores 0), not every core but one."""
+    from services.worker.frontend.engine import offline_cpu_defaults
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    adaptive = offline_cpu_defaults(EngineConfig())
+    assert adaptive.adaptive_threads() and adaptive.reserved_cores() == 0
+    assert offline_cpu_defaults(EngineConfig(cpu_adaptive_threads=False)).reserved_cores() == 0
+    assert offline_cpu_defaults(EngineConfig(cpu_reserved_cores=1)).reserved_cores() == 1  # asked for: kept
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    fixed = offline_cpu_defaults(EngineConfig())
+    assert not fixed.adaptive_threads() and fixed.cpu_reserved_cores == 0
 
 
 def test_the_switch_off_from_the_environment(monkeypatch: pytest.MonkeyPatch, qwen3_path: Path) -> None:

@@ -112,16 +112,17 @@ class EngineConfig:
         "CPU: usable cores kept free of compute threads for the event loop, the other services and the host "
         "(the first ones; none when no more are usable); default: 0 with cpu_adaptive_threads (it gives cores "
         "back while others need them), else 1 for a worker service, so a loaded host slows the steps instead "
-        "of stalling them; 0 for the offline Engine, whose caller waits while it computes (on 2 vCPUs its "
-        "batch-1 decode went from 13.8 to 19 tok/s with both cores). Setting it fixes the thread count",
+        "of stalling them; 0 for the offline Engine where the count is fixed, whose caller waits while it "
+        "computes (on 2 vCPUs its batch-1 decode went from 13.8 to 19 tok/s with both cores). Setting it fixes "
+        "the thread count",
         None,
     )
     cpu_adaptive_threads: bool | None = _help(
         "CPU: choose the compute threads between steps (cpu_threads.py): start on every usable core after "
         "cpu_reserved_cores, give cores back while other processes (the host's, the other services) take CPU "
-        "time on them, take them back once they stop; default: on for a worker service under cpu_bind 'auto' "
-        "unless cpu_threads, cpu_reserved_cores, OMP_NUM_THREADS or enable_deterministic_inference is set, "
-        "each of which fixes the count (so is it for the offline Engine, which sets cpu_reserved_cores 0)",
+        "time on them, take them back once they stop; default: on (a worker service and the offline Engine) "
+        "under cpu_bind 'auto' unless cpu_threads, cpu_reserved_cores, OMP_NUM_THREADS or "
+        "enable_deterministic_inference is set, each of which fixes the count",
         None,
     )
     cpu_bind: str = _help(

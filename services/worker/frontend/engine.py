@@ -23,13 +23,23 @@ from services.worker.scheduler.req import Req
 from shared import trace
 
 
+def offline_cpu_defaults(config: EngineConfig) -> EngineConfig:
+    """The offline Engine's CPU threads: its caller waits while it computes, so no core is kept back
+    unless asked. Where the count adapts (cpu_threads.py, the default under cpu_bind 'auto') it starts on
+    every core and gives one back while other processes take CPU time there, as a worker service does: a
+    fixed team of two threads on a 2-vCPU host beside two busy processes waited at every barrier for its
+    descheduled thread (batch-1 decode 22 tok/s, llama.cpp 34 at one thread). Where the count is fixed
+    (OMP_NUM_THREADS, cpu_threads, ...) every core computes (cpu_reserved_cores 0)."""
+    if config.cpu_reserved_cores is None and not config.adaptive_threads():
+        return config.replace(cpu_reserved_cores=0)
+    return config
+
+
 class Engine:
     """Generate with a model in this process (or its TP rank processes)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        # The caller waits on the Engine while it computes: no core is kept back unless asked.
-        kwargs.setdefault("cpu_reserved_cores", 0)
-        self.config = EngineConfig.resolved(model_path, **kwargs)
+        self.config = offline_cpu_defaults(EngineConfig.resolved(model_path, **kwargs))
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
         self._failed: str | None = None
