@@ -333,7 +333,7 @@ def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
             return {"ours_tok_s": case["ours"]["tok_per_s"], "hf_tok_s": case["hf"]["tok_per_s"]}
         return _median_run(d[dtype][f"batch{batch}"])
 
-    source = "cpu_decode_2026-12-04_a.json" if dtype == "float32" else "cpu_decode_2026-11-29_a.json"
+    source = "cpu_decode_2026-12-05_a.json" if dtype == "float32" else "cpu_decode_2026-11-29_a.json"
     return Figure(label, source, lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
                   peer=lambda d: run(d)["hf_tok_s"], peer_label="transformers", ratio_fmt="{:.2f}×",
                   target=Target(">=", 1.2, "≥ 1.2×") if batch == 1 else Target(">=", 3.0, "≥ 3×"),
@@ -402,28 +402,50 @@ CPU_PEERS = Area(
 
 
 CPU_SERVED = Area(
-    "cpu_served", "CPU vs vLLM-CPU (served, threads chosen at run time) and llama.cpp (batch 1), AMD EPYC hosts",
+    "cpu_served", "CPU vs vLLM-CPU and llama.cpp on AMD EPYC hosts: threads chosen at run time, quiet and loaded",
     CPU_AMD + "; peers rebuilt on it",
     (
         replace(_peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults "
-                       "(threads from the foreign CPU time; batch attention in C++; the scheduler in its own process, "
-                       "as a thread before: 230.0 vs 219.6, `_19`)", "peers_cpu_2026-12-04_18.json"),
+                       "(the row ops of kernels/cpu/rows.cpp; 2026-12-04 on another guest: 221.9 vs 214.3, `_18`)",
+                       "peers_cpu_2026-12-05_1.json"),
                 command=".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults (the "
-                       "scheduler in its own process; as a thread before: 149.5 vs 195.3, `_16`)",
-                       "peers_cpu_2026-12-04_17.json"),
-                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, one-stream single-row product and C++ "
-                       "single-row attention (2026-12-04, a later AMD EPYC guest; with the product alone: 1.02× "
-                       "`_13`, 0.96× `_14`)", "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
-                command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
-        replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1 (same host)",
-                       "peers_cpu_2026-12-04_15.json", peer="llamacpp"),
-                command=".venv/bin/python bench/peers_cpu.py --skip served --engines ours,llamacpp"),
+        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes, `up` defaults, 5 rounds "
+                       "(3 rounds: 267.0 vs 255.7, `_2`; 2026-12-04 on another guest: 186.7 vs 203.0, `_17`)",
+                       "peers_cpu_2026-12-05_3.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm --rounds 5"),
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host",
+                       "peers_cpu_2026-12-05_7.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, quiet host (an hour earlier, before the "
+                       "Engine's threads adapted, 91.2 vs 57.7, `_4`: quiet, nothing resized, so the host's speed, "
+                       "which moved by up to 40 % within minutes)", "peers_cpu_2026-12-05_7.json", peer="llamacpp"),
+                command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, quiet host", "peers_cpu_2026-12-05_7.json"),
+                command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host",
+                       "peers_cpu_2026-12-05_7.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host",
+                       "peers_cpu_2026-12-05_7.json", peer="llamacpp"),
+                command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (the Engine's threads "
+                       "chosen at run time; a fixed team of two before: 22.2 vs 22.2, `_5`)",
+                       "peers_cpu_2026-12-05_6.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (a fixed team of two before: "
+                       "22.2 vs 33.5, `_5`)", "peers_cpu_2026-12-05_6.json", peer="llamacpp"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (a fixed team of two before: "
+                       "136.3 vs 169.0, `_5`)", "peers_cpu_2026-12-05_6.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same",
+                       "peers_cpu_2026-12-05_6.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same",
+                       "peers_cpu_2026-12-05_6.json", peer="llamacpp"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
     ),
-    note="The served defaults changed on 2026-12-04 (services/worker/cpu_threads.py: all cores while the host is "
-         "quiet, one given back while other processes want it); the cpu_peers area's served rows are the "
-         "fixed-core defaults before, on another host.",
+    note="2026-12-05: a faster AMD EPYC guest than 2026-12-04's (AVX-512 with VP2INTERSECT, 2 vCPUs), so the rows "
+         "compare only within a run; alternating rounds, medians of 3 (5 where named). Served and offline both choose "
+         "their compute threads at run time (services/worker/cpu_threads.py: every core while the host is quiet, one "
+         "given back while other processes want it); the cpu_peers area's rows are the fixed-core defaults before, on "
+         "an Intel host. Greedy ids equal across the engines in every offline row; served texts 16/16.",
 )
 
 
