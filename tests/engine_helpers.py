@@ -1,4 +1,5 @@
-"""Shared helpers for engine and scheduler tests: HF greedy references and prompt builders."""
+"""Shared helpers for engine and scheduler tests: HF greedy references, prompt builders and a Scheduler
+built in the test's own thread."""
 
 from __future__ import annotations
 
@@ -13,6 +14,16 @@ from transformers import AutoModelForCausalLM
 from tests.checkpoints import VOCAB_SIZE
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def scheduler_here(config: Any) -> Any:
+    """A rank-0 Scheduler built in the calling thread (the test's), with cpu_bind 'none': under 'auto' the
+    loop pins the thread that builds it to one core, and here that thread is pytest's, so every later test
+    of the worker process, and every thread it starts, would inherit the one-core mask
+    (tests/test_cpu_threads.py's two-core tests failed in a CI run that way)."""
+    from services.worker.frontend.scheduler_loop import SchedulerLoop
+
+    return SchedulerLoop(config.replace(cpu_bind="none"), rank=0, init_method="tcp://127.0.0.1:0").scheduler
 
 
 @lru_cache(maxsize=8)

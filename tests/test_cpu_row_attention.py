@@ -65,10 +65,12 @@ def test_bad_operands_are_clear_errors(q, k, match) -> None:
         torch.ops.radixserve_cpu.decode_attention_row(q, k, torch.zeros_like(k), 0.25)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "rows of the projection", "heads strided"])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (1, 4, 40)])
-def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head_dim) -> None:  # noqa: F811
+def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head_dim, layout) -> None:  # noqa: F811
     """Requests of 1 to 70 positions whose slots are scattered over the pool (past each length the slot
-    table holds slot 0, which must not be read: it is poisoned)."""
+    table holds slot 0, which must not be read: it is poisoned). q as given, as the q columns of the
+    projection's output rows (read in place), or with its heads strided (copied first)."""
     g = torch.Generator().manual_seed(head_dim + group)
     pool_k = torch.randn(300, kv_heads, head_dim, generator=g) * 2
     pool_v = torch.randn(300, kv_heads, head_dim, generator=g)
@@ -78,6 +80,13 @@ def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head
     for b, n in enumerate(lens.tolist()):
         slots[b, :n] = torch.randperm(299, generator=g)[:n] + 1
     q = torch.randn(5, kv_heads, group, head_dim, generator=g)
+    if layout == "rows of the projection":
+        qkv = torch.randn(5, (kv_heads * group + 2 * kv_heads) * head_dim, generator=g)
+        qkv[:, : q[0].numel()] = q.flatten(1)
+        q = qkv[:, : q[0].numel()].reshape(q.shape)
+        assert not q.is_contiguous()
+    elif layout == "heads strided":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
     out = torch.ops.radixserve_cpu.decode_attention_rows(q, pool_k, pool_v, slots, lens, head_dim**-0.5)
     assert out.shape == (5, kv_heads * group * head_dim)
     for b, n in enumerate(lens.tolist()):

@@ -212,3 +212,13 @@ def test_each_compute_thread_is_pinned_to_its_own_core() -> None:
     assert result["allowed"][str(result["me"])] == str(cores[0])
     for tid, core in pinned.items():
         assert result["allowed"][tid] == str(core)
+
+
+def test_a_scheduler_built_in_the_tests_thread_leaves_its_cores(qwen3_path: Path) -> None:
+    """scheduler_here (tests/engine_helpers.py) builds with cpu_bind 'none': under 'auto' the loop pins the
+    thread that builds it, and pytest's thread pinned to one core broke this file's two-core tests in CI."""
+    from tests.engine_helpers import scheduler_here
+
+    before = os.sched_getaffinity(0)
+    scheduler_here(EngineConfig.from_kwargs(str(qwen3_path), max_total_tokens=256))
+    assert os.sched_getaffinity(0) == before

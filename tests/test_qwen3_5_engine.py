@@ -13,13 +13,20 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
-from services.worker.frontend.scheduler_loop import SchedulerLoop
 from services.worker.mem.state_pool import MAX_STATE_SHARE
 from services.worker.runtime import model_runner
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.scheduler.req import Req
 from shared.sampling_params import SamplingParams
-from tests.engine_helpers import GREEDY, EnginePool, hf_greedy, hf_model, output_ids, random_prompts
+from tests.engine_helpers import (
+    GREEDY,
+    EnginePool,
+    hf_greedy,
+    hf_model,
+    output_ids,
+    random_prompts,
+    scheduler_here,
+)
 
 # The transformers references run single-threaded (tests/conftest.py's one_thread says why).
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,7 +126,7 @@ def test_prompt_and_output_logprobs_equal_transformers_with_chunked_prefill(qwen
 
 def make_scheduler(path: Path, **kwargs: object):  # noqa: ANN201 - a Scheduler
     config = EngineConfig.from_kwargs(str(path), **kwargs)
-    return SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    return scheduler_here(config)
 
 
 @pytest.mark.parametrize("options", [{}, {"enable_mixed_chunk": True, "disable_overlap_schedule": False}], ids=str)

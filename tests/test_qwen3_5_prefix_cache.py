@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from services.worker.config import EngineConfig
-from services.worker.frontend.scheduler_loop import SchedulerLoop
 from services.worker.mem.eviction_policy import EVICTION_POLICIES
 from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.mem.memory_pool import TokenToKVPool
@@ -22,7 +21,7 @@ from services.worker.runtime.model_runner import ModelRunner
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.scheduler import Scheduler
 from shared.sampling_params import SamplingParams
-from tests.engine_helpers import hf_greedy, random_prompts
+from tests.engine_helpers import hf_greedy, random_prompts, scheduler_here
 
 NEW_TOKENS = 8
 SHARED = random_prompts(1, 24, 24, seed=31)[0]  # a system-prompt-like head
@@ -31,7 +30,7 @@ TAILS = random_prompts(5, 2, 9, seed=32, prefix=SHARED)
 
 def make_scheduler(path: Path, **kwargs: object) -> Scheduler:
     config = EngineConfig.from_kwargs(str(path), dtype="float32", **kwargs)
-    return SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    return scheduler_here(config)
 
 
 def greedy(max_new_tokens: int = NEW_TOKENS) -> SamplingParams:

@@ -13,17 +13,16 @@ import pytest
 import torch
 
 from services.worker.config import EngineConfig
-from services.worker.frontend.scheduler_loop import SchedulerLoop
 from services.worker.scheduler.output import PackedOutputs, ReqOutput
 from services.worker.scheduler.req import FinishReason, Req
 from services.worker.scheduler.schedule_policy import attention_cost, tokens_within_cost
 from shared.sampling_params import SamplingParams
-from tests.engine_helpers import random_prompts
+from tests.engine_helpers import random_prompts, scheduler_here
 
 
 def make_scheduler(path: Path, **kwargs: object):  # noqa: ANN201 - a Scheduler
     config = EngineConfig.from_kwargs(str(path), **kwargs)
-    return SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    return scheduler_here(config)
 
 
 @pytest.mark.parametrize(

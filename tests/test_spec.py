@@ -14,7 +14,6 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.frontend.engine import Engine
-from services.worker.frontend.scheduler_loop import SchedulerLoop
 from services.worker.runtime.forward_batch import ForwardMode
 from services.worker.scheduler.req import Req
 from services.worker.scheduler.schedule_batch import ScheduleBatch
@@ -22,7 +21,7 @@ from services.worker.scheduler.spec.ngram import ngram_lookup
 from services.worker.scheduler.spec.verify import verify, verify_greedy
 from shared.sampling_params import SamplingParams
 from tests.checkpoints import tiny_llama_config, tiny_qwen3_config, write_checkpoint
-from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts
+from tests.engine_helpers import GREEDY, hf_model, output_ids, random_prompts, scheduler_here
 
 K = 4
 # Chi-square at significance 0.001: the critical value for df degrees of freedom by Wilson-Hilferty,
@@ -168,7 +167,7 @@ def test_verification_as_decode_rows_gives_the_extend_logits(qwen3_path: Path) -
     """[last token, proposals...] of each running request as one decode row per token (what a CUDA
     graph replays) against one EXTEND over the same tokens with every token's logits (float32)."""
     config = EngineConfig.from_kwargs(str(qwen3_path), max_total_tokens=512)
-    scheduler = SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    scheduler = scheduler_here(config)
     for i, prompt in enumerate(PROMPTS[:3]):
         params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         params.normalize()
@@ -208,7 +207,7 @@ def test_greedy_speculation_through_extend_steps_matches_decode_rows(
         str(qwen3_path), chunked_prefill_size=8, speculative_algorithm="draft",
         speculative_draft_model_path=str(qwen3_path), speculative_num_draft_tokens=K,
     )
-    scheduler = SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    scheduler = scheduler_here(config)
     assert scheduler.spec is not None
     scheduler.spec.max_verify_rows = 0
     scheduler.spec.proposer.max_rows = 0
@@ -348,7 +347,7 @@ def test_pool_invariant_holds_after_every_step_with_rejections(
     config = EngineConfig.from_kwargs(
         str(qwen3_path), max_total_tokens=POOL, chunked_prefill_size=24, max_running_requests=6, **options
     )
-    scheduler = SchedulerLoop(config, rank=0, init_method="tcp://127.0.0.1:0").scheduler
+    scheduler = scheduler_here(config)
     rng = random.Random(5)
     prefixes = random_prompts(3, 8, 30, seed=11)
     reqs: list[Req] = []

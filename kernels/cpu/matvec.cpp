@@ -292,7 +292,11 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
                   slots.device().is_cpu() && seq_lens.device().is_cpu(),
               "decode_attention_rows: slots must be int64 [bs, len] with contiguous rows and seq_lens int64 [bs], got ",
               slots.scalar_type(), " ", slots.sizes(), ", ", seq_lens.scalar_type(), " ", seq_lens.sizes());
-  const at::Tensor qc = q.contiguous(), lens = seq_lens.contiguous();
+  // A request's query heads must be one packed run; the requests themselves may be strided (q a view of
+  // the projection's output, whose rows also hold k and v).
+  const bool packed = q.stride(3) == 1 && (group == 1 || q.stride(2) == d) && (heads == 1 || q.stride(1) == group * d);
+  const at::Tensor qc = packed ? q : q.contiguous(), lens = seq_lens.contiguous();
+  const int64_t qs = qc.stride(0);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t pool_slots = k_pool.size(0);
   const int64_t *sp = slots.data_ptr<int64_t>(), s0 = slots.stride(0);
@@ -316,7 +320,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
       const int64_t len = lp[b], q_rows = heads * group;
       const int64_t* sl = sp + b * s0;
       p.resize(q_rows * len);
-      gather_scores(kp, k_pool.stride(0), sl, len, qp + b * q_rows * d, heads, group, d, p.data());
+      gather_scores(kp, k_pool.stride(0), sl, len, qp + b * qs, heads, group, d, p.data());
       for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
       float* o = op + b * q_rows * d;
       gather_add_rows(o, vp, v_pool.stride(0), sl, p.data(), len, heads, group, d);
