@@ -24,6 +24,7 @@ loaded, `load_matvec` raises MatvecUnavailable with the reason and callers keep 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -72,6 +73,15 @@ def _ensure_ninja() -> None:
     raise MatvecUnavailable("ninja is not installed (pip install ninja, or the system's ninja-build)")
 
 
+def _headers_digest() -> str:
+    """A digest of the library's headers (kernels/cpu/*.h): torch rebuilds an extension when its sources or
+    flags change, not its headers, so their digest goes into the flags."""
+    digest = hashlib.sha1()
+    for header in sorted(SOURCE.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
     """torch.ops.radixserve_cpu.matvec, building the extension if this machine has no cached build.
     Raises MatvecUnavailable (once built or failed, the outcome is kept for the process)."""
@@ -93,7 +103,7 @@ def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
             sources=[str(SOURCE), str(ROWS_SOURCE)],
             # -ffp-contract=off: no multiply-add is fused unless written so, which keeps rows.cpp's
             # products and sums rounded one by one, as torch's ops round them.
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DRS_CPU_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=verbose,

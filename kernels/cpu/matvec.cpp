@@ -25,6 +25,8 @@
 #define RS_X86 1
 #endif
 
+#include "exp16.h"
+
 namespace {
 
 using RowsFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
@@ -334,21 +336,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
 }
 
 #ifdef RS_X86
-// exp on 16 lanes: 2^(x log2 e) as 2^n (scalef) times 2^f, f in [-0.5, 0.5], by its degree-6 Taylor
-// polynomial (relative error ~1e-7); arguments below -87.3 give 0's neighbourhood as expf does.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 r = _mm512_set1_ps(1.5403530393381609e-4f);
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  r = _mm512_fmadd_ps(r, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(r, n);
-}
+using radixserve_cpu_vec::exp16;
 
 __attribute__((target("avx512f"))) void softmax_weights_avx512(float* p, int64_t len, float scale, float* total) {
   float m = -INFINITY;

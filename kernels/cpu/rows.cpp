@@ -14,9 +14,9 @@
 // w * (h * (1 / sqrt(mean(h^2) + eps))) with the squares summed in double (as the single-row
 // rmsnorm_matvec in matvec.cpp), and the rotation is x1 * cos - x2 * sin, x2 * cos + x1 * sin with each
 // product rounded before the sum (the library builds with -ffp-contract=off, so no multiply-add is fused:
-// the bits are torch's). SiLU is g / (1 + exp(-g)) then times up, as torch orders it; its exp is Cephes'
-// polynomial on AVX-512 (within 2 ulp of torch's Sleef exp), std::exp elsewhere (the path follows
-// use_matvec_isa). Rows go to the compute
+// the bits are torch's). SiLU is g / (1 + exp(-g)) then times up, as torch orders it; its exp is exp16.h's
+// on AVX-512 (the attention's softmax's too: within 2 ulp of torch's Sleef exp), std::exp elsewhere (the
+// path follows use_matvec_isa). Rows go to the compute
 // threads in bands; a decode batch's few rows are one band.
 
 #include <ATen/Parallel.h>
@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #define RS_X86 1
 #endif
+
+#include "exp16.h"
 
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: whether the products' chosen path is AVX-512 (use_matvec_isa switches it)
@@ -230,29 +232,12 @@ void store_kv_rows_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_dst,
 }
 
 #ifdef RS_X86
-// exp(x) for 16 floats: x = n ln2 + r (ln2 in two parts), exp(r) by Cephes' expf polynomial, times 2^n.
-__attribute__((target("avx512f"))) inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.97208f)), _mm512_set1_ps(88.72284f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 __attribute__((target("avx512f"))) void silu_mul_row_avx512(const float* g, const float* u, float* o, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
     const __m512 gv = _mm512_maskz_loadu_ps(mask, g + i), uv = _mm512_maskz_loadu_ps(mask, u + i);
-    const __m512 e = exp_avx512(_mm512_sub_ps(zero, gv));
+    const __m512 e = radixserve_cpu_vec::exp16(_mm512_sub_ps(zero, gv));
     _mm512_mask_storeu_ps(o + i, mask, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
   }
 }
