@@ -6,34 +6,21 @@ same model on torch's ops (RS_CPU_ROW_OPS=0's path)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import kernels.cpu_matvec as cpu_matvec
-from kernels.cpu_matvec import MatvecUnavailable, load_matvec, use_matvec_isa
 from services.worker.runtime.layers.activation import silu_and_mul
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
+from tests.test_cpu_matvec import isa, needs_matvec  # noqa: F401 (the fixture)
 
-
-def _why_not() -> str | None:
-    try:
-        load_matvec()
-        return None
-    except MatvecUnavailable as exc:
-        return str(exc)
-
-
-pytestmark = pytest.mark.skipif(
-    _why_not() is not None, reason=f"the C++ library is not built here: {_why_not()}"
-)
+pytestmark = needs_matvec
 
 
 def ops():
@@ -44,16 +31,6 @@ def ops():
 def without_row_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layers as RS_CPU_ROW_OPS=0 leaves them: torch's ops."""
     monkeypatch.setattr(cpu_matvec, "_row_ops", None)
-
-
-@pytest.fixture(params=("avx512", "avx2", "portable"))
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    try:
-        before = use_matvec_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"this CPU has no {request.param} path")
-    yield request.param
-    use_matvec_isa(before)
 
 
 def _norm64(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,7 +138,7 @@ def test_store_kv_rows_equals_index_put() -> None:
 
 
 @pytest.mark.parametrize("cols", [1536, 17, 1])
-def test_silu_mul_rows_within_two_ulp_of_torch(isa: str, cols: int) -> None:
+def test_silu_mul_rows_within_two_ulp_of_torch(isa: str, cols: int) -> None:  # noqa: F811
     g = torch.Generator().manual_seed(cols)
     x = torch.randn(16, 2 * cols, generator=g) * 6
     if cols >= 4:  # the exp's clamps: far below and above its range
