@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth, matmul_rate  # noqa: E402
 from bench.gpu_serving import p3, rand_ids  # noqa: E402
-from kernels.batch_invariant import DEFAULT_TILES, MatmulTiles, matmul  # noqa: E402
+from kernels.batch_invariant import MatmulTiles, matmul, tiles_for  # noqa: E402
 from services.worker.frontend.engine import Engine  # noqa: E402
 from shared.progress import say  # noqa: E402
 
@@ -84,22 +84,44 @@ def kernel_check() -> dict:
 
 
 def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
-    """ms of the batch-invariant product / ms of cuBLAS's, per tiles, shape and M (bf16)."""
+    """ms of the batch-invariant product / ms of cuBLAS's, per launch variant, shape and M (bf16). Variants:
+    tiles_for's shape as launched; with its K split forced into the grid or into one program (the same
+    arithmetic: matmul chooses by the output tile count); with 128-row tiles (4 or 8 warps), whose rows
+    are each the same walk over K as in 64-row tiles if the tensor-core instruction is the same (checked
+    bitwise: `block_m_equal`); and --tiles alternatives (no split)."""
+    import dataclasses
+
     import triton.testing
 
-    out: dict = {}
+    out: dict = {"ms": {}, "block_m_equal": {}}
     for n, k in SHAPES_8B[:4] + SHAPES_06B:
         w = torch.randn((n, k), device="cuda").bfloat16()
-        for m in (1, 64, 256, 2048):
+        auto = tiles_for(n, k)
+        variants: list[tuple[str, MatmulTiles | None, bool | None]] = [("per shape (tiles_for)", None, None)]
+        if auto.split_k > 1:
+            variants += [("tiles_for, split in the grid", auto, False), ("tiles_for, split in one program", auto, True)]
+        wide8 = dataclasses.replace(auto, block_m=128, num_warps=8)
+        wide4 = dataclasses.replace(auto, block_m=128, num_warps=4)
+        variants += [("tiles_for, 128 rows, 8 warps", wide8, None), ("tiles_for, 128 rows, 4 warps", wide4, None)]
+        variants += [
+            (f"{t.block_m}/{t.block_n}/{t.block_k}/{t.num_warps}/{t.num_stages}", t, None) for t in alternatives
+        ]
+        for m in (1, 64, 256, 2048, 8192):
             x = torch.randn((m, k), device="cuda").bfloat16()
             base = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w))
-            for tiles in [None, DEFAULT_TILES, *alternatives]:
-                label = (
-                    "per shape (tiles_for)" if tiles is None else
-                    f"{tiles.block_m}/{tiles.block_n}/{tiles.block_k}/{tiles.num_warps}/{tiles.num_stages}"
-                )  # fmt: skip
-                ms = triton.testing.do_bench(lambda x=x, w=w, t=tiles: matmul(x, w, tiles=t))
+            out["ms"].setdefault("cuBLAS", {})[f"{n}x{k} M={m}"] = base
+            for label, tiles, in_program in variants:
+                ms = triton.testing.do_bench(
+                    lambda x=x, w=w, t=tiles, p=in_program: matmul(x, w, tiles=t, splits_in_program=p)
+                )
                 out.setdefault(label, {})[f"{n}x{k} M={m}"] = ms / base
+                out["ms"].setdefault(label, {})[f"{n}x{k} M={m}"] = ms
+            if m >= 256:
+                ref = matmul(x, w)
+                out["block_m_equal"][f"{n}x{k} M={m}"] = {
+                    "8 warps": torch.equal(matmul(x, w, tiles=wide8), ref),
+                    "4 warps": torch.equal(matmul(x, w, tiles=wide4), ref),
+                }
         del w
     return out
 
@@ -236,7 +258,14 @@ def kernels_part(tiles: str, results: dict, rows: list) -> bool:
         bm, bn, bk, warps, stages = (int(v) for v in t.split("/"))
         alternatives.append(MatmulTiles(bm, bn, bk, 8, warps, stages))
     results["kernel_speed"] = kernel_speed(alternatives)
+    for shape, same in results["kernel_speed"]["block_m_equal"].items():
+        rows.append((f"matmul {shape}: 128-row tiles == 64-row tiles", str(same)))
+    ms = results["kernel_speed"]["ms"]
+    for label, by_shape in ms.items():  # the full table, microseconds
+        print(f"{label:36s} " + " ".join(f"{key}:{v * 1000:.1f}" for key, v in by_shape.items()))
     for label, by_shape in results["kernel_speed"].items():
+        if label in ("ms", "block_m_equal"):
+            continue
         worst = max(by_shape, key=by_shape.get)
         mean = sum(by_shape.values()) / len(by_shape)
         rows.append(

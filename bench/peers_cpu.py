@@ -71,6 +71,7 @@ def build_vllm(root: Path) -> Path:
     venv = root / "vllm"
     python = venv / "bin" / "python"
     if not _imports(python, "vllm"):
+        root.mkdir(parents=True, exist_ok=True)
         base = PY311 if Path(PY311).exists() else sys.executable
         sh([base, "-m", "venv", str(venv)], root / "vllm_install.log")
         sh([str(python), "-m", "pip", "install", VLLM_REQ], root / "vllm_install.log")
