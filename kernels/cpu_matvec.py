@@ -7,6 +7,8 @@ tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make s
     y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
     out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, scale)  # batch-1 decode attention
     out = torch.ops.radixserve_cpu.decode_attention_rows(q, k_pool, v_pool, slots, seq_lens, scale)  # a batch's
+    out = torch.ops.radixserve_cpu.extend_attention_rows(q, k_pool, v_pool, slots, seq_lens, q_lens, scale)
+        # a prefill batch's causal attention (kernels/cpu/extend_attention.cpp)
 
 (the last two once load_matvec has loaded the library: layers/linear.py's Projection uses them), and
 kernels/cpu/rows.cpp's row-wise steps for batches of rows, through `row_ops()`:
@@ -38,6 +40,8 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "cpu" / "matvec.cpp"
 # The decoder layer's row-wise steps for batches (norms, RoPE, KV stores), built into the same library.
 ROWS_SOURCE = SOURCE.with_name("rows.cpp")
+# A prefill batch's causal attention over the pool (extend_attention_rows), built into the same library.
+EXTEND_SOURCE = SOURCE.with_name("extend_attention.cpp")
 # The extension's name and cache folder. torch rebuilds it when the source or flags change; the torch
 # version is in the name so that an upgrade (another C++ ABI) builds anew instead of loading a stale one.
 EXTENSION = "radixserve_cpu_matvec_" + re.sub(r"\W", "_", torch.__version__)
@@ -100,7 +104,7 @@ def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
         # to the libgomp that torch already loaded (same soname), so both share one thread pool.
         load(
             name=EXTENSION,
-            sources=[str(SOURCE), str(ROWS_SOURCE)],
+            sources=[str(SOURCE), str(ROWS_SOURCE), str(EXTEND_SOURCE)],
             # -ffp-contract=off: no multiply-add is fused unless written so, which keeps rows.cpp's
             # products and sums rounded one by one, as torch's ops round them.
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DRS_CPU_HEADERS={_headers_digest()}"],
@@ -132,6 +136,22 @@ def rows_attention() -> Callable[..., torch.Tensor] | None:
     """torch.ops.radixserve_cpu.decode_attention_rows (a decode batch's attention, each request's keys read
     from the pool through its slots) where the library is already loaded in this process, else None."""
     return torch.ops.radixserve_cpu.decode_attention_rows if _loaded is not None else None
+
+
+# RS_CPU_EXTEND_ATTENTION=0 keeps torch's SDPA for CPU prefill attention (for A/B runs).
+EXTEND_ATTENTION_ENV = "RS_CPU_EXTEND_ATTENTION"
+
+
+def extend_attention() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.radixserve_cpu.extend_attention_rows (a prefill batch's causal attention, keys and values
+    read from the pool through slots) where the library is already loaded in this process, its path is
+    AVX-512 (the portable path is a reference, slower than SDPA) and RS_CPU_EXTEND_ATTENTION is not 0,
+    else None: never builds."""
+    if _loaded is None or os.environ.get(EXTEND_ATTENTION_ENV, "1") == "0":
+        return None
+    if torch.ops.radixserve_cpu.matvec_isa() != "avx512":
+        return None
+    return torch.ops.radixserve_cpu.extend_attention_rows
 
 
 def row_ops() -> Any:

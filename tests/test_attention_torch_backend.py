@@ -2,7 +2,8 @@
 each way it reads keys: dense blocks kept across decode steps (rebuilt when the batch changes, outgrows
 them, or a request's earlier slots change), a gather from the pool (a request in several rows, or a
 batch over the blocks' memory budget), and the C++ batch op reading the pool through the slots (float32
-with kernels/cpu/matvec.cpp built; the other tests turn it off with RS_CPU_ROW_ATTENTION=0)."""
+with kernels/cpu/matvec.cpp built; the other tests turn it off with RS_CPU_ROW_ATTENTION=0); extend
+through SDPA and, on AVX-512, kernels/cpu/extend_attention.cpp (RS_CPU_EXTEND_ATTENTION=0 off)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 import torch
 
 from kernels import cpu_matvec
+from kernels.cpu_matvec import EXTEND_ATTENTION_ENV
 from services.worker.mem.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from services.worker.runtime.attention.torch_backend import (
     ROW_ATTENTION_ENV,
     DecodeMetadata,
+    ExtendMetadata,
     TorchAttnBackend,
 )
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
@@ -126,6 +129,7 @@ def _filled(batch: ForwardBatch) -> bool:
 @pytest.fixture
 def reqs(monkeypatch: pytest.MonkeyPatch) -> _Requests:
     monkeypatch.setenv(ROW_ATTENTION_ENV, "0")  # the float32 pool would take the C++ batch op
+    monkeypatch.setenv(EXTEND_ATTENTION_ENV, "0")  # and, on AVX-512, the C++ prefill op
     return _Requests(TorchAttnBackend(), torch.Generator().manual_seed(0))
 
 
@@ -146,6 +150,24 @@ def test_float32_batches_attend_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
             assert (meta.dense is None) == (rows == [a, a, a, b])
             assert (meta.row_slots is None) == (meta.dense is None)
     assert reqs.length(a) == 5 + 3 + 3 + 9
+
+
+def test_float32_prefill_attends_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable as exc:
+        pytest.skip(f"the C++ library is not built here: {exc}")
+    if cpu_matvec.extend_attention() is None:
+        pytest.skip("the C++ prefill op serves AVX-512 CPUs only")
+    monkeypatch.setenv(ROW_ATTENTION_ENV, "0")
+    reqs = _Requests(TorchAttnBackend(), torch.Generator().manual_seed(4))
+    a, b, c = (reqs.new_request() for _ in range(3))
+    # Fresh prompts, continued ones beside fresh ones, single new tokens: each layer checked against the
+    # naive attention over every key so far.
+    for rows, counts in (([a, b], [9, 70]), ([a, c, b], [6, 1, 33]), ([c, a], [40, 1])):
+        meta = reqs.extend(rows, counts).attn_metadata
+        assert isinstance(meta, ExtendMetadata) and meta.rows is not None
+    assert reqs.length(a) == 16 and reqs.length(b) == 103 and reqs.length(c) == 41
 
 
 def test_decode_appends_to_dense_blocks_and_regathers_as_they_fill(reqs: _Requests) -> None:

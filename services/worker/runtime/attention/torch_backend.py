@@ -44,12 +44,19 @@ if TYPE_CHECKING:
 class ExtendMetadata:
     """Per request: its KV slots for positions 0..seq_len-1, the row of its first new token in the
     batch, its new-token count, and its causal mask: None for a single new token (it sees all keys) and
-    for a prompt with no cached prefix (`is_causal` there, top-left aligned as its queries and keys are)."""
+    for a prompt with no cached prefix (`is_causal` there, top-left aligned as its queries and keys are).
+    Where `rows` is set, only q_lens and the fields after `rows` are (the C++ op takes the whole batch)."""
 
     kv_slots: list[torch.Tensor]
     q_starts: list[int]
     q_lens: list[int]
     masks: list[torch.Tensor | None]
+    # Float32 on an AVX-512 CPU: kernels/cpu/extend_attention.cpp's op attends for the whole batch, reading
+    # the pool through `slots` [bs, max seq_len] with `seq_lens` and `q_len_rows` (int64 [bs]).
+    rows: Any = None
+    slots: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    q_len_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +89,14 @@ class DecodeMetadata:
 
 def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
     table = batch.req_to_token_pool.req_to_token
+    q_lens = list(batch.extend_seq_lens_cpu)
+    if (attend := _extend_attention(batch.token_to_kv_pool)) is not None:
+        seq_lens = list(batch.seq_lens_cpu)
+        slots = table.index_select(0, batch.req_pool_indices)[:, : max(seq_lens)].to(torch.int64)
+        as_rows = torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(q_lens, dtype=torch.int64)
+        return ExtendMetadata([], [], q_lens, [], attend, slots, *as_rows)
     rows = batch.req_pool_indices.tolist()
     kv_slots = [table[row, :seq_len].to(torch.int64) for row, seq_len in zip(rows, batch.seq_lens_cpu)]
-    q_lens = list(batch.extend_seq_lens_cpu)
     q_starts = [0] * len(q_lens)
     for i in range(1, len(q_lens)):
         q_starts[i] = q_starts[i - 1] + q_lens[i - 1]
@@ -166,10 +178,13 @@ class TorchAttnBackend(AttentionBackend):
         meta: ExtendMetadata = batch.attn_metadata  # type: ignore[assignment]
         k_buffer = batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_buffer = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        q = q.reshape(-1, layer.num_heads, layer.head_dim)
-        out = torch.empty_like(q)
         group = layer.num_heads // layer.num_kv_heads
         scaling, v_scale = _scales(batch, layer)
+        if meta.rows is not None and q.dtype == torch.float32:  # a float32 pool: its scales are 1
+            qg = q.view(-1, layer.num_kv_heads, group, layer.head_dim)
+            return meta.rows(qg, k_buffer, v_buffer, meta.slots, meta.seq_lens, meta.q_len_rows, scaling)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
         for slots, start, q_len, mask in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.masks):
             qi = q[start : start + q_len].transpose(0, 1)[None]  # [1, heads, q_len, head_dim]
             ki, vi = k_buffer[slots].to(q.dtype), v_buffer[slots].to(q.dtype)  # [seq_len, kv_heads, head_dim]
@@ -263,6 +278,16 @@ def _rows_attention(pool: Any) -> Any:
     from kernels.cpu_matvec import rows_attention  # imported where used: the CPU library's module
 
     return rows_attention()
+
+
+def _extend_attention(pool: Any) -> Any:
+    """kernels/cpu_matvec.py's extend_attention_rows where it applies to a prefill batch over `pool`: a
+    float32 pool on an AVX-512 CPU, the C++ library loaded, RS_CPU_EXTEND_ATTENTION not 0."""
+    if pool.device.type != "cpu" or pool.dtype != torch.float32:
+        return None
+    from kernels.cpu_matvec import extend_attention  # imported where used: the CPU library's module
+
+    return extend_attention()
 
 
 def _scales(batch: ForwardBatch, layer: AttentionLayer) -> tuple[float, float]:
