@@ -154,6 +154,11 @@ class TorchAttnBackend(AttentionBackend):
             meta = _decode_metadata(batch)
             if meta.first_slot is not None:
                 self.dense.drop()
+            elif batch.batch_size == 1 and _rows_attention(batch.token_to_kv_pool) is not None:
+                # A lone request reads its slots in place (no blocks to keep): the layers' batch-1 op
+                # (layers/cpu_layer_row.py) takes this path too.
+                self.dense.drop()
+                meta = replace(meta, rows=True)
             elif (step := self.dense.plan(batch, meta.slots)) is not None:
                 meta = replace(meta, dense=step)
                 if _rows_attention(batch.token_to_kv_pool) is not None:

@@ -22,6 +22,7 @@ from torch import nn
 from services.worker.runtime.distributed import get_pp_group, get_tp_size
 from services.worker.runtime.layers.activation import get_act_and_mul
 from services.worker.runtime.layers.attention import RadixAttention
+from services.worker.runtime.layers.cpu_layer_row import layer_row, row_decode_step
 from services.worker.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.linear import (
@@ -180,7 +181,12 @@ class LlamaModel(nn.Module):
         else:
             assert proxy is not None, "a later pipeline stage runs on the previous stage's activations"
             hidden, residual = proxy
+        # Batch-1 CPU decode: each plain layer as one C++ op (layers/cpu_layer_row.py), else as modules.
+        step = row_decode_step(batch, hidden) if hidden.device.type == "cpu" else None
         for layer in self._own_layers:
+            if step is not None and (out := layer_row(layer, hidden, residual, batch, step)) is not None:
+                hidden, residual = out
+                continue
             hidden, residual = layer(positions, hidden, residual, batch)
         if self.norm is None:
             assert residual is not None
