@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariant import MatmulTiles, matmul, tiles_for
+from kernels.batch_invariant import WIDE_ROWS, MatmulTiles, matmul, tiles_for
 from kernels.decode_attention import (
     DecodeTiles,
     alloc_decode_partials,
@@ -95,6 +95,17 @@ def test_split_k_walked_in_one_program_is_the_split_launch_bit_for_bit(gen, row_
         assert not torch.equal(walked, matmul(x, w, tiles=SMALL_TILES))
     _alone_and_batched(lambda rows: matmul(rows, w, tiles=split, splits_in_program=rows.shape[0] > 1), x,
                        rows=(0, 17, 40))
+
+
+def test_wide_batches_take_128_row_tiles_with_the_same_bits(gen, row_dot) -> None:
+    """From WIDE_ROWS rows the default launch takes 128-row tiles (the same columns, K walk and split); each
+    row is the one it is alone (64-row tiles), with and without a split over K."""
+    for n, k in ((48, 64), (40, 1024)):  # (40, 1024): tiles_for splits K two ways
+        w = torch.randn((n, k), generator=gen).bfloat16()
+        x = torch.randn((WIDE_ROWS + 44, k), generator=gen).bfloat16()
+        wide = matmul(x, w)
+        for i in (0, 131, WIDE_ROWS + 43):
+            assert torch.equal(matmul(x[i : i + 1], w)[0], wide[i]), (n, k, i)
 
 
 def test_tiles_depend_on_the_weight_shape_only() -> None:
