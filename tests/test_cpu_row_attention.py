@@ -115,7 +115,8 @@ def test_bad_batch_operands_are_clear_errors(slots, lens, match) -> None:
 @needs_matvec
 def test_a_lone_cpu_decode_uses_it_and_matches_sdpa(llama_path, monkeypatch) -> None:
     """The torch backend's batch-1 float32 decode goes through the op (spied) and gives SDPA's tokens and
-    log-probs (within float32 rounding) for 12 greedy steps."""
+    log-probs (within float32 rounding) for 12 greedy steps. The layers run as modules (RS_CPU_LAYER_ROW=0:
+    the one-op layer reads the pool through decode_attention_rows, tests/test_cpu_layer_row.py)."""
     from services.worker.frontend.engine import Engine
     from services.worker.runtime.attention import torch_backend
 
@@ -128,6 +129,7 @@ def test_a_lone_cpu_decode_uses_it_and_matches_sdpa(llama_path, monkeypatch) -> 
         return lambda *args: calls.append(args[1].shape[0]) or op(*args)
 
     monkeypatch.setattr(cpu_matvec, "row_attention", spy)
+    monkeypatch.setenv("RS_CPU_LAYER_ROW", "0")
     params = {"max_new_tokens": 12, "min_new_tokens": 12, "temperature": 0.0}
     runs = {}
     for setting in ("1", "0"):

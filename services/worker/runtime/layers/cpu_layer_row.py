@@ -9,7 +9,8 @@ in one call instead of ~45 us of Python, module lookups and tensor bookkeeping a
 A step qualifies on the CPU in float32 at batch 1 with one tensor-parallel rank, the library loaded and the
 torch backend reading this request's keys from the pool through its slots (TorchAttnBackend leaves a lone
 float32 request there); a layer when it is a plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no
-quantization) whose products take single rows through the C++ product. RS_CPU_LAYER_ROW=0 turns it off.
+quantization) whose products take single rows through the C++ product. RS_CPU_LAYER_ROW=0 turns it off, as
+does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class RowDecodeStep:
 
 def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep | None:
     """The step's inputs for decoder_layer_row, or None where the step does not qualify (module docstring)."""
-    from services.worker.runtime.attention.torch_backend import DecodeMetadata  # the backend imports layers
+    # The backend imports layers; RS_CPU_ROW_ATTENTION=0 (no C++ attention) turns this path off too.
+    from services.worker.runtime.attention.torch_backend import DecodeMetadata, _rows_attention
 
     meta = batch.attn_metadata
     if (
@@ -52,6 +54,7 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
         or batch.token_to_kv_pool.dtype != torch.float32
         or os.environ.get(LAYER_ROW_ENV, "1") == "0"
         or get_tp_size() != 1
+        or _rows_attention(batch.token_to_kv_pool) is None
     ):
         return None
     from kernels.cpu_matvec import row_ops  # imported where used: the CPU library's module
