@@ -67,13 +67,11 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
 def _weights(layer: Any, hidden: torch.Tensor) -> tuple[Any, ...] | None:
     """The layer's operands for decoder_layer_row (cached on the layer, checked against its current
     parameters), or None where it does not qualify."""
-    from services.worker.runtime.models.llama import LlamaMLP  # the model module imports this one
-
     attn, mlp = layer.self_attn, layer.mlp
     cached = getattr(layer, "_row_weights", None)
     if cached is not None and cached[0] is attn.qkv_proj.weight:
         return cached[1]
-    if type(mlp) is not LlamaMLP:
+    if not getattr(layer, "plain_mlp", False):  # models/llama.py: a LlamaMLP (SiLU-and-mul, gate_up, down)
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)

@@ -122,6 +122,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn.qkv_proj.prologue = "rmsnorm"  # see norm_then_linear
+        # A LlamaMLP (not a subclass's MoE block): layers/cpu_layer_row.py may run this layer as one op.
+        self.plain_mlp = type(self.mlp) is LlamaMLP
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         hf = config.hf_config
