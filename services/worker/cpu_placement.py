@@ -13,7 +13,9 @@ Why pin: an unpinned team of OpenMP threads migrates, and a step waits for its s
 barrier; one thread per core of a fixed set keeps each thread's cache and keeps the threads off the
 reserved core, where the services run. How it degrades: a restricted affinity (taskset, a cpuset) or a
 quota shrinks the team to what is there, never beyond it; with one usable core the single compute thread
-shares it with everything else rather than waiting on a second thread that cannot run. Under 'auto' a rank
+shares it with everything else rather than waiting on a second thread that cannot run; a team the
+adaptive count (cpu_threads.py) cut to one thread under contention runs that thread unpinned over the
+rank's cores, where the kernel gives it a fairer share than the one core it would split with a neighbour. Under 'auto' a rank
 claims its cores (an flock on a file per core under $RS_CPU_CLAIMS_DIR, default /dev/shm/radixserve-cpu,
 released when the rank ends or its process dies): a second worker, Engine or test process on the host
 takes the cores left unclaimed, or runs unpinned where none are, instead of stacking its threads on the
@@ -219,13 +221,22 @@ def pin_compute_threads(placement: ComputePlacement) -> dict[int, int]:
     return pinned
 
 
+def _place_model_thread(cores: tuple[int, ...], threads: int) -> None:
+    """The model's thread on cores[0], or, computing alone on a rank that gave cores back, free to run on
+    any of them: with no barrier partner pinning buys it only its cache, and beside other busy processes
+    a pinned thread keeps half of the one core it shares with one of them, where the kernel's wake-up
+    placement gives an unpinned one more (SmolLM2 batch 1 on 2 vCPUs beside two busy loops, 3 x 4 runs
+    alternating: 31-38 tok/s pinned, 36-42 free)."""
+    os.sched_setaffinity(0, set(cores) if threads == 1 and len(cores) > 1 else {cores[0]})
+
+
 def resize_compute_threads(cores: tuple[int, ...], pinned: dict[int, int], threads: int) -> dict[int, int]:
     """Compute on the first `threads` of `cores` (pinned as pin_compute_threads left them, `pinned`
     what it or an earlier resize returned): torch's count set, and any OpenMP worker started for it pinned.
-    Call it from the model's thread, which keeps cores[0]. libgomp reuses its pool in order and ends the
-    workers a smaller team leaves out, so the workers still alive keep their cores, and the ones a larger
-    team starts, which inherit this thread's one-core mask, get the cores left. Returns the live
-    {thread id: core}."""
+    Call it from the model's thread, which keeps cores[0] (or, at one thread of several cores, any of
+    them: _place_model_thread). libgomp reuses its pool in order and ends the workers a smaller team
+    leaves out, so the workers still alive keep their cores, and the ones a larger team starts, which
+    inherit this thread's one-core mask, get the cores left. Returns the live {thread id: core}."""
     import torch
 
     if not 1 <= threads <= len(cores):
@@ -234,7 +245,10 @@ def resize_compute_threads(cores: tuple[int, ...], pinned: dict[int, int], threa
     alive = _task_ids()
     kept = {tid: core for tid, core in pinned.items() if tid in alive}
     wanted = [core for core in cores[1:threads] if core not in kept.values()]
-    if not wanted or not hasattr(os, "sched_setaffinity"):
+    if not hasattr(os, "sched_setaffinity"):
+        return kept
+    if not wanted:
+        _place_model_thread(cores, threads)
         return kept
     os.sched_setaffinity(0, set(cores[:threads]))
     before = _task_ids()
