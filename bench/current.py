@@ -425,18 +425,18 @@ CPU_SERVED = Area(
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host",
                        "peers_cpu_2026-12-05_10.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (vLLM's rounds 42.0, "
-                       "30.4, 21.9; before the layer op, `_9`: 29.4 vs 47.0, vLLM's pinned thread alone on a core "
-                       "in two rounds of three, ours sharing one in all)", "peers_cpu_2026-12-05_11.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (`_9`: 29.4 vs 32.0)", "peers_cpu_2026-12-05_11.json", peer="llamacpp"),
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (one compute thread, "
+                       "unpinned; pinned and before the layer op, `_9`: 29.4 vs 47.0, vLLM's pinned thread alone on "
+                       "a core in two rounds of three, ours sharing one in all; pinned with it, `_11`: 31.9 vs 30.4)", "peers_cpu_2026-12-05_12.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (`_9`: 29.4 vs 32.0; `_11`: 31.9 vs 38.3)", "peers_cpu_2026-12-05_12.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (`_9`: 184.4 vs 278.3; another "
-                       "guest: 206.2 vs 186.0, `_6`)", "peers_cpu_2026-12-05_11.json"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (`_9`: 184.4 vs 278.3, `_11`: "
+                       "182.1 vs 295.7; another guest: 206.2 vs 186.0, `_6`)", "peers_cpu_2026-12-05_12.json"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (`_9`: 0.56 vs "
-                       "0.34; another guest, before the C++ prefill attention: 0.59 vs 0.49, `_6`)", "peers_cpu_2026-12-05_11.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+                       "0.34, `_11`: 0.52 vs 0.51; another guest, before the C++ prefill attention: 0.59 vs 0.49)", "peers_cpu_2026-12-05_12.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same",
-                       "peers_cpu_2026-12-05_11.json", peer="llamacpp"),
+                       "peers_cpu_2026-12-05_12.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
     ),
     note="2026-12-05: a faster AMD EPYC guest than 2026-12-04's (AVX-512 with VP2INTERSECT, 2 vCPUs), so the rows "
