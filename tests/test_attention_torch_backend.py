@@ -170,6 +170,35 @@ def test_float32_prefill_attends_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None
     assert reqs.length(a) == 16 and reqs.length(b) == 103 and reqs.length(c) == 41
 
 
+def test_bfloat16_queries_over_a_float32_pool_take_the_sdpa_loop() -> None:
+    """The C++ prefill op takes float32 queries only; other queries over a float32 pool get the SDPA loop's
+    own metadata and naive attention's output (within bfloat16 rounding)."""
+    try:
+        cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable as exc:
+        pytest.skip(f"the C++ library is not built here: {exc}")
+    if cpu_matvec.extend_attention() is None:
+        pytest.skip("the C++ prefill op serves AVX-512 CPUs only")
+    gen = torch.Generator().manual_seed(6)
+    reqs = _Requests(TorchAttnBackend(), gen)
+    a = reqs.new_request()
+    slots = reqs.allocator.alloc(7)
+    assert slots is not None
+    batch = step_batch(
+        ForwardMode.EXTEND, [a], [0], [slots], torch.zeros(7, dtype=torch.int64), reqs.req_pool, reqs.kv_pool,
+        reqs.backend,
+    )  # fmt: skip
+    q = torch.randn((7, NUM_HEADS * HEAD_DIM), generator=gen).bfloat16()
+    k = torch.randn((7, NUM_KV_HEADS * HEAD_DIM), generator=gen).bfloat16()
+    v = torch.randn((7, NUM_KV_HEADS * HEAD_DIM), generator=gen).bfloat16()
+    out = reqs.layers[0](q, k, v, batch)
+    assert out.dtype == torch.bfloat16
+    keys, values = k.float().view(7, NUM_KV_HEADS, HEAD_DIM), v.float().view(7, NUM_KV_HEADS, HEAD_DIM)
+    for j in range(7):
+        ref = _naive_attention(q[j].float(), keys[: j + 1], values[: j + 1])
+        torch.testing.assert_close(out[j].float(), ref, rtol=3e-2, atol=3e-2)
+
+
 def test_decode_appends_to_dense_blocks_and_regathers_as_they_fill(reqs: _Requests) -> None:
     reqs.backend.dense.headroom = 8  # small blocks: several rebuilds for growth within the test
     rows = [reqs.new_request() for _ in range(3)]

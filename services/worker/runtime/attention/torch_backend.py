@@ -88,13 +88,20 @@ class DecodeMetadata:
 
 
 def _extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
-    table = batch.req_to_token_pool.req_to_token
     q_lens = list(batch.extend_seq_lens_cpu)
     if (attend := _extend_attention(batch.token_to_kv_pool)) is not None:
+        table = batch.req_to_token_pool.req_to_token
         seq_lens = list(batch.seq_lens_cpu)
         slots = table.index_select(0, batch.req_pool_indices)[:, : max(seq_lens)].to(torch.int64)
         as_rows = torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(q_lens, dtype=torch.int64)
         return ExtendMetadata([], [], q_lens, [], attend, slots, *as_rows)
+    return _sdpa_extend_metadata(batch)
+
+
+def _sdpa_extend_metadata(batch: ForwardBatch) -> ExtendMetadata:
+    """The per-request slots, offsets and masks of the SDPA loop."""
+    table = batch.req_to_token_pool.req_to_token
+    q_lens = list(batch.extend_seq_lens_cpu)
     rows = batch.req_pool_indices.tolist()
     kv_slots = [table[row, :seq_len].to(torch.int64) for row, seq_len in zip(rows, batch.seq_lens_cpu)]
     q_starts = [0] * len(q_lens)
@@ -185,9 +192,12 @@ class TorchAttnBackend(AttentionBackend):
         v_buffer = batch.token_to_kv_pool.get_value_buffer(layer.layer_id)
         group = layer.num_heads // layer.num_kv_heads
         scaling, v_scale = _scales(batch, layer)
-        if meta.rows is not None and q.dtype == torch.float32:  # a float32 pool: its scales are 1
-            qg = q.view(-1, layer.num_kv_heads, group, layer.head_dim)
-            return meta.rows(qg, k_buffer, v_buffer, meta.slots, meta.seq_lens, meta.q_len_rows, scaling)
+        if meta.rows is not None:
+            if q.dtype == torch.float32:  # a float32 pool: its scales are 1
+                qg = q.view(-1, layer.num_kv_heads, group, layer.head_dim)
+                return meta.rows(qg, k_buffer, v_buffer, meta.slots, meta.seq_lens, meta.q_len_rows, scaling)
+            # Queries of another dtype over a float32 pool: the SDPA loop, which needs its own metadata.
+            meta = batch.attn_metadata = _sdpa_extend_metadata(batch)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
         for slots, start, q_len, mask in zip(meta.kv_slots, meta.q_starts, meta.q_lens, meta.masks):
