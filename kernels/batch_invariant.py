@@ -161,8 +161,8 @@ def matmul(
     splits_in_program: bool | None = None,
 ) -> torch.Tensor:
     """x W^T (+ bias) for x [..., K] and weight [N, K] (rows of both contiguous along K), in x's dtype,
-    with `tiles` (default: tiles_for(N, K), in 128-row tiles from WIDE_ROWS rows). Each output row depends only on its own input row: the same
-    bits alone or in any batch. A split over K is walked by one program where the launch has
+    with `tiles` (default: tiles_for(N, K), in 128-row tiles from WIDE_ROWS rows). Each output row
+    depends only on its own input row: the same bits alone or in any batch. A split over K is walked by one program where the launch has
     FILL_PROGRAMS output tiles or more, by a program per range below (`splits_in_program` forces either)."""
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:

@@ -15,11 +15,11 @@ reserved core, where the services run. How it degrades: a restricted affinity (t
 quota shrinks the team to what is there, never beyond it; with one usable core the single compute thread
 shares it with everything else rather than waiting on a second thread that cannot run; a team the
 adaptive count (cpu_threads.py) cut to one thread under contention runs that thread unpinned over the
-rank's cores, where the kernel gives it a fairer share than the one core it would split with a neighbour. Under 'auto' a rank
-claims its cores (an flock on a file per core under $RS_CPU_CLAIMS_DIR, default /dev/shm/radixserve-cpu,
-released when the rank ends or its process dies): a second worker, Engine or test process on the host
-takes the cores left unclaimed, or runs unpinned where none are, instead of stacking its threads on the
-first one's cores.
+rank's cores, where the kernel gives it a fairer share than the one core it would split with a neighbour.
+Under 'auto' a rank claims its cores (an flock on a file per core under $RS_CPU_CLAIMS_DIR, default
+/dev/shm/radixserve-cpu, released when the rank ends or its process dies): a second worker, Engine or test
+process on the host takes the cores left unclaimed, or runs unpinned where none are, instead of stacking
+its threads on the first one's cores.
 
 `cpu_bind` (EngineConfig) picks the placement: "auto" (the above), "none" (threads chosen as above,
 placement left to the OS) or a core list such as "1-3,6" (those cores, one thread each).
