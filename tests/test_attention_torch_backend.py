@@ -152,13 +152,18 @@ def test_float32_batches_attend_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
     assert reqs.length(a) == 5 + 3 + 3 + 9
 
 
-def test_float32_prefill_attends_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+def _needs_extend_op() -> None:
+    """Skip unless the C++ prefill op (kernels/cpu/extend_attention.cpp) serves this CPU."""
     try:
         cpu_matvec.load_matvec()
     except cpu_matvec.MatvecUnavailable as exc:
         pytest.skip(f"the C++ library is not built here: {exc}")
     if cpu_matvec.extend_attention() is None:
         pytest.skip("the C++ prefill op serves AVX-512 CPUs only")
+
+
+def test_float32_prefill_attends_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
+    _needs_extend_op()
     monkeypatch.setenv(ROW_ATTENTION_ENV, "0")
     reqs = _Requests(TorchAttnBackend(), torch.Generator().manual_seed(4))
     a, b, c = (reqs.new_request() for _ in range(3))
@@ -173,12 +178,7 @@ def test_float32_prefill_attends_in_cpp(monkeypatch: pytest.MonkeyPatch) -> None
 def test_bfloat16_queries_over_a_float32_pool_take_the_sdpa_loop() -> None:
     """The C++ prefill op takes float32 queries only; other queries over a float32 pool get the SDPA loop's
     own metadata and naive attention's output (within bfloat16 rounding)."""
-    try:
-        cpu_matvec.load_matvec()
-    except cpu_matvec.MatvecUnavailable as exc:
-        pytest.skip(f"the C++ library is not built here: {exc}")
-    if cpu_matvec.extend_attention() is None:
-        pytest.skip("the C++ prefill op serves AVX-512 CPUs only")
+    _needs_extend_op()
     gen = torch.Generator().manual_seed(6)
     reqs = _Requests(TorchAttnBackend(), gen)
     a = reqs.new_request()
