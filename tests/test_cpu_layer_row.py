@@ -1,7 +1,9 @@
-"""kernels/cpu/layer_row.cpp's decoder_layer_row, a Llama-shaped layer's batch-1 decode step as one op: bit for
-bit the registered ops it strings together, called one by one; a tiny Qwen3 and a tiny Llama decoding through
-it give the tokens of the layers' usual path (RS_CPU_LAYER_ROW=0), logits within 1e-5, and within 1e-4 of
-transformers; the op runs once per layer per step; bad operands get a clear error."""
+"""kernels/cpu/layer_row.cpp's decoder_layer_row and decoder_layer_rows, a Llama-shaped layer's decode step as
+one op at batch 1 and at larger batches: bit for bit the registered ops each strings together, called one by one
+(the batch op over the pool's slots and over dense blocks it appends to); a tiny Qwen3 and a tiny Llama decoding
+through them give the tokens of the layers' usual path (RS_CPU_LAYER_ROW=0), logits within 1e-5 at batch 1 and
+equal at batch 3, and within 1e-4 of transformers; the op runs once per layer per step; bad operands get a
+clear error."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ from transformers import AutoModelForCausalLM
 import kernels.cpu_matvec as cpu_matvec
 import services.worker.runtime.layers.linear as linear_module
 from services.worker.runtime.layers.cpu_layer_row import LAYER_ROW_ENV
-from services.worker.runtime.layers.cpu_prepack import cpu_prepack_available, prepack_cpu_weights
+from services.worker.runtime.layers.cpu_prepack import (
+    cpu_prepack_available,
+    prepack_cpu_weights,
+    prepack_weight,
+)
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
@@ -78,6 +84,76 @@ def test_the_op_is_its_steps_bit_for_bit() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["pool slots", "dense blocks"])
+def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool) -> None:
+    if not cpu_prepack_available():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    g = torch.Generator().manual_seed(6)
+    hidden_size, heads, kv_heads, d, inter, slots_n, bs = 96, 6, 2, 16, 160, 40, 3
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    hidden, residual = w(bs, hidden_size), w(bs, hidden_size)
+    in_norm, post_norm, q_norm, k_norm = w(hidden_size) + 1, w(hidden_size) + 1, w(d) + 1, w(d) + 1
+    qkv_w, o_w = w((heads + 2 * kv_heads) * d, hidden_size), w(hidden_size, heads * d)
+    gate_up_w, down_w = w(2 * inter, hidden_size), w(hidden_size, inter)
+    qkv_p, o_p, gate_up_p, down_p = map(prepack_weight, (qkv_w, o_w, gate_up_w, down_w))
+    k_pool, v_pool = w(slots_n, kv_heads, d), w(slots_n, kv_heads, d)
+    slots = torch.tensor([[3, 9, 4, 17, 30, 0], [5, 6, 21, 0, 0, 0], [8, 1, 2, 33, 34, 35]])
+    seq_lens, loc, positions = torch.tensor([5, 3, 6]), torch.tensor([30, 21, 35]), torch.tensor([4, 2, 5])
+    cos, sin = w(64, d // 2), w(64, d // 2)
+    eps, scale = 1e-6, d**-0.5
+    if dense:  # each request's keys one run of 8 rows of the blocks; this step's go to rows new_rows
+        k_read, v_read = w(bs * 8, kv_heads, d), w(bs * 8, kv_heads, d)
+        read = torch.arange(bs)[:, None] * 8 + torch.arange(6)[None, :]
+        new_rows = torch.arange(bs) * 8 + seq_lens - 1
+    else:
+        k_read, v_read, read, new_rows = k_pool, v_pool, slots, None
+
+    def steps(residual: torch.Tensor | None) -> list[torch.Tensor]:
+        """The op's steps one by one on copies of the buffers: hidden, residual, the pools, the read rows."""
+        k_ref, v_ref = k_pool.clone(), v_pool.clone()
+        kr_ref, vr_ref = (k_ref, v_ref) if not dense else (k_read.clone(), v_read.clone())
+        if residual is None:
+            x, res = ops().rmsnorm_rows(hidden, in_norm, eps), hidden
+        else:
+            x, res = ops().add_rmsnorm_rows(hidden, residual, in_norm, eps)
+        q, k, v = linear(x, qkv_p).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        ops().qk_norm_rope_rows_(q, k, positions, cos, sin, q_norm, k_norm, eps, d)
+        ops().store_kv_rows_(k, v, k_ref.view(slots_n, -1), v_ref.view(slots_n, -1), loc)
+        if dense:
+            ops().store_kv_rows_(k, v, kr_ref.view(bs * 8, -1), vr_ref.view(bs * 8, -1), new_rows)
+        qg = q.reshape(bs, kv_heads, heads // kv_heads, d)
+        attn = ops().decode_attention_rows(qg, kr_ref, vr_ref, read, seq_lens, scale)
+        gx, res = ops().add_rmsnorm_rows(linear(attn, o_p), res, post_norm, eps)
+        return [linear(ops().silu_mul_rows(linear(gx, gate_up_p)), down_p), res, k_ref, v_ref, kr_ref, vr_ref]
+
+    for res_in in (residual, None):  # None: the first layer, whose norm is of hidden (the residual handed on)
+        want = steps(res_in)
+        pools = [k_pool.clone(), v_pool.clone()]
+        reads = [k_read.clone(), v_read.clone()] if dense else pools
+        got = ops().decoder_layer_rows(
+            hidden, res_in, in_norm, qkv_p, q_norm, k_norm, o_p, post_norm, gate_up_p, down_p, *pools,
+            loc, positions, cos, sin, *reads, read, seq_lens, new_rows, eps, scale, kv_heads, d,
+        )  # fmt: skip
+        for a, b in zip([*got, *pools, *reads], want):
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="hidden must be contiguous"):
+        ops().decoder_layer_rows(
+            hidden.t(), residual, in_norm, qkv_p, q_norm, k_norm, o_p, post_norm, gate_up_p, down_p, k_pool, v_pool,
+            loc, positions, cos, sin, k_read, v_read, read, seq_lens, new_rows, eps, scale, kv_heads, d,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="do not hold q plus k and v of 3 heads"):
+        ops().decoder_layer_rows(
+            hidden, residual, in_norm, qkv_p, q_norm, k_norm, o_p, post_norm, gate_up_p, down_p, k_pool, v_pool,
+            loc, positions, cos, sin, k_read, v_read, read, seq_lens, new_rows, eps, scale, 3, d,
+        )  # fmt: skip
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("model", ["qwen3", "llama"])
 def test_a_model_decodes_through_it_as_through_its_layers(
@@ -110,3 +186,42 @@ def test_a_model_decodes_through_it_as_through_its_layers(
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ref = hf(torch.tensor([tokens])).logits[0, -1].float()
     assert ((ours[-1][0] - ref).norm() / ref.norm()) <= 1e-4
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model", ["qwen3", "llama"])
+def test_a_batch_decodes_through_it_as_through_its_layers(
+    model: str, request: pytest.FixtureRequest, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three requests of different lengths: the first decode step gathers the dense blocks (the modules run),
+    the others append to them through the batch op; a request that finishes leaves two, then one (the
+    batch-1 op). Logits equal to the modules' at every step."""
+    path = request.getfixturevalue(f"{model}_path")
+    config = ModelConfig.from_path(path, dtype="float32")
+    runner = load_model(config, "cpu")
+    prepack_cpu_weights(runner)
+    prompts = [[5, 9, 31, 7, 2, 44, 3, 8], [11, 4, 6], [21, 22, 23, 24, 25]]
+
+    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
+        driver = BatchDriver(runner, config)
+        rows = [driver.new_request() for _ in prompts]
+        last = driver.extend(list(zip(rows, prompts)))
+        tokens = [int(t) for t in last.argmax(-1)]
+        logits = [last]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for step in range(9):
+                live = 3 if step < 5 else 2 if step < 7 else 1
+                logits.append(driver.decode(list(zip(rows[:live], tokens[:live]))))
+                tokens = [int(t) for t in logits[-1].argmax(-1)]
+        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::decoder_layer")}
+        return logits, counts
+
+    ours, counts = run()
+    layers = config.num_layers
+    # 5 steps at 3 rows, 2 at 2, the first of each a gather; 2 steps at 1 row.
+    assert counts == {"radixserve_cpu::decoder_layer_rows": 5 * layers, "radixserve_cpu::decoder_layer_row": 2 * layers}
+    monkeypatch.setenv(LAYER_ROW_ENV, "0")
+    reference, none = run()
+    assert none == {}
+    for a, b in zip(ours, reference):
+        assert torch.equal(a, b)

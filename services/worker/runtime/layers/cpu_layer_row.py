@@ -1,16 +1,21 @@
-"""A Llama-shaped decoder layer's batch-1 decode step as one C++ op on the CPU (kernels/cpu/layer_row.cpp's
-decoder_layer_row): the same registered ops the layer calls one by one at batch 1 (the fused norm + product,
-the q/k norm + rotation, the KV store, the batch attention over the pool's slots, SiLU-and-mul + product),
-in one call instead of ~45 us of Python, module lookups and tensor bookkeeping a layer.
+"""A Llama-shaped decoder layer's decode step as one C++ op on the CPU (kernels/cpu/layer_row.cpp): the same
+registered ops the layer calls one by one, in one call instead of the Python, module lookups and tensor
+bookkeeping between them (~45 us a layer at batch 1; at batch 16 ~30 small calls a layer).
 
     step = row_decode_step(batch, hidden)              # None unless this step qualifies
     out = layer_row(layer, hidden, residual, step)       # None unless this layer qualifies
 
-A step qualifies on the CPU in float32 at batch 1 with one tensor-parallel rank, the library loaded and the
-torch backend reading this request's keys from the pool through its slots (TorchAttnBackend leaves a lone
-float32 request there); a layer when it is a plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no
-quantization) whose products take single rows through the C++ product. RS_CPU_LAYER_ROW=0 turns it off, as
-does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
+At batch 1, decoder_layer_row: the fused norm + C++ product, the q/k norm + rotation, the KV store, the batch
+attention over the pool's slots, SiLU-and-mul + product. At batch 2 and more, decoder_layer_rows: the row ops
+of kernels/cpu/rows.cpp, oneDNN's packed products (as linear() takes several rows) and the attention over
+what the torch backend reads this step, the dense blocks (attention/dense_kv.py, this step's rows appended)
+or the pool's slots; a step that regathers the blocks runs the modules.
+
+A step qualifies on the CPU in float32 with one tensor-parallel rank, the library loaded and the torch
+backend's C++ decode attention in use (`rows`, or a lone request's consecutive slots); a layer when it is a
+plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products
+take its rows as the step-by-step path would (the C++ product for one row, the packed weight for more).
+RS_CPU_LAYER_ROW=0 turns it off, as does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from services.worker.runtime.distributed import get_tp_size
 from services.worker.runtime.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
+    from services.worker.runtime.attention.dense_kv import DenseStep
     from services.worker.runtime.forward_batch import ForwardBatch
 
 LAYER_ROW_ENV = "RS_CPU_LAYER_ROW"
@@ -32,10 +38,12 @@ LAYER_ROW_ENV = "RS_CPU_LAYER_ROW"
 
 @dataclass(frozen=True)
 class RowDecodeStep:
-    slots: torch.Tensor  # [1, seq_len] int64
-    seq_lens: torch.Tensor  # [1] int64
-    loc: torch.Tensor  # [1] int64, the new token's slot
-    positions: torch.Tensor  # [1] int64
+    slots: torch.Tensor  # [bs, max_len] int64: the keys' rows the attention reads (pool slots or dense rows)
+    seq_lens: torch.Tensor  # [bs] int64
+    loc: torch.Tensor  # [bs] int64, the new tokens' slots
+    positions: torch.Tensor  # [bs] int64
+    # Batch >= 2 with the dense blocks: the step's (keys, values per layer, and the rows this step's go to).
+    dense: DenseStep | None = None
 
 
 def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep | None:
@@ -45,10 +53,11 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
 
     meta = batch.attn_metadata
     if (
-        batch.batch_size != 1
-        or not isinstance(meta, DecodeMetadata)
-        or not (meta.rows or meta.first_slot is not None)
-        or meta.dense is not None
+        not isinstance(meta, DecodeMetadata)
+        or hidden.dim() != 2
+        or hidden.shape[0] != batch.batch_size
+        or not (meta.rows or (batch.batch_size == 1 and meta.first_slot is not None))
+        or (meta.dense is not None and (batch.batch_size == 1 or meta.dense.fill_slots is not None))
         or hidden.dtype != torch.float32
         or hidden.device.type != "cpu"
         or batch.token_to_kv_pool.dtype != torch.float32
@@ -61,36 +70,53 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
 
     if row_ops() is None:
         return None
+    if meta.dense is not None:
+        return RowDecodeStep(meta.row_slots, batch.seq_lens, batch.out_cache_loc, batch.positions, meta.dense)
     return RowDecodeStep(meta.slots, batch.seq_lens, batch.out_cache_loc, batch.positions)
 
 
 def _weights(layer: Any, hidden: torch.Tensor) -> tuple[Any, ...] | None:
-    """The layer's operands for decoder_layer_row (cached on the layer, checked against its current
-    parameters), or None where it does not qualify."""
-    attn, mlp = layer.self_attn, layer.mlp
+    """The layer's operands for decoder_layer_row (one row: the weights) or decoder_layer_rows (several: the
+    packed weights), cached on the layer and checked against its current parameters, or None where it does
+    not qualify."""
+    single = hidden.shape[0] == 1
+    qkv = layer.self_attn.qkv_proj.weight
     cached = getattr(layer, "_row_weights", None)
-    if cached is not None and cached[0] is attn.qkv_proj.weight:
-        return cached[1]
+    if cached is None or cached[0] is not qkv:
+        cached = layer._row_weights = (qkv, {})
+    if single in cached[1]:
+        return cached[1][single]
+    cached[1][single] = operands = _operands(layer, hidden, single)
+    return operands
+
+
+def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...] | None:
+    """What _weights caches: the operands after the layer's checks, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
     if not getattr(layer, "plain_mlp", False):  # models/llama.py: a LlamaMLP (SiLU-and-mul, gate_up, down)
         return None
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
-    if any(lin.bias is not None or lin.quant_method is not None or not lin.cpu_single_row(hidden) for lin in linears):
+    if any(lin.bias is not None or lin.quant_method is not None for lin in linears):
+        return None
+    products = all(lin.cpu_single_row(hidden) for lin in linears) if single else all(map(_packed_rows, linears))
+    if not products or getattr(mlp.act_fn, "batch_invariant", False):
         return None
     if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != torch.float32) for n in norms):
         return None
     if len({n.eps for n in norms if n is not None}) != 1:
         return None
+    qkv, o, gate_up, down = (lin.weight if single else lin.packed_weight for lin in linears)
     rope = attn.rotary_emb
-    operands = (
+    return (
         layer.input_layernorm.weight,
-        attn.qkv_proj.weight,
+        qkv,
         attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None,
-        attn.o_proj.weight,
+        o,
         layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight,
-        mlp.down_proj.weight,
+        gate_up,
+        down,
         attn.attn.layer_id,
         rope.cos_cache,
         rope.sin_cache,
@@ -99,22 +125,42 @@ def _weights(layer: Any, hidden: torch.Tensor) -> tuple[Any, ...] | None:
         attn.num_kv_heads,
         attn.head_dim,
     )
-    layer._row_weights = (attn.qkv_proj.weight, operands)
-    return operands
+
+
+def _packed_rows(lin: Any) -> bool:
+    """Whether linear() multiplies several rows of `lin` through its packed float32 weight."""
+    return (
+        lin.packed_weight is not None
+        and lin.weight.dtype == torch.float32
+        and lin.gemv_tiles is None
+        and not lin.batch_invariant
+    )
 
 
 def layer_row(
     layer: Any, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, step: RowDecodeStep
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(hidden, residual) after `layer` through decoder_layer_row, or None where the layer does not qualify
-    (the caller runs it as usual)."""
+    """(hidden, residual) after `layer` through decoder_layer_row (one row) or decoder_layer_rows, or None
+    where the layer does not qualify (the caller runs it as usual)."""
     operands = _weights(layer, hidden)
     if operands is None:
         return None
     in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_layer, cos, sin, eps, scale, kv_heads, d = operands
     pool = batch.token_to_kv_pool
-    return torch.ops.radixserve_cpu.decoder_layer_row(
-        hidden, residual, in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down,
-        pool.get_key_buffer(kv_layer), pool.get_value_buffer(kv_layer),
-        step.slots, step.seq_lens, step.loc, step.positions, cos, sin, eps, scale, kv_heads, d,
+    k_pool, v_pool = pool.get_key_buffer(kv_layer), pool.get_value_buffer(kv_layer)
+    if hidden.shape[0] == 1:
+        return torch.ops.radixserve_cpu.decoder_layer_row(
+            hidden, residual, in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, k_pool, v_pool,
+            step.slots, step.seq_lens, step.loc, step.positions, cos, sin, eps, scale, kv_heads, d,
+        )  # fmt: skip
+    if step.dense is not None:  # the blocks as [bs * capacity, kv_heads, head_dim] rows; this step's appended
+        k_read = step.dense.keys[kv_layer].view(-1, kv_heads, d)
+        v_read = step.dense.values[kv_layer].view(-1, kv_heads, d)
+        new_rows = step.dense.new_rows
+    else:
+        k_read, v_read, new_rows = k_pool, v_pool, None
+    return torch.ops.radixserve_cpu.decoder_layer_rows(
+        hidden, residual, in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, k_pool, v_pool,
+        step.loc, step.positions, cos, sin, k_read, v_read, step.slots, step.seq_lens, new_rows, eps, scale,
+        kv_heads, d,
     )  # fmt: skip

@@ -183,7 +183,7 @@ class LlamaModel(nn.Module):
         else:
             assert proxy is not None, "a later pipeline stage runs on the previous stage's activations"
             hidden, residual = proxy
-        # Batch-1 CPU decode: each plain layer as one C++ op (layers/cpu_layer_row.py), else as modules.
+        # CPU decode: each plain layer as one C++ op (layers/cpu_layer_row.py), else as modules.
         step = row_decode_step(batch, hidden) if hidden.device.type == "cpu" else None
         for layer in self._own_layers:
             if step is not None and (out := layer_row(layer, hidden, residual, batch, step)) is not None:
