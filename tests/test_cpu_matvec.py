@@ -5,7 +5,11 @@ linear() and by the single-row calibration (layers/linear_calibration.py)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +128,50 @@ def test_matvec_is_the_same_over_any_number_of_threads(isa: str, threads: int) -
         assert torch.equal(load_matvec()(x, w), alone)
     finally:
         torch.set_num_threads(before)
+
+
+PREFETCH_CHECK = """
+import sys, torch
+from kernels.cpu_matvec import load_matvec, use_matvec_isa
+g = torch.Generator().manual_seed(3)
+w, x = torch.randn(700, 579, generator=g), torch.randn(1, 579, generator=g)
+out = []
+for isa in sys.argv[2:]:
+    use_matvec_isa(isa)
+    out.append(load_matvec()(x, w))
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_matvec
+def test_the_weight_prefetch_changes_no_bit(tmp_path) -> None:
+    """RS_CPU_PREFETCH_BYTES (read once per process) only adds prefetch requests: off, the default and a far
+    distance give the same bits on each vector path; a value that is not a number reads as off."""
+    isas = [i for i in ("avx512", "avx2") if _has_isa(i)]
+    if not isas:
+        pytest.skip("this CPU has no vector path")
+    outs = []
+    for value in ("0", None, "65536", "nonsense"):
+        env = {k: v for k, v in os.environ.items() if k != "RS_CPU_PREFETCH_BYTES"}
+        if value is not None:
+            env["RS_CPU_PREFETCH_BYTES"] = value
+        dest = tmp_path / f"out_{value}.pt"
+        subprocess.run(
+            [sys.executable, "-c", PREFETCH_CHECK, str(dest), *isas],
+            env=env, check=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        outs.append(torch.load(dest))
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def _has_isa(isa: str) -> bool:
+    try:
+        before = use_matvec_isa(isa)
+    except RuntimeError:
+        return False
+    use_matvec_isa(before)
+    return True
 
 
 @needs_matvec

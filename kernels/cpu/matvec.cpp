@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -46,7 +47,27 @@ void rows_portable(const float* w, int64_t ld, const float* x, float* y, int64_t
   }
 }
 
+// Bytes ahead of the weight being read that the product asks to be brought into L2 (RS_CPU_PREFETCH_BYTES,
+// default 1536; 0 turns it off). The hardware prefetchers alone left a thread's stream at ~9.3-10 GB/s on a
+// 2-vCPU Xeon guest whose memory gives one thread ~10.6; with these requests SmolLM2's batch-1 step at one
+// thread went 59.8 -> 50.6 ms (bench/HISTORY.md, "CPU, twenty-sixth session"). Prefetches never fault, so the
+// ones past the end of a band or of the weight are harmless.
+int64_t prefetch_bytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("RS_CPU_PREFETCH_BYTES");
+    const long long v = env != nullptr ? std::atoll(env) : 1536;
+    return static_cast<int64_t>(std::clamp<long long>(v, 0, 1 << 20));
+  }();
+  return bytes;
+}
+
 #ifdef RS_X86
+// A request for the `lines` 64-byte lines from p into L2 (on AMD, into L1).
+inline void prefetch_lines(const float* p, int64_t ahead, int lines) {
+  const char* c = reinterpret_cast<const char*>(p) + ahead;
+  for (int l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
+}
+
 __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -61,12 +82,13 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 // latency; they are added pairwise at the end.
 __attribute__((target("avx2,fma"))) void rows_avx2(
     const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k32 = k - k % 32, kv = k - k % 8;
+  const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes();
   for (int64_t r = r0; r < r1; ++r) {
     const float* w0 = w + r * ld;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i < k32; i += 32) {
+      if (ahead) prefetch_lines(w0 + i, ahead, 2);
       a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), _mm256_loadu_ps(x + i), a0);
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 8), _mm256_loadu_ps(x + i + 8), a1);
       a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 16), _mm256_loadu_ps(x + i + 16), a2);
@@ -81,7 +103,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(
 
 __attribute__((target("avx512f"))) void rows_avx512(
     const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k64 = k - k % 64, kv = k - k % 16;
+  const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes();
   const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1u);
   const __m512 xt = _mm512_maskz_loadu_ps(tail, x + kv);
   for (int64_t r = r0; r < r1; ++r) {
@@ -89,6 +111,7 @@ __attribute__((target("avx512f"))) void rows_avx512(
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < k64; i += 64) {
+      if (ahead) prefetch_lines(w0 + i, ahead, 4);
       a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), _mm512_loadu_ps(x + i), a0);
       a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i + 16), _mm512_loadu_ps(x + i + 16), a1);
       a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i + 32), _mm512_loadu_ps(x + i + 32), a2);
