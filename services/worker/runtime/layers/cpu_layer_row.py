@@ -84,9 +84,11 @@ def _weights(layer: Any, hidden: torch.Tensor) -> tuple[Any, ...] | None:
     cached = getattr(layer, "_row_weights", None)
     if cached is None or cached[0] is not qkv:
         cached = layer._row_weights = (qkv, {})
-    if single in cached[1]:
-        return cached[1][single]
-    cached[1][single] = operands = _operands(layer, hidden, single)
+    operands = cached[1].get(single)
+    if operands is None:  # not cached: a layer that does not qualify now may later (calibration, prepacking)
+        operands = _operands(layer, hidden, single)
+        if operands is not None:
+            cached[1][single] = operands
     return operands
 
 
