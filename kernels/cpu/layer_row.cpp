@@ -37,6 +37,38 @@ c10::OperatorHandle find(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+// The attention half of a layer from its projection's rows qkv [m, q + 2 kv] (views into them): q and k normed and
+// rotated in place, k and v stored at `loc` in the pool and, with new_rows, at those rows of k_read / v_read (the
+// dense blocks), then the decode attention over k_read / v_read through read_slots: [m, q]. `op` names the caller.
+at::Tensor attention_rows(const char* op, const at::Tensor& qkv, const Opt& q_norm, const Opt& k_norm,
+                          at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& loc, const at::Tensor& positions,
+                          const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_read, at::Tensor& v_read,
+                          const at::Tensor& read_slots, const at::Tensor& seq_lens, const Opt& new_rows, double eps,
+                          double scale, int64_t kv_heads, int64_t head_dim) {
+  static const auto rope = find("radixserve_cpu::qk_norm_rope_rows_")
+                               .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, const Opt&, const Opt&, double, int64_t)>();
+  static const auto store = find("radixserve_cpu::store_kv_rows_")
+                                .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                                            const at::Tensor&)>();
+  static const auto attend = find("radixserve_cpu::decode_attention_rows")
+                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                   const at::Tensor&, const at::Tensor&, double)>();
+  const int64_t m = qkv.size(0), kv_width = kv_heads * head_dim, q_width = qkv.size(1) - 2 * kv_width;
+  TORCH_CHECK(q_width > 0 && q_width % kv_width == 0, op, ": qkv rows of ", qkv.size(1),
+              " values do not hold q plus k and v of ", kv_heads, " heads of ", head_dim);
+  at::Tensor q = qkv.narrow(1, 0, q_width), k = qkv.narrow(1, q_width, kv_width);
+  const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
+  rope.call(q, k, positions, cos, sin, q_norm, k_norm, eps, head_dim);
+  at::Tensor k_rows = k_pool.view({k_pool.size(0), kv_width}), v_rows = v_pool.view({v_pool.size(0), kv_width});
+  store.call(k, v, k_rows, v_rows, loc);
+  if (new_rows.has_value()) {
+    at::Tensor kr = k_read.view({k_read.size(0), kv_width}), vr = v_read.view({v_read.size(0), kv_width});
+    store.call(k, v, kr, vr, *new_rows);
+  }
+  return attend.call(q.view({m, kv_heads, q_width / kv_width, head_dim}), k_read, v_read, read_slots, seq_lens, scale);
+}
+
 Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::Tensor& input_norm,
                        const at::Tensor& qkv_w, const Opt& q_norm, const Opt& k_norm, const at::Tensor& o_w,
                        const at::Tensor& post_norm, const at::Tensor& gate_up_w, const at::Tensor& down_w,
@@ -50,32 +82,14 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
       find("radixserve_cpu::matvec").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&)>();
   static const auto silu_mul_matvec =
       find("radixserve_cpu::silu_mul_matvec").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  static const auto rope = find("radixserve_cpu::qk_norm_rope_rows_")
-                               .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, const Opt&, const Opt&, double, int64_t)>();
-  static const auto store = find("radixserve_cpu::store_kv_rows_")
-                                .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                            const at::Tensor&)>();
-  static const auto attend = find("radixserve_cpu::decode_attention_rows")
-                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&, double)>();
   TORCH_CHECK(kv_heads > 0 && head_dim > 0, "decoder_layer_row: kv_heads and head_dim must be positive");
   TORCH_CHECK(slots.dim() == 2 && slots.size(0) == 1 && seq_lens.dim() == 1 && seq_lens.size(0) == 1,
               "decoder_layer_row: one request: slots [1, len] and seq_lens [1], got ", slots.sizes(), " and ",
               seq_lens.sizes());
-  const int64_t kv_width = kv_heads * head_dim;
   auto [qkv, res] = rmsnorm_matvec.call(hidden, residual, input_norm, eps, qkv_w);
-  const int64_t q_width = qkv.size(-1) - 2 * kv_width;
-  TORCH_CHECK(q_width > 0 && q_width % kv_width == 0, "decoder_layer_row: qkv rows of ", qkv.size(-1),
-              " values do not hold q plus k and v of ", kv_heads, " heads of ", head_dim);
-  const at::Tensor rows = qkv.reshape({1, -1});
-  at::Tensor q = rows.narrow(1, 0, q_width), k = rows.narrow(1, q_width, kv_width);
-  const at::Tensor v = rows.narrow(1, q_width + kv_width, kv_width);
-  rope.call(q, k, positions, cos, sin, q_norm, k_norm, eps, head_dim);
-  at::Tensor k_rows = k_pool.view({k_pool.size(0), kv_width}), v_rows = v_pool.view({v_pool.size(0), kv_width});
-  store.call(k, v, k_rows, v_rows, loc);
-  const at::Tensor attn =
-      attend.call(q.view({1, kv_heads, q_width / kv_width, head_dim}), k_pool, v_pool, slots, seq_lens, scale);
+  const at::Tensor attn = attention_rows("decoder_layer_row", qkv.reshape({1, -1}), q_norm, k_norm, k_pool, v_pool,
+                                         loc, positions, cos, sin, k_pool, v_pool, slots, seq_lens, c10::nullopt,
+                                         eps, scale, kv_heads, head_dim);
   const at::Tensor o = matvec.call(attn, o_w, c10::nullopt).view(hidden.sizes());
   auto [gate_up, res2] = rmsnorm_matvec.call(o, res, post_norm, eps, gate_up_w);
   return {silu_mul_matvec.call(gate_up, down_w).view(hidden.sizes()), res2.view(hidden.sizes())};
@@ -128,19 +142,9 @@ Pair decoder_layer_rows(const at::Tensor& hidden, const Opt& residual, const at:
   static const auto rmsnorm =
       find("radixserve_cpu::rmsnorm_rows").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
   static const auto silu_mul = find("radixserve_cpu::silu_mul_rows").typed<at::Tensor(const at::Tensor&)>();
-  static const auto rope = find("radixserve_cpu::qk_norm_rope_rows_")
-                               .typed<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const at::Tensor&, const Opt&, const Opt&, double, int64_t)>();
-  static const auto store = find("radixserve_cpu::store_kv_rows_")
-                                .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                            const at::Tensor&)>();
-  static const auto attend = find("radixserve_cpu::decode_attention_rows")
-                                 .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                   const at::Tensor&, const at::Tensor&, double)>();
   TORCH_CHECK(kv_heads > 0 && head_dim > 0, "decoder_layer_rows: kv_heads and head_dim must be positive");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decoder_layer_rows: hidden must be contiguous [M, H], got ",
               hidden.sizes());
-  const int64_t m = hidden.size(0), kv_width = kv_heads * head_dim;
   at::Tensor x, res;
   if (residual.has_value()) {
     std::tie(x, res) = add_rmsnorm.call(hidden, *residual, input_norm, eps);
@@ -148,22 +152,10 @@ Pair decoder_layer_rows(const at::Tensor& hidden, const Opt& residual, const at:
     x = rmsnorm.call(hidden, input_norm, eps);
     res = hidden;
   }
-  const at::Tensor qkv = packed_linear(x, qkv_packed);
-  const int64_t q_width = qkv.size(1) - 2 * kv_width;
-  TORCH_CHECK(q_width > 0 && q_width % kv_width == 0, "decoder_layer_rows: qkv rows of ", qkv.size(1),
-              " values do not hold q plus k and v of ", kv_heads, " heads of ", head_dim);
-  at::Tensor q = qkv.narrow(1, 0, q_width), k = qkv.narrow(1, q_width, kv_width);
-  const at::Tensor v = qkv.narrow(1, q_width + kv_width, kv_width);
-  rope.call(q, k, positions, cos, sin, q_norm, k_norm, eps, head_dim);
-  at::Tensor k_rows = k_pool.view({k_pool.size(0), kv_width}), v_rows = v_pool.view({v_pool.size(0), kv_width});
-  store.call(k, v, k_rows, v_rows, loc);
-  if (new_rows.has_value()) {
-    at::Tensor kr = k_read.view({k_read.size(0), kv_width}), vr = v_read.view({v_read.size(0), kv_width});
-    store.call(k, v, kr, vr, *new_rows);
-  }
   const at::Tensor attn =
-      attend.call(q.view({m, kv_heads, q_width / kv_width, head_dim}), k_read, v_read, read_slots, seq_lens, scale);
-  const at::Tensor o = packed_linear(attn.view({m, q_width}), o_packed);
+      attention_rows("decoder_layer_rows", packed_linear(x, qkv_packed), q_norm, k_norm, k_pool, v_pool, loc,
+                     positions, cos, sin, k_read, v_read, read_slots, seq_lens, new_rows, eps, scale, kv_heads, head_dim);
+  const at::Tensor o = packed_linear(attn, o_packed);
   auto [gx, res2] = add_rmsnorm.call(o, res, post_norm, eps);
   return {packed_linear(silu_mul.call(packed_linear(gx, gate_up_packed)), down_packed), res2};
 }
