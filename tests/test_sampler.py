@@ -15,6 +15,7 @@ from transformers.generation.logits_process import (
 from services.worker.runtime.sampling.sampler import (
     Sampler,
     SamplingBatchInfo,
+    greedy_ids,
     mix64,
     penalized_logits,
     processed_logits,
@@ -206,6 +207,18 @@ def test_greedy_rows_take_argmax_of_penalised_logits() -> None:
             assert out.next_token_ids[i] == expected
     all_greedy = build(bs, vocab, temperatures=[0.0] * bs)
     assert torch.equal(Sampler()(logits, all_greedy, torch.arange(bs)).next_token_ids, logits.argmax(-1))
+
+
+def test_greedy_ids_are_torch_argmax_with_ties_and_nans() -> None:
+    """greedy_ids takes the CPU's faster max(dim): the same first index of a tied maximum, the same NaN row."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randint(-3, 4, (64, 500), generator=g).float()  # many ties per row
+    logits[5, 7] = float("nan")
+    logits[6] = float("-inf")
+    logits[7, [3, 9]] = float("inf")
+    got = greedy_ids(logits)
+    assert torch.equal(got, torch.argmax(logits, dim=-1))
+    assert got[5] == 7 and got[6] == 0 and got[7] == 3
 
 
 def test_logit_bias_adds_to_the_penalised_logits_of_its_row_only() -> None:
