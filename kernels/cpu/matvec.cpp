@@ -50,7 +50,7 @@ void rows_portable(const float* w, int64_t ld, const float* x, float* y, int64_t
 // Bytes ahead of the weight being read that the product asks to be brought into L2 (RS_CPU_PREFETCH_BYTES,
 // default 1536; 0 turns it off). The hardware prefetchers alone left a thread's stream at ~9.3-10 GB/s on a
 // 2-vCPU Xeon guest whose memory gives one thread ~10.6; with these requests SmolLM2's batch-1 step at one
-// thread went 59.8 -> 50.6 ms (bench/HISTORY.md, "CPU, twenty-sixth session"). Prefetches never fault, so the
+// thread went 59.2 -> 52.4 ms (bench/HISTORY.md, "CPU, twenty-sixth session"). Prefetches never fault, so the
 // ones past the end of a band or of the weight are harmless.
 int64_t prefetch_bytes() {
   static const int64_t bytes = [] {

@@ -101,7 +101,7 @@ def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...]
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
     if any(lin.bias is not None or lin.quant_method is not None for lin in linears):
         return None
-    products = all(lin.cpu_single_row(hidden) for lin in linears) if single else all(map(_packed_rows, linears))
+    products = all(lin.cpu_single_row(hidden) if single else lin.cpu_packed_rows(hidden) for lin in linears)
     if not products or getattr(mlp.act_fn, "batch_invariant", False):
         return None
     if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != torch.float32) for n in norms):
@@ -126,16 +126,6 @@ def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...]
         attn.attn.scaling,
         attn.num_kv_heads,
         attn.head_dim,
-    )
-
-
-def _packed_rows(lin: Any) -> bool:
-    """Whether linear() multiplies several rows of `lin` through its packed float32 weight."""
-    return (
-        lin.packed_weight is not None
-        and lin.weight.dtype == torch.float32
-        and lin.gemv_tiles is None
-        and not lin.batch_invariant
     )
 
 

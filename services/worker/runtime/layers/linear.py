@@ -229,6 +229,14 @@ class Projection(nn.Module):
             return False
         return self.weight.dtype == x.dtype == torch.float32
 
+    def cpu_packed_rows(self, x: torch.Tensor) -> bool:
+        """Whether the rows of float32 x [M, K] go through this layer's packed float32 weight (linear() with
+        M >= PREPACKED_MIN_ROWS, no GEMV tiles, not batch-invariant): what kernels/cpu/layer_row.cpp's batch
+        op calls in its place."""
+        if self.packed_weight is None or self.gemv_tiles is not None or self.batch_invariant:
+            return False
+        return x.dim() == 2 and x.shape[0] >= PREPACKED_MIN_ROWS and self.weight.dtype == x.dtype == torch.float32
+
     def rmsnorm_product(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
