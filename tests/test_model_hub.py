@@ -82,10 +82,13 @@ def test_a_missing_hub_id_offline_is_an_error_naming_it(hub_home: Path) -> None:
     [(["worker"], 2), (["up"], 2), (["chat", "hello"], 2), (["tokenizer"], 1), (["detokenizer"], 1)],
 )
 def test_the_cli_names_a_missing_hub_id_without_a_traceback(
-    hub_home: Path, command: list[str], status: int, capsys: pytest.CaptureFixture[str]
+    hub_home: Path, command: list[str], status: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Exit 2 where the flags are checked before anything starts; the tokenizer and detokenizer load
-    their tokenizer as they start, and a service that cannot start exits 1, saying why."""
+    their tokenizer as they start, before they reach for NATS (here a port nothing listens on), and a
+    service that cannot start exits 1, saying why."""
+    monkeypatch.setenv("RS_NATS_URL", "nats://127.0.0.1:9")
+    monkeypatch.setenv("RS_NATS_CONNECT_TIMEOUT", "2")
     assert main([*command, "--model-path", "TinyOrg/Absent"]) == status
     err = capsys.readouterr().err
     assert "model_path: 'TinyOrg/Absent' is not a local directory, and Hugging Face hub model TinyOrg/Absent" in err

@@ -105,9 +105,10 @@ class DetokenizerService(Service):
 
     async def start(self) -> None:
         cfg = self.config
-        self.bus = await connect_bus(cfg, self.name)
+        # The tokenizer first: a model that cannot be found is named as such, with or without NATS.
         tokenizer = await asyncio.to_thread(load_hf_tokenizer, cfg.model_path, cfg.tokenizer_path, None, cfg.revision)
         name = await asyncio.to_thread(model_label, cfg.model_path)
+        self.bus = await connect_bus(cfg, self.name)
         self.publisher = StreamPublisher(self.bus, tokenizer, name)
         subject = self.bus.subjects.detok(cfg.worker_id or "*")
         await self.bus.subscribe(subject, (BatchTokenOut,), self._on_batch)

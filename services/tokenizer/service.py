@@ -70,11 +70,12 @@ class TokenizerService(Service):
 
     async def start(self) -> None:
         cfg = self.config
-        self.bus = await connect_bus(cfg, self.name)
+        # The tokenizer first: a model that cannot be found is named as such, with or without NATS.
         self.prompts = await asyncio.to_thread(
             PromptTokenizer.load, cfg.model_path, cfg.context_length, cfg.tokenizer_path, cfg.chat_template, cfg.revision
         )
         self.metrics = TokenizerMetrics(await asyncio.to_thread(model_label, cfg.model_path))
+        self.bus = await connect_bus(cfg, self.name)
         await self.bus.subscribe(
             self.bus.subjects.tokenize, (TokenizeRequest,), self._on_request, queue=cfg.queue_group
         )
