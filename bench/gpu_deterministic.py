@@ -9,6 +9,11 @@ from the prefix cache, and what does the mode cost?
    batches of 3 / 17 / 64 / 256 (bitwise), with cuBLAS (F.linear) beside it as the control, and its error
    against a float32 product; its time over cuBLAS's at M = 1, 64, 256, 2048 for the default tiles and
    --tiles alternatives (BM/BN/BK/warps/stages), to choose DEFAULT_TILES.
+1b. Extend attention (bf16, the 0.6B and 8B head shapes): kernels/token_block_attention.py, a request's
+   new tokens sharing key tiles, against decode attention run for each token (the batch-invariant decode
+   kernel with fixed 1,024-key splits, which the extend path used to be), bitwise, over requests whose new
+   tokens start at varied positions and cross split boundaries; and both timed on a 2,048-token prompt
+   and on 16 x 128 new tokens after 1,000-token prefixes (--skip-attention leaves it out).
 2. Outputs (Qwen3-8B-shaped random bf16 checkpoint, triton backend, CUDA graphs on): --requests prompts of
    64..1024 tokens, --new-tokens each, even requests greedy and odd ones sampled with a seed (temperature
    0.7, top-p 0.9). Runs: each request alone; all batched (chunked_prefill_size 8192: no chunking); all
@@ -123,6 +128,78 @@ def kernel_speed(alternatives: list[MatmulTiles]) -> dict:
                     "4 warps": torch.equal(matmul(x, w, tiles=wide4), ref),
                 }
         del w
+    return out
+
+
+EXTEND_SPLIT = 1024
+
+
+def _extend_case(g: torch.Generator, heads: int, k_buf: torch.Tensor, v_buf: torch.Tensor, requests: list[tuple[int, int]]):  # noqa: ANN202
+    """Extend attention over random pool slots for (prefix, new tokens) per request: the per-token decode
+    launch and the token-block launch, as two callables returning their outputs."""
+    import triton
+
+    from kernels.decode_attention import WIDE_BATCH_TILES, decode_attention, fixed_size_kv_splits
+    from kernels.token_block_attention import token_block_attention, token_blocks, tokens_per_block
+
+    slots, kv_heads, dim = k_buf.shape
+    table = torch.zeros((len(requests), max(p + n for p, n in requests)), dtype=torch.int32, device="cuda")
+    perm = torch.randperm(slots, generator=g, device="cuda").to(torch.int32)
+    used, rows, lens = 0, [], []
+    for r, (prefix, new) in enumerate(requests):
+        table[r, : prefix + new] = perm[used : used + prefix + new]
+        used += prefix + new
+        rows += [r] * new
+        lens += list(range(prefix + 1, prefix + new + 1))
+    req_rows = torch.tensor(rows, dtype=torch.int64, device="cuda")
+    seq_lens = torch.tensor(lens, dtype=torch.int64, device="cuda")
+    splits = fixed_size_kv_splits(seq_lens, EXTEND_SPLIT)
+    max_splits = triton.next_power_of_2(max(1, -(-max(lens) // EXTEND_SPLIT)))
+    q = torch.randn((len(lens), heads * dim), generator=g, device="cuda").bfloat16()
+    news = [n for _, n in requests]
+    qo = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], device="cuda")
+    per = tokens_per_block(heads, kv_heads)
+    first, count = token_blocks(qo, sum(-(-n // per) for n in news), per)
+    part_out = torch.empty((len(lens), heads, max_splits, dim), dtype=torch.float32, device="cuda")
+    part_lse = torch.empty((len(lens), heads, max_splits), dtype=torch.float32, device="cuda")
+
+    def per_token() -> torch.Tensor:
+        o = torch.empty_like(q)
+        decode_attention(q, k_buf, v_buf, o, table, req_rows, seq_lens, splits, max_splits, dim**-0.5,
+                         part_out, part_lse, WIDE_BATCH_TILES, split_tokens=EXTEND_SPLIT)  # fmt: skip
+        return o
+
+    def blocks() -> torch.Tensor:
+        o = torch.empty_like(q)
+        token_block_attention(q, k_buf, v_buf, o, table, req_rows, seq_lens, splits, first, count, max_splits,
+                              dim**-0.5, EXTEND_SPLIT, WIDE_BATCH_TILES)  # fmt: skip
+        return o
+
+    return per_token, blocks
+
+
+def attention_part() -> dict:
+    """Part 1b: token blocks vs per-token decode, bitwise and timed."""
+    import triton.testing
+
+    out: dict = {}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for label, heads, kv_heads in (("0.6B", 16, 8), ("8B", 32, 8)):
+        k_buf = torch.randn((64_000, kv_heads, 128), generator=g, device="cuda").bfloat16()
+        v_buf = torch.randn((64_000, kv_heads, 128), generator=g, device="cuda").bfloat16()
+        mixed = [(0, 2048), (300, 400), (1021, 477), (0, 5), (2999, 1), (4093, 7), (17, 130)]
+        per_token, blocks = _extend_case(g, heads, k_buf, v_buf, mixed)
+        a, b = per_token(), blocks()
+        entry = {"tokens": a.shape[0], "tokens_differing": int((a != b).any(dim=1).sum()), "ms": {}}
+        for case, requests in (("1 x 2048 prompt", [(0, 2048)]), ("16 x 128 after 1000", [(1000, 128)] * 16)):
+            per_token, blocks = _extend_case(g, heads, k_buf, v_buf, requests)
+            entry["ms"][case] = {
+                "per token (decode kernel)": triton.testing.do_bench(per_token),
+                "token blocks": triton.testing.do_bench(blocks),
+            }
+        out[label] = entry
+        del k_buf, v_buf
+    torch.cuda.empty_cache()
     return out
 
 
@@ -283,6 +360,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 48; --tiny: 8")
     ap.add_argument("--scale", type=float, default=1.0, help="P3's request count scale")
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-outputs", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-pipeline", action="store_true")
@@ -294,7 +372,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     if args.tiny:  # parts 1-3 need CUDA
-        args.skip_kernels = args.skip_outputs = args.skip_throughput = True
+        args.skip_kernels = args.skip_attention = args.skip_outputs = args.skip_throughput = True
     args.requests = args.requests or (8 if args.tiny else 64)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 48)
     results: dict = {}
@@ -307,6 +385,15 @@ def main() -> int:
 
     if not args.skip_kernels:
         ok &= kernels_part(args.tiles, results, rows)
+        save()
+    if not args.skip_attention:
+        results["attention"] = attention_part()
+        for label, entry in results["attention"].items():
+            ok &= entry["tokens_differing"] == 0
+            rows.append((f"extend attention {label}: token blocks != per-token decode", f"{entry['tokens_differing']} of {entry['tokens']} tokens"))
+            for case, ms in entry["ms"].items():
+                old, new = ms["per token (decode kernel)"], ms["token blocks"]
+                rows.append((f"extend attention {label} {case}", f"per token {old * 1000:.0f} us, blocks {new * 1000:.0f} us ({old / new:.1f}x)"))
         save()
     if not args.skip_outputs:
         path8 = build_checkpoint("8b", torch.bfloat16)

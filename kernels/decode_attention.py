@@ -130,52 +130,119 @@ def _merge_splits(
     Part_out,
     Part_lse,
     Out,
-    b,
-    heads,
+    lse_rows,
+    part_rows,
+    out_rows,
     h_mask,
     offs_d,
     d_mask,
     num_splits,
-    stride_pob,
-    stride_poh,
     stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ob,
-    stride_oh,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
 ):
-    """Write to Out's rows `heads` the splits' partial outputs weighted by exp2(lse - max lse). Splits are
-    summed in index order, whichever program runs this, so the result is the same on every run."""
+    """Write to Out's rows (element offsets `out_rows`) the splits' partial outputs (rows at `part_rows`,
+    their lse at `lse_rows`, split s at + s * stride_pos and + s) weighted by exp2(lse - max lse). Splits
+    are summed in index order, whichever program runs this, so the result is the same on every run."""
     # .cg reads from L2, where the other programs' writes landed, never from this SM's L1.
     offs_s = tl.arange(0, MAX_SPLITS)
-    lse_rows = Part_lse + b * stride_plb + heads * stride_plh
+    lse_ptrs = Part_lse + lse_rows
     lse = tl.load(
-        lse_rows[:, None] + offs_s[None, :],
+        lse_ptrs[:, None] + offs_s[None, :],
         mask=h_mask[:, None] & (offs_s[None, :] < num_splits),
         other=float("-inf"),
         cache_modifier=".cg",
     )
     m = tl.max(lse, 1)
     m = tl.where(m > float("-inf"), m, 0.0)
-    part_rows = Part_out + b * stride_pob + heads[:, None] * stride_poh + offs_d[None, :]
+    part_ptrs = Part_out + part_rows[:, None] + offs_d[None, :]
     hd_mask = h_mask[:, None] & d_mask[None, :]
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in range(num_splits):
         # An empty split (the tail of a short sequence) has lse = -inf and weighs 0.
-        w = tl.exp2(tl.load(lse_rows + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        part = tl.load(part_rows + s * stride_pos, mask=hd_mask, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(tl.load(lse_ptrs + s, mask=h_mask, other=float("-inf"), cache_modifier=".cg") - m)
+        part = tl.load(part_ptrs + s * stride_pos, mask=hd_mask, other=0.0, cache_modifier=".cg")
         acc += part * w[:, None]
         total += w
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(
-        Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=hd_mask,
-    )
+    tl.store(Out + out_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=hd_mask)
+
+
+@triton.jit
+def _attend_split(
+    q,
+    K_buf,
+    V_buf,
+    token_row,
+    start,
+    end,
+    row_end,
+    kv_head,
+    offs_d,
+    d_mask,
+    sm_scale_log2,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    ROW_ENDS: tl.constexpr,
+):
+    """One split's online softmax over positions [start, end) of one request (slots from `token_row`):
+    (m, l, acc) for q's BLOCK_H rows. ROW_ENDS: row i stops at row_end[i] <= end instead (rows of several
+    query tokens of that request); its arithmetic over its own keys is then the one-end case's, tile for
+    tile: a tile past a row's end leaves its m, l and acc as they were (alpha 1, p 0)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        n_mask = pos < end
+        slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
+        if K_ROWS:
+            k = tl.trans(
+                tl.load(
+                    K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=n_mask[:, None] & d_mask[None, :],
+                    other=0.0,
+                ).to(q.dtype)
+            )
+        else:
+            k = tl.load(
+                K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None],
+                other=0.0,
+            ).to(q.dtype)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+        if ROW_ENDS:
+            s = tl.where(pos[None, :] < row_end[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no key in this tile keeps its state exactly (alpha 1, p 0); its m_new may be -inf
+            # (no key yet), which is never subtracted. Rows with keys subtract m_new as above.
+            active = row_end > n0
+            m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.where(active, tl.exp2(m_i - m_sub), 1.0)
+            p = tl.exp2(s - m_sub[:, None])
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -296,41 +363,11 @@ def _decode_kernel(
                     # The loop below reads that slot back through other threads of this program.
                     tl.debug_barrier()
 
-            m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            token_row = Req_to_token + req_row * stride_r2t
-            for n0 in range(start, end, BLOCK_N):
-                pos = n0 + tl.arange(0, BLOCK_N)
-                n_mask = pos < end
-                slots = tl.load(token_row + pos, mask=n_mask, other=0).to(tl.int64)
-                if K_ROWS:
-                    k = tl.trans(
-                        tl.load(
-                            K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                            mask=n_mask[:, None] & d_mask[None, :],
-                            other=0.0,
-                        ).to(q.dtype)
-                    )
-                else:
-                    k = tl.load(
-                        K_buf + slots[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                        mask=n_mask[None, :] & d_mask[:, None],
-                        other=0.0,
-                    ).to(q.dtype)
-                s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-                s = tl.where(n_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0,
-                ).to(q.dtype)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+            m_i, l_i, acc = _attend_split(
+                q, K_buf, V_buf, Req_to_token + req_row * stride_r2t, start, end, end, kv_head, offs_d, d_mask,
+                sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PRECISION,
+                K_ROWS, False,
+            )
 
             # No tokens (an empty split, or a padded CUDA-graph row of length 0) gives zeros and lse = -inf.
             has_tokens = l_i > 0
@@ -359,25 +396,9 @@ def _decode_kernel(
                 if arrived == num_splits - 1:
                     tl.debug_barrier()
                     _merge_splits(
-                        Part_out,
-                        Part_lse,
-                        Out,
-                        b,
-                        heads,
-                        h_mask,
-                        offs_d,
-                        d_mask,
-                        num_splits,
-                        stride_pob,
-                        stride_poh,
-                        stride_pos,
-                        stride_plb,
-                        stride_plh,
-                        stride_ob,
-                        stride_oh,
-                        BLOCK_H,
-                        BLOCK_D,
-                        MAX_SPLITS,
+                        Part_out, Part_lse, Out, b * stride_plb + heads * stride_plh,
+                        b * stride_pob + heads * stride_poh, b * stride_ob + heads * stride_oh, h_mask, offs_d,
+                        d_mask, num_splits, stride_pos, BLOCK_H, BLOCK_D, MAX_SPLITS,
                     )
                     # Every split of this launch has counted in, so nothing else touches the counter now;
                     # the launch boundary makes the zero visible to the next layer's launch.

@@ -13,11 +13,13 @@ Here (SGLang's "split tile size", as in its deterministic Triton backend):
   grid's split dimension from the batch size (as the default backend's), each program walking every
   grid_splits-th split. (A grid of the context's 64 splits for 256 requests started 131k programs a layer,
   nearly all exiting at once: 329 us a layer against 188 for the default backend on the H200.)
-- an extend step runs that same kernel with one "request" per new token (the token's request row, its
-  position + 1 keys; its K/V are stored in the pool first). A token's attention is therefore the same
-  program over the same keys whether it is prefilled whole, in chunks, or decoded: bit for bit.
-The price is the extend path: each new token reads its keys itself instead of sharing a tile of them
-with the 127 other rows of a query block.
+- an extend step attends each new token as decode would attend it at its position (its K/V are stored
+  in the pool first), through kernels/token_block_attention.py: the rows decode leaves empty (the GQA
+  group padded to 16) hold the next tokens of the same request, so a key tile is read once for up to 8
+  tokens (a 0.6B model's group of 2) and each row's arithmetic is still decode's. A token's attention is
+  therefore the same bits whether it is prefilled whole, in chunks, or decoded. (Until 2026-12-06 each
+  token ran the decode kernel alone and read its keys itself: 53 ms of a 2,048-token prompt's prefill on
+  the H200.)
 
 Extend CUDA graphs: a replay's per-token rows come from the graph's static metadata on the device (each
 token's request from qo_indptr, its key count from its position; padded tokens get 0 keys and zeros),
@@ -28,7 +30,9 @@ launching its ~250 kernels on the H200 host, whatever its size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,10 +41,10 @@ import triton
 from kernels.decode_attention import (
     WIDE_BATCH_TILES,
     DecodeTiles,
-    decode_attention,
     fixed_size_kv_splits,
     max_kv_splits_for,
 )
+from kernels.token_block_attention import token_block_attention, token_blocks, tokens_per_block
 from services.worker.runtime.attention.triton_backend import (
     TritonAttnBackend,
     TritonDecodeMetadata,
@@ -56,23 +60,34 @@ if TYPE_CHECKING:
 SPLIT_TOKENS = 1024
 DECODE_TILES = WIDE_BATCH_TILES
 # Extend launches take at most this many float32 of split scratch (tokens x heads x splits x head_dim),
-# and at most this many tokens (the grid's second dimension, which CUDA caps at 65535).
+# and at most this many token blocks (the grid's second dimension, which CUDA caps at 65535).
 EXTEND_SCRATCH_FLOATS = 1 << 26
-EXTEND_MAX_TOKENS = 32768
+EXTEND_MAX_BLOCKS = 32768
 # Splits per token an extend CUDA graph holds (its scratch: tokens x heads x GRAPH_SPLITS x (head_dim + 1)
 # float32, 68 MB for 2,048 tokens of a 16-head model).
 GRAPH_SPLITS = 4
 
 
-@dataclass(frozen=True)
+@dataclass
 class TokenQueries:
     """An extend step as decode requests, one per new token: its request row, key count (position + 1)
-    and splits, [tokens] each on the device; max_kv_splits bounds the splits (a power of two)."""
+    and splits, [tokens] each on the device; max_kv_splits bounds the splits (a power of two).
+    qo_indptr [segments + 1]: the tokens of each request (a graph's padding is a last segment of tokens
+    with 0 keys); max_blocks bounds token_blocks' count for any block size. The blocks themselves are
+    made by the first layer, which knows the head counts (`blocks`, keyed by tokens per block)."""
 
     req_rows: torch.Tensor
     seq_lens: torch.Tensor
     num_kv_splits: torch.Tensor
     max_kv_splits: int
+    qo_indptr: torch.Tensor
+    block_bound: Callable[[int], int]
+    blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def token_blocks(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if tokens not in self.blocks:
+            self.blocks[tokens] = token_blocks(self.qo_indptr, self.block_bound(tokens), tokens)
+        return self.blocks[tokens]
 
 
 class DeterministicTritonAttnBackend(TritonAttnBackend):
@@ -119,11 +134,12 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
                 splits, self.decode_max_splits, min(wanted, self.decode_max_splits)
             )
             return
-        counts = torch.tensor(list(batch.extend_seq_lens_cpu), dtype=torch.int64).to(
-            device, non_blocking=True
+        lens = list(batch.extend_seq_lens_cpu)
+        qo_indptr = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(device, non_blocking=True)
+        num_tokens = int(sum(lens))
+        req_rows = torch.repeat_interleave(
+            batch.req_pool_indices, qo_indptr[1:] - qo_indptr[:-1], output_size=num_tokens
         )
-        num_tokens = int(sum(batch.extend_seq_lens_cpu))
-        req_rows = torch.repeat_interleave(batch.req_pool_indices, counts, output_size=num_tokens)
         seq_lens = batch.positions[:num_tokens] + 1
         longest = max(batch.seq_lens_cpu, default=1)
         batch.attn_metadata = TokenQueries(
@@ -131,6 +147,8 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
             seq_lens,
             fixed_size_kv_splits(seq_lens, self.split_tokens),
             triton.next_power_of_2(max(1, triton.cdiv(longest, self.split_tokens))),
+            qo_indptr,
+            lambda tokens: sum(triton.cdiv(n, tokens) for n in lens),
         )
 
     def _metadata(self, batch: ForwardBatch, kind: type[_Metadata]) -> _Metadata:
@@ -153,8 +171,13 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
         owner = torch.searchsorted(ends, token, right=True)
         req_rows = batch.req_pool_indices[owner.clamp(max=batch.batch_size - 1)]
         seq_lens = torch.where(owner < batch.batch_size, batch.positions + 1, 0)
+        # The padding is one more segment, so its tokens are in blocks too and get their zeros.
+        tail = torch.full((1,), num_tokens, dtype=meta.qo_indptr.dtype, device=ends.device)
+        qo_indptr = torch.cat([meta.qo_indptr[: batch.batch_size + 1], tail])
+        segments = batch.batch_size + 1
         return TokenQueries(
-            req_rows, seq_lens, fixed_size_kv_splits(seq_lens, self.split_tokens), self.graph_splits
+            req_rows, seq_lens, fixed_size_kv_splits(seq_lens, self.split_tokens), self.graph_splits, qo_indptr,
+            lambda tokens: triton.cdiv(num_tokens, tokens) + segments,
         )
 
     def _extend(
@@ -166,46 +189,47 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
         batch: ForwardBatch,
         meta: TritonExtendMetadata,
     ) -> torch.Tensor:
-        """Each new token's attention as a decode of its request at its position (K/V already stored)."""
+        """Each new token's attention as decode attends it at its position (K/V already stored), in blocks
+        of consecutive tokens sharing key tiles (kernels/token_block_attention.py)."""
         tokens: TokenQueries = meta  # type: ignore[assignment]
         pool = batch.token_to_kv_pool
-        n = tokens.req_rows.shape[0]
-        width = layer.num_heads * layer.head_dim
-        out = torch.empty((q.shape[0], width), dtype=q.dtype, device=q.device)
+        k_buffer = pool.get_key_buffer(layer.layer_id)
+        per_block = tokens_per_block(layer.num_heads, k_buffer.shape[1])
+        block_first, block_count = tokens.token_blocks(per_block)
+        out = torch.empty((q.shape[0], layer.num_heads * layer.head_dim), dtype=q.dtype, device=q.device)
         splits = tokens.max_kv_splits
-        per_launch = max(1, EXTEND_SCRATCH_FLOATS // (layer.num_heads * splits * (layer.head_dim + 1)))
-        per_launch = min(per_launch, EXTEND_MAX_TOKENS)
-        for start in range(0, n, per_launch):
-            end = min(n, start + per_launch)
+        rows = per_block * layer.num_heads * splits * (layer.head_dim + 1)
+        per_launch = min(max(1, EXTEND_SCRATCH_FLOATS // rows), EXTEND_MAX_BLOCKS)
+        num_blocks = block_first.shape[0]
+        for first in range(0, num_blocks, per_launch):
+            end = min(num_blocks, first + per_launch)
             if splits == 1:
-                # One split writes straight to `out`: the scratch is never read, only its shape checked.
+                # One split writes straight to `out`: the scratch and the counters are never touched.
                 scratch = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-                part_out = scratch.expand(end - start, layer.num_heads, 1, layer.head_dim)
-                part_lse = scratch[0].expand(end - start, layer.num_heads, 1)
+                part_out = scratch.expand((end - first) * per_block, layer.num_heads, 1, layer.head_dim)
+                part_lse = scratch[0].expand((end - first) * per_block, layer.num_heads, 1)
+                counters = tokens.num_kv_splits
             else:
-                part_out = torch.empty(
-                    (end - start, layer.num_heads, splits, layer.head_dim),
-                    dtype=torch.float32,
-                    device=q.device,
-                )
-                part_lse = torch.empty(
-                    (end - start, layer.num_heads, splits), dtype=torch.float32, device=q.device
-                )
-            decode_attention(
-                q[start:end],
-                pool.get_key_buffer(layer.layer_id),
+                part_out = part_lse = counters = None
+            token_block_attention(
+                q,
+                k_buffer,
                 pool.get_value_buffer(layer.layer_id),
-                out[start:end],
+                out,
                 batch.req_to_token_pool.req_to_token,
-                tokens.req_rows[start:end],
-                tokens.seq_lens[start:end],
-                tokens.num_kv_splits[start:end],
+                tokens.req_rows,
+                tokens.seq_lens,
+                tokens.num_kv_splits,
+                block_first,
+                block_count,
                 splits,
                 layer.scaling,
-                part_out,
-                part_lse,
-                tiles=self.tiles,
-                split_tokens=self.split_tokens,
+                self.split_tokens,
+                self.tiles,
+                blocks=(first, end),
+                part_out=part_out,
+                part_lse=part_lse,
+                split_counters=counters,
             )
         return out
 
