@@ -195,7 +195,9 @@ def test_matvec_takes_a_flat_row_and_rows_of_a_wider_matrix() -> None:
             None,
             "x must be a float32",
         ),
-        (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None, "weight must be a float32"),
+        (torch.randn(1, 8), torch.randn(4, 8).half(), None, "weight must be a float32 or bfloat16"),
+        (torch.randn(1, 8), torch.randn(4, 8).bfloat16(), None, "x must be a bfloat16"),
+        (torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(4), "bias must be a bfloat16"),
         (torch.randn(2, 8), torch.randn(4, 8), None, "one row"),
         (torch.randn(1, 9), torch.randn(4, 8), None, "x must end in K=8"),
         (torch.randn(1, 8), torch.randn(8, 4).T, None, "rows must be contiguous"),
@@ -209,6 +211,35 @@ def test_matvec_refuses_bad_input_with_a_clear_error(
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
         load_matvec()(x, w, b)
+
+
+@needs_matvec
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_bfloat16_row_is_the_float32_product_of_its_widened_values_rounded_once(
+    isa: str, two_threads: None, n: int, k: int
+) -> None:
+    """bfloat16 x, W and b: the float32 path's own sums over the exactly widened values (bit for bit), the
+    bias added in float32, one rounding to bfloat16; within that rounding of a float64 reference."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    x, w, b = (torch.randn(shape, generator=gen).bfloat16() for shape in ((1, k), (n, k), (n,)))
+    product = load_matvec()
+    y = product(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, n)
+    assert torch.equal(y, product(x.float(), w.float(), b.float()).bfloat16())
+    ref = x.double() @ w.double().T + b.double()
+    assert ((y.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * k**0.5).all()
+
+
+@needs_matvec
+def test_linear_takes_single_bfloat16_rows_through_matvec_once_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    w = torch.randn(300, 96).bfloat16()
+    x = torch.randn(1, 96).bfloat16()
+    set_single_row_product("matvec")
+    y = linear(x, w, None, prepack_weight(w))
+    assert torch.equal(y, load_matvec()(x, w)) and y.dtype == torch.bfloat16
+    set_single_row_product("plain")
 
 
 @needs_matvec

@@ -52,13 +52,14 @@ def test_large_scores_neither_overflow_nor_underflow(isa) -> None:  # noqa: F811
 @pytest.mark.parametrize(
     ("q", "k", "match"),
     [
-        (torch.zeros(2, 1, 16, dtype=torch.float64), torch.zeros(4, 2, 16), "float32"),
+        (torch.zeros(2, 1, 16, dtype=torch.float64), torch.zeros(4, 2, 16), "all float32 or all bfloat16"),
+        (torch.zeros(2, 1, 16).bfloat16(), torch.zeros(4, 2, 16), "all float32 or all bfloat16"),
         (torch.zeros(2, 1, 16), torch.zeros(4, 3, 16), "does not match"),
         (torch.zeros(2, 16), torch.zeros(4, 2, 16), r"q must be \[kv_heads, group, D\]"),
         (torch.zeros(2, 1, 16), torch.zeros(4, 2, 32)[:, :, :16], "contiguous"),
         (torch.zeros(2, 1, 16), torch.zeros(0, 2, 16), r"L >= 1"),
     ],
-    ids=["dtype", "heads", "q-dims", "rows", "empty"],
+    ids=["dtype", "mixed", "heads", "q-dims", "rows", "empty"],
 )
 def test_bad_operands_are_clear_errors(q, k, match) -> None:
     with pytest.raises(RuntimeError, match=match):
@@ -92,6 +93,26 @@ def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head
     for b, n in enumerate(lens.tolist()):
         ref = _reference(q[b], pool_k[slots[b, :n]], pool_v[slots[b, :n]], head_dim**-0.5)
         assert (out[b].double() - ref).abs().max() <= 2e-6 * ref.abs().max()
+
+
+def test_bfloat16_attention_is_the_float32_steps_on_its_widened_values(isa) -> None:  # noqa: F811
+    """A bfloat16 q and pool: widened exactly as read, the float32 op's own arithmetic (bit for bit), the
+    output rounded to bfloat16 once; one row over a span and a batch through its slots."""
+    g = torch.Generator().manual_seed(5)
+    pool_k = (torch.randn(120, 3, 64, generator=g) * 2).bfloat16()
+    pool_v = torch.randn(120, 3, 64, generator=g).bfloat16()
+    q = torch.randn(3, 3, 64, generator=g).bfloat16()
+    row = torch.ops.radixserve_cpu.decode_attention_row(q, pool_k[7:60], pool_v[7:60], 0.125)
+    wide = torch.ops.radixserve_cpu.decode_attention_row(q.float(), pool_k[7:60].float(), pool_v[7:60].float(), 0.125)
+    assert row.dtype == torch.bfloat16 and torch.equal(row, wide.bfloat16())
+    lens = torch.tensor([1, 70, 33])
+    slots = torch.randint(0, 120, (3, 70), generator=g)
+    qs = torch.randn(3, 3, 3, 64, generator=g).bfloat16()
+    rows = torch.ops.radixserve_cpu.decode_attention_rows(qs, pool_k, pool_v, slots, lens, 0.125)
+    wide = torch.ops.radixserve_cpu.decode_attention_rows(qs.float(), pool_k.float(), pool_v.float(), slots, lens, 0.125)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, wide.bfloat16())
+    ref = _reference(q, pool_k[7:60], pool_v[7:60], 0.125)
+    assert (row.double() - ref).abs().max() <= 2**-8 * ref.abs().max()
 
 
 @needs_matvec
@@ -147,3 +168,37 @@ def test_a_lone_cpu_decode_uses_it_and_matches_sdpa(llama_path, monkeypatch) -> 
     ours = torch.tensor([lp for lp, *_ in runs["1"]["meta_info"]["output_token_logprobs"]])
     ref = torch.tensor([lp for lp, *_ in runs["0"]["meta_info"]["output_token_logprobs"]])
     assert (ours - ref).abs().max() <= 1e-4
+
+
+@needs_matvec
+def test_a_bfloat16_batch_decodes_through_the_op_as_through_sdpa(llama_path, monkeypatch) -> None:
+    """A bfloat16 model's decode batch (3 requests) through decode_attention_rows gives SDPA's greedy
+    tokens, and log-probs within bfloat16's rounding, for 10 steps."""
+    from services.worker.frontend.engine import Engine
+    from services.worker.runtime.attention import torch_backend
+
+    cpu_matvec.load_matvec()
+    dtypes = []
+    real = torch_backend._rows_attention
+
+    def spy(pool):  # noqa: ANN001, ANN202
+        op = real(pool)
+        if op is not None:  # the backend's decode metadata then reads the batch through the op
+            dtypes.append(pool.dtype)
+        return op
+
+    monkeypatch.setattr(torch_backend, "_rows_attention", spy)
+    params = {"max_new_tokens": 10, "min_new_tokens": 10, "temperature": 0.0}
+    prompts = [[5, 9, 2, 31, 7, 12], [3, 3, 8], [40, 2, 19, 6, 6, 1, 9, 30]]
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(torch_backend.ROW_ATTENTION_ENV, setting)
+        with Engine(str(llama_path), dtype="bfloat16", max_total_tokens=200) as engine:
+            runs[setting] = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        assert (len(dtypes) > 0) == (setting == "1") and set(dtypes) <= {torch.bfloat16}
+        dtypes.clear()
+    for ours, ref in zip(runs["1"], runs["0"]):
+        assert ours["output_ids"] == ref["output_ids"]
+        a = torch.tensor([lp for lp, *_ in ours["meta_info"]["output_token_logprobs"]])
+        b = torch.tensor([lp for lp, *_ in ref["meta_info"]["output_token_logprobs"]])
+        assert (a - b).abs().max() <= 0.05

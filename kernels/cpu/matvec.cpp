@@ -1,6 +1,9 @@
 // Single-row float32 product y = x W^T (+ b) on the CPU, for batch-1 decode (kernels/cpu_matvec.py),
 // plain or with the decoder's step before the projection folded in: add + RMSNorm (rmsnorm_matvec)
 // or SiLU-and-mul (silu_mul_matvec), each a few hundred floats formed once before the threads start.
+// The plain product also takes a bfloat16 row and weight: each weight element widened to float32 as it is
+// read (exact), the same float32 sums as for a float32 weight, the result rounded to bfloat16 once, as
+// torch's bfloat16 linear does; it reads half the bytes of the float32 product.
 //
 // W stays in its natural [N, K] row-major layout (no packed copy); each of the process's compute
 // threads (at::parallel_for) streams one contiguous band of rows, one row after the other, so the weight
@@ -17,8 +20,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -31,6 +36,15 @@
 namespace {
 
 using RowsFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+using Bf16RowsFn = void (*)(const uint16_t*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+
+// A bfloat16 value's float32: its 16 bits are the float's upper half.
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // Rows [r0, r1) of W (row stride ld) times x: y[r] = sum_k W[r, k] x[k], accumulated in float32.
 void rows_portable(const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
@@ -43,6 +57,21 @@ void rows_portable(const float* w, int64_t ld, const float* x, float* y, int64_t
     }
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (; i < k; ++i) s += row[i] * x[i];
+    y[r] = s;
+  }
+}
+
+// rows_portable's sums with each bfloat16 weight element widened to float32 as it is read.
+void rows_bf16_portable(const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = w + r * ld;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      for (int j = 0; j < 8; ++j) acc[j] += bf16_to_float(row[i + j]) * x[i + j];
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < k; ++i) s += bf16_to_float(row[i]) * x[i];
     y[r] = s;
   }
 }
@@ -122,11 +151,73 @@ __attribute__((target("avx512f"))) void rows_avx512(
     y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   }
 }
+
+// rows_avx2 / rows_avx512 over a bfloat16 weight: the same accumulators and order, each group of 8 / 16
+// elements widened (zero-extended to 32 bits, shifted up 16) before its FMA. The stream is half as long,
+// so half as many prefetch lines per step.
+__attribute__((target("avx2,fma"))) inline __m256 widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+__attribute__((target("avx2,fma"))) void rows_bf16_avx2(
+    const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+  const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* w0 = w + r * ld;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i < k32; i += 32) {
+      if (ahead) prefetch_lines(reinterpret_cast<const float*>(w0 + i), ahead, 1);
+      a0 = _mm256_fmadd_ps(widen8(w0 + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(widen8(w0 + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(widen8(w0 + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(widen8(w0 + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i < kv; i += 8) a0 = _mm256_fmadd_ps(widen8(w0 + i), _mm256_loadu_ps(x + i), a0);
+    float s0 = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < k; ++i) s0 += bf16_to_float(w0[i]) * x[i];
+    y[r] = s0;
+  }
+}
+
+__attribute__((target("avx512f"))) inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx512f"))) void rows_bf16_avx512(
+    const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+  const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes();
+  const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1u);
+  const __m512 xt = _mm512_maskz_loadu_ps(tail, x + kv);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* w0 = w + r * ld;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i < k64; i += 64) {
+      if (ahead) prefetch_lines(reinterpret_cast<const float*>(w0 + i), ahead, 2);
+      const __m256i* p = reinterpret_cast<const __m256i*>(w0 + i);
+      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p)), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 1)), _mm512_loadu_ps(x + i + 16), a1);
+      a2 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 2)), _mm512_loadu_ps(x + i + 32), a2);
+      a3 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 3)), _mm512_loadu_ps(x + i + 48), a3);
+    }
+    for (; i < kv; i += 16) {
+      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i))), _mm512_loadu_ps(x + i), a0);
+    }
+    if (tail) {
+      uint16_t last[16] = {};  // the float32 path's masked load: zeros past K
+      std::memcpy(last, w0 + kv, sizeof(uint16_t) * (k % 16));
+      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last))), xt, a0);
+    }
+    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+}
 #endif
 
 struct Path {
   RowsFn fn;
   const char* name;
+  Bf16RowsFn bf16;
 };
 
 // The paths this CPU can run, best first.
@@ -134,10 +225,10 @@ std::vector<Path> cpu_paths() {
   std::vector<Path> paths;
 #ifdef RS_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) paths.push_back({rows_avx512, "avx512"});
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back({rows_avx2, "avx2"});
+  if (__builtin_cpu_supports("avx512f")) paths.push_back({rows_avx512, "avx512", rows_bf16_avx512});
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back({rows_avx2, "avx2", rows_bf16_avx2});
 #endif
-  paths.push_back({rows_portable, "portable"});
+  paths.push_back({rows_portable, "portable", rows_bf16_portable});
   return paths;
 }
 
@@ -150,33 +241,44 @@ Path& path() {
 // of 4, so only the last band has single rows).
 constexpr int64_t kGrainRows = 64;
 
-// [N, K] float32 CPU weight with contiguous rows; returns K.
-int64_t check_weight(const char* op, const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat,
-              op, ": weight must be a float32 CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
+// [N, K] float32 (or, where bf16_ok, bfloat16) CPU weight with contiguous rows; returns K.
+int64_t check_weight(const char* op, const at::Tensor& weight, bool bf16_ok = false) {
+  const bool dtype_ok = weight.scalar_type() == at::kFloat || (bf16_ok && weight.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(weight.device().is_cpu() && dtype_ok, op, ": weight must be a ", bf16_ok ? "float32 or bfloat16" : "float32",
+              " CPU tensor, got ", weight.scalar_type(), " on ", weight.device());
   TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [N, K], got ", weight.dim(), " dims");
   TORCH_CHECK(weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
               op, ": weight rows must be contiguous (stride(1) == 1), got strides ", weight.strides());
   return weight.size(1);
 }
 
-// A float32 CPU tensor holding one row of `k` values (any leading dims of size 1).
-void check_row(const char* op, const char* what, const at::Tensor& t, int64_t k) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
-              op, ": ", what, " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+const char* dtype_name(at::ScalarType dtype) { return dtype == at::kBFloat16 ? "bfloat16" : "float32"; }
+
+// A CPU tensor of `dtype` (float32 unless given) holding one row of `k` values (any leading dims of size 1).
+void check_row(const char* op, const char* what, const at::Tensor& t, int64_t k, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype,
+              op, ": ", what, " must be a ", dtype_name(dtype), " CPU tensor, got ", t.scalar_type(), " on ", t.device());
   TORCH_CHECK(t.dim() >= 1 && t.size(-1) == k, op, ": ", what, " must end in K=", k, " values, got shape ", t.sizes());
   TORCH_CHECK(t.numel() == k, op, ": ", what, " must hold one row of K=", k, " values, got shape ", t.sizes());
 }
 
 // y = W v over the compute threads: bands of whole 4-row blocks, each thread ceil(blocks / threads)
-// of them, one contiguous stream; y (shaped like `like`, last dim N) is new.
+// of them, one contiguous stream; y (float32, shaped like `like`, last dim N) is new.
 at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& like) {
   const int64_t n = weight.size(0), k = weight.size(1), ld = weight.stride(0);
   std::vector<int64_t> out_shape(like.sizes().begin(), like.sizes().end());
   out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, like.options());
-  const float* wp = weight.data_ptr<float>();
+  at::Tensor y = at::empty(out_shape, like.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
+  if (weight.scalar_type() == at::kBFloat16) {
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+    const Bf16RowsFn fn = path().bf16;
+    at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
+      fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
+    });
+    return y;
+  }
+  const float* wp = weight.data_ptr<float>();
   const RowsFn fn = path().fn;
   at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
     fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
@@ -184,22 +286,26 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
   return y;
 }
 
+// x W^T + b for one row; x, W and b all float32, or all bfloat16 (then summed in float32 over the widened
+// values and rounded to bfloat16 once, after the bias).
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const int64_t k = check_weight("matvec", weight), n = weight.size(0);
-  check_row("matvec", "x", x, k);
+  const int64_t k = check_weight("matvec", weight, true), n = weight.size(0);
+  const at::ScalarType dtype = weight.scalar_type();
+  check_row("matvec", "x", x, k, dtype);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n,
-                "matvec: bias must be a float32 CPU vector of N=", n, ", got ", bias->scalar_type(), " ", bias->sizes());
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
+                "matvec: bias must be a ", dtype_name(dtype), " CPU vector of N=", n, ", got ", bias->scalar_type(),
+                " ", bias->sizes());
   }
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.to(at::kFloat).contiguous();
   at::Tensor y = product(weight, xc.data_ptr<float>(), x);
   if (bias.has_value()) {
-    const at::Tensor bc = bias->contiguous();
+    const at::Tensor bc = bias->to(at::kFloat).contiguous();
     const float* bp = bc.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) yp[r] += bp[r];
   }
-  return y;
+  return dtype == at::kFloat ? y : y.to(dtype);
 }
 
 // (W rmsnorm(x + residual), x + residual): RMSNorm's float32 steps (layers/layernorm.py), h * rsqrt(mean(h^2)
@@ -255,12 +361,45 @@ std::string matvec_isa() { return path().name; }
 // products' own row kernel, softmax with the maximum subtracted, the weights' sum, then the weighted values
 // divided by it. One thread: the work is smaller than a parallel region's start-up.
 void softmax_weights(float* p, int64_t len, float scale, float* total);
-void add_scaled_rows(float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d);
+template <typename T>
+void add_scaled_rows(float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d);
 
+// Keys and values as stored: float32, or bfloat16 (its bits; widened exactly as read, the sums float32).
+bool attention_dtype_ok(const at::Tensor& t) {
+  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+}
+
+template <typename T>
+const T* kv_data(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+template <typename T>
+void attend_row(const float* qp, const T* kp, int64_t ks, const T* vp, int64_t vs, float* op, int64_t heads,
+                int64_t group, int64_t d, int64_t len, float scale) {
+  std::vector<float> p(len);
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t j = 0; j < group; ++j) {
+      float* o = op + (h * group + j) * d;
+      if constexpr (std::is_same_v<T, float>) {
+        path().fn(kp + h * d, ks, qp + (h * group + j) * d, p.data(), 0, len, d);  // scores
+      } else {
+        path().bf16(kp + h * d, ks, qp + (h * group + j) * d, p.data(), 0, len, d);
+      }
+      float total;
+      softmax_weights(p.data(), len, scale, &total);
+      add_scaled_rows(o, vp + h * d, vs, p.data(), len, d);
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+    }
+  }
+}
+
+// q, k and v all float32, or all bfloat16 (then q widened, the same float32 steps, the output rounded once).
 at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "decode_attention_row: q, k and v must be float32 CPU tensors");
+  TORCH_CHECK(attention_dtype_ok(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  k.device().is_cpu() && v.device().is_cpu(),
+              "decode_attention_row: q, k and v must be CPU tensors, all float32 or all bfloat16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) >= 1,
               "decode_attention_row: q must be [kv_heads, group, D] and k, v [L >= 1, kv_heads, D], got ",
               q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -269,23 +408,18 @@ at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const 
               q.sizes());
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == d && v.stride(1) == d,
               "decode_attention_row: k and v need contiguous [kv_heads, D] rows");
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({heads * group * d}, q.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({heads * group * d}, qc.options());
+  const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::vector<float> p(len);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t j = 0; j < group; ++j) {
-      float* o = op + (h * group + j) * d;
-      path().fn(kp + h * d, k.stride(0), qp + (h * group + j) * d, p.data(), 0, len, d);  // scores
-      float total;
-      softmax_weights(p.data(), len, static_cast<float>(scale), &total);
-      add_scaled_rows(o, vp + h * d, v.stride(0), p.data(), len, d);
-      const float inv = 1.0f / total;
-      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
-    }
+  if (k.scalar_type() == at::kFloat) {
+    attend_row(qp, kv_data<float>(k), k.stride(0), kv_data<float>(v), v.stride(0), op, heads, group, d, len,
+               static_cast<float>(scale));
+    return out;
   }
-  return out;
+  attend_row(qp, kv_data<uint16_t>(k), k.stride(0), kv_data<uint16_t>(v), v.stride(0), op, heads, group, d, len,
+             static_cast<float>(scale));
+  return out.to(q.scalar_type());
 }
 
 // Decode attention of a batch, one query row per request, each request's keys and values read straight
@@ -294,16 +428,42 @@ at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const 
 // contiguous rows; seq_lens [bs] int64, each >= 1. Per request: every query head's score against each key
 // row as it is read, softmax per query head (softmax_weights), then the weighted value rows. Requests are
 // spread over torch's compute threads.
-void gather_scores(const float* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
+template <typename T>
+void gather_scores(const T* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
                    int64_t group, int64_t d, float* p);
-void gather_add_rows(float* o, const float* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
+template <typename T>
+void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
                      int64_t rows, int64_t group, int64_t d);
+
+template <typename T>
+void attend_rows(const float* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int64_t vs, const int64_t* sp,
+                 int64_t s0, const int64_t* lp, float* op, int64_t bs, int64_t heads, int64_t group, int64_t d,
+                 float sc) {
+  // One request per task, all its heads together: each key and value row ([kv_heads, D], contiguous) is read
+  // once, front to back, so a request whose rows are one run (the dense blocks) is one sequential stream.
+  at::parallel_for(0, bs, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> p, totals(heads * group);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t len = lp[b], q_rows = heads * group;
+      const int64_t* sl = sp + b * s0;
+      p.resize(q_rows * len);
+      gather_scores(kp, ks, sl, len, qp + b * qs, heads, group, d, p.data());
+      for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
+      float* o = op + b * q_rows * d;
+      gather_add_rows(o, vp, vs, sl, p.data(), len, heads, group, d);
+      for (int64_t r = 0; r < q_rows; ++r) {
+        const float inv = 1.0f / totals[r];
+        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
+      }
+    }
+  });
+}
 
 at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                  const at::Tensor& slots, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
-                  q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
-              "decode_attention_rows: q, k_pool and v_pool must be float32 CPU tensors");
+  TORCH_CHECK(attention_dtype_ok(q) && k_pool.scalar_type() == q.scalar_type() &&
+                  v_pool.scalar_type() == q.scalar_type() && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
+              "decode_attention_rows: q, k_pool and v_pool must be CPU tensors, all float32 or all bfloat16");
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(),
               "decode_attention_rows: q must be [bs, kv_heads, group, D] and k_pool, v_pool [slots, kv_heads, D], got ",
               q.sizes(), ", ", k_pool.sizes(), ", ", v_pool.sizes());
@@ -320,7 +480,8 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
   // A request's query heads must be one packed run; the requests themselves may be strided (q a view of
   // the projection's output, whose rows also hold k and v).
   const bool packed = q.stride(3) == 1 && (group == 1 || q.stride(2) == d) && (heads == 1 || q.stride(1) == group * d);
-  const at::Tensor qc = packed ? q : q.contiguous(), lens = seq_lens.contiguous();
+  const bool wide = q.scalar_type() == at::kFloat;
+  const at::Tensor qc = wide ? (packed ? q : q.contiguous()) : q.to(at::kFloat).contiguous(), lens = seq_lens.contiguous();
   const int64_t qs = qc.stride(0);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t pool_slots = k_pool.size(0);
@@ -333,29 +494,18 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
                   sp[b * s0 + t], " of request ", b, " is outside the pool's ", pool_slots);
     }
   }
-  at::Tensor out = at::empty({bs, heads * group * d}, q.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  at::Tensor out = at::empty({bs, heads * group * d}, qc.options());
+  const float* qp = qc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  // One request per task, all its heads together: each key and value row ([kv_heads, D], contiguous) is read
-  // once, front to back, so a request whose rows are one run (the dense blocks) is one sequential stream.
-  at::parallel_for(0, bs, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p, totals(heads * group);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t len = lp[b], q_rows = heads * group;
-      const int64_t* sl = sp + b * s0;
-      p.resize(q_rows * len);
-      gather_scores(kp, k_pool.stride(0), sl, len, qp + b * qs, heads, group, d, p.data());
-      for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
-      float* o = op + b * q_rows * d;
-      gather_add_rows(o, vp, v_pool.stride(0), sl, p.data(), len, heads, group, d);
-      for (int64_t r = 0; r < q_rows; ++r) {
-        const float inv = 1.0f / totals[r];
-        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
-      }
-    }
-  });
-  return out;
+  if (wide) {
+    attend_rows(qp, qs, kv_data<float>(k_pool), k_pool.stride(0), kv_data<float>(v_pool), v_pool.stride(0), sp, s0, lp,
+                op, bs, heads, group, d, sc);
+    return out;
+  }
+  attend_rows(qp, qs, kv_data<uint16_t>(k_pool), k_pool.stride(0), kv_data<uint16_t>(v_pool), v_pool.stride(0), sp, s0,
+              lp, op, bs, heads, group, d, sc);
+  return out.to(q.scalar_type());
 }
 
 #ifdef RS_X86
@@ -375,43 +525,66 @@ __attribute__((target("avx512f"))) void softmax_weights_avx512(float* p, int64_t
   *total = _mm512_reduce_add_ps(acc);
 }
 
+// 16 lanes of a stored row from p: floats as they are, bfloat16 widened; `live` lanes only (the rest zero).
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p, __mmask16 live) {
+  return _mm512_maskz_loadu_ps(live, p);
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p, __mmask16 live) {
+  if (live == 0xFFFF) return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  uint16_t part[16] = {};
+  for (int i = 0; i < 16; ++i) {
+    if (live >> i & 1) part[i] = p[i];
+  }
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(part)));
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
 __attribute__((target("avx512f"))) void add_scaled_rows_avx512(
-    float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d) {
+    float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
   for (int64_t i = 0; i < d; i += 16) {
     const __mmask16 live = d - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (d - i)) - 1u);
     __m512 a = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_maskz_loadu_ps(live, v + t * vs + i), a);
+    for (int64_t t = 0; t < len; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(v + t * vs + i, live), a);
     _mm512_mask_storeu_ps(o + i, live, a);
   }
 }
 
 // gather_scores / gather_add_rows on 16 lanes, for D a multiple of 16.
-__attribute__((target("avx512f"))) void gather_scores_avx512(const float* k, int64_t ks, const int64_t* sl, int64_t len,
+template <typename T>
+__attribute__((target("avx512f"))) void gather_scores_avx512(const T* k, int64_t ks, const int64_t* sl, int64_t len,
                                                             const float* q, int64_t rows, int64_t group, int64_t d,
                                                             float* p) {
   for (int64_t t = 0; t < len; ++t) {
-    const float* row = k + sl[t] * ks;
+    const T* row = k + sl[t] * ks;
     for (int64_t h = 0; h < rows; ++h) {
-      const float* kh = row + h * d;
+      const T* kh = row + h * d;
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + (h * group + j) * d;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(kh), _mm512_loadu_ps(qj));
-        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(kh + i), _mm512_loadu_ps(qj + i), acc);
+        __m512 acc = _mm512_mul_ps(load16(kh), _mm512_loadu_ps(qj));
+        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), acc);
         p[(h * group + j) * len + t] = _mm512_reduce_add_ps(acc);
       }
     }
   }
 }
 
-__attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const float* v, int64_t vs, const int64_t* sl,
+template <typename T>
+__attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const T* v, int64_t vs, const int64_t* sl,
                                                               const float* p, int64_t len, int64_t rows, int64_t group,
                                                               int64_t d) {
   std::fill(o, o + rows * group * d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
-    const float* row = v + sl[t] * vs;
+    const T* row = v + sl[t] * vs;
     for (int64_t h = 0; h < rows; ++h) {
       for (int64_t i = 0; i < d; i += 16) {
-        const __m512 x = _mm512_loadu_ps(row + h * d + i);
+        const __m512 x = load16(row + h * d + i);
         for (int64_t j = 0; j < group; ++j) {
           float* oj = o + (h * group + j) * d + i;
           _mm512_storeu_ps(oj, _mm512_fmadd_ps(_mm512_set1_ps(p[(h * group + j) * len + t]), x, _mm512_loadu_ps(oj)));
@@ -435,43 +608,49 @@ void softmax_weights(float* p, int64_t len, float scale, float* total) {
   *total = sum;
 }
 
-void add_scaled_rows(float* o, const float* v, int64_t vs, const float* p, int64_t len, int64_t d) {
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+
+template <typename T>
+void add_scaled_rows(float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
 #ifdef RS_X86
   if (use_avx512()) return add_scaled_rows_avx512(o, v, vs, p, len, d);
 #endif
   std::fill(o, o + d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
-    for (int64_t i = 0; i < d; ++i) o[i] += p[t] * v[t * vs + i];
+    for (int64_t i = 0; i < d; ++i) o[i] += p[t] * widen(v[t * vs + i]);
   }
 }
 
-void gather_scores(const float* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
+template <typename T>
+void gather_scores(const T* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
                    int64_t group, int64_t d, float* p) {
 #ifdef RS_X86
   if (use_avx512() && d % 16 == 0) return gather_scores_avx512(k, ks, sl, len, q, rows, group, d, p);
 #endif
   for (int64_t t = 0; t < len; ++t) {
-    const float* row = k + sl[t] * ks;
+    const T* row = k + sl[t] * ks;
     for (int64_t r = 0; r < rows * group; ++r) {
-      const float* kh = row + (r / group) * d;
+      const T* kh = row + (r / group) * d;
       float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s += kh[i] * q[r * d + i];
+      for (int64_t i = 0; i < d; ++i) s += widen(kh[i]) * q[r * d + i];
       p[r * len + t] = s;
     }
   }
 }
 
-void gather_add_rows(float* o, const float* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
+template <typename T>
+void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
                      int64_t rows, int64_t group, int64_t d) {
 #ifdef RS_X86
   if (use_avx512() && d % 16 == 0) return gather_add_rows_avx512(o, v, vs, sl, p, len, rows, group, d);
 #endif
   std::fill(o, o + rows * group * d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
-    const float* row = v + sl[t] * vs;
+    const T* row = v + sl[t] * vs;
     for (int64_t r = 0; r < rows * group; ++r) {
-      const float* vh = row + (r / group) * d;
-      for (int64_t i = 0; i < d; ++i) o[r * d + i] += p[r * len + t] * vh[i];
+      const T* vh = row + (r / group) * d;
+      for (int64_t i = 0; i < d; ++i) o[r * d + i] += p[r * len + t] * widen(vh[i]);
     }
   }
 }

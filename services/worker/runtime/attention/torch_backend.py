@@ -8,9 +8,9 @@ scaled_dot_product_attention call (on CPU a fused kernel: in bfloat16 a fifth of
 batched matmuls and softmax it replaced at batch 1, see bench/HISTORY.md). The keys come from dense
 blocks kept across decode steps (attention/dense_kv.py: only each step's new K/V is copied in), from
 a view of the pool for a lone request whose slots are consecutive, or else gathered from the pool per
-KV head. That lone float32 request on the CPU skips SDPA: its ~70 us of dispatch a layer is more than the
+KV head. That lone float32 (or bfloat16) request on the CPU skips SDPA: its ~70 us of dispatch a layer is more than the
 work, so kernels/cpu/matvec.cpp's decode_attention_row attends instead (~6-16 us at 64-192 positions;
-RS_CPU_ROW_ATTENTION=0 off). A float32 batch on the CPU skips SDPA too: decode_attention_rows attends per
+RS_CPU_ROW_ATTENTION=0 off). A float32 (or bfloat16) batch on the CPU skips SDPA too: decode_attention_rows attends per
 request, reading each key and value row once, over the dense blocks (each request's rows one sequential run)
 or the pool's slots (SmolLM2 at batch 16, ~120 positions, one thread: 196 us a layer against SDPA's 549 over
 the same blocks, with the padding and mask it needs; the step 89 -> 74 ms). All index and mask tensors are built once per step in `init_forward_metadata`, so a layer
@@ -234,7 +234,7 @@ class TorchAttnBackend(AttentionBackend):
         # queries are the "query positions" of KV head h.
         qg = q.reshape(bs, kv_heads, group, head_dim)
         k_buffer, v_buffer = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        if meta.rows:  # float32 on the CPU (_rows_attention): q is float32 like the pool
+        if meta.rows:  # float32 or bfloat16 on the CPU (_rows_attention): q has the pool's dtype
             keys, values, slots = k_buffer, v_buffer, meta.slots
             if meta.dense is not None:  # each request's rows one sequential run, not scattered slots
                 meta.dense.store(layer.layer_id, k, v, pool, meta.max_len)
@@ -273,10 +273,15 @@ class TorchAttnBackend(AttentionBackend):
 ROW_ATTENTION_ENV = "RS_CPU_ROW_ATTENTION"
 
 
+# Pool dtypes the C++ decode attention reads (bfloat16 widened as read; its sums are float32 either way).
+ROW_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _row_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_scale: float) -> Any:
-    """kernels/cpu_matvec.py's decode_attention_row where it applies: float32 q and pool on the CPU, no V
-    scale, the C++ library already loaded (the single-row products load it), RS_CPU_ROW_ATTENTION not 0."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or k_buffer.dtype != torch.float32 or v_scale != 1.0:
+    """kernels/cpu_matvec.py's decode_attention_row where it applies: q and pool on the CPU, both float32
+    or both bfloat16, no V scale, the C++ library already loaded (the single-row products load it),
+    RS_CPU_ROW_ATTENTION not 0."""
+    if q.device.type != "cpu" or k_buffer.dtype not in ROW_ATTENTION_DTYPES or q.dtype != k_buffer.dtype or v_scale != 1.0:
         return None
     if os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
         return None
@@ -287,8 +292,13 @@ def _row_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_scale: float) -> A
 
 def _rows_attention(pool: Any) -> Any:
     """kernels/cpu_matvec.py's decode_attention_rows where it applies to a decode batch over `pool`: a
-    float32 pool on the CPU (its scales are 1), the C++ library loaded, RS_CPU_ROW_ATTENTION not 0."""
-    if pool.device.type != "cpu" or pool.dtype != torch.float32 or os.environ.get(ROW_ATTENTION_ENV, "1") == "0":
+    float32 or bfloat16 pool on the CPU (its scales are 1; q has the model's dtype, the pool's), the C++
+    library loaded, RS_CPU_ROW_ATTENTION not 0."""
+    if (
+        pool.device.type != "cpu"
+        or pool.dtype not in ROW_ATTENTION_DTYPES
+        or os.environ.get(ROW_ATTENTION_ENV, "1") == "0"
+    ):
         return None
     from kernels.cpu_matvec import rows_attention  # imported where used: the CPU library's module
 

@@ -12,7 +12,7 @@ columns this rank keeps, so no rank materialises a whole sharded matrix.
 On the CPU, cpu_prepack.py gives every linear layer (and the LM head) a copy of its weight in oneDNN's
 blocked layout, which batches of two rows or more multiply with. For single rows the fastest product
 depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++ product of
-kernels/cpu_matvec.py for float32); linear_calibration.py's `calibrate_single_row` times each at load
+kernels/cpu_matvec.py for float32 and bfloat16); linear_calibration.py's `calibrate_single_row` times each at load
 and keeps the fastest (`set_single_row_product`). The C++ product also takes the norm before a
 projection and the activation before the down projection (Projection.fuses_prologue), as the GPU's do.
 
@@ -40,11 +40,14 @@ from services.worker.runtime.layers.batch_invariant import invariant_linear
 # for single rows), and the C++ product (kernels/cpu_matvec.py) where it chose that one.
 PREPACKED_MIN_ROWS = 2
 _matvec: Callable[..., torch.Tensor] | None = None
+# Weight dtypes the C++ single-row product takes (a bfloat16 row is summed in float32, as torch's is).
+MATVEC_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def set_single_row_product(product: str) -> None:
     """How linear() multiplies one row of a prepacked layer: "plain" (F.linear), "packed" (the oneDNN
-    weight) or "matvec" (the C++ product, for float32 weights; raises MatvecUnavailable where it is not)."""
+    weight) or "matvec" (the C++ product, for float32 or bfloat16 weights; raises MatvecUnavailable where it
+    is not)."""
     global PREPACKED_MIN_ROWS, _matvec
     if product not in ("plain", "packed", "matvec"):
         raise ValueError(f"single-row product must be 'plain', 'packed' or 'matvec', got {product!r}")
@@ -64,8 +67,9 @@ def linear(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """x W^T + b: through the Triton matrix-vector product (with `gemv_tiles`, which select_gemv_tiles
-    sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles); for one float32 row of
-    a prepacked layer, through the C++ product where set_single_row_product chose it (min_rows not given);
+    sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles); for one float32 or
+    bfloat16 row of a prepacked layer, through the C++ product where set_single_row_product chose it
+    (min_rows not given);
     through the prepacked weight when there is one and x has at least `min_rows` (default
     PREPACKED_MIN_ROWS) rows. batch_invariant: invariant_linear whatever the rows (deterministic inference)."""
     if batch_invariant:
@@ -73,7 +77,7 @@ def linear(
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
-    if _matvec is not None and packed is not None and min_rows is None and weight.dtype == torch.float32:
+    if _matvec is not None and packed is not None and min_rows is None and weight.dtype in MATVEC_DTYPES:
         if x.dim() == 2 and x.shape[0] == 1:
             return _matvec(x, weight, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):

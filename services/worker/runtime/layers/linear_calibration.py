@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.runtime.layers.linear import linear, load_gemv_kernels, set_single_row_product
+from services.worker.runtime.layers.linear import MATVEC_DTYPES, linear, load_gemv_kernels, set_single_row_product
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +191,9 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 def single_row_matvec(modules: list[nn.Module]) -> Callable[..., torch.Tensor] | None:
-    """The C++ product (kernels/cpu_matvec.py) where every weight of `modules` is float32 and it builds
-    here; else None, with a log line saying why it could not be built or loaded."""
-    if not all(m.weight.dtype == torch.float32 for m in modules):
+    """The C++ product (kernels/cpu_matvec.py) where every weight of `modules` is float32, or every one
+    bfloat16, and it builds here; else None, with a log line saying why it could not be built or loaded."""
+    if len({m.weight.dtype for m in modules}) != 1 or modules[0].weight.dtype not in MATVEC_DTYPES:
         return None
     from kernels import cpu_matvec  # imported where used, as kernels.gemv's products
 
@@ -208,8 +208,8 @@ def calibrate_single_row(
     model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
 ) -> dict[str, float]:
     """Time one single-row pass over every prepacked weight of `model` through each product this CPU
-    has: F.linear ("plain"), the packed weight ("packed") and, for a float32 model, the C++ product
-    ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
+    has: F.linear ("plain"), the packed weight ("packed") and, for a float32 or bfloat16 model, the C++
+    product ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
     `repeats` rounds are clean or `max_seconds` have passed; single rows then use the product with the
     fastest pass (set_single_row_product). A round is clean when the threaded products kept their
     compute threads busy (CALIBRATION_MIN_CPU_SHARE); if none was, the best of all rounds decides.
