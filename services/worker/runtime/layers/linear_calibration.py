@@ -22,7 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.runtime.layers.linear import MATVEC_DTYPES, linear, load_gemv_kernels, set_single_row_product
+from services.worker.runtime.layers.linear import (
+    MATVEC_DTYPES,
+    linear,
+    load_gemv_kernels,
+    set_single_row_product,
+)
 
 logger = logging.getLogger(__name__)
 
