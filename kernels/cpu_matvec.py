@@ -1,11 +1,13 @@
-"""The CPU single-row float32 product (kernels/cpu/matvec.cpp), built once with torch's C++ extension
+"""The CPU single-row product (kernels/cpu/matvec.cpp), built once with torch's C++ extension
 tools and cached under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR): `make setup` builds it
 (`python -m kernels.cpu_matvec`), a process that finds it missing builds it on first use (~10 s).
 
-    y = matvec(x, weight, bias)   # x: one row [1, K] (or [K]); weight: [N, K]; float32 CPU tensors
+    y = matvec(x, weight, bias)   # x: one row [1, K] (or [K]); weight: [N, K]; float32 CPU tensors, or
+                                  # all bfloat16 (summed in float32 over the widened values, rounded once)
     y, x_plus_r = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, eps, weight)
     y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, weight)   # gate_up: [1, 2K]
     out = torch.ops.radixserve_cpu.decode_attention_row(q, k, v, scale)  # batch-1 decode attention
+        # (this and the next: q and pool float32, or both bfloat16, widened as read)
     out = torch.ops.radixserve_cpu.decode_attention_rows(q, k_pool, v_pool, slots, seq_lens, scale)  # a batch's
     out = torch.ops.radixserve_cpu.extend_attention_rows(q, k_pool, v_pool, slots, seq_lens, q_lens, scale)
         # a prefill batch's causal attention (kernels/cpu/extend_attention.cpp)
