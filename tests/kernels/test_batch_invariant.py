@@ -292,13 +292,14 @@ def _scenarios(
     return [s.outputs for s in (alone, chunked, decoded)]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_deterministic_attention_is_the_same_prefilled_chunked_or_decoded(gen, backend) -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton, 8 tokens a block"])
+def test_deterministic_attention_is_the_same_prefilled_chunked_or_decoded(gen, row_dot, backend) -> None:
     if backend == "torch":  # two 64-key tiles, grouped query heads
         length, runs = 90, _scenarios(DeterministicTorchAttnBackend, gen, 90, kv_heads=2)
-    else:  # two 16-key splits of one 16-key tile each, one KV head (the interpreter is slow)
-        length = 24
-        runs = _scenarios(lambda: DeterministicTritonAttnBackend(32, 16, DecodeTiles(block_n=16)), gen, 24, 1)
+    else:  # two 16-key splits of one 16-key tile each (the interpreter is slow)
+        # One KV head: a group of 4, 4 tokens a block in extend; two: a group of 2, 8 tokens a block.
+        length, kv_heads = 24, (2 if "8 tokens" in backend else 1)
+        runs = _scenarios(lambda: DeterministicTritonAttnBackend(32, 16, DecodeTiles(block_n=16)), gen, 24, kv_heads)
     alone, chunked, decoded = runs
     positions = [key for key in alone if key[0] == "r"]
     assert len(positions) == length
