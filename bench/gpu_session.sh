@@ -19,8 +19,9 @@
 # moestages (bench/gpu_moe_stages.py), q35 / q35check (Qwen3.5 figures / checks; Q35_ARGS="--fp8 --models 35b-a3b --figures decode" for the full FP8 35B-A3B),
 # routing (MoE routing and the sorted layout: torch ops vs kernels/moe_routing.py and kernels/moe_blocks.py in CUDA
 # graphs, bench/gpu_moe_routing.py),
-# deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-outputs
-# --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline` does),
+# deterministic (bench/gpu_deterministic.py; DETERMINISTIC_ARGS picks parts, e.g. --skip-kernels --skip-attention
+# --skip-outputs --skip-throughput for part 4 alone, the pipeline, which needs .whl-pipeline/ carried as `pipeline`
+# does; --skip-kernels --skip-outputs --skip-pipeline: part 1b, the token-block extend attention, and P3),
 # flashinfer (bench/gpu_flashinfer.py; needs .whl-flashinfer/ carried: flashinfer-python 0.6.18 and the dependencies
 # it imports, ~38 MB, without nvidia-cutlass-dsl and nvidia-cudnn-frontend, which the paged wrappers do not need).
 # The device's copy of the repository has an older .git: never run git there. To run committed code

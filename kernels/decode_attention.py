@@ -23,8 +23,10 @@ the GPU.
 
 Deterministic inference fixes the split size instead (`split_tokens`): split s always covers the same
 positions, so a request's reduction over its keys (tiles, splits, and the merge in split order) depends on
-its own length only, never on the batch; the triton backend's extend path runs this same kernel per new
-token, so a token's attention is the same bits in a prefill, a chunk or a decode step.
+its own length only, never on the batch; the deterministic backend's extend path runs this kernel's split
+loop (`_attend_split`) for each new token, several tokens of a request in the rows this kernel pads
+(kernels/token_block_attention.py), so a token's attention is the same bits in a prefill, a chunk or a
+decode step.
 """
 
 from __future__ import annotations
