@@ -46,32 +46,23 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-// Rows [r0, r1) of W (row stride ld) times x: y[r] = sum_k W[r, k] x[k], accumulated in float32.
-void rows_portable(const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* row = w + r * ld;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += row[i + j] * x[i + j];
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < k; ++i) s += row[i] * x[i];
-    y[r] = s;
-  }
-}
+// A weight element as float32: itself, or a bfloat16's bits widened (exact).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
 
-// rows_portable's sums with each bfloat16 weight element widened to float32 as it is read.
-void rows_bf16_portable(const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+// Rows [r0, r1) of W (row stride ld) times x: y[r] = sum_k W[r, k] x[k], accumulated in float32 (W float32,
+// or bfloat16 widened element by element: the same sums over the widened values).
+template <typename T>
+void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* row = w + r * ld;
+    const T* row = w + r * ld;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += bf16_to_float(row[i + j]) * x[i + j];
+      for (int j = 0; j < 8; ++j) acc[j] += widen(row[i + j]) * x[i + j];
     }
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < k; ++i) s += bf16_to_float(row[i]) * x[i];
+    for (; i < k; ++i) s += widen(row[i]) * x[i];
     y[r] = s;
   }
 }
@@ -92,7 +83,7 @@ int64_t prefetch_bytes() {
 
 #ifdef RS_X86
 // A request for the `lines` 64-byte lines from p into L2 (on AMD, into L1).
-inline void prefetch_lines(const float* p, int64_t ahead, int lines) {
+inline void prefetch_lines(const void* p, int64_t ahead, int lines) {
   const char* c = reinterpret_cast<const char*>(p) + ahead;
   for (int l = 0; l < lines; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
 }
@@ -109,73 +100,34 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 // made four interleaved streams of a few dozen lines each and read 15-40 % slower on a 2-vCPU AMD EPYC
 // (Zen 4) guest (bench/HISTORY.md, "CPU, twenty-second session"). Four accumulators per row hide the FMA
 // latency; they are added pairwise at the end.
-__attribute__((target("avx2,fma"))) void rows_avx2(
-    const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes();
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* w0 = w + r * ld;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i < k32; i += 32) {
-      if (ahead) prefetch_lines(w0 + i, ahead, 2);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), _mm256_loadu_ps(x + i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i < kv; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), _mm256_loadu_ps(x + i), a0);
-    float s0 = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < k; ++i) s0 += w0[i] * x[i];
-    y[r] = s0;
-  }
-}
+//
+// A bfloat16 weight takes the same accumulators and order, each group of 8 / 16 elements widened
+// (zero-extended to 32 bits, shifted up 16) before its FMA; its stream is half as long, so half as many
+// prefetch lines a step.
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
-__attribute__((target("avx512f"))) void rows_avx512(
-    const float* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes();
-  const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1u);
-  const __m512 xt = _mm512_maskz_loadu_ps(tail, x + kv);
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* w0 = w + r * ld;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i < k64; i += 64) {
-      if (ahead) prefetch_lines(w0 + i, ahead, 4);
-      a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), _mm512_loadu_ps(x + i), a0);
-      a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-      a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-      a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-    }
-    for (; i < kv; i += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), _mm512_loadu_ps(x + i), a0);
-    if (tail) a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + kv), xt, a0);
-    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  }
-}
-
-// rows_avx2 / rows_avx512 over a bfloat16 weight: the same accumulators and order, each group of 8 / 16
-// elements widened (zero-extended to 32 bits, shifted up 16) before its FMA. The stream is half as long,
-// so half as many prefetch lines per step.
-__attribute__((target("avx2,fma"))) inline __m256 widen8(const uint16_t* p) {
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-__attribute__((target("avx2,fma"))) void rows_bf16_avx2(
-    const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+template <typename T>
+__attribute__((target("avx2,fma"))) void rows_avx2(
+    const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
   const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes();
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* w0 = w + r * ld;
+    const T* w0 = w + r * ld;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i < k32; i += 32) {
-      if (ahead) prefetch_lines(reinterpret_cast<const float*>(w0 + i), ahead, 1);
-      a0 = _mm256_fmadd_ps(widen8(w0 + i), _mm256_loadu_ps(x + i), a0);
-      a1 = _mm256_fmadd_ps(widen8(w0 + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-      a2 = _mm256_fmadd_ps(widen8(w0 + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-      a3 = _mm256_fmadd_ps(widen8(w0 + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+      if (ahead) prefetch_lines(w0 + i, ahead, 2 * sizeof(T) / sizeof(float));
+      a0 = _mm256_fmadd_ps(load8(w0 + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load8(w0 + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(load8(w0 + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(load8(w0 + i + 24), _mm256_loadu_ps(x + i + 24), a3);
     }
-    for (; i < kv; i += 8) a0 = _mm256_fmadd_ps(widen8(w0 + i), _mm256_loadu_ps(x + i), a0);
+    for (; i < kv; i += 8) a0 = _mm256_fmadd_ps(load8(w0 + i), _mm256_loadu_ps(x + i), a0);
     float s0 = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < k; ++i) s0 += bf16_to_float(w0[i]) * x[i];
+    for (; i < k; ++i) s0 += widen(w0[i]) * x[i];
     y[r] = s0;
   }
 }
@@ -184,31 +136,45 @@ __attribute__((target("avx512f"))) inline __m512 widen16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx512f"))) void rows_bf16_avx512(
-    const uint16_t* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+// 16 lanes of a stored row from p: floats as they are, bfloat16 widened; `live` lanes only (the rest zero).
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p, __mmask16 live) {
+  return _mm512_maskz_loadu_ps(live, p);
+}
+
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p, __mmask16 live) {
+  if (live == 0xFFFF) return load16(p);
+  uint16_t part[16] = {};
+  for (int i = 0; i < 16; ++i) {
+    if (live >> i & 1) part[i] = p[i];
+  }
+  return load16(part);
+}
+
+template <typename T>
+__attribute__((target("avx512f"))) void rows_avx512(
+    const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
   const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes();
   const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1u);
   const __m512 xt = _mm512_maskz_loadu_ps(tail, x + kv);
   for (int64_t r = r0; r < r1; ++r) {
-    const uint16_t* w0 = w + r * ld;
+    const T* w0 = w + r * ld;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i < k64; i += 64) {
-      if (ahead) prefetch_lines(reinterpret_cast<const float*>(w0 + i), ahead, 2);
-      const __m256i* p = reinterpret_cast<const __m256i*>(w0 + i);
-      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p)), _mm512_loadu_ps(x + i), a0);
-      a1 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 1)), _mm512_loadu_ps(x + i + 16), a1);
-      a2 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 2)), _mm512_loadu_ps(x + i + 32), a2);
-      a3 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(p + 3)), _mm512_loadu_ps(x + i + 48), a3);
+      if (ahead) prefetch_lines(w0 + i, ahead, 4 * sizeof(T) / sizeof(float));
+      a0 = _mm512_fmadd_ps(load16(w0 + i), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(load16(w0 + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+      a2 = _mm512_fmadd_ps(load16(w0 + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+      a3 = _mm512_fmadd_ps(load16(w0 + i + 48), _mm512_loadu_ps(x + i + 48), a3);
     }
-    for (; i < kv; i += 16) {
-      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + i))), _mm512_loadu_ps(x + i), a0);
-    }
-    if (tail) {
-      uint16_t last[16] = {};  // the float32 path's masked load: zeros past K
-      std::memcpy(last, w0 + kv, sizeof(uint16_t) * (k % 16));
-      a0 = _mm512_fmadd_ps(widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last))), xt, a0);
-    }
+    for (; i < kv; i += 16) a0 = _mm512_fmadd_ps(load16(w0 + i), _mm512_loadu_ps(x + i), a0);
+    if (tail) a0 = _mm512_fmadd_ps(load16(w0 + kv, tail), xt, a0);
     y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   }
 }
@@ -225,10 +191,12 @@ std::vector<Path> cpu_paths() {
   std::vector<Path> paths;
 #ifdef RS_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) paths.push_back({rows_avx512, "avx512", rows_bf16_avx512});
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back({rows_avx2, "avx2", rows_bf16_avx2});
+  if (__builtin_cpu_supports("avx512f")) paths.push_back({rows_avx512<float>, "avx512", rows_avx512<uint16_t>});
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    paths.push_back({rows_avx2<float>, "avx2", rows_avx2<uint16_t>});
+  }
 #endif
-  paths.push_back({rows_portable, "portable", rows_bf16_portable});
+  paths.push_back({rows_portable<float>, "portable", rows_portable<uint16_t>});
   return paths;
 }
 
@@ -525,26 +493,6 @@ __attribute__((target("avx512f"))) void softmax_weights_avx512(float* p, int64_t
   *total = _mm512_reduce_add_ps(acc);
 }
 
-// 16 lanes of a stored row from p: floats as they are, bfloat16 widened; `live` lanes only (the rest zero).
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p, __mmask16 live) {
-  return _mm512_maskz_loadu_ps(live, p);
-}
-
-__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p, __mmask16 live) {
-  if (live == 0xFFFF) return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  uint16_t part[16] = {};
-  for (int i = 0; i < 16; ++i) {
-    if (live >> i & 1) part[i] = p[i];
-  }
-  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(part)));
-}
-
-__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
-  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <typename T>
 __attribute__((target("avx512f"))) void add_scaled_rows_avx512(
     float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
@@ -607,9 +555,6 @@ void softmax_weights(float* p, int64_t len, float scale, float* total) {
   for (int64_t t = 0; t < len; ++t) sum += (p[t] = std::exp(p[t] - m));
   *total = sum;
 }
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return bf16_to_float(v); }
 
 template <typename T>
 void add_scaled_rows(float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
