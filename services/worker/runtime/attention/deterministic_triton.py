@@ -73,7 +73,7 @@ class TokenQueries:
     """An extend step as decode requests, one per new token: its request row, key count (position + 1)
     and splits, [tokens] each on the device; max_kv_splits bounds the splits (a power of two).
     qo_indptr [segments + 1]: the tokens of each request (a graph's padding is a last segment of tokens
-    with 0 keys); max_blocks bounds token_blocks' count for any block size. The blocks themselves are
+    with 0 keys); block_bound(tokens) bounds token_blocks' count for blocks of that many tokens. The blocks themselves are
     made by the first layer, which knows the head counts (`blocks`, keyed by tokens per block)."""
 
     req_rows: torch.Tensor
