@@ -26,9 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import DecodeTiles, _attend_split, _merge_splits, dot_precision
-
-_LOG2E = 1.4426950408889634
+from kernels.decode_attention import _LOG2E, DecodeTiles, _attend_split, _merge_splits, dot_precision
 
 
 def tokens_per_block(num_heads: int, num_kv_heads: int) -> int:
