@@ -158,10 +158,14 @@ def extend_attention() -> Callable[..., torch.Tensor] | None:
     return torch.ops.radixserve_cpu.extend_attention_rows
 
 
+# The dtypes rows.cpp's ops take (every tensor of a call in one of them; the rotary tables stay float32).
+ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def row_ops() -> Any:
     """torch.ops.radixserve_cpu for rows.cpp's row-wise steps (add_rmsnorm_rows, rmsnorm_rows,
     qk_norm_rope_rows_, store_kv_rows_) where the library is already loaded in this process and
-    RS_CPU_ROW_OPS is not 0, else None: never builds. Float32 CPU rows only; callers check."""
+    RS_CPU_ROW_OPS is not 0, else None: never builds. Float32 or bfloat16 CPU rows (ROW_DTYPES); callers check."""
     return _row_ops
 
 

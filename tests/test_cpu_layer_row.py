@@ -1,9 +1,9 @@
 """kernels/cpu/layer_row.cpp's decoder_layer_row and decoder_layer_rows, a Llama-shaped layer's decode step as
 one op at batch 1 and at larger batches: bit for bit the registered ops each strings together, called one by one
-(the batch op over the pool's slots and over dense blocks it appends to); a tiny Qwen3 and a tiny Llama decoding
-through them give the tokens of the layers' usual path (RS_CPU_LAYER_ROW=0), logits within 1e-5 at batch 1 and
-equal at batch 3, and within 1e-4 of transformers; the op runs once per layer per step; bad operands get a
-clear error."""
+(the batch op over the pool's slots and over dense blocks it appends to, in float32 and bfloat16); a tiny Qwen3
+and a tiny Llama decoding through them give the tokens of the layers' usual path (RS_CPU_LAYER_ROW=0), logits
+within 1e-5 at batch 1 and equal at batch 3 (bfloat16 too), and within 1e-4 of transformers; the op runs once
+per layer per step; bad operands get a clear error."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import services.worker.runtime.layers.linear as linear_module
 from services.worker.runtime.layers.cpu_layer_row import LAYER_ROW_ENV
 from services.worker.runtime.layers.cpu_prepack import (
     cpu_prepack_available,
+    cpu_prepack_dtypes,
     prepack_cpu_weights,
     prepack_weight,
 )
@@ -84,15 +85,16 @@ def test_the_op_is_its_steps_bit_for_bit() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("dense", [False, True], ids=["pool slots", "dense blocks"])
-def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool) -> None:
-    if not cpu_prepack_available():
-        pytest.skip("this torch has no oneDNN prepacked linear")
+def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype) -> None:
+    if not cpu_prepack_available() or dtype not in cpu_prepack_dtypes():
+        pytest.skip(f"this torch has no oneDNN prepacked linear for {dtype}")
     g = torch.Generator().manual_seed(6)
     hidden_size, heads, kv_heads, d, inter, slots_n, bs = 96, 6, 2, 16, 160, 40, 3
 
     def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.1
+        return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
 
     def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
@@ -105,7 +107,7 @@ def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool) -> None:
     k_pool, v_pool = w(slots_n, kv_heads, d), w(slots_n, kv_heads, d)
     slots = torch.tensor([[3, 9, 4, 17, 30, 0], [5, 6, 21, 0, 0, 0], [8, 1, 2, 33, 34, 35]])
     seq_lens, loc, positions = torch.tensor([5, 3, 6]), torch.tensor([30, 21, 35]), torch.tensor([4, 2, 5])
-    cos, sin = w(64, d // 2), w(64, d // 2)
+    cos, sin = w(64, d // 2).float(), w(64, d // 2).float()  # the rotary tables stay float32
     eps, scale = 1e-6, d**-0.5
     if dense:  # each request's keys one run of 8 rows of the blocks; this step's go to rows new_rows
         k_read, v_read = w(bs * 8, kv_heads, d), w(bs * 8, kv_heads, d)
@@ -225,3 +227,42 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     assert none == {}
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_a_bfloat16_batch_decodes_through_it_as_through_its_layers(
+    qwen3_path, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 (the row ops, the attention and oneDNN's products all take it): three requests through the
+    batch op give logits equal to the modules' at every step; batch 1 keeps the modules (the single-row
+    product's fused norm and SiLU are float32 only). The modules' own bfloat16 steps are checked against
+    torch's bfloat16 ops in tests/test_cpu_rows.py."""
+    if torch.bfloat16 not in cpu_prepack_dtypes():
+        pytest.skip("oneDNN cannot prepack bfloat16 weights on this CPU")
+    config = ModelConfig.from_path(qwen3_path, dtype="bfloat16")
+    runner = load_model(config, "cpu")
+    prepack_cpu_weights(runner)
+    prompts = [[5, 9, 31, 7, 2, 44, 3, 8], [11, 4, 6], [21, 22, 23, 24, 25]]
+
+    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
+        driver = BatchDriver(runner, config)
+        rows = [driver.new_request() for _ in prompts]
+        last = driver.extend(list(zip(rows, prompts)))
+        tokens = [int(t) for t in last.argmax(-1)]
+        logits = [last]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for step in range(7):
+                live = 3 if step < 5 else 1
+                logits.append(driver.decode(list(zip(rows[:live], tokens[:live]))))
+                tokens = [int(t) for t in logits[-1].argmax(-1)]
+        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::decoder_layer")}
+        return logits, counts
+
+    ours, counts = run()
+    # 5 steps at 3 rows, the first a gather of the dense blocks (the modules run); 2 at 1 row: the modules.
+    assert counts == {"radixserve_cpu::decoder_layer_rows": 4 * config.num_layers}
+    monkeypatch.setenv(LAYER_ROW_ENV, "0")
+    reference, none = run()
+    assert none == {}
+    for a, b in zip(ours, reference):
+        assert a.dtype == torch.float32 and torch.equal(a, b)

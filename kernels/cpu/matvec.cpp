@@ -403,26 +403,48 @@ template <typename T>
 void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
                      int64_t rows, int64_t group, int64_t d);
 
+// The request's output row as stored: float32 as it is, bfloat16 rounded to nearest even (as torch's .to rounds).
+inline void store_row(float* dst, const float* o, int64_t n) {
+  if (dst != o) std::memcpy(dst, o, n * sizeof(float));
+}
+
+inline void store_row(uint16_t* dst, const float* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(o[i]).x;
+}
+
 template <typename T>
-void attend_rows(const float* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int64_t vs, const int64_t* sp,
-                 int64_t s0, const int64_t* lp, float* op, int64_t bs, int64_t heads, int64_t group, int64_t d,
-                 float sc) {
+void attend_rows(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int64_t vs, const int64_t* sp,
+                 int64_t s0, const int64_t* lp, T* op, int64_t bs, int64_t heads, int64_t group, int64_t d, float sc) {
   // One request per task, all its heads together: each key and value row ([kv_heads, D], contiguous) is read
   // once, front to back, so a request whose rows are one run (the dense blocks) is one sequential stream.
+  // A bfloat16 request's query row is widened into a float32 copy and its output summed in float32, then
+  // rounded once as it is stored.
+  constexpr bool wide = std::is_same_v<T, float>;
   at::parallel_for(0, bs, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p, totals(heads * group);
+    const int64_t q_rows = heads * group;
+    std::vector<float> p, totals(q_rows), q_wide(wide ? 0 : q_rows * d), o_wide(wide ? 0 : q_rows * d);
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t len = lp[b], q_rows = heads * group;
+      const int64_t len = lp[b];
       const int64_t* sl = sp + b * s0;
+      const float* q;
+      float* o;
+      if constexpr (wide) {
+        q = qp + b * qs;
+        o = op + b * q_rows * d;
+      } else {
+        for (int64_t i = 0; i < q_rows * d; ++i) q_wide[i] = widen(qp[b * qs + i]);
+        q = q_wide.data();
+        o = o_wide.data();
+      }
       p.resize(q_rows * len);
-      gather_scores(kp, ks, sl, len, qp + b * qs, heads, group, d, p.data());
+      gather_scores(kp, ks, sl, len, q, heads, group, d, p.data());
       for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
-      float* o = op + b * q_rows * d;
       gather_add_rows(o, vp, vs, sl, p.data(), len, heads, group, d);
       for (int64_t r = 0; r < q_rows; ++r) {
         const float inv = 1.0f / totals[r];
         for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
       }
+      store_row(op + b * q_rows * d, o, q_rows * d);
     }
   });
 }
@@ -448,8 +470,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
   // A request's query heads must be one packed run; the requests themselves may be strided (q a view of
   // the projection's output, whose rows also hold k and v).
   const bool packed = q.stride(3) == 1 && (group == 1 || q.stride(2) == d) && (heads == 1 || q.stride(1) == group * d);
-  const bool wide = q.scalar_type() == at::kFloat;
-  const at::Tensor qc = wide ? (packed ? q : q.contiguous()) : q.to(at::kFloat).contiguous(), lens = seq_lens.contiguous();
+  const at::Tensor qc = packed ? q : q.contiguous(), lens = seq_lens.contiguous();
   const int64_t qs = qc.stride(0);
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t pool_slots = k_pool.size(0);
@@ -463,17 +484,15 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
     }
   }
   at::Tensor out = at::empty({bs, heads * group * d}, qc.options());
-  const float* qp = qc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  if (wide) {
-    attend_rows(qp, qs, kv_data<float>(k_pool), k_pool.stride(0), kv_data<float>(v_pool), v_pool.stride(0), sp, s0, lp,
-                op, bs, heads, group, d, sc);
+  if (q.scalar_type() == at::kFloat) {
+    attend_rows(qc.data_ptr<float>(), qs, kv_data<float>(k_pool), k_pool.stride(0), kv_data<float>(v_pool),
+                v_pool.stride(0), sp, s0, lp, out.data_ptr<float>(), bs, heads, group, d, sc);
     return out;
   }
-  attend_rows(qp, qs, kv_data<uint16_t>(k_pool), k_pool.stride(0), kv_data<uint16_t>(v_pool), v_pool.stride(0), sp, s0,
-              lp, op, bs, heads, group, d, sc);
-  return out.to(q.scalar_type());
+  attend_rows(kv_data<uint16_t>(qc), qs, kv_data<uint16_t>(k_pool), k_pool.stride(0), kv_data<uint16_t>(v_pool),
+              v_pool.stride(0), sp, s0, lp, reinterpret_cast<uint16_t*>(out.data_ptr()), bs, heads, group, d, sc);
+  return out;
 }
 
 #ifdef RS_X86

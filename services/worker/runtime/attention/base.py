@@ -65,7 +65,7 @@ class AttentionBackend(ABC):
         RMS-normalized by q_norm / k_norm (Qwen3; None skips it), then rotated at `positions`. Here
         step by step with the layers' own modules; backends may override this to fuse the prologue
         with their KV store."""
-        if rotary_emb.norm_rope_in_place(positions, q, k, q_norm, k_norm):  # the CPU's one op, float32
+        if rotary_emb.norm_rope_in_place(positions, q, k, q_norm, k_norm):  # the CPU's one op, float32 or bf16
             return self.forward(q, k, v, layer, batch)
         if q_norm is not None:
             q = q_norm(q.reshape(-1, layer.head_dim)).view(q.shape)

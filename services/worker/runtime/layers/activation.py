@@ -1,7 +1,8 @@
 """Gated activations: the fused gate_up projection's output [.., 2 * I] -> act(gate) * up [.., I].
 
 On CUDA a 2-D input takes one Triton launch (kernels/activation.py) instead of three torch ops, on the CPU
-in float32 one C++ op (kernels/cpu/rows.cpp, its exp within 2 ulp of torch's). With
+in float32 or bfloat16 one C++ op (kernels/cpu/rows.cpp, its exp within 2 ulp of torch's; bfloat16 rounded
+where torch rounds). With
 deterministic inference (`batch_invariant`) the CPU computes the SiLU through batch_invariant.elementwise.
 """
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_matvec import row_ops
+from kernels.cpu_matvec import ROW_DTYPES, row_ops
 from services.worker.runtime.layers import batch_invariant
 
 
@@ -21,7 +22,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.activation import silu_and_mul as fused_silu_and_mul
 
         return fused_silu_and_mul(x)
-    if x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1 and x.device.type == "cpu":
+    if x.dtype in ROW_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.device.type == "cpu":
         if (ops := row_ops()) is not None:
             return ops.silu_mul_rows(x)
     gate, up = x.chunk(2, dim=-1)

@@ -11,9 +11,10 @@ of kernels/cpu/rows.cpp, oneDNN's packed products (as linear() takes several row
 what the torch backend reads this step, the dense blocks (attention/dense_kv.py, this step's rows appended)
 or the pool's slots; a step that regathers the blocks runs the modules.
 
-A step qualifies on the CPU in float32 with one tensor-parallel rank, the library loaded and the torch
-backend's C++ decode attention in use (`rows`, or a lone request's consecutive slots); a layer when it is a
-plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products
+A step qualifies on the CPU in float32 (or in bfloat16 at batch 2 and more: the row ops and the attention
+take it, the single-row product's fused norm and SiLU do not) with one tensor-parallel rank, the library
+loaded and the torch backend's C++ decode attention in use (`rows`, or a lone request's consecutive slots);
+a layer when it is a plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products
 take its rows as the step-by-step path would (the C++ product for one row, the packed weight for more).
 RS_CPU_LAYER_ROW=0 turns it off, as does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
 """
@@ -58,9 +59,10 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
         or hidden.shape[0] != batch.batch_size
         or not (meta.rows or (batch.batch_size == 1 and meta.first_slot is not None))
         or (meta.dense is not None and (batch.batch_size == 1 or meta.dense.fill_slots is not None))
-        or hidden.dtype != torch.float32
+        or hidden.dtype not in (torch.float32, torch.bfloat16)
+        or (hidden.dtype == torch.bfloat16 and batch.batch_size == 1)
         or hidden.device.type != "cpu"
-        or batch.token_to_kv_pool.dtype != torch.float32
+        or batch.token_to_kv_pool.dtype != hidden.dtype
         or os.environ.get(LAYER_ROW_ENV, "1") == "0"
         or get_tp_size() != 1
         or _rows_attention(batch.token_to_kv_pool) is None
@@ -104,7 +106,7 @@ def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...]
     products = all(lin.cpu_single_row(hidden) if single else lin.cpu_packed_rows(hidden) for lin in linears)
     if not products or getattr(mlp.act_fn, "batch_invariant", False):
         return None
-    if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != torch.float32) for n in norms):
+    if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != hidden.dtype) for n in norms):
         return None
     if len({n.eps for n in norms if n is not None}) != 1:
         return None

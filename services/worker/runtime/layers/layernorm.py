@@ -1,8 +1,9 @@
 """RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
 
 On CUDA each is one Triton launch (kernels/rmsnorm.py: the add, the statistics and the scaling in one
-pass); on the CPU in float32, one C++ op (kernels/cpu/rows.cpp: the squares summed in double, as the
-batch-1 product's prologue does); elsewhere a few torch ops.
+pass); on the CPU in float32 or bfloat16, one C++ op (kernels/cpu/rows.cpp: the squares summed in double,
+as the batch-1 product's prologue does; in bfloat16 rounded where the torch ops round); elsewhere a few
+torch ops.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.cpu_matvec import row_ops
+from kernels.cpu_matvec import ROW_DTYPES, row_ops
 from services.worker.runtime.layers.linear import default_weight_loader, new_parameter
 
 
@@ -57,10 +58,10 @@ class RMSNorm(nn.Module):
 
 
 def _cpu_rows(x: torch.Tensor, weight: torch.Tensor) -> Any:
-    """kernels/cpu/rows.cpp's ops where they take x: float32 CPU rows [M, K] with contiguous rows and
-    a float32 weight, the library loaded (one op for the norm's ~7 torch calls); else None."""
+    """kernels/cpu/rows.cpp's ops where they take x: float32 or bfloat16 CPU rows [M, K] with contiguous
+    rows and a weight of x's dtype, the library loaded (one op for the norm's ~7 torch calls); else None."""
     ops = row_ops()
-    if ops is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
+    if ops is None or x.dtype not in ROW_DTYPES or weight.dtype != x.dtype or x.dim() != 2:
         return None
     return ops if x.stride(-1) == 1 and x.device.type == "cpu" else None
 

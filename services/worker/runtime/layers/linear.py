@@ -234,12 +234,14 @@ class Projection(nn.Module):
         return self.weight.dtype == x.dtype == torch.float32
 
     def cpu_packed_rows(self, x: torch.Tensor) -> bool:
-        """Whether the rows of float32 x [M, K] go through this layer's packed float32 weight (linear() with
-        M >= PREPACKED_MIN_ROWS, no GEMV tiles, not batch-invariant): what kernels/cpu/layer_row.cpp's batch
-        op calls in its place."""
+        """Whether the rows of float32 or bfloat16 x [M, K] go through this layer's packed weight of x's dtype
+        (linear() with M >= PREPACKED_MIN_ROWS, no GEMV tiles, not batch-invariant): what
+        kernels/cpu/layer_row.cpp's batch op calls in its place."""
         if self.packed_weight is None or self.gemv_tiles is not None or self.batch_invariant:
             return False
-        return x.dim() == 2 and x.shape[0] >= PREPACKED_MIN_ROWS and self.weight.dtype == x.dtype == torch.float32
+        if x.dim() != 2 or x.shape[0] < PREPACKED_MIN_ROWS or self.weight.dtype != x.dtype:
+            return False
+        return x.dtype in (torch.float32, torch.bfloat16)
 
     def rmsnorm_product(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float

@@ -2,8 +2,9 @@
 
 cos/sin are precomputed once per model for every position up to the context length, in float32 and
 exactly as HF computes them, and shared by all layers. On CUDA one Triton launch (kernels/qk_norm_rope.py
-with its norm and pool store off) rotates q and k in place, in float32; on the CPU in float32 one C++ op
-(kernels/cpu/rows.cpp, `norm_rope_in_place`) does the same with the heads' norms; elsewhere torch ops
+with its norm and pool store off) rotates q and k in place, in float32; on the CPU in float32 or bfloat16
+one C++ op (kernels/cpu/rows.cpp, `norm_rope_in_place`) does the same with the heads' norms, rounding as
+the torch ops do; elsewhere torch ops
 return rotated copies, with the per-position tables gathered once per forward rather than once per layer.
 """
 
@@ -16,7 +17,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels.cpu_matvec import row_ops
+from kernels.cpu_matvec import ROW_DTYPES, row_ops
 from services.worker.runtime.layers.layernorm import RMSNorm
 
 # Rope types whose frequencies are fixed at load time (dynamic NTK rescales per sequence length).
@@ -82,16 +83,18 @@ class RotaryEmbedding(nn.Module):
     def norm_rope_in_place(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module | None, k_norm: nn.Module | None
     ) -> bool:
-        """On the CPU in float32 with kernels/cpu/rows.cpp loaded: each head of q and k RMS-normalized by
-        q_norm / k_norm (None skips it) and rotated, in place, in one op (the same bits as the torch
-        ops' rotation; the norms sum their squares in double), and True. Else nothing and False."""
+        """On the CPU in float32 or bfloat16 with kernels/cpu/rows.cpp loaded: each head of q and k
+        RMS-normalized by q_norm / k_norm (None skips it) and rotated, in place, in one op (the same bits as
+        the torch ops' rotation; the norms sum their squares in double), and True. Else nothing and False."""
         ops = row_ops()
-        if ops is None or q.dtype != torch.float32 or q.device.type != "cpu" or q.dim() != 2 or k.dim() != 2:
+        if ops is None or q.dtype not in ROW_DTYPES or q.device.type != "cpu" or q.dim() != 2 or k.dim() != 2:
             return False
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64:
+        if k.dtype != q.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64:
+            return False
+        if self.cos_cache.dtype != torch.float32:
             return False
         norms = (q_norm, k_norm)
-        if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != torch.float32) for n in norms):
+        if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != q.dtype) for n in norms):
             return False
         epses = {n.eps for n in norms if isinstance(n, RMSNorm)}
         if len(epses) > 1:
