@@ -687,20 +687,30 @@ FP8_GPU = Area(
                "gpu_fp8_kv_2026-12-03_b.json", lambda d: d["results"]["engine_fp8_e4m3"]["decode_tok_s"], "{:,.0f} tok/s",
                peer=lambda d: d["results"]["engine_auto"]["decode_tok_s"], peer_label="bf16 KV cache",
                ratio_fmt="{:.2f}×", command=FP8KV),
-        Figure("--enable-deterministic-inference: 64 requests (greedy and seeded) batched, chunked, cached == alone "
-               "(extend CUDA graphs, 128-row product tiles from 256 rows)",
-               "gpu_deterministic_2026-12-05_c.json",
+        Figure("--enable-deterministic-inference: 64 requests (greedy and seeded) batched, chunked, cached == alone, "
+               "Qwen3-8B shape (token-block extend attention; on an H100; 2026-12-05 on the H200, per-token: 64 of 64 "
+               "too, `_05_c`)",
+               "gpu_deterministic_2026-12-06_b.json",
                lambda d: min(d["results"]["deterministic"]["identical_to_alone"].values()), "{:d} of 64 (each run)",
                peer=lambda d: max(d["results"]["default"]["identical_to_alone"].values()),
                peer_label="without the flag", peer_fmt="{:d} of 64", ratio=no_ratio,
                target=Target("==", 64, "64 of 64", on="value"),
-               command="python bench/gpu_deterministic.py --skip-kernels --skip-pipeline"),
-        Figure("--enable-deterministic-inference: throughput kept, nano-vllm recipe, Qwen3-0.6B shape (extend CUDA "
-               "graphs and 128-row product tiles; with the graphs alone 0.723, `_a`; before them 0.650, 2026-12-04_g)",
-               "gpu_deterministic_2026-12-05_c.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-attention --skip-throughput "
+                       "--skip-pipeline"),
+        Figure("--enable-deterministic-inference: throughput kept, nano-vllm recipe, Qwen3-0.6B shape (extend "
+               "attention in token blocks, kernels/token_block_attention.py; on an H100; before them 0.729 on the H200, "
+               "`2026-12-05_c`; 0.650 before extend CUDA graphs and 128-row tiles, 2026-12-04_g)",
+               "gpu_deterministic_2026-12-06_a.json", lambda d: d["results"]["p3"]["deterministic"]["tok_s"],
                "{:,.0f} tok/s", peer=lambda d: d["results"]["p3"]["default"]["tok_s"], peer_label="without the flag",
                target=Target(">=", 0.8, "≥ 0.8 of it"),
-               command="python bench/gpu_deterministic.py --skip-kernels --skip-pipeline"),
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-outputs --skip-pipeline"),
+        Figure("deterministic extend attention, one layer, Qwen3-8B shape (32 / 8 heads), 1 × 2,048-token prompt: token blocks "
+               "(bit for bit the per-token decode kernel: 0 of 3,068 tokens differ, 0.6B and 8B shapes; on an H100)",
+               "gpu_deterministic_2026-12-06_a.json",
+               lambda d: d["results"]["attention"]["8B"]["ms"]["1 x 2048 prompt"]["token blocks"] * 1000, "{:,.0f} µs",
+               peer=lambda d: d["results"]["attention"]["8B"]["ms"]["1 x 2048 prompt"]["per token (decode kernel)"]
+               * 1000, peer_label="per token, the decode kernel", ratio_fmt="{:.2f}× its time",
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-outputs --skip-pipeline"),
     ),
     note="Random-init checkpoints: the 8B shape's prompt log-probs move by 0.23 (mean) under the FP8 KV cache's "
          "rounding of K and V alone, so its FP8-weights figure is read beside that control (bench/gpu_fp8_resident.py "
