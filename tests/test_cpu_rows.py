@@ -18,6 +18,7 @@ from services.worker.runtime.layers.layernorm import RMSNorm
 from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
+from services.worker.runtime.sampling.sampler import greedy_ids
 from tests.forward_helpers import BatchDriver
 from tests.test_cpu_matvec import isa, needs_matvec  # noqa: F401 (the fixture)
 
@@ -360,3 +361,38 @@ def test_a_bfloat16_model_on_the_row_ops_keeps_the_torch_ops_logits(
     assert none == {}
     for a, b in zip(ours, theirs):
         assert ((a - b).norm() / b.norm()) <= 1e-2
+
+
+@pytest.mark.parametrize("cols", [49152, 37, 1])
+def test_argmax_rows_is_torchs_max_indices(isa: str, cols: int) -> None:  # noqa: F811
+    """The first index of each row's maximum, a NaN counting as the maximum (the first NaN), as
+    torch's max(dim).indices gives greedy sampling: ties, infinities, signed zeros, tails past 16 lanes,
+    rows of a wider tensor."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(12, cols + 5, generator=g)[:, :cols]  # strided rows
+    if cols >= 37:
+        x[1, 3] = x[1, 30] = 50.0  # a tie: the first
+        x[2, 20], x[2, 33] = float("nan"), float("nan")  # NaNs: the first, whatever the values
+        x[3] = float("-inf")  # every value -inf (a row masked out): index 0
+        x[4, 36] = float("inf")  # the tail lanes
+        x[5] = 0.0
+        x[5, 9], x[5, 2] = -0.0, -0.0  # signed zeros tie: the first
+        x[6, cols - 1] = float("nan")
+        x[7, 0] = 1e30
+    got = torch.ops.radixserve_cpu.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.max(dim=-1).indices)
+    assert torch.equal(greedy_ids(x), got)
+
+
+def test_greedy_sampling_takes_argmax_rows_where_it_can() -> None:
+    x = torch.randn(4, 100)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ids = greedy_ids(x)
+    assert any(e.key == "radixserve_cpu::argmax_rows" for e in prof.key_averages())
+    assert torch.equal(ids, x.argmax(-1))
+    for other in (x.double(), x.bfloat16(), x.t().contiguous().t(), torch.randn(3, 4, 5)):
+        assert torch.equal(greedy_ids(other), other.max(dim=-1).indices)  # torch's max(dim) there
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        torch.ops.radixserve_cpu.argmax_rows(x.double())
+    with pytest.raises(RuntimeError, match="at least one value"):
+        torch.ops.radixserve_cpu.argmax_rows(torch.empty(2, 0))

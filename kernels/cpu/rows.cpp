@@ -9,6 +9,8 @@
 //                                           per-head RMSNorm (Qwen3) then neox RoPE of q and k, in place
 //   store_kv_rows_(k, v, k_dst, v_dst, rows) k_dst[rows[i]] = k[i], v_dst[rows[i]] = v[i]
 //   silu_mul_rows(gate_up)                -> silu(gate) * up for rows [gate | up]
+//   argmax_rows(x)                        -> each float32 row's first index of its maximum (a NaN counts as
+//                                            the maximum), as torch's max(dim).indices: greedy sampling
 //
 // The arithmetic is layers/layernorm.py's and layers/rotary.py's, step for step: RMSNorm is
 // w * (h * (1 / sqrt(mean(h^2) + eps))) with the squares summed in double (as the single-row
@@ -459,6 +461,55 @@ at::Tensor silu_mul_rows(const at::Tensor& gate_up) {
   return out;
 }
 
+// The first index of a row's maximum, a NaN counting as the maximum (torch's max(dim) / argmax): a pass for the
+// row's maximum that also notes any NaN, then a pass for its first lane holding it (or the first NaN).
+#ifdef RS_X86
+__attribute__((target("avx512f"))) int64_t argmax_row_avx512(const float* x, int64_t n) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = lanes(n - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, v);
+  }
+  const float m = _mm512_reduce_max_ps(best);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 live = lanes(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(live, x + i);
+    const __mmask16 hit = live & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                      : _mm512_cmp_ps_mask(v, _mm512_set1_ps(m), _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // unreachable: the maximum (or the NaN) is some lane's
+}
+#endif
+
+int64_t argmax_row(const float* x, int64_t n) {
+#ifdef RS_X86
+  if (radixserve_cpu_paths::avx512()) return argmax_row_avx512(x, n);
+#endif
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows("argmax_rows", "x", x, -1, at::kFloat);
+  TORCH_CHECK(x.size(1) >= 1, "argmax_rows: rows must hold at least one value");
+  const int64_t m = x.size(0), n = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = argmax_row(xp + r * xs, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
@@ -469,6 +520,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
       "Tensor? k_norm, float eps, int head_dim) -> ()");
   m.def("store_kv_rows_(Tensor k, Tensor v, Tensor(a!) k_dst, Tensor(b!) v_dst, Tensor rows) -> ()");
   m.def("silu_mul_rows(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
@@ -477,4 +529,5 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("qk_norm_rope_rows_", &qk_norm_rope_rows_);
   m.impl("store_kv_rows_", &store_kv_rows_);
   m.impl("silu_mul_rows", &silu_mul_rows);
+  m.impl("argmax_rows", &argmax_rows);
 }
