@@ -697,6 +697,17 @@ FP8_GPU = Area(
                target=Target("==", 64, "64 of 64", on="value"),
                command="python bench/gpu_deterministic.py --skip-kernels --skip-attention --skip-throughput "
                        "--skip-pipeline"),
+        Figure("--enable-deterministic-inference through the services (`radixserve up`, native /generate): 64 "
+               "requests all at once, then again with their prompts cached, == each alone through the Engine, "
+               "Qwen3-0.6B shape with the SmolLM2 tokenizer (on an H100)",
+               "gpu_deterministic_2026-12-06_c.json",
+               lambda d: min(d["results"]["pipeline"]["deterministic"]["identical_to_alone"].values()),
+               "{:d} of 64 (each run)",
+               peer=lambda d: max(d["results"]["pipeline"]["default"]["identical_to_alone"].values()),
+               peer_label="without the flag", peer_fmt="{:d} of 64", ratio=no_ratio,
+               target=Target("==", 64, "64 of 64", on="value"),
+               command="python bench/gpu_deterministic.py --skip-kernels --skip-attention --skip-outputs "
+                       "--skip-throughput"),
         Figure("--enable-deterministic-inference: throughput kept, nano-vllm recipe, Qwen3-0.6B shape (extend "
                "attention in token blocks, kernels/token_block_attention.py; on an H100; before them 0.729 on the H200, "
                "`2026-12-05_c`; 0.650 before extend CUDA graphs and 128-row tiles, 2026-12-04_g)",
