@@ -73,9 +73,9 @@ def test_bad_operands_are_clear_errors(q, k, match) -> None:
 def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head_dim, layout) -> None:  # noqa: F811
     """Requests of 1 to 70 positions whose slots are scattered over the pool (past each length the slot
     table holds slot 0, which must not be read: it is poisoned). q as given, as the q columns of the
-    projection's output rows (read in place), or with its heads strided (copied first). The head sizes take
-    each path: AVX-512's blocked kernels (16-key blocks; a head's query rows in register passes of up to 4,
-    or 2 at 128 values, so a group of 3, 4 or 5 splits), D = 40 the row-at-a-time loop."""
+    projection's output rows (read in place), or with its heads strided (copied first). Head sizes of 16 to
+    128 values (AVX-512's 16-lane loop where D is a multiple of 16; D = 40 the portable loop), groups of 1
+    to 5."""
     g = torch.Generator().manual_seed(head_dim + group)
     pool_k = torch.randn(300, kv_heads, head_dim, generator=g) * 2
     pool_v = torch.randn(300, kv_heads, head_dim, generator=g)

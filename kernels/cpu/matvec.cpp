@@ -394,8 +394,8 @@ at::Tensor decode_attention_row(const at::Tensor& q, const at::Tensor& k, const 
 // from the pool through its slots (no gathered or padded copy): q [bs, kv_heads, group, D]; k_pool and
 // v_pool [slots, kv_heads, D] with contiguous [kv_heads, D] rows; slots [bs, >= max(seq_lens)] int64 with
 // contiguous rows; seq_lens [bs] int64, each >= 1. Per request: every query head's score against each key
-// row (on AVX-512 for D <= 128, 16 keys at a time: block_scores_avx512), softmax per query head
-// (softmax_weights), then the weighted value rows. Requests are spread over torch's compute threads.
+// row as it is read, softmax per query head (softmax_weights), then the weighted value rows. Requests are
+// spread over torch's compute threads.
 template <typename T>
 void gather_scores(const T* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
                    int64_t group, int64_t d, float* p);
@@ -560,127 +560,6 @@ __attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const T
     }
   }
 }
-
-// The batch attention's products for head sizes of 16 * C values, C <= 8 (every model served here): the
-// scores a row of keys at a time would end each key's product in a horizontal sum (~8 dependent shuffles and
-// adds, which left the loop waiting on latency); here 16 keys' products run side by side and one
-// transpose-and-add tree (sum16) ends all 16. The weighted values keep their accumulators in registers
-// across the keys (NJ query rows of a head by C vectors each), where the row-at-a-time loop stored and
-// reloaded them for every key.
-
-// Lane u: the sum of v[u]'s 16 lanes.
-__attribute__((target("avx512f"))) inline __m512 sum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int k = 0; k < 8; ++k) {  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2k], v[2k+1]
-    w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  }
-  for (int k = 0; k < 4; ++k) {  // each 128-bit lane: that lane's sums of v[4k .. 4k + 3]
-    const __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-    x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-template <typename T, int C>
-__attribute__((target("avx512f"))) void block_scores_avx512(const T* k, int64_t ks, const int64_t* sl, int64_t len,
-                                                           const float* q, int64_t heads, int64_t group, float* p) {
-  constexpr int64_t d = 16 * C;
-  // Blocks of 16 keys outermost: a block's rows of one head (16 * D values) stay in L1 for the group's rows.
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t r = h * group + j;
-        __m512 qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + r * d + 16 * c);
-        __m512 acc[16];
-        for (int u = 0; u < 16; ++u) {
-          if (u < n) {
-            const T* kh = k + sl[t0 + u] * ks + h * d;
-            __m512 a = _mm512_mul_ps(load16(kh), qv[0]);
-            for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(load16(kh + 16 * c), qv[c], a);
-            acc[u] = a;
-          } else {
-            acc[u] = _mm512_setzero_ps();
-          }
-        }
-        const __mmask16 live = n == 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-        _mm512_mask_storeu_ps(p + r * len + t0, live, sum16(acc));
-      }
-    }
-  }
-}
-
-// Query rows j0 .. j0 + NJ - 1 of head h: o[row] = sum_t p[row, t] v[t, h] (unnormalised).
-template <typename T, int C, int NJ>
-__attribute__((target("avx512f"))) void block_values_avx512(float* o, const T* v, int64_t vs, const int64_t* sl,
-                                                           const float* p, int64_t len, int64_t h, int64_t j0,
-                                                           int64_t group) {
-  constexpr int64_t d = 16 * C;
-  __m512 acc[NJ][C];
-  for (int jj = 0; jj < NJ; ++jj) {
-    for (int c = 0; c < C; ++c) acc[jj][c] = _mm512_setzero_ps();
-  }
-  const float* pr = p + (h * group + j0) * len;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* row = v + sl[t] * vs + h * d;
-    __m512 x[C];
-    for (int c = 0; c < C; ++c) x[c] = load16(row + 16 * c);
-    for (int jj = 0; jj < NJ; ++jj) {
-      const __m512 w = _mm512_set1_ps(pr[jj * len + t]);
-      for (int c = 0; c < C; ++c) acc[jj][c] = _mm512_fmadd_ps(w, x[c], acc[jj][c]);
-    }
-  }
-  for (int jj = 0; jj < NJ; ++jj) {
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (h * group + j0 + jj) * d + 16 * c, acc[jj][c]);
-  }
-}
-
-// Rows of NJ <= 16 / C (at most 4) a pass: 16 accumulators and C value vectors stay in the 32 registers.
-template <typename T, int C>
-__attribute__((target("avx512f"))) void block_values_head(float* o, const T* v, int64_t vs, const int64_t* sl,
-                                                         const float* p, int64_t len, int64_t h, int64_t group) {
-  constexpr int kMax = 16 / C < 4 ? 16 / C : 4;
-  for (int64_t j0 = 0; j0 < group;) {
-    const int64_t nj = std::min<int64_t>(kMax, group - j0);
-    switch (nj) {
-      case 4:
-        if constexpr (kMax >= 4) block_values_avx512<T, C, 4>(o, v, vs, sl, p, len, h, j0, group);
-        break;
-      case 3:
-        if constexpr (kMax >= 3) block_values_avx512<T, C, 3>(o, v, vs, sl, p, len, h, j0, group);
-        break;
-      case 2:
-        if constexpr (kMax >= 2) block_values_avx512<T, C, 2>(o, v, vs, sl, p, len, h, j0, group);
-        break;
-      default:
-        block_values_avx512<T, C, 1>(o, v, vs, sl, p, len, h, j0, group);
-    }
-    j0 += nj;
-  }
-}
-
-// f(std::integral_constant<int, C>{}) for D = 16 * C, C in 1 .. 8, and true; false (f not called) for
-// another D.
-template <typename F>
-bool with_chunks(int64_t d, F&& f) {
-  switch (d) {
-    case 16: f(std::integral_constant<int, 1>{}); return true;
-    case 32: f(std::integral_constant<int, 2>{}); return true;
-    case 48: f(std::integral_constant<int, 3>{}); return true;
-    case 64: f(std::integral_constant<int, 4>{}); return true;
-    case 80: f(std::integral_constant<int, 5>{}); return true;
-    case 96: f(std::integral_constant<int, 6>{}); return true;
-    case 112: f(std::integral_constant<int, 7>{}); return true;
-    case 128: f(std::integral_constant<int, 8>{}); return true;
-    default: return false;
-  }
-}
 #endif
 
 bool use_avx512() { return std::string(path().name) == "avx512"; }
@@ -711,9 +590,6 @@ template <typename T>
 void gather_scores(const T* k, int64_t ks, const int64_t* sl, int64_t len, const float* q, int64_t rows,
                    int64_t group, int64_t d, float* p) {
 #ifdef RS_X86
-  if (use_avx512() && with_chunks(d, [&](auto c) { block_scores_avx512<T, c.value>(k, ks, sl, len, q, rows, group, p); })) {
-    return;
-  }
   if (use_avx512() && d % 16 == 0) return gather_scores_avx512(k, ks, sl, len, q, rows, group, d, p);
 #endif
   for (int64_t t = 0; t < len; ++t) {
@@ -731,11 +607,6 @@ template <typename T>
 void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const float* p, int64_t len,
                      int64_t rows, int64_t group, int64_t d) {
 #ifdef RS_X86
-  if (use_avx512() && with_chunks(d, [&](auto c) {
-        for (int64_t h = 0; h < rows; ++h) block_values_head<T, c.value>(o, v, vs, sl, p, len, h, group);
-      })) {
-    return;
-  }
   if (use_avx512() && d % 16 == 0) return gather_add_rows_avx512(o, v, vs, sl, p, len, rows, group, d);
 #endif
   std::fill(o, o + rows * group * d, 0.0f);
