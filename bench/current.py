@@ -472,8 +472,9 @@ CPU = Area(
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (products and decode attention in C++ over bfloat16, "
                     "float32 sums; `_b`, the last session: 55.5 vs 25.6; 2026-11-29, another guest: 37.0 vs 21.8)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
-                    "bfloat16; decode only 3.95×; five runs this session 2.73-3.47× (the row ops alone, then with the greedy argmax), transformers 120-144 tok/s, "
-                    "ours 351-434; before the layer op 357.7 vs 167.8, 2.13×, `_b`)"),
+                    "bfloat16; decode only 3.95×; five runs this session 2.73-3.47× (the row ops alone, then with the "
+                    "greedy argmax), transformers 120-144 tok/s, ours 351-434; before the layer op 357.7 vs 167.8, "
+                    "2.13×, `_b`)"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
