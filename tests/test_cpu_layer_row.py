@@ -233,10 +233,10 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
 def test_a_bfloat16_batch_decodes_through_it_as_through_its_layers(
     qwen3_path, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bfloat16 (the row ops, the attention and oneDNN's products all take it): three requests through the
-    batch op give logits equal to the modules' at every step; batch 1 keeps the modules (the single-row
-    product's fused norm and SiLU are float32 only). The modules' own bfloat16 steps are checked against
-    torch's bfloat16 ops in tests/test_cpu_rows.py."""
+    """bfloat16 (the row ops, the attention, the single-row product with its norm and SiLU, and oneDNN's
+    products all take it): three requests through the batch op give logits equal to the modules' at every
+    step, then one through the batch-1 op. The modules' own bfloat16 steps are checked against torch's
+    bfloat16 ops in tests/test_cpu_rows.py and tests/test_cpu_matvec.py."""
     if torch.bfloat16 not in cpu_prepack_dtypes():
         pytest.skip("oneDNN cannot prepack bfloat16 weights on this CPU")
     config = ModelConfig.from_path(qwen3_path, dtype="bfloat16")
@@ -259,8 +259,9 @@ def test_a_bfloat16_batch_decodes_through_it_as_through_its_layers(
         return logits, counts
 
     ours, counts = run()
-    # 5 steps at 3 rows, the first a gather of the dense blocks (the modules run); 2 at 1 row: the modules.
-    assert counts == {"radixserve_cpu::decoder_layer_rows": 4 * config.num_layers}
+    # 5 steps at 3 rows, the first a gather of the dense blocks (the modules run); 2 at 1 row.
+    layers = config.num_layers
+    assert counts == {"radixserve_cpu::decoder_layer_rows": 4 * layers, "radixserve_cpu::decoder_layer_row": 2 * layers}
     monkeypatch.setenv(LAYER_ROW_ENV, "0")
     reference, none = run()
     assert none == {}

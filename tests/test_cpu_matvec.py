@@ -414,6 +414,43 @@ def test_silu_mul_matvec_matches_a_float64_reference(isa: str, two_threads: None
     assert_product_close(y, gate * torch.sigmoid(gate) * up, w)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (7, 40)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_bfloat16_rmsnorm_matvec_is_torchs_bfloat16_norm_then_the_product(
+    isa: str, two_threads: None, n: int, k: int, with_residual: bool
+) -> None:
+    """bfloat16: x + residual rounded as torch adds, the norm rounded where torch's bfloat16 RMSNorm rounds
+    (h * inv, then times the weight; mean(h^2) from a double sum), then the bfloat16 product of that row:
+    bit for bit."""
+    g = torch.Generator().manual_seed(n + k)
+    x = (torch.randn(1, k, generator=g) * 2).bfloat16()
+    residual = torch.randn(1, k, generator=g).bfloat16() if with_residual else None
+    norm_weight = (torch.rand(k, generator=g) + 0.5).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    y, summed = torch.ops.radixserve_cpu.rmsnorm_matvec(x, residual, norm_weight, 1e-5, w)
+    h = x + residual if with_residual else x
+    inv = 1.0 / torch.sqrt((h.double().pow(2).sum(-1, keepdim=True) / k).float() + 1e-5)
+    normed = norm_weight * (h.float() * inv).bfloat16()
+    assert summed.dtype == y.dtype == torch.bfloat16 and torch.equal(summed, h)
+    assert torch.equal(y, load_matvec()(normed, w, None))
+
+
+@pytest.mark.parametrize("n,k", [(576, 1536), (7, 40)])
+def test_bfloat16_silu_mul_matvec_is_torchs_bfloat16_swiglu_then_the_product(
+    isa: str, two_threads: None, n: int, k: int
+) -> None:
+    """bfloat16: silu(gate) and its product with up each rounded to bfloat16 (F.silu(gate) * up on bfloat16
+    tensors), then the bfloat16 product: within a rounding of that (the exp is libm's, torch's is Sleef's)."""
+    g = torch.Generator().manual_seed(n * 3 + k)
+    gate_up = (torch.randn(1, 2 * k, generator=g) * 3).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch.ops.radixserve_cpu.silu_mul_matvec(gate_up, w)
+    ref = load_matvec()(F.silu(gate) * up, w, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-3)
+
+
 @needs_matvec
 def test_the_fused_products_refuse_bad_input() -> None:
     ops, w = torch.ops.radixserve_cpu, torch.randn(4, 8)
@@ -425,6 +462,10 @@ def test_the_fused_products_refuse_bad_input() -> None:
         ops.rmsnorm_matvec(torch.randn(1, 8), None, torch.ones(9), 1e-6, w)
     with pytest.raises(RuntimeError, match="x must be a float32"):
         ops.rmsnorm_matvec(torch.randn(1, 8).bfloat16(), None, torch.ones(8), 1e-6, w)
+    with pytest.raises(RuntimeError, match="norm_weight must be a bfloat16"):  # every operand the weight's dtype
+        ops.rmsnorm_matvec(torch.randn(1, 8).bfloat16(), None, torch.ones(8), 1e-6, w.bfloat16())
+    with pytest.raises(RuntimeError, match="gate_up must be a bfloat16"):
+        ops.silu_mul_matvec(torch.randn(1, 16), w.bfloat16())
 
 
 @needs_matvec

@@ -276,48 +276,97 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return dtype == at::kFloat ? y : y.to(dtype);
 }
 
+// The value a store of T keeps: float as it is, bfloat16 rounded to nearest even (as torch's bfloat16 ops store).
+template <typename T>
+inline float keep(float f) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return bf16_to_float(c10::BFloat16(f).x);
+  } else {
+    return f;
+  }
+}
+
+template <typename T>
+inline void put(T* p, float f) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    *p = c10::BFloat16(f).x;
+  } else {
+    *p = f;
+  }
+}
+
+// The prologue's row v = w * (h * inv) from h = x (+ residual), each step kept as T (torch's bfloat16 RMSNorm
+// rounds h, h * inv and the product); h is written to hp (the residual handed on).
+template <typename T>
+void rmsnorm_row(const T* xp, const T* rp, const T* wp, double eps, int64_t k, T* hp, float* v) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < k; ++i) {
+    if (rp != nullptr) put(hp + i, widen(xp[i]) + widen(rp[i]));
+    else hp[i] = xp[i];
+    const float h = widen(hp[i]);
+    squares += static_cast<double>(h) * h;
+  }
+  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / k) + static_cast<float>(eps));
+  for (int64_t i = 0; i < k; ++i) v[i] = keep<T>(widen(wp[i]) * keep<T>(widen(hp[i]) * inv));
+}
+
+template <typename T>
+const T* row_data(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
 // (W rmsnorm(x + residual), x + residual): RMSNorm's float32 steps (layers/layernorm.py), h * rsqrt(mean(h^2)
 // + eps) then times the norm's weight, on one row before the product. Without a residual the norm is of x
-// and the second output a copy of x.
+// and the second output a copy of x. All operands float32, or all bfloat16 (then rounded where torch's
+// bfloat16 norm rounds, the product's float32 sums rounded to bfloat16 once).
 std::tuple<at::Tensor, at::Tensor> rmsnorm_matvec(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                                   const at::Tensor& norm_weight, double eps, const at::Tensor& weight) {
-  const int64_t k = check_weight("rmsnorm_matvec", weight);
-  check_row("rmsnorm_matvec", "x", x, k);
-  check_row("rmsnorm_matvec", "norm_weight", norm_weight, k);
-  at::Tensor h;
+  const int64_t k = check_weight("rmsnorm_matvec", weight, true);
+  const at::ScalarType dtype = weight.scalar_type();
+  check_row("rmsnorm_matvec", "x", x, k, dtype);
+  check_row("rmsnorm_matvec", "norm_weight", norm_weight, k, dtype);
   if (residual.has_value()) {
-    check_row("rmsnorm_matvec", "residual", *residual, k);
+    check_row("rmsnorm_matvec", "residual", *residual, k, dtype);
     TORCH_CHECK(residual->sizes() == x.sizes(), "rmsnorm_matvec: residual must be shaped like x ", x.sizes(),
                 ", got ", residual->sizes());
-    h = at::empty(x.sizes(), x.options());
-    const at::Tensor xc = x.contiguous(), rc = residual->contiguous();
-    const float *xp = xc.data_ptr<float>(), *rp = rc.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    for (int64_t i = 0; i < k; ++i) hp[i] = xp[i] + rp[i];
-  } else {
-    h = x.clone(at::MemoryFormat::Contiguous);
   }
-  const at::Tensor nw = norm_weight.contiguous();
-  const float* hp = h.data_ptr<float>();
-  const float* wp = nw.data_ptr<float>();
-  double squares = 0.0;
-  for (int64_t i = 0; i < k; ++i) squares += static_cast<double>(hp[i]) * hp[i];
-  const float inv = 1.0f / std::sqrt(static_cast<float>(squares / k) + static_cast<float>(eps));
+  at::Tensor h = at::empty(x.sizes(), x.options());
+  const at::Tensor xc = x.contiguous(), nw = norm_weight.contiguous();
+  const at::Tensor rc = residual.has_value() ? residual->contiguous() : at::Tensor();
   std::vector<float> v(k);
-  for (int64_t i = 0; i < k; ++i) v[i] = wp[i] * (hp[i] * inv);
-  return {product(weight, v.data(), x), h};
+  if (dtype == at::kFloat) {
+    rmsnorm_row<float>(row_data<float>(xc), rc.defined() ? row_data<float>(rc) : nullptr, row_data<float>(nw), eps,
+                       k, h.data_ptr<float>(), v.data());
+    return {product(weight, v.data(), x), h};
+  }
+  rmsnorm_row<uint16_t>(row_data<uint16_t>(xc), rc.defined() ? row_data<uint16_t>(rc) : nullptr,
+                        row_data<uint16_t>(nw), eps, k, reinterpret_cast<uint16_t*>(h.data_ptr()), v.data());
+  return {product(weight, v.data(), x).to(dtype), h};
 }
 
 // W (silu(gate) * up) for one row gate_up = [gate | up] of 2K values: the SwiGLU activation before
-// the down projection, silu(g) = g / (1 + exp(-g)).
+// the down projection, silu(g) = g / (1 + exp(-g)). float32, or bfloat16 with silu(g) and its product with
+// up each rounded to bfloat16 (as torch's F.silu(gate) * up), the product's sums rounded once.
+template <typename T>
+void silu_mul_row(const T* gp, int64_t k, float* v) {
+  for (int64_t i = 0; i < k; ++i) {
+    const float g = widen(gp[i]);
+    v[i] = keep<T>(keep<T>(g / (1.0f + std::exp(-g))) * widen(gp[k + i]));
+  }
+}
+
 at::Tensor silu_mul_matvec(const at::Tensor& gate_up, const at::Tensor& weight) {
-  const int64_t k = check_weight("silu_mul_matvec", weight);
-  check_row("silu_mul_matvec", "gate_up", gate_up, 2 * k);
+  const int64_t k = check_weight("silu_mul_matvec", weight, true);
+  const at::ScalarType dtype = weight.scalar_type();
+  check_row("silu_mul_matvec", "gate_up", gate_up, 2 * k, dtype);
   const at::Tensor gu = gate_up.contiguous();
-  const float* gp = gu.data_ptr<float>();
   std::vector<float> v(k);
-  for (int64_t i = 0; i < k; ++i) v[i] = gp[i] / (1.0f + std::exp(-gp[i])) * gp[k + i];
-  return product(weight, v.data(), gate_up);
+  if (dtype == at::kFloat) {
+    silu_mul_row(row_data<float>(gu), k, v.data());
+    return product(weight, v.data(), gate_up);
+  }
+  silu_mul_row(row_data<uint16_t>(gu), k, v.data());
+  return product(weight, v.data(), gate_up).to(dtype);
 }
 
 std::string matvec_isa() { return path().name; }

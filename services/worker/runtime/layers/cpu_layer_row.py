@@ -11,11 +11,11 @@ of kernels/cpu/rows.cpp, oneDNN's packed products (as linear() takes several row
 what the torch backend reads this step, the dense blocks (attention/dense_kv.py, this step's rows appended)
 or the pool's slots; a step that regathers the blocks runs the modules.
 
-A step qualifies on the CPU in float32 (or in bfloat16 at batch 2 and more: the row ops and the attention
-take it, the single-row product's fused norm and SiLU do not) with one tensor-parallel rank, the library
-loaded and the torch backend's C++ decode attention in use (`rows`, or a lone request's consecutive slots);
-a layer when it is a plain Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products
-take its rows as the step-by-step path would (the C++ product for one row, the packed weight for more).
+A step qualifies on the CPU in float32 or bfloat16 (every op of the layer takes either, rounding bfloat16
+where torch's bfloat16 ops round) with one tensor-parallel rank, the library loaded and the torch backend's
+C++ decode attention in use (`rows`, or a lone request's consecutive slots); a layer when it is a plain
+Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products take
+its rows as the step-by-step path would (the C++ product for one row, the packed weight for more).
 RS_CPU_LAYER_ROW=0 turns it off, as does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
 """
 
@@ -60,7 +60,6 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
         or not (meta.rows or (batch.batch_size == 1 and meta.first_slot is not None))
         or (meta.dense is not None and (batch.batch_size == 1 or meta.dense.fill_slots is not None))
         or hidden.dtype not in (torch.float32, torch.bfloat16)
-        or (hidden.dtype == torch.bfloat16 and batch.batch_size == 1)
         or hidden.device.type != "cpu"
         or batch.token_to_kv_pool.dtype != hidden.dtype
         or os.environ.get(LAYER_ROW_ENV, "1") == "0"

@@ -222,7 +222,8 @@ class Projection(nn.Module):
     def fuses_prologue(self, x: torch.Tensor) -> bool:
         """Whether x goes through one launch with the norm or activation before this product folded in
         (rmsnorm_product, silu_mul_product): with "rows" GEMV tiles, or as the quant_method decides, or
-        on the CPU where single rows of this float32 layer go through the C++ product (cpu_single_row)."""
+        on the CPU where single rows of this float32 or bfloat16 layer go through the C++ product
+        (cpu_single_row)."""
         if self.quant_method is not None:
             return self.quant_method.fuses_prologue(x)
         return (getattr(self.gemv_tiles, "kind", None) == "rows" or self.cpu_single_row(x)) and one_contiguous_row(x)
@@ -231,7 +232,7 @@ class Projection(nn.Module):
         """Whether one row x goes through the C++ product (linear() with _matvec set, not batch-invariant)."""
         if _matvec is None or self.packed_weight is None or self.batch_invariant:
             return False
-        return self.weight.dtype == x.dtype == torch.float32
+        return self.weight.dtype == x.dtype and x.dtype in MATVEC_DTYPES
 
     def cpu_packed_rows(self, x: torch.Tensor) -> bool:
         """Whether the rows of float32 or bfloat16 x [M, K] go through this layer's packed weight of x's dtype
