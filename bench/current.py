@@ -333,7 +333,7 @@ def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
             return {"ours_tok_s": case["ours"]["tok_per_s"], "hf_tok_s": case["hf"]["tok_per_s"]}
         return _median_run(d[dtype][f"batch{batch}"])
 
-    source = "cpu_decode_2026-12-05_b.json" if dtype == "float32" else "cpu_decode_2026-12-06_c.json"
+    source = "cpu_decode_2026-12-05_b.json" if dtype == "float32" else "cpu_decode_2026-12-06_d.json"
     return Figure(label, source, lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
                   peer=lambda d: run(d)["hf_tok_s"], peer_label="transformers", ratio_fmt="{:.2f}×",
                   target=Target(">=", 1.2, "≥ 1.2×") if batch == 1 else Target(">=", 3.0, "≥ 3×"),
@@ -469,12 +469,11 @@ CPU = Area(
                     "kernels/cpu/layer_row.cpp: 77.5 vs 26.9 before it, `_a`)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32 (decode only 3.13×; `_a`: 531.0 vs 189.6, 2.80×; "
                     "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`)"),
-        _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (products and decode attention in C++ over bfloat16, "
-                    "float32 sums; `_b`, the last session: 55.5 vs 25.6; 2026-11-29, another guest: 37.0 vs 21.8)"),
+        _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
+                    "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
-                    "bfloat16; decode only 3.95×; five runs this session 2.73-3.47× (the row ops alone, then with the "
-                    "greedy argmax), transformers 120-144 tok/s, ours 351-434; before the layer op 357.7 vs 167.8, "
-                    "2.13×, `_b`)"),
+                    "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
+                    "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`)"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
