@@ -191,15 +191,19 @@ def test_a_model_decodes_through_it_as_through_its_layers(
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", ["qwen3", "llama"])
 def test_a_batch_decodes_through_it_as_through_its_layers(
-    model: str, request: pytest.FixtureRequest, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
+    model: str, dtype: str, request: pytest.FixtureRequest, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three requests of different lengths: the first decode step gathers the dense blocks (the modules run),
     the others append to them through the batch op; a request that finishes leaves two, then one (the
-    batch-1 op). Logits equal to the modules' at every step."""
+    batch-1 op). Logits equal to the modules' at every step, in float32 and in bfloat16 (the modules' own
+    bfloat16 steps are checked against torch's bfloat16 ops in tests/test_cpu_rows.py and test_cpu_matvec.py)."""
+    if getattr(torch, dtype) not in cpu_prepack_dtypes():
+        pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
     path = request.getfixturevalue(f"{model}_path")
-    config = ModelConfig.from_path(path, dtype="float32")
+    config = ModelConfig.from_path(path, dtype=dtype)
     runner = load_model(config, "cpu")
     prepack_cpu_weights(runner)
     prompts = [[5, 9, 31, 7, 2, 44, 3, 8], [11, 4, 6], [21, 22, 23, 24, 25]]
@@ -227,43 +231,3 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     assert none == {}
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
-
-
-@torch.no_grad()
-def test_a_bfloat16_batch_decodes_through_it_as_through_its_layers(
-    qwen3_path, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bfloat16 (the row ops, the attention, the single-row product with its norm and SiLU, and oneDNN's
-    products all take it): three requests through the batch op give logits equal to the modules' at every
-    step, then one through the batch-1 op. The modules' own bfloat16 steps are checked against torch's
-    bfloat16 ops in tests/test_cpu_rows.py and tests/test_cpu_matvec.py."""
-    if torch.bfloat16 not in cpu_prepack_dtypes():
-        pytest.skip("oneDNN cannot prepack bfloat16 weights on this CPU")
-    config = ModelConfig.from_path(qwen3_path, dtype="bfloat16")
-    runner = load_model(config, "cpu")
-    prepack_cpu_weights(runner)
-    prompts = [[5, 9, 31, 7, 2, 44, 3, 8], [11, 4, 6], [21, 22, 23, 24, 25]]
-
-    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
-        driver = BatchDriver(runner, config)
-        rows = [driver.new_request() for _ in prompts]
-        last = driver.extend(list(zip(rows, prompts)))
-        tokens = [int(t) for t in last.argmax(-1)]
-        logits = [last]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for step in range(7):
-                live = 3 if step < 5 else 1
-                logits.append(driver.decode(list(zip(rows[:live], tokens[:live]))))
-                tokens = [int(t) for t in logits[-1].argmax(-1)]
-        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::decoder_layer")}
-        return logits, counts
-
-    ours, counts = run()
-    # 5 steps at 3 rows, the first a gather of the dense blocks (the modules run); 2 at 1 row.
-    layers = config.num_layers
-    assert counts == {"radixserve_cpu::decoder_layer_rows": 4 * layers, "radixserve_cpu::decoder_layer_row": 2 * layers}
-    monkeypatch.setenv(LAYER_ROW_ENV, "0")
-    reference, none = run()
-    assert none == {}
-    for a, b in zip(ours, reference):
-        assert a.dtype == torch.float32 and torch.equal(a, b)
