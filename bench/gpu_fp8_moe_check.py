@@ -4,6 +4,8 @@
     python bench/gpu_fp8_moe_check.py      (from the repository root; needs torch + triton, a GPU)
     TRITON_INTERPRET=1 .venv/bin/python bench/gpu_fp8_moe_check.py --cpu   (a dry run: the quick experts, on
                                             the CPU under Triton's interpreter, which sums as the reference)
+    python bench/gpu_fp8_moe_check.py --block-k 32   (both GEMMs with K tiles of 32 instead of the default
+                                            tiles' 128: less summed inside each tensor-core product)
 
 The w8a8 form quantizes twice: the hidden rows before the up GEMM and the bfloat16 intermediate
 silu(gate) * up before the down GEMM, each per token in groups of 128 to e4m3 (3 mantissa bits). The
@@ -53,7 +55,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-def kernel_with_intermediate(x, w13, w2, s13, s2, weights, ids) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_with_intermediate(x, w13, w2, s13, s2, weights, ids, block_k=None) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_moe's w8a8 output and the intermediate its up GEMM wrote ([pairs, I], pair t * k + j)."""
     seen: list[torch.Tensor] = []
     original = fused_moe_module._grouped_gemm
@@ -63,10 +65,18 @@ def kernel_with_intermediate(x, w13, w2, s13, s2, weights, ids) -> tuple[torch.T
         if not seen:
             seen.append(c.clone())
 
+    tiles = None
+    if block_k is not None:  # the default tiles with K tiles of block_k
+        from dataclasses import replace
+
+        from kernels.moe_blocks import moe_tiles_for
+
+        tiles = replace(moe_tiles_for(ids.numel(), w13.shape[0], fp8=True), block_k=block_k)
     fused_moe_module._grouped_gemm = recording
     try:
         out = fused_moe_module.fused_moe(
-            x, w13, w2, weights, ids, w13_scale_inv=s13, w2_scale_inv=s2, block_size=BLOCK, fp8_activations=True
+            x, w13, w2, weights, ids, tiles, w13_scale_inv=s13, w2_scale_inv=s2, block_size=BLOCK,
+            fp8_activations=True,
         )
     finally:
         fused_moe_module._grouped_gemm = original
@@ -102,6 +112,7 @@ def down_stage(act, w2, s2, weights, ids, tokens: int) -> torch.Tensor:
 
 def main() -> int:
     cpu = "--cpu" in sys.argv[1:]
+    block_k = int(sys.argv[sys.argv.index("--block-k") + 1]) if "--block-k" in sys.argv else None
     dev = torch.device("cpu" if cpu else "cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     results: dict = {}
@@ -115,7 +126,7 @@ def main() -> int:
             logits = torch.randn(t, e, device=dev, generator=g)
             weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
             weights = (weights / weights.sum(-1, keepdim=True)).float()
-            out, act_kernel = kernel_with_intermediate(x, w13, w2, s13, s2, weights, ids)
+            out, act_kernel = kernel_with_intermediate(x, w13, w2, s13, s2, weights, ids, block_k)
             ref = fused_moe_fp8_reference(x, w13, w2, s13, s2, BLOCK, weights, ids, True)
             act_ref = reference_intermediate(x, w13, s13, ids)
             codes_k, scale_k = per_token_group_quant_fp8_reference(act_kernel, BLOCK[1])
@@ -138,8 +149,10 @@ def main() -> int:
             rows.append((f"{label} T={t}", entry))
             print(f"{label} T={t}: " + ", ".join(f"{k} {v:.2e}" for k, v in entry.items()), flush=True)
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "gpu_fp8_moe_check.json"), "w") as f:
-        json.dump({"device": "cpu" if cpu else torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    name = "gpu_fp8_moe_check.json" if block_k is None else f"gpu_fp8_moe_check_k{block_k}.json"
+    with open(os.path.join(OUT, name), "w") as f:
+        json.dump({"device": "cpu" if cpu else torch.cuda.get_device_name(), "block_k": block_k, "results": results},
+                  f, indent=1)
     print("\n== gpu_fp8_moe_check ==")
     print(f"{'case':52s} {'kernel/ref':>10s} {'act differ':>10s} {'e4m3 differ':>11s} {'down alone':>10s} {'amplif.':>9s}")
     for name, e in rows:

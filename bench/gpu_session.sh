@@ -88,7 +88,7 @@ for step in "${steps[@]}"; do
     flagchain) timeout 300 python bench/gpu_flag_chain.py ${FLAGCHAIN_ARGS:-} > "$OUT/flagchain.log" 2>&1 ;;
     pdl)     timeout 560 python bench/gpu_pdl.py ${PDL_ARGS:-} > "$OUT/pdl.log" 2>&1 ;;
     moestages) timeout 200 python bench/gpu_moe_stages.py ${MOESTAGES_ARGS:-} > "$OUT/moestages.log" 2>&1 ;;
-    fp8moecheck) timeout 300 python bench/gpu_fp8_moe_check.py > "$OUT/fp8moecheck.log" 2>&1 ;;
+    fp8moecheck) timeout 300 python bench/gpu_fp8_moe_check.py ${FP8MOECHECK_ARGS:-} > "$OUT/fp8moecheck.log" 2>&1 ;;
     q35check) timeout 300 python bench/gpu_qwen35_check.py ${Q35CHECK_ARGS:-} > "$OUT/q35check.log" 2>&1 ;;
     routing) timeout 300 python bench/gpu_moe_routing.py > "$OUT/routing.log" 2>&1 ;;
     profiledet) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
