@@ -68,6 +68,15 @@ def test_rmsnorm_layer_takes_the_op_and_stays_within_an_ulp_of_torch(without_row
     torch.testing.assert_close(y, torch_y, rtol=1e-6, atol=1e-6)
 
 
+def _torch_rotation(rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    """The rotation as the torch ops give it (the row ops off for the call)."""
+    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
+    try:
+        return rope(positions, q, k)
+    finally:
+        cpu_matvec._row_ops = saved
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 @pytest.mark.parametrize("rows", [1, 5, 70])
@@ -81,11 +90,7 @@ def test_rope_in_place_is_bit_identical_to_the_torch_rotation(rows: int, rotary_
     qkv = (torch.randn(rows, (6 + 2 + 2) * head_dim, generator=g) * 4).to(dtype)
     positions = torch.randint(0, 4096, (rows,), generator=g)
     q, k, v = qkv.split([6 * head_dim, 2 * head_dim, 2 * head_dim], dim=-1)
-    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
-    try:
-        ref_q, ref_k = rope(positions, q.clone(), k.clone())
-    finally:
-        cpu_matvec._row_ops = saved
+    ref_q, ref_k = _torch_rotation(rope, positions, q.clone(), k.clone())
     v_before = v.clone()
     assert rope.norm_rope_in_place(positions, q, k, None, None)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, v_before)
@@ -108,11 +113,7 @@ def test_qk_norms_then_rope_match_the_layers_steps() -> None:
     nk = torch.from_numpy(_norm64(k.view(-1, head_dim), k_norm.weight.detach(), 1e-6).float().numpy()).view(
         k.shape
     )
-    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
-    try:
-        ref_q, ref_k = rope(positions, nq, nk)
-    finally:
-        cpu_matvec._row_ops = saved
+    ref_q, ref_k = _torch_rotation(rope, positions, nq, nk)
     assert rope.norm_rope_in_place(positions, q, k, q_norm, k_norm)
     torch.testing.assert_close(q, ref_q, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(k, ref_k, rtol=2e-6, atol=2e-6)
@@ -261,11 +262,7 @@ def test_bfloat16_qk_norms_then_rope_are_the_torch_steps() -> None:
     positions = torch.randint(0, 256, (8,), generator=g)
     nq = _bf16_norm(q.view(-1, head_dim), q_norm.weight.detach(), 1e-6).view(q.shape)
     nk = _bf16_norm(k.view(-1, head_dim), k_norm.weight.detach(), 1e-6).view(k.shape)
-    cpu_matvec._row_ops, saved = None, cpu_matvec._row_ops
-    try:
-        ref_q, ref_k = rope(positions, nq, nk)
-    finally:
-        cpu_matvec._row_ops = saved
+    ref_q, ref_k = _torch_rotation(rope, positions, nq, nk)
     assert rope.norm_rope_in_place(positions, q, k, q_norm, k_norm)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 

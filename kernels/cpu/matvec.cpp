@@ -31,6 +31,7 @@
 #define RS_X86 1
 #endif
 
+#include "bf16.h"
 #include "exp16.h"
 
 namespace {
@@ -38,17 +39,11 @@ namespace {
 using RowsFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
 using Bf16RowsFn = void (*)(const uint16_t*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
 
-// A bfloat16 value's float32: its 16 bits are the float's upper half.
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// A weight element as float32: itself, or a bfloat16's bits widened (exact).
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return bf16_to_float(v); }
+using radixserve_cpu_bf16::bf16_to_float;
+using radixserve_cpu_bf16::keep;
+using radixserve_cpu_bf16::put;
+using radixserve_cpu_bf16::to_bf16;
+using radixserve_cpu_bf16::widen;
 
 // Rows [r0, r1) of W (row stride ld) times x: y[r] = sum_k W[r, k] x[k], accumulated in float32 (W float32,
 // or bfloat16 widened element by element: the same sums over the widened values).
@@ -276,25 +271,6 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return dtype == at::kFloat ? y : y.to(dtype);
 }
 
-// The value a store of T keeps: float as it is, bfloat16 rounded to nearest even (as torch's bfloat16 ops store).
-template <typename T>
-inline float keep(float f) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    return bf16_to_float(c10::BFloat16(f).x);
-  } else {
-    return f;
-  }
-}
-
-template <typename T>
-inline void put(T* p, float f) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    *p = c10::BFloat16(f).x;
-  } else {
-    *p = f;
-  }
-}
-
 // The prologue's row v = w * (h * inv) from h = x (+ residual), each step kept as T (torch's bfloat16 RMSNorm
 // rounds h, h * inv and the product); h is written to hp (the residual handed on).
 template <typename T>
@@ -458,7 +434,7 @@ inline void store_row(float* dst, const float* o, int64_t n) {
 }
 
 inline void store_row(uint16_t* dst, const float* o, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(o[i]).x;
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(o[i]);
 }
 
 template <typename T>

@@ -45,6 +45,7 @@
 #define RS_X86 1
 #endif
 
+#include "bf16.h"
 #include "exp16.h"
 
 namespace radixserve_cpu_paths {
@@ -60,34 +61,9 @@ constexpr int64_t kGrain = 8;
 // Stored elements: float, or a bfloat16's 16 bits.
 using bf16 = uint16_t;
 
-inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// f as bfloat16: rounded to nearest even (c10's round_to_nearest_even); NaN stays NaN.
-inline bf16 to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return static_cast<bf16>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// The value a store of T keeps: f itself for float, f rounded to bfloat16 for bf16.
-template <typename T>
-inline float keep(float f) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    return widen(to_bf16(f));
-  } else {
-    return f;
-  }
-}
-
-inline void put(float* p, float v) { *p = v; }
-inline void put(bf16* p, float v) { *p = to_bf16(v); }
+using radixserve_cpu_bf16::keep;
+using radixserve_cpu_bf16::put;
+using radixserve_cpu_bf16::widen;
 
 // The tensor's elements as T (float32 or bfloat16 bits).
 template <typename T>
