@@ -634,22 +634,25 @@ FP8_GPU = Area(
                peer=lambda d: _fp8_mma_step(d)["ceiling_ms"] * 1000, peer_label="ceiling: FP8 weight bytes / copy bw",
                ratio=lambda d: _row(d["rows"], table="step", case="weight-only gemv")["of_ceiling"],
                ratio_fmt="{:.3f} of the ceiling", command="python bench/gpu_fp8_mma.py"),
-        Figure("w8a8 block-FP8 GEMM, M = 4,096, gate_up 24,576 × 4,096 (default tiles)", "gpu_fp8_2026-12-03_a.json",
-               lambda d: _fp8_gemm(d, "gate_up")["w8a8_default_us"], "{:,.0f} µs",
+        Figure("w8a8 block-FP8 GEMM, M = 4,096, gate_up 24,576 × 4,096 (64 × 128 tiles, the sweep's best and now "
+               "fp8_tiles_for's default; the 128 × 128 tiles it picked before: 1,552 µs. On an H100)",
+               "gpu_fp8_2026-12-06_a.json",
+               lambda d: _fp8_gemm(d, "gate_up")["w8a8_best_us"], "{:,.0f} µs",
                peer=lambda d: _fp8_gemm(d, "gate_up")["bf16_us"], peer_label="bf16 torch.matmul",
                ratio_fmt="{:.2f}× bf16's time", command="python bench/gpu_fp8.py --quick"),
-        Figure("FP8 kernel checks within 1e-2 of their references (the two misses: w8a8 MoE at 64 and 300 tokens)",
-               "gpu_fp8_2026-12-03_a.json",
-               lambda d: sum(1 for name, err in d["checks"].items() if "(info)" not in name and err < 1e-2), "{:d} of 22",
-               target=Target("==", 22, "22 of 22", on="value"), command="python bench/gpu_fp8.py --quick"),
-        Figure("w8a8 FP8 MoE against its reference, Qwen3-30B-A3B experts, 64 tokens: the down stage alone on the "
-               "kernel's own intermediate (the whole: 1.29e-2; the intermediate is ~1 bfloat16 step off in 36 % of "
-               "its values, moving 8.9 % of its e4m3 codes; at 1 token, 0.03 % and none: 2.39e-3. On an H100)",
-               "gpu_fp8_moe_check_2026-12-06_a.json",
-               lambda d: d["results"]["Qwen3-30B-A3B (128, 2048 / 768, top-8) T=64"]["down_stage_alone"], "{:.2e}",
-               peer=lambda d: d["results"]["Qwen3-30B-A3B (128, 2048 / 768, top-8) T=64"]["kernel_vs_reference"],
-               peer_label="the whole MoE against the reference", peer_fmt="{:.2e}", ratio=no_ratio,
-               command="python bench/gpu_fp8_moe_check.py"),
+        Figure("FP8 kernel checks beyond 1e-2 of their references, of 28 (the quantizer bit for bit; the w8a8 MoE "
+               "at 64 / 300 tokens 2.35e-3 / 4.93e-3, before the reference's scales were fixed 1.27e-2 / 1.39e-2. "
+               "On an H100)", "gpu_fp8_2026-12-06_a.json",
+               lambda d: sum(1 for name, err in d["checks"].items() if "(info)" not in name and err >= 1e-2), "{:d}",
+               target=Target("==", 0, "none", on="value"), command="python bench/gpu_fp8.py --quick"),
+        Figure("w8a8 FP8 MoE against its reference, Qwen3-30B-A3B experts, 64 tokens (the reference's scales now "
+               "the correctly rounded amax / 448: before, 1.29e-2, and 8.9 % of the intermediate's e4m3 codes "
+               "moved; 32-deep K tiles changed nothing. On an H100)",
+               "gpu_fp8_moe_check_2026-12-06_b.json",
+               lambda d: d["results"]["Qwen3-30B-A3B (128, 2048 / 768, top-8) T=64"]["kernel_vs_reference"], "{:.2e}",
+               peer=lambda d: d["results"]["Qwen3-30B-A3B (128, 2048 / 768, top-8) T=64"]["down_stage_alone"],
+               peer_label="the down stage alone", peer_fmt="{:.2e}", ratio=no_ratio,
+               target=Target("<=", 1e-2, "≤ 1e-2", on="value"), command="python bench/gpu_fp8_moe_check.py"),
         Figure("decode attention, batch 64 × 4,096 tokens, FP8 (e4m3) KV pool", "gpu_fp8_kv_2026-12-03_a.json",
                lambda d: d["results"]["decode_kernel_fp8_e4m3"]["us_per_call"], "{:,.0f} µs",
                peer=lambda d: d["results"]["decode_kernel_auto"]["us_per_call"], peer_label="bf16 pool",

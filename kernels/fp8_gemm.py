@@ -68,14 +68,15 @@ FEW_ROWS_FORMS = ("mma", "weight-only")
 
 
 def fp8_tiles_for(m: int) -> Fp8Tiles:
-    """Short M: narrow tiles, so there are enough programs to stream the weight; long M: 128 x 128."""
+    """Short M: narrow tiles, so there are enough programs to stream the weight; longer M: 64 x 128 with
+    four warps. 128 x 128 with eight warps for M > 1,024 was 1.27-1.42x slower at M = 4,096 on the Qwen3-8B
+    shapes on the H200 (2026-12-03) and the H100 (2026-12-06): bench/gpu_fp8.py's sweep picked 64 x 128 for
+    every shape on both."""
     if m <= 16:
         return Fp8Tiles(block_m=16, block_n=64, group_m=1, num_stages=4)
     if m <= 128:
         return Fp8Tiles(block_m=64, block_n=64, num_stages=4)
-    if m <= 1024:
-        return Fp8Tiles()
-    return Fp8Tiles(block_m=128, block_n=128, num_warps=8)
+    return Fp8Tiles()
 
 
 @triton.jit

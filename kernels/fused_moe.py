@@ -66,17 +66,16 @@ __all__ = [
 
 
 def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
-    """Whether FP8 experts quantize their activations (w8a8) by default: never, for now. On the H200
-    (bench/gpu_fp8.py, 2026-12-03) the w8a8 form was 1.3e-2 (relative) from its own reference at 64 and
-    300 tokens, against 4e-3 at one token, 1.7e-3 for the dense w8a8 product and 2.4e-3 for weight-only
-    experts at every size: until that is found, w8a8 is opt-in (fp8_activations=True). (The interpreter's
-    1.2-1.7 % was its truncating bfloat16 cast, now rounded as the GPU rounds: 2.4e-3 at every size.)
-    bench/gpu_moe_stages.py on the H200 (2026-12-04): the first GEMM's output is already 4e-3 of its rms
-    off at 64 and 300 tokens in every launch shape (2e-7 at one token), so the error starts at or before
-    that GEMM's input, not in the tensor-core kind. The arguments stay for the size rule it is meant to
-    become (w8a8 once experts see more than a couple of rows)."""
-    del num_pairs, num_experts
-    return False
+    """Whether FP8 experts quantize their activations (w8a8) by default: where it was faster on an H100
+    (bench/gpu_fp8.py --quick, 2026-12-06, Qwen3-30B-A3B experts): at decode sizes (pairs <= 2E, the
+    16-row tiles; one token: 30.8 vs 34.0 us) and past 16 pairs per expert (the 64-row tiles; 1,024
+    tokens: 578 vs 817 us), not between (64 tokens, 32-row tiles: 582 vs 441 us). Both forms are within
+    2.4e-3 of their float32 references at 1 and 64 tokens, w8a8 4.9e-3 at 300 (weight-only 2.3e-3).
+    (The 1.3e-2 w8a8 once showed at 64 and 300 tokens was the reference's: torch divided amax by 448 as a
+    product with a rounded 1/448 on CUDA, and bfloat16 rows hit the e4m3 ties that one ulp moves;
+    kernels/fp8_reference.fp8_scale.) Deterministic inference passes the form explicitly instead, so that
+    it does not change with the batch."""
+    return num_pairs <= 2 * num_experts or num_pairs > 16 * num_experts
 
 
 @triton.jit

@@ -19,6 +19,7 @@ from kernels.fp8_gemm import (
 )
 from kernels.fp8_reference import (
     dequantize_groups,
+    fp8_scale,
     per_token_group_quant_fp8_reference,
     quantize_block_weight,
     w8a8_block_fp8_matmul_reference,
@@ -58,6 +59,23 @@ def test_group_quant_matches_the_reference_bit_for_bit(gen, dtype, m, k, group) 
     assert scale.dtype == torch.float32 and scale.shape == (m, -(-k // group))
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_scales_are_the_correctly_rounded_quotient_and_ties_go_to_even(gen) -> None:
+    # The scale is amax / 448 rounded once (float64's quotient rounded to float32), not amax times a
+    # rounded 1/448 (what torch does on CUDA for a Python divisor, one ulp off for most amaxes): the
+    # reference and the kernel then agree on the e4m3 ties bfloat16 rows hit. amax 3.0625 gives the scale
+    # 0.0068359375 exactly; x = 1.2578125 is 184.0 scales, halfway between e4m3's 176 and 192, and goes to
+    # 192 (the even mantissa); x = 0.060302734375 (amax 2.84375) is 9.5 scales and goes to 10.
+    amax = torch.rand(4096, generator=gen).bfloat16().float() * 10 + 1e-3
+    assert torch.equal(fp8_scale(amax), (amax.double() / FP8_MAX).float())
+    x = torch.zeros((2, 64), dtype=torch.bfloat16)
+    x[0, 0], x[0, 1], x[0, 2] = 3.0625, 1.2578125, -1.2578125
+    x[1, 0], x[1, 1] = 2.84375, 0.060302734375
+    for q, scale in (per_token_group_quant_fp8(x, 64), per_token_group_quant_fp8_reference(x, 64)):
+        assert scale[0, 0].item() == 0.0068359375
+        assert q[0, :3].float().tolist() == [448.0, 192.0, -192.0]
+        assert q[1, :2].float().tolist() == [448.0, 10.0]
 
 
 def test_group_quant_round_trip_and_scales(gen) -> None:

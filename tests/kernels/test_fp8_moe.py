@@ -143,14 +143,15 @@ def test_weight_only_fp8_moe_is_the_dequantized_moe_and_w8a8_is_close_to_it(gen)
     assert 1e-4 < rel_error(w8a8, plain) < 6e-2
 
 
-def test_fp8_moe_default_tiles_and_form_published_blocks(gen) -> None:
+@pytest.mark.parametrize(("tokens", "w8a8"), [(1, True), (5, False)])
+def test_fp8_moe_default_tiles_and_form_published_blocks(gen, tokens, w8a8) -> None:
     block = (128, 128)
-    tokens, experts, top_k = 5, 4, 2
+    experts, top_k = 4, 2
     x = torch.randn((tokens, 160), generator=gen)
     w13, w2, w13_s, w2_s = _experts(gen, experts, 160, 136, block)
     weights, ids = _routing(gen, tokens, experts, top_k)
     quantize = moe_fp8_activations(tokens * top_k, experts)
-    assert not quantize  # weight-only by default
+    assert quantize == w8a8  # 2 pairs <= 2E: w8a8; 10 pairs: weight-only
     out = fused_moe(x, w13, w2, weights, ids, w13_scale_inv=w13_s, w2_scale_inv=w2_s, block_size=block)
     ref = fused_moe_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids, quantize)
     assert rel_error(out, ref) < 1e-5
@@ -180,10 +181,14 @@ def test_fp8_moe_half_precision(gen) -> None:
         assert rel_error(out.float(), ref) < 5e-3
 
 
-def test_fp8_experts_run_weight_only_by_default() -> None:
-    # w8a8 is opt-in until its error at batches of tokens on the GPU is understood (fused_moe.py).
-    assert not moe_fp8_activations(8, 128)  # one token, top-8 of 128 experts
-    assert not moe_fp8_activations(64 * 8, 128)
+def test_fp8_experts_pick_their_form_by_size() -> None:
+    # w8a8 where it was faster on the GPU (fused_moe.moe_fp8_activations): decode sizes and large batches.
+    assert moe_fp8_activations(8, 128)  # one token, top-8 of 128 experts
+    assert moe_fp8_activations(2 * 128, 128)
+    assert not moe_fp8_activations(64 * 8, 128)  # the 32-row tiles' sizes: weight-only
+    assert not moe_fp8_activations(16 * 128, 128)
+    assert moe_fp8_activations(16 * 128 + 1, 128)
+    assert moe_fp8_activations(1024 * 8, 128)
 
 
 def test_fp8_moe_rejects_mismatched_scales(gen) -> None:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8_reference import fp8_scale
 from services.worker.config import QUANTIZATION_METHODS
 from services.worker.runtime.layers.linear import LoadedWeight, full_weight, one_contiguous_row, weight_shape
 
@@ -140,7 +141,7 @@ def quantize_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[
     rows, cols = -(-n // bn), -(-k // bk)
     padded = F.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
     amax = padded.view(*lead, rows, bn, cols, bk).abs().amax(dim=(-3, -1))
-    scale = amax.clamp(min=1e-12) / FP8_MAX
+    scale = fp8_scale(amax, eps=1e-12)  # the same scales on the CPU and the GPU
     expanded = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

@@ -180,6 +180,8 @@ class FusedMoE(nn.Module):
             if self.batch_invariant:
                 from kernels.fused_moe import DETERMINISTIC_MOE_TILES
 
+                if fp8:  # one form for every batch size (the default picks by size)
+                    fp8["fp8_activations"] = False
                 out = fused_moe(
                     hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                     tiles=DETERMINISTIC_MOE_TILES, sum_in_order=True, **fp8,
