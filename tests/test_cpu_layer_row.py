@@ -231,3 +231,43 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     assert none == {}
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_single_rows_on_packed_products_take_the_batch_op(
+    dtype: str, qwen3_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where calibration picks the packed product for single rows (oneDNN's AMX bfloat16 products on Intel,
+    say), a lone request's layers go through decoder_layer_rows with one row, not layer by layer: the modules'
+    tokens, and their logits within 1e-5 in float32 (their lone request's attention reads its span through
+    decode_attention_row, whose sums run in another order) and within bfloat16's rounding of the attention."""
+    if not cpu_prepack_available() or getattr(torch, dtype) not in cpu_prepack_dtypes():
+        pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 1)
+    config = ModelConfig.from_path(qwen3_path, dtype=dtype)
+    runner = load_model(config, "cpu")
+    prepack_cpu_weights(runner)
+    prompt = [5, 9, 31, 7, 2, 44, 3, 8]
+
+    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
+        driver = BatchDriver(runner, config)
+        row = driver.new_request()
+        logits, tokens = [driver.extend([(row, prompt)])], list(prompt)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(6):
+                tokens.append(int(logits[-1].argmax(-1)))
+                logits.append(driver.decode([(row, tokens[-1])]))
+        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::decoder_layer")}
+        return logits, counts
+
+    ours, counts = run()
+    assert counts == {"radixserve_cpu::decoder_layer_rows": 6 * config.num_layers}
+    monkeypatch.setenv(LAYER_ROW_ENV, "0")
+    reference, none = run()
+    assert none == {}
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for a, b in zip(ours, reference):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)

@@ -76,21 +76,24 @@ def row_decode_step(batch: ForwardBatch, hidden: torch.Tensor) -> RowDecodeStep 
     return RowDecodeStep(meta.slots, batch.seq_lens, batch.out_cache_loc, batch.positions)
 
 
-def _weights(layer: Any, hidden: torch.Tensor) -> tuple[Any, ...] | None:
-    """The layer's operands for decoder_layer_row (one row: the weights) or decoder_layer_rows (several: the
-    packed weights), cached on the layer and checked against its current parameters, or None where it does
-    not qualify."""
-    single = hidden.shape[0] == 1
+def _weights(layer: Any, hidden: torch.Tensor) -> tuple[bool, tuple[Any, ...]] | None:
+    """(whether the row op takes it, the layer's operands): decoder_layer_row's for one row whose products
+    are the C++ ones (the weights), else decoder_layer_rows' (the packed weights: several rows, or one row
+    where calibration chose the packed product for single rows). Cached on the layer and checked against its
+    current parameters; None where the layer does not qualify."""
+    single = hidden.shape[0] == 1 and layer.self_attn.qkv_proj.cpu_single_row(hidden)
     qkv = layer.self_attn.qkv_proj.weight
     cached = getattr(layer, "_row_weights", None)
     if cached is None or cached[0] is not qkv:
         cached = layer._row_weights = (qkv, {})
-    operands = cached[1].get(single)
+    key = (single, hidden.shape[0] == 1)  # a lone row takes the packed weights only where calibration chose them
+    operands = cached[1].get(key)
     if operands is None:  # not cached: a layer that does not qualify now may later (calibration, prepacking)
         operands = _operands(layer, hidden, single)
-        if operands is not None:
-            cached[1][single] = operands
-    return operands
+        if operands is None:
+            return None
+        cached[1][key] = operands
+    return single, operands
 
 
 def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...] | None:
@@ -135,13 +138,14 @@ def layer_row(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(hidden, residual) after `layer` through decoder_layer_row (one row) or decoder_layer_rows, or None
     where the layer does not qualify (the caller runs it as usual)."""
-    operands = _weights(layer, hidden)
-    if operands is None:
+    weights = _weights(layer, hidden)
+    if weights is None:
         return None
+    single, operands = weights
     in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, kv_layer, cos, sin, eps, scale, kv_heads, d = operands
     pool = batch.token_to_kv_pool
     k_pool, v_pool = pool.get_key_buffer(kv_layer), pool.get_value_buffer(kv_layer)
-    if hidden.shape[0] == 1:
+    if single:
         return torch.ops.radixserve_cpu.decoder_layer_row(
             hidden, residual, in_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down, k_pool, v_pool,
             step.slots, step.seq_lens, step.loc, step.positions, cos, sin, eps, scale, kv_heads, d,
