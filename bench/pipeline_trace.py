@@ -18,7 +18,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-RID = re.compile(r"^(ttft|floor|text)-(engine|gateway)-(\d+)$")
+RID = re.compile(r"^(ttft\d*|floor|text)-(engine|gateway)-(\d+)$")  # ttft512-...: --ttft-prompt-lens
 ORDER = {
     "gateway": ["client.sent", "gateway.http", "gateway.submit", "gateway.published", "worker.received", "worker.queued",
                 "scheduler.added", "scheduler.outputs", "worker.outputs", "worker.published", "gateway.stream",

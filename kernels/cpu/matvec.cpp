@@ -560,78 +560,22 @@ __attribute__((target("avx512f"))) void add_scaled_rows_avx512(
   }
 }
 
-// The 16 horizontal sums of v[0..15] as one vector (lane i: the sum of v[i]'s lanes): pairs of vectors added
-// lane-interleaved, then pairs of those, then the 128-bit blocks, 45 instructions for 16 sums where one
-// _mm512_reduce_add_ps per sum takes ~8 dependent ones.
-__attribute__((target("avx512f"))) inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit block: the block's sums of v[4i .. 4i + 3]
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
-
-// gather_scores / gather_add_rows on 16 lanes, for D a multiple of 16, one kv head at a time so that its
-// rows are read from memory once for its whole query group. Scores: 16 keys at a time (their head rows stay
-// in L1 across the group), each key's products summed over D in its own register, then the 16 sums at once
-// (sum16). Weighted values: G query rows x 64 lanes of D in registers across all keys, each value row's
-// chunk loaded once for the G rows (the partial outputs went through memory once per key and head before,
-// each update waiting on the last).
+// gather_scores / gather_add_rows on 16 lanes, for D a multiple of 16.
 template <typename T>
 __attribute__((target("avx512f"))) void gather_scores_avx512(const T* k, int64_t ks, const int64_t* sl, int64_t len,
                                                             const float* q, int64_t rows, int64_t group, int64_t d,
                                                             float* p) {
-  __m512 acc[16];
-  const T* key[16];
-  for (int64_t h = 0; h < rows; ++h) {
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - t0);
-      for (int64_t tt = 0; tt < n; ++tt) key[tt] = k + sl[t0 + tt] * ks + h * d;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* row = k + sl[t] * ks;
+    for (int64_t h = 0; h < rows; ++h) {
+      const T* kh = row + h * d;
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + (h * group + j) * d;
-        for (int64_t tt = 0; tt < n; ++tt) {
-          const T* kh = key[tt];
-          __m512 a = _mm512_mul_ps(load16(kh), _mm512_loadu_ps(qj));
-          for (int64_t i = 16; i < d; i += 16) a = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), a);
-          acc[tt] = a;
-        }
-        for (int64_t tt = n; tt < 16; ++tt) acc[tt] = _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(p + (h * group + j) * len + t0, static_cast<__mmask16>((1u << n) - 1u), sum16(acc));
+        __m512 acc = _mm512_mul_ps(load16(kh), _mm512_loadu_ps(qj));
+        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), acc);
+        p[(h * group + j) * len + t] = _mm512_reduce_add_ps(acc);
       }
     }
-  }
-}
-
-// Query rows j0 .. j0 + G - 1 of kv head h, 64 lanes of D from i0: sum over keys of p * v in G x 4 registers.
-template <int G, typename T>
-__attribute__((target("avx512f"))) inline void add_rows_block(float* o, const T* v, int64_t vs, const int64_t* sl,
-                                                            const float* p, int64_t len, int64_t d, int64_t h,
-                                                            int64_t group, int64_t j0, int64_t i0) {
-  __m512 a[G][4];
-  for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
-  }
-  const float* pg = p + (h * group + j0) * len;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* row = v + sl[t] * vs + h * d + i0;
-    const __m512 x0 = load16(row), x1 = load16(row + 16), x2 = load16(row + 32), x3 = load16(row + 48);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(pg[g * len + t]);
-      a[g][0] = _mm512_fmadd_ps(w, x0, a[g][0]);
-      a[g][1] = _mm512_fmadd_ps(w, x1, a[g][1]);
-      a[g][2] = _mm512_fmadd_ps(w, x2, a[g][2]);
-      a[g][3] = _mm512_fmadd_ps(w, x3, a[g][3]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* og = o + (h * group + j0 + g) * d + i0;
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(og + 16 * c, a[g][c]);
   }
 }
 
@@ -639,21 +583,6 @@ template <typename T>
 __attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const T* v, int64_t vs, const int64_t* sl,
                                                               const float* p, int64_t len, int64_t rows, int64_t group,
                                                               int64_t d) {
-  if (d % 64 == 0) {
-    for (int64_t h = 0; h < rows; ++h) {
-      for (int64_t i0 = 0; i0 < d; i0 += 64) {
-        int64_t j = 0;
-        for (; j + 4 <= group; j += 4) add_rows_block<4>(o, v, vs, sl, p, len, d, h, group, j, i0);
-        switch (group - j) {
-          case 3: add_rows_block<3>(o, v, vs, sl, p, len, d, h, group, j, i0); break;
-          case 2: add_rows_block<2>(o, v, vs, sl, p, len, d, h, group, j, i0); break;
-          case 1: add_rows_block<1>(o, v, vs, sl, p, len, d, h, group, j, i0); break;
-          default: break;
-        }
-      }
-    }
-    return;
-  }
   std::fill(o, o + rows * group * d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const T* row = v + sl[t] * vs;
@@ -765,4 +694,3 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("decode_attention_row", &decode_attention_row);
   m.impl("decode_attention_rows", &decode_attention_rows);
 }
-
