@@ -210,6 +210,8 @@ def main() -> int:
     ap.add_argument("--scheduler-thread", action="store_true",
                     help="run the Engine's scheduler in a thread of this process (default on CUDA: its own process)")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: from free memory)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the Engine's --quantization (fp8: the linear weights quantized to block FP8 at load)")
     args = ap.parse_args()
     path = Path(args.model)
     engine_kw: dict = {}
@@ -219,6 +221,8 @@ def main() -> int:
         engine_kw["scheduler_process"] = False
     if args.max_total_tokens:
         engine_kw["max_total_tokens"] = args.max_total_tokens
+    if args.quantization:
+        engine_kw["quantization"] = args.quantization
     bw, flops = copy_bandwidth(), matmul_rate()
     results: dict = {"copy_GBps": bw / 1e9, "matmul_TFLOPs": flops / 1e12, "engine": engine_kw}
     runs = {

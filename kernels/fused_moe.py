@@ -79,13 +79,23 @@ def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _accumulate(acc, a, b, a_s, b_s, A_FP8: tl.constexpr, B_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + a @ b for one K step; FP8 weights: the step's product times its block scales."""
+def _accumulate(
+    acc, a, b, a_s, b_s, A_FP8: tl.constexpr, B_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    B_SCALE_PER_TILE: tl.constexpr,
+):
+    """acc + a @ b for one K step; FP8 weights: the step's product times its block scales (b_s one scalar
+    where the tile's columns lie in one weight block, B_SCALE_PER_TILE: one multiply per element, not two)."""
     if B_FP8:
         if A_FP8:
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if B_SCALE_PER_TILE:
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
-            acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
+            if B_SCALE_PER_TILE:
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s
+            else:
+                acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION) * b_s[None, :]
     else:
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
@@ -130,6 +140,7 @@ def _moe_gemm_kernel(
     GROUP_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PAIR_PER_BLOCK: tl.constexpr,
+    B_SCALE_PER_TILE: tl.constexpr,
 ):
     """C[pair, :N] = A[pair // a_rows_per_pair] @ B[expert].T for the pairs of each row block.
     GATED: B holds 2N rows (gate, then up) and C gets silu(gate) * up. WEIGHTED: rows are scaled by
@@ -171,8 +182,12 @@ def _moe_gemm_kernel(
         b_base = B + expert * stride_be
         b_offs = safe_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
         a_scale_ptrs = A_scale + a_rows.to(tl.int64) * stride_asm
-        b_scale_ptrs = B_scale + expert * stride_bse + (safe_n // group_n) * stride_bsn
-        b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + safe_n) // group_n) * stride_bsn
+        if B_SCALE_PER_TILE:  # one weight block across the tile's columns: its scale, a scalar per K step
+            b_scale_ptrs = B_scale + expert * stride_bse + ((pid_n * BLOCK_N) // group_n) * stride_bsn
+            b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + pid_n * BLOCK_N) // group_n) * stride_bsn
+        else:
+            b_scale_ptrs = B_scale + expert * stride_bse + (safe_n // group_n) * stride_bsn
+            b_scale_up_ptrs = B_scale + expert * stride_bse + ((N + safe_n) // group_n) * stride_bsn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -185,7 +200,7 @@ def _moe_gemm_kernel(
                 b = tl.load(b_base + b_offs, mask=k_mask[:, None], other=0.0)
             a_s = tl.load(a_scale_ptrs + k0 // GROUP_K) if A_FP8 else None
             b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk) if B_FP8 else None
-            acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
+            acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION, B_SCALE_PER_TILE)
             if GATED:
                 if EVEN_K:
                     b_up = tl.load(b_base + N * stride_bn + b_offs)
@@ -193,7 +208,7 @@ def _moe_gemm_kernel(
                     b_up = tl.load(b_base + N * stride_bn + b_offs, mask=k_mask[:, None], other=0.0)
                 if B_FP8:
                     b_s = tl.load(b_scale_up_ptrs + (k0 // GROUP_K) * stride_bsk)
-                acc_up = _accumulate(acc_up, a, b_up, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION)
+                acc_up = _accumulate(acc_up, a, b_up, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION, B_SCALE_PER_TILE)
             a_base += BLOCK_K
             b_base += BLOCK_K * stride_bk
         if GATED:
@@ -270,6 +285,8 @@ def _grouped_gemm(
         GROUP_K=block_size[1],
         EVEN_K=a.shape[1] % tiles.block_k == 0,
         PAIR_PER_BLOCK=pair_per_block,
+        # The up rows start at N: they too lie in one block per tile only if bn divides N as well.
+        B_SCALE_PER_TILE=b_scale is not None and block_size[0] % tiles.block_n == 0 and n % block_size[0] == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
