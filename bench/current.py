@@ -607,6 +607,11 @@ def _fp8_mma_step(d: dict[str, Any]) -> dict[str, Any]:
     return _row(d["rows"], table="step", case="mma, best tiles")
 
 
+def _small_m_tiles(row: dict[str, Any], block_m: int, block_n: int) -> float:
+    """A GEMM row's time with the swept tiles of that block_m x block_n (bench/gpu_fp8.py --gemm-m)."""
+    return next(us for us, t in row["sweep"] if (t["block_m"], t["block_n"]) == (block_m, block_n))
+
+
 def _fp8_gemm(d: dict[str, Any], shape: str) -> dict[str, Any]:
     return _row(d["rows"], table="gemm", m=4096, shape=shape)
 
@@ -640,6 +645,14 @@ FP8_GPU = Area(
                lambda d: _fp8_gemm(d, "gate_up")["w8a8_default_us"], "{:,.0f} µs",
                peer=lambda d: _fp8_gemm(d, "gate_up")["bf16_us"], peer_label="bf16 torch.matmul",
                ratio_fmt="{:.2f}× bf16's time", command="python bench/gpu_fp8.py --quick"),
+        Figure("w8a8 block-FP8 GEMM, M = 32 (batched decode), the Qwen3-8B layer's four products: 16 × 64 tiles, "
+               "now fp8_tiles_for's for 17-32 rows (its 64 × 64 ones: 159 µs; at 48-128 rows those stay best. "
+               "On an H100)", "gpu_fp8_small_m_2026-12-06_b.json",
+               lambda d: sum(_small_m_tiles(r, 16, 64) for r in d["rows"] if r["table"] == "gemm" and r["m"] == 32),
+               "{:,.1f} µs",
+               peer=lambda d: sum(r["bf16_us"] for r in d["rows"] if r["table"] == "gemm" and r["m"] == 32),
+               peer_label="bf16 torch.matmul", ratio_fmt="{:.2f}× bf16's time",
+               command="python bench/gpu_fp8.py --quick --gemm-m 24,32,48"),
         Figure("FP8 MoE (w8a8, the default form here), 1,024 tokens, Qwen3-30B-A3B experts (weight-only: 694 µs; "
                "before one scale per tile, w8a8 578 and weight-only 817. On an H100)", "gpu_fp8_2026-12-06_b.json",
                lambda d: _row(d["rows"], table="moe", t=1024)["fp8_w8a8_us"], "{:,.0f} µs",

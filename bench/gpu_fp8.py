@@ -76,6 +76,10 @@ ROWS_SWEEP = [
 DOT_AT_ONE = GemvTiles(32, 128, 4, 4, "dot")
 W8A8_SWEEP = [Fp8Tiles(64, 128, 128, 8, 4, 3), Fp8Tiles(128, 128, 128, 8, 8, 3), Fp8Tiles(64, 64, 128, 8, 4, 4),
               Fp8Tiles(128, 256, 128, 8, 8, 3), Fp8Tiles(64, 128, 128, 8, 4, 4)]  # fmt: skip
+# Batched decode (17-128 rows): narrower N for more programs over the weight, 16-64 row blocks.
+SMALL_M_SWEEP = [Fp8Tiles(16, 64, 128, 1, 4, 4), Fp8Tiles(32, 64, 128, 4, 4, 4), Fp8Tiles(32, 128, 128, 4, 4, 3),
+                 Fp8Tiles(64, 64, 128, 8, 4, 4), Fp8Tiles(64, 128, 128, 8, 4, 4), Fp8Tiles(64, 32, 128, 8, 4, 4),
+                 Fp8Tiles(32, 32, 128, 4, 4, 4), Fp8Tiles(16, 128, 128, 1, 4, 3)]  # fmt: skip
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -286,6 +290,7 @@ def gemm_case(m: int, name: str, dev: torch.device, sweep: list[Fp8Tiles], copie
         except Exception as exc:  # a tile the compiler rejects: said, skipped
             print(f"  w8a8 {tiles}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     row["w8a8_best_us"], row["w8a8_best_tiles"] = min(timed, key=lambda item: item[0])
+    row["sweep"] = timed
     row["bf16_tflops"] = 2 * m * n * k / row["bf16_us"] / 1e6
     row["w8a8_best_tflops"] = 2 * m * n * k / row["w8a8_best_us"] / 1e6
     print(f"gemm M={m} {name}: bf16 {row['bf16_us']:.1f} us, fp8 linear {row['fp8_linear_us']:.1f} us, "
@@ -320,10 +325,12 @@ def moe_case(t: int, dev: torch.device, copy_bw: float, fp8: list, bf16: list) -
     return row
 
 
-def time_gemm_and_moe(rows: list[dict], dev: torch.device, copy_bw: float, sweep: list[Fp8Tiles]) -> None:
-    for m in (256, 4096):
+def time_gemm_and_moe(
+    rows: list[dict], dev: torch.device, copy_bw: float, sweep: list[Fp8Tiles], gemm_ms: tuple[int, ...] = (256, 4096)
+) -> None:
+    for m in gemm_ms:
         for name in SHAPES:
-            rows.append(gemm_case(m, name, dev, sweep))
+            rows.append(gemm_case(m, name, dev, sweep + (SMALL_M_SWEEP if m <= 128 else [])))
             torch.cuda.empty_cache()
     e, h, i = MOE["experts"], MOE["hidden"], MOE["inter"]
     layers = 4  # 4 layers' experts per replay: T = 1 reads 8 experts x 4 layers (150 MB fp8), past L2
@@ -373,7 +380,10 @@ def print_table(copy_bw: float, checks: dict[str, float], rows: list[dict]) -> N
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller tile sweeps")
+    parser.add_argument("--gemm-m", default="256,4096",
+                        help="the GEMM table's row counts (<= 128: the batched-decode tile sweep as well)")
     args = parser.parse_args()
+    gemm_ms = tuple(int(m) for m in args.gemm_m.split(","))
     dev = torch.device("cuda")
     print(
         f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}",
@@ -395,7 +405,7 @@ def main() -> int:
         rows.append(prologue_case(model, checks, dev, copy_bw))
         torch.cuda.empty_cache()
     torch.cuda.empty_cache()
-    time_gemm_and_moe(rows, dev, copy_bw, W8A8_SWEEP[:2] if args.quick else W8A8_SWEEP)
+    time_gemm_and_moe(rows, dev, copy_bw, W8A8_SWEEP[:2] if args.quick else W8A8_SWEEP, gemm_ms)
     summary = {"copy_bw": copy_bw, "checks": checks, "rows": rows}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "gpu_fp8.json").write_text(json.dumps(summary, indent=1))

@@ -72,7 +72,7 @@ def fp8_tiles_for(m: int) -> Fp8Tiles:
     four warps. 128 x 128 with eight warps for M > 1,024 was 1.27-1.42x slower at M = 4,096 on the Qwen3-8B
     shapes on the H200 (2026-12-03) and the H100 (2026-12-06): bench/gpu_fp8.py's sweep picked 64 x 128 for
     every shape on both."""
-    if m <= 16:
+    if m <= 32:  # 17-32 rows (an H100, 2026-12-06): 118 vs 159 us for the 8B layer's four products at M = 32
         return Fp8Tiles(block_m=16, block_n=64, group_m=1, num_stages=4)
     if m <= 128:
         return Fp8Tiles(block_m=64, block_n=64, num_stages=4)
