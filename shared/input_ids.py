@@ -20,7 +20,11 @@ class PromptError(ValueError):
 
 def validate_input_ids(ids: Any, vocab_size: int, context_len: int, pool_tokens: int, field: str = "input_ids") -> None:
     """PromptError, naming `field` (the request field the prompt came in), for anything the model cannot take."""
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    # set(map(type, ...)) runs in C (a third of the generator's time on 512 ids); anything but plain ints
+    # (an int subclass, a bool, another type) takes the exact check.
+    if not isinstance(ids, list) or (
+        not set(map(type, ids)) <= {int} and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+    ):
         raise PromptError(f"`{field}` must be a list of integers", field)
     if not ids:
         raise PromptError(f"the prompt is empty (`{field}` has no tokens)", field)
