@@ -39,6 +39,10 @@ def _experts(gen: torch.Generator, experts: int, hidden: int, inter: int, block:
         (7, 6, 2, 72, 40, (32, 32)),
         (3, 8, 4, 64, 48, (16, 32)),  # bn narrower than bk; gate and up split on a block boundary
         (1, 4, 1, 40, 24, (32, 32)),  # one token; I = 24 shorter than one K block
+        # Tiles inside one weight block (BLOCK_N 32 divides bn, N on the grid): one scale per tile and K
+        # step, in both GEMMs; then bn = 64 spanning two tiles, the down GEMM's N = 96 off the grid.
+        (5, 4, 2, 64, 64, (32, 32)),
+        (4, 4, 2, 96, 128, (64, 32)),
     ],
 )
 def test_fp8_fused_moe_matches_the_reference(
