@@ -67,9 +67,10 @@ __all__ = [
 
 def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
     """Whether FP8 experts quantize their activations (w8a8) by default: where it was faster on an H100
-    (bench/gpu_fp8.py --quick, 2026-12-06, Qwen3-30B-A3B experts): at decode sizes (pairs <= 2E, the
-    16-row tiles; one token: 30.8 vs 34.0 us) and past 16 pairs per expert (the 64-row tiles; 1,024
-    tokens: 578 vs 817 us), not between (64 tokens, 32-row tiles: 582 vs 441 us). Both forms are within
+    (bench/gpu_fp8.py --quick, 2026-12-06, Qwen3-30B-A3B experts, one weight scale per tile): at decode
+    sizes (pairs <= 2E, the 16-row tiles; one token: 30.5 vs 33.7 us) and past 16 pairs per expert (the
+    64-row tiles; 1,024 tokens: 516 vs 694 us, bf16 566), not between (64 tokens, 32-row tiles: 566 vs
+    428 us). Both forms are within
     2.4e-3 of their float32 references at 1 and 64 tokens, w8a8 4.9e-3 at 300 (weight-only 2.3e-3).
     (The 1.3e-2 w8a8 once showed at 64 and 300 tokens was the reference's: torch divided amax by 448 as a
     product with a rounded 1/448 on CUDA, and bfloat16 rows hit the e4m3 ties that one ulp moves;
