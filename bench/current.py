@@ -303,24 +303,30 @@ PIPELINE_GPU = Area(
 )
 
 PIPELINE_CPU = Area(
-    "pipeline_cpu", "NATS pipeline vs the in-process Engine, CPU", CPU_AMD + "; 1 gateway, 2 compute threads a side",
-    _pipeline("pipeline_cpu_2026-12-04_a.json", "32 × 64 → 64, the scheduler in its own process", PIPE_CPU)
+    "pipeline_cpu", "NATS pipeline vs the in-process Engine, CPU",
+    "2-vCPU Intel Xeon with AMX (KVM guest, AVX-512; from 2026-12-06, an AMD EPYC before), torch 2.13.0+cpu, the "
+    "embedded SmolLM2-135M-Instruct; 1 gateway, 2 compute threads a side, both pinned",
+    _pipeline("pipeline_cpu_2026-12-06_a.json", "32 × 64 → 64", PIPE_CPU)
     + (
         Figure("TTFT less the prefill, by the trace, token-id prompts",
-               "pipeline_cpu_2026-12-04_b_stages.json", lambda d: _trace_own_ms(d, "ttft", "gateway"), "{:.2f} ms",
+               "pipeline_cpu_2026-12-06_b_stages.json", lambda d: _trace_own_ms(d, "ttft", "gateway"), "{:.2f} ms",
                peer=lambda d: _trace_own_ms(d, "ttft", "engine"), peer_label="Engine",
                ratio=lambda d: _trace_own_ms(d, "ttft", "gateway") - _trace_own_ms(d, "ttft", "engine"),
                ratio_fmt="{:+.2f} ms added", target=TTFT,
                command=PIPE_CPU_TRACED),
         Figure("TTFT less the prefill, by the trace, text prompts",
-               "pipeline_cpu_2026-12-04_b_stages.json", lambda d: _trace_own_ms(d, "text", "gateway"), "{:.2f} ms",
+               "pipeline_cpu_2026-12-06_b_stages.json", lambda d: _trace_own_ms(d, "text", "gateway"), "{:.2f} ms",
                peer=lambda d: _trace_own_ms(d, "text", "engine"), peer_label="Engine",
                ratio=lambda d: _trace_own_ms(d, "text", "gateway") - _trace_own_ms(d, "text", "engine"),
                ratio_fmt="{:+.2f} ms added", target=TTFT,
                command=PIPE_CPU_TRACED),
     ),
-    note="On two vCPUs the pair medians spread over ±6–8 ms (the ~115 ms prefill wanders), so the trace's sum "
-         "of the pipeline's own stretches is the figure to read for TTFT (bench/HISTORY.md, CPU pipeline).",
+    note="On two vCPUs the pair medians spread over ±3–8 ms (the prefill wanders), so the trace's sum of the "
+         "pipeline's own stretches is the figure to read for TTFT (bench/HISTORY.md, CPU pipeline). Since "
+         "2026-12-06 both sides compute with the same fixed 2 threads pinned to the same cores (the worker had "
+         "run unpinned, the Engine having claimed the cores first: +6.6 % on a 512-token prefill); the AMD "
+         "host's last figures (2026-12-04, worker unpinned): loss +1.9 %, TTFT +0.81 ms ids / +3.41 text, by the "
+         "trace +2.30 ms.",
 )
 
 def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:

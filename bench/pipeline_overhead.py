@@ -63,6 +63,7 @@ if __package__ in (None, ""):
 
 from bench.http_burst import HttpBurst, SseProbe  # noqa: E402
 from services.launch import GATEWAY_TOKENIZES  # noqa: E402
+from services.worker.cpu_placement import CLAIMS_DIR_ENV  # noqa: E402
 from shared import trace  # noqa: E402
 from shared.flags import flag_name  # noqa: E402
 from shared.model_path import resolve_model_path  # noqa: E402
@@ -159,6 +160,10 @@ def engine_options(args: argparse.Namespace, max_total_tokens: int) -> dict[str,
     """The engine options both sides get: the Engine's keywords, and `up`'s flags through up_flags."""
     options = {"device": args.device, "dtype": args.dtype, "attention_backend": args.attention_backend,
                "max_total_tokens": max_total_tokens}
+    if args.device == "cpu":
+        # The same fixed count on both sides, pinned, no core held back: a worker service's default keeps
+        # one core for the services (on 2 vCPUs, one compute thread), the offline Engine's does not.
+        options |= {"cpu_threads": args.threads, "cpu_reserved_cores": 0}
     return {name: value for name, value in options.items() if value is not None}
 
 
@@ -185,8 +190,11 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.run_dir = run_dir
         self.log_path = run_dir / "up.out"
+        # Claims of its own (cpu_placement.py): the in-process Engine, loaded first, has claimed the cores,
+        # and the worker would compute unpinned ("placed by the OS") where the Engine computes pinned. The
+        # two sides take turns, so each pins its threads to the same cores, as it would alone on the host.
         env = {**os.environ, "RS_NATS_URL": UNREACHABLE_NATS, "OMP_NUM_THREADS": str(threads),
-               "PYTHONUNBUFFERED": "1", **LIVENESS_ENV}
+               "PYTHONUNBUFFERED": "1", CLAIMS_DIR_ENV: str(run_dir / "cpu-claims"), **LIVENESS_ENV}
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "up", "--port", str(self.port), "--grpc-port",
