@@ -58,7 +58,7 @@ from kernels.fp8_reference import (  # noqa: E402
     quantize_block_weight,
     w8a8_block_fp8_matmul_reference,
 )
-from kernels.fused_moe import fused_moe, moe_fp8_activations  # noqa: E402
+from kernels.fused_moe import fused_moe  # noqa: E402
 from kernels.gemv import GemvTiles, gemv  # noqa: E402
 from kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
 from services.worker.runtime.layers.linear_calibration import cuda_graph_seconds  # noqa: E402
@@ -315,7 +315,7 @@ def moe_case(t: int, dev: torch.device, copy_bw: float, fp8: list, bf16: list) -
     row = {
         "table": "moe", "t": t, "experts_read": experts_read,
         "fp8_ceiling_us": experts_read * 3 * i * h / copy_bw * 1e6,
-        "default_form": "w8a8" if moe_fp8_activations(t * top_k, e) else "weight-only",
+        "default_form": "w8a8",
         "bf16_us": graph_us(lambda: [fused_moe(x, a, b, weights, ids) for a, b in bf16], len(bf16)),
         "fp8_weight-only_us": graph_us(fp8_moe(False), len(fp8)),
         "fp8_w8a8_us": graph_us(fp8_moe(True), len(fp8)),

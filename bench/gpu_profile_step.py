@@ -4,7 +4,7 @@ workload, to find what bounds each figure.
 
     python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128] [--temperature 0]
                                      [--host-profile] [--extend] [--p3-timeline [--scale 1.0]]
-                                     [--deterministic]
+                                     [--deterministic] [--quantization fp8]
 """
 
 from __future__ import annotations
@@ -179,10 +179,13 @@ def main() -> None:
     ap.add_argument("--p3-timeline", action="store_true", help="step timeline of the P3 workload")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="the Engine's --quantization (fp8: block FP8 linear weights quantized at load)")
     args = ap.parse_args()
     pool = max(400_000 if args.p3_timeline else 65536, args.batch * (args.prompt + 600))
     loop = SchedulerLoop(EngineConfig(
-        model_path=args.model, max_total_tokens=pool, enable_deterministic_inference=args.deterministic
+        model_path=args.model, max_total_tokens=pool, enable_deterministic_inference=args.deterministic,
+        quantization=args.quantization,
     ), 0, "tcp://127.0.0.1:0")
     if args.extend:
         extend_probe(loop, args.host_profile)

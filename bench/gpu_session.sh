@@ -6,11 +6,11 @@
 #                                              so pass a few steps per call)
 # Steps: tp, engine (ENGINE_ARGS=--skip-checks: figures only), hfc (P1/P2 with transformers' static cache + torch.compile beside), graphs (CUDA graphs == eager), kernels, serving (P3, P6), spec, profile (extend-step
 # cost, P3 step timeline, bs-256 kernel table), p3-thread / ab (scheduler thread vs process), p6, tiles.
-# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), prologue (norm/SiLU folded into the GEMV or not), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step),
+# gemv (batch-1 linears: cuBLAS vs kernels/gemv.py), gemvcheck (the engine's bf16 greedy log-probs, GEMV vs cuBLAS), prologue (norm/SiLU folded into the GEMV or not), profile8b / profile06 (kernel table of an 8B / 0.6B batch-1 step), fp8thr (8B-shape offline throughput, nano-vllm recipe at FP8THR_SCALE=0.5, bf16 / --quantization fp8 alternating twice), profilefp8 (the 8B shape's decode kernel table at PROFILEFP8_BATCH=96 rows, bf16 then --quantization fp8),
 # fp8kv (--kv-cache-dtype fp8_e4m3 vs bf16, bench/gpu_fp8_kv.py; FP8KV_ARGS=--skip-capacity-run if short of time),
 # sweep (decode attention launch shapes), p3diag (P3 through the Engine, with a 400k pool, and the bare loop),
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
-# fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8moecheck (bench/gpu_fp8_moe_check.py: where the w8a8 MoE's
+# fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8rows (bench/gpu_fp8_rows.py: the FP8 products' forms and tiles at 64-256 rows), fp8moecheck (bench/gpu_fp8_moe_check.py: where the w8a8 MoE's
 # distance from its reference comes from), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
 # 8b needs ~330 s), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
 # flagchain (bench/gpu_flag_chain.py: a 0.6B-shaped GEMV chain with stream order, the PDL wait, or counters),
@@ -64,6 +64,15 @@ for step in "${steps[@]}"; do
     profile8b) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 --batch 1 --prompt 128 \
                   > "$OUT/profile8b.log" 2>&1 ;;
+    profilefp8) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
+               && for q in "" fp8; do timeout 240 python bench/gpu_profile_step.py --model /tmp/rs-qwen3-8b-bfloat16 \
+                    --batch ${PROFILEFP8_BATCH:-96} --prompt 512 --temperature 0.6 ${q:+--quantization $q}; done \
+                  > "$OUT/profilefp8.log" 2>&1 ;;
+    fp8thr)  python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('8b', torch.bfloat16)" \
+               && for i in 1 2; do for q in bf16 fp8; do timeout 200 python bench/gpu_serving.py \
+                    --model /tmp/rs-qwen3-8b-bfloat16 --figures p3 --scale ${FP8THR_SCALE:-0.5} \
+                    --json "gpu_serving_8b_${q}_$i.json" $([ $q = fp8 ] && echo --quantization fp8); done; done \
+                  > "$OUT/fp8thr.log" 2>&1 ;;
     profile06) python -c "import torch; from bench.gpu_common import build_checkpoint; build_checkpoint('0.6b', torch.bfloat16)" \
                && timeout 200 python bench/gpu_profile_step.py --batch 1 --prompt 128 > "$OUT/profile06.log" 2>&1 ;;
     sweep)   timeout 400 python bench/gpu_decode_sweep.py > "$OUT/sweep.log" 2>&1 ;;
@@ -82,6 +91,7 @@ for step in "${steps[@]}"; do
                && timeout 540 python bench/gpu_fp8_kv.py ${FP8KV_ARGS:-} > "$OUT/fp8kv.log" 2>&1 ;;
     fp8mma)  timeout 450 python bench/gpu_fp8_mma.py ${FP8MMA_ARGS:-} > "$OUT/fp8mma.log" 2>&1 ;;
     fp8)     timeout 400 python bench/gpu_fp8.py ${FP8_ARGS:---quick} > "$OUT/fp8.log" 2>&1 ;;
+    fp8rows) timeout 500 python bench/gpu_fp8_rows.py ${FP8ROWS_ARGS:-} > "$OUT/fp8rows.log" 2>&1 ;;
     fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} > "$OUT/fp8res.log" 2>&1
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk
     q35)     timeout 500 python bench/gpu_qwen35.py ${Q35_ARGS:---models 9b} > "$OUT/q35.log" 2>&1 ;;

@@ -30,7 +30,11 @@ K step meets one block column, and its product is scaled before it joins the flo
   scaled by a_scale[row] * w_scale[col] per step.
 - weight-only: the input stays in its dtype and each weight tile is converted to it (exact: e4m3 fits
   in bf16/f16), scaled by w_scale[col] per step. No quantization launches and no activation rounding;
-  the default for decode-sized batches (few pairs per expert), where the step streams weights anyway.
+  deterministic inference's form (layers/moe.py), since it does not change with the batch.
+w8a8 is the default at every size: on an H100 (bench/gpu_fp8.py --quick, 2026-12-06, Qwen3-30B-A3B experts,
+padding rows masked) one token 31.2 vs 31.6 us, 64 tokens 290 vs 304, 1,024 tokens 324 vs 605 (bf16 39.5,
+418, 504). Before the padding rows were masked they read row 0 of the input, and weight-only won at 64
+tokens (428 vs 566 us).
 """
 
 from __future__ import annotations
@@ -59,24 +63,9 @@ __all__ = [
     "MoeTiles",
     "align_tokens_by_expert",
     "fused_moe",
-    "moe_fp8_activations",
     "moe_tiles_for",
     "one_pair_per_block",
 ]
-
-
-def moe_fp8_activations(num_pairs: int, num_experts: int) -> bool:
-    """Whether FP8 experts quantize their activations (w8a8) by default: where it was faster on an H100
-    (bench/gpu_fp8.py --quick, 2026-12-06, Qwen3-30B-A3B experts, one weight scale per tile): at decode
-    sizes (pairs <= 2E, the 16-row tiles; one token: 30.5 vs 33.7 us) and past 16 pairs per expert (the
-    64-row tiles; 1,024 tokens: 516 vs 694 us, bf16 566), not between (64 tokens, 32-row tiles: 566 vs
-    428 us). Both forms are within
-    2.4e-3 of their float32 references at 1 and 64 tokens, w8a8 4.9e-3 at 300 (weight-only 2.3e-3).
-    (The 1.3e-2 w8a8 once showed at 64 and 300 tokens was the reference's: torch divided amax by 448 as a
-    product with a rounded 1/448 on CUDA, and bfloat16 rows hit the e4m3 ties that one ulp moves;
-    kernels/fp8_reference.fp8_scale.) Deterministic inference passes the form explicitly instead, so that
-    it does not change with the batch."""
-    return num_pairs <= 2 * num_experts or num_pairs > 16 * num_experts
 
 
 @triton.jit
@@ -170,8 +159,9 @@ def _moe_gemm_kernel(
         valid = pairs < num_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        # Padding rows and columns past N read row / column 0 rather than masking every load (they are
-        # never stored); only K's tail is masked, and only when K is not a multiple of BLOCK_K.
+        # Padding rows are masked (reading row 0 for them sent every program's padding to the same lines
+        # of A: kernels/fp8_gemm.py's GEMM ran 1.4-2x slower so); columns past N read column 0 (never
+        # stored); K's tail is masked only when K is not a multiple of BLOCK_K.
         a_rows = tl.where(valid, pairs // a_rows_per_pair, 0)
         safe_n = tl.where(n_mask, offs_n, 0)
         offs_k = tl.arange(0, BLOCK_K)
@@ -193,13 +183,13 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_base + a_offs)
+                a = tl.load(a_base + a_offs, mask=valid[:, None], other=0.0)
                 b = tl.load(b_base + b_offs)
             else:
                 k_mask = offs_k < K - k0
-                a = tl.load(a_base + a_offs, mask=k_mask[None, :], other=0.0)
+                a = tl.load(a_base + a_offs, mask=valid[:, None] & k_mask[None, :], other=0.0)
                 b = tl.load(b_base + b_offs, mask=k_mask[:, None], other=0.0)
-            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K) if A_FP8 else None
+            a_s = tl.load(a_scale_ptrs + k0 // GROUP_K, mask=valid, other=0.0) if A_FP8 else None
             b_s = tl.load(b_scale_ptrs + (k0 // GROUP_K) * stride_bsk) if B_FP8 else None
             acc = _accumulate(acc, a, b, a_s, b_s, A_FP8, B_FP8, DOT_PRECISION, B_SCALE_PER_TILE)
             if GATED:
@@ -345,8 +335,8 @@ def fused_moe(
     hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_weights, topk_ids [T, k].
     Same contract as services.worker.runtime.layers.moe.moe_forward; returns [T, H] in hidden's dtype.
     Block-FP8 experts: w13 / w2 float8_e4m3fn with w13_scale_inv [E, ceil(2I/bn), ceil(H/bk)] and
-    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)], block_size (bn, bk); fp8_activations picks w8a8 (True)
-    or weight-only (False), by default moe_fp8_activations. pair_per_block: give every (token, expert)
+    w2_scale_inv [E, ceil(H/bn), ceil(I/bk)], block_size (bn, bk); fp8_activations picks w8a8 (True,
+    the default) or weight-only (False). pair_per_block: give every (token, expert)
     pair a row block of its own instead of sorting the pairs by expert (the same result, bit for bit),
     by default for decode-sized batches (moe_blocks.one_pair_per_block).
     topk_ids: int32 or int64 in [0, E) (moe_blocks.check_expert_ids says what is checked where).
@@ -381,7 +371,7 @@ def fused_moe(
         if block_k < 16:
             raise ValueError(f"block_size[1] = {fp8_block[1]} must be a multiple of 16 for the expert GEMMs")
         tiles = replace(tiles, block_k=block_k)
-        quantize = moe_fp8_activations(num_pairs, num_experts) if fp8_activations is None else fp8_activations
+        quantize = True if fp8_activations is None else fp8_activations
     if pair_per_block is None:
         pair_per_block = one_pair_per_block(num_tokens, top_k, num_experts)
     fp8 = dict(block_size=fp8_block or (1, 1), quantize_a=quantize, pair_per_block=pair_per_block)

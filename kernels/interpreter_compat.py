@@ -15,6 +15,9 @@
   a bias of half an ulp on every stored bfloat16: where a kernel quantizes a value it stored in bfloat16
   (the FP8 MoE's w8a8 intermediate), e4m3's rounding turned that into a 1-2 % error against a reference
   that rounds to nearest, which the GPU does not have.
+- bfloat16 dots: the interpreter multiplies the uint16 bit patterns of bfloat16 operands as integers
+  (np.matmul on the raw arrays; 3.6.0 widens only 8-bit floats first). `install()` widens bfloat16
+  operands to float32 (exact) before the product, as the tensor cores' float32 accumulation does.
 
 kernels/__init__.py calls `install()` whenever the interpreter is on, so every process that runs a
 kernel under it (test processes, and the Engine's TP rank processes they spawn) has them all. Compiled GPU
@@ -113,9 +116,30 @@ def _install_bf16_conversions() -> None:
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
+def _install_bf16_dots() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle: Any) -> Any:
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.ascontiguousarray(handle.data).view(np.uint16).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(
+        self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any
+    ) -> Any:
+        return original(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def install() -> None:
     """Patch the interpreter (idempotent): the scalar __index__ (a no-op before NumPy 2.4), float8 and
-    bfloat16 conversions."""
+    bfloat16 conversions, bfloat16 dots."""
     global _installed
     if _installed:
         return
@@ -123,6 +147,7 @@ def install() -> None:
     _install_scalar_index()
     _install_fp8_conversions()
     _install_bf16_conversions()
+    _install_bf16_dots()
 
 
 def interpreting() -> bool:

@@ -14,6 +14,7 @@ from kernels.fp8_gemm import (
     fp8_block_gemv,
     fp8_block_linear,
     fp8_block_linear_reference,
+    fp8_tiles_for,
     per_token_group_quant_fp8,
     w8a8_block_fp8_matmul,
 )
@@ -108,6 +109,38 @@ def test_w8a8_matmul_matches_the_dequantized_product(gen, m, out_dtype) -> None:
     assert out.shape == (m, n) and out.dtype == out_dtype
     ref = w8a8_block_fp8_matmul_reference(a_q, a_s, w_q, w_s, block)
     assert rel_error(out.float(), ref) < (1e-6 if out_dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize(("m", "split_k"), [(3, 2), (17, 3), (20, 5), (40, 8)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_matmul_split_k_matches_the_dequantized_product(gen, m, split_k, out_dtype) -> None:
+    # K = 136 in 32-wide steps is 5 steps (the last partial): 2 splits of 3 + 2 steps, 3 of 2 + 2 + 1,
+    # 5 of one, and 8 asked for but 5 made (no empty split). Partials are added in split order.
+    block = (32, 32)
+    n, k = 50, 136
+    w_q, w_s = _weight(gen, n, k, block)
+    a_q, a_s = per_token_group_quant_fp8_reference(torch.randn((m, k), generator=gen), block[1])
+    tiles = Fp8Tiles(block_m=16, block_n=16, block_k=32, group_m=2, num_stages=1, split_k=split_k)
+    out = w8a8_block_fp8_matmul(a_q, a_s, w_q, w_s, block, out_dtype=out_dtype, tiles=tiles)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    ref = w8a8_block_fp8_matmul_reference(a_q, a_s, w_q, w_s, block)
+    assert rel_error(out.float(), ref) < (1e-6 if out_dtype == torch.float32 else 4e-3)
+
+
+def test_w8a8_tiles_by_rows_and_programs() -> None:
+    # The Qwen3-8B layer on an H100 (132 SMs): 33-128 rows take 64 x 64 tiles, K split in two where they
+    # leave fewer programs than SMs (o and down: 4096 / 64 = 64 columns of tiles, 2 rows of them at 96).
+    narrow = Fp8Tiles(block_m=64, block_n=64, num_stages=4)
+    assert fp8_tiles_for(96, 4096, 132) == Fp8Tiles(block_m=64, block_n=64, num_stages=4, split_k=2)
+    assert fp8_tiles_for(96, 6144, 132) == narrow  # qkv: 192 programs
+    assert fp8_tiles_for(128, 24576, 132) == narrow
+    # 129-256 rows: 64 x 128 where it leaves two programs per SM (gate_up), else 64 x 64 (qkv, o, down).
+    assert fp8_tiles_for(192, 24576, 132) == Fp8Tiles()
+    assert fp8_tiles_for(192, 6144, 132) == narrow
+    assert fp8_tiles_for(256, 4096, 132) == narrow
+    assert fp8_tiles_for(257, 4096, 132) == Fp8Tiles()  # past 256 rows: 64 x 128 (swept at 4,096)
+    assert fp8_tiles_for(32, 4096, 132).block_m == 16
+    assert fp8_tiles_for(96) == narrow and fp8_tiles_for(200) == Fp8Tiles()  # no weight given
 
 
 def test_w8a8_matmul_with_default_tiles_and_published_blocks(gen) -> None:

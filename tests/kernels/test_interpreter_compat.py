@@ -39,3 +39,25 @@ def test_bfloat16_casts_round_to_nearest_even_as_torch(src, dst) -> None:
     want = x.to(dst)
     assert torch.equal(y.view(torch.int16 if dst != torch.float32 else torch.int32),
                        want.view(torch.int16 if dst != torch.float32 else torch.int32))  # fmt: skip
+
+
+@triton.jit
+def _dot_kernel(A, B, C, CAST_B: tl.constexpr):
+    r = tl.arange(0, 16)
+    a = tl.load(A + r[:, None] * 16 + r[None, :])
+    b = tl.load(B + r[:, None] * 16 + r[None, :])
+    if CAST_B:
+        b = b.to(a.dtype)
+    tl.store(C + r[:, None] * 16 + r[None, :], tl.dot(a, b))
+
+
+@pytest.mark.parametrize("b_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_bfloat16_dots_multiply_values_not_bits(b_dtype) -> None:
+    # Unpatched, Triton 3.6's interpreter multiplies bfloat16 operands' uint16 bit patterns as integers
+    # (here ~1e10 off); an e4m3 tile converted to bfloat16 in the kernel is the weight-side case.
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn((16, 16), generator=gen).bfloat16()
+    b = torch.randn((16, 16), generator=gen).to(b_dtype)
+    c = torch.empty((16, 16))
+    _dot_kernel[(1,)](a, b, c, CAST_B=b_dtype != torch.bfloat16)
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)
