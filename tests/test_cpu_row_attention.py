@@ -99,6 +99,27 @@ def test_batch_rows_through_their_slots_match_float64(isa, kv_heads, group, head
         assert (out[b].double() - ref).abs().max() <= 2e-6 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim"), [(3, 3, 64), (2, 1, 16), (2, 4, 128), (2, 5, 48)])
+def test_a_request_in_a_batch_gets_the_lone_rows_bits(isa, dtype, kv_heads, group, head_dim) -> None:  # noqa: F811
+    """The batch op's scores take the single-row op's accumulators and order on every path (and the same
+    softmax and weighted sum), so a lone request decodes to the same bits through either: the layer op's
+    batch of one and the modules' single-row attention agree."""
+    g = torch.Generator().manual_seed(head_dim * 3 + group)
+    pool_k = (torch.randn(120, kv_heads, head_dim, generator=g) * 2).to(dtype)
+    pool_v = torch.randn(120, kv_heads, head_dim, generator=g).to(dtype)
+    lens = torch.tensor([37, 100, 1])
+    slots = torch.zeros(3, 100, dtype=torch.int64)
+    for b, n in enumerate(lens.tolist()):
+        slots[b, :n] = torch.arange(n) + 10 * b  # contiguous spans, as the single-row op reads them
+    q = torch.randn(3, kv_heads, group, head_dim, generator=g).to(dtype)
+    batch = torch.ops.radixserve_cpu.decode_attention_rows(q, pool_k, pool_v, slots, lens, head_dim**-0.5)
+    for b, n in enumerate(lens.tolist()):
+        k, v = pool_k[10 * b : 10 * b + n], pool_v[10 * b : 10 * b + n]
+        alone = torch.ops.radixserve_cpu.decode_attention_row(q[b], k, v, head_dim**-0.5)
+        assert torch.equal(batch[b], alone)
+
+
 def test_bfloat16_attention_is_the_float32_steps_on_its_widened_values(isa) -> None:  # noqa: F811
     """A bfloat16 q and pool: widened exactly as read, the float32 op's own arithmetic (bit for bit), the
     output rounded to bfloat16 once; one row over a span and a batch through its slots."""

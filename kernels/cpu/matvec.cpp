@@ -48,18 +48,20 @@ using radixserve_cpu_bf16::widen;
 // Rows [r0, r1) of W (row stride ld) times x: y[r] = sum_k W[r, k] x[k], accumulated in float32 (W float32,
 // or bfloat16 widened element by element: the same sums over the widened values).
 template <typename T>
-void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* row = w + r * ld;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += widen(row[i + j]) * x[i + j];
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < k; ++i) s += widen(row[i]) * x[i];
-    y[r] = s;
+float dot_portable(const T* row, const float* x, int64_t k) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] += widen(row[i + j]) * x[i + j];
   }
+  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  for (; i < k; ++i) s += widen(row[i]) * x[i];
+  return s;
+}
+
+template <typename T>
+void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
+  for (int64_t r = r0; r < r1; ++r) y[r] = dot_portable(w + r * ld, x, k);
 }
 
 // Bytes ahead of the weight being read that the product asks to be brought into L2 (RS_CPU_PREFETCH_BYTES,
@@ -565,15 +567,24 @@ template <typename T>
 __attribute__((target("avx512f"))) void gather_scores_avx512(const T* k, int64_t ks, const int64_t* sl, int64_t len,
                                                             const float* q, int64_t rows, int64_t group, int64_t d,
                                                             float* p) {
+  const int64_t d64 = d - d % 64;
   for (int64_t t = 0; t < len; ++t) {
     const T* row = k + sl[t] * ks;
     for (int64_t h = 0; h < rows; ++h) {
       const T* kh = row + h * d;
       for (int64_t j = 0; j < group; ++j) {
         const float* qj = q + (h * group + j) * d;
-        __m512 acc = _mm512_mul_ps(load16(kh), _mm512_loadu_ps(qj));
-        for (int64_t i = 16; i < d; i += 16) acc = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), acc);
-        p[(h * group + j) * len + t] = _mm512_reduce_add_ps(acc);
+        // rows_avx512's accumulators and order (a lone request's scores come from it: the same bits).
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i < d64; i += 64) {
+          a0 = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), a0);
+          a1 = _mm512_fmadd_ps(load16(kh + i + 16), _mm512_loadu_ps(qj + i + 16), a1);
+          a2 = _mm512_fmadd_ps(load16(kh + i + 32), _mm512_loadu_ps(qj + i + 32), a2);
+          a3 = _mm512_fmadd_ps(load16(kh + i + 48), _mm512_loadu_ps(qj + i + 48), a3);
+        }
+        for (; i < d; i += 16) a0 = _mm512_fmadd_ps(load16(kh + i), _mm512_loadu_ps(qj + i), a0);
+        p[(h * group + j) * len + t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
       }
     }
   }
@@ -597,13 +608,111 @@ __attribute__((target("avx512f"))) void gather_add_rows_avx512(float* o, const T
     }
   }
 }
+
+// The same four on 8 lanes (AVX2 + FMA), for D a multiple of 8 where a row's lanes are read; the softmax's
+// tail takes its lanes from a padded copy, so no read passes the end.
+using radixserve_cpu_vec::exp8;
+
+__attribute__((target("avx2,fma"))) inline __m256 lanes_below(int64_t n) {
+  return _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+}
+
+__attribute__((target("avx2,fma"))) void softmax_weights_avx2(float* p, int64_t len, float scale, float* total) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  const int64_t lv = len - len % 8;
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < lv; t += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), sv);
+    _mm256_storeu_ps(p + t, x);
+    mx = _mm256_max_ps(x, mx);  // keeps mx where x is NaN, as std::max(m, x) does
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float m = -INFINITY;
+  for (int i = 0; i < 8; ++i) m = std::max(m, lanes[i]);
+  for (int64_t t = lv; t < len; ++t) m = std::max(m, p[t] *= scale);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t t = 0; t < lv; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), mv));
+    _mm256_storeu_ps(p + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (lv < len) {
+    alignas(32) float part[8] = {};
+    std::copy(p + lv, p + len, part);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_load_ps(part), mv)), lanes_below(len - lv));
+    _mm256_store_ps(part, e);
+    std::copy(part, part + (len - lv), p + lv);
+    acc = _mm256_add_ps(acc, e);
+  }
+  *total = hsum256(acc);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void add_scaled_rows_avx2(
+    float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load8(v + t * vs + i), a);
+    _mm256_storeu_ps(o + i, a);
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void gather_scores_avx2(const T* k, int64_t ks, const int64_t* sl, int64_t len,
+                                                          const float* q, int64_t rows, int64_t group, int64_t d,
+                                                          float* p) {
+  const int64_t d32 = d - d % 32;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* row = k + sl[t] * ks;
+    for (int64_t h = 0; h < rows; ++h) {
+      const T* kh = row + h * d;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = q + (h * group + j) * d;
+        // rows_avx2's accumulators and order (a lone request's scores come from it: the same bits).
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i < d32; i += 32) {
+          a0 = _mm256_fmadd_ps(load8(kh + i), _mm256_loadu_ps(qj + i), a0);
+          a1 = _mm256_fmadd_ps(load8(kh + i + 8), _mm256_loadu_ps(qj + i + 8), a1);
+          a2 = _mm256_fmadd_ps(load8(kh + i + 16), _mm256_loadu_ps(qj + i + 16), a2);
+          a3 = _mm256_fmadd_ps(load8(kh + i + 24), _mm256_loadu_ps(qj + i + 24), a3);
+        }
+        for (; i < d; i += 8) a0 = _mm256_fmadd_ps(load8(kh + i), _mm256_loadu_ps(qj + i), a0);
+        p[(h * group + j) * len + t] = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+      }
+    }
+  }
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void gather_add_rows_avx2(float* o, const T* v, int64_t vs, const int64_t* sl,
+                                                            const float* p, int64_t len, int64_t rows, int64_t group,
+                                                            int64_t d) {
+  std::fill(o, o + rows * group * d, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* row = v + sl[t] * vs;
+    for (int64_t h = 0; h < rows; ++h) {
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 x = load8(row + h * d + i);
+        for (int64_t j = 0; j < group; ++j) {
+          float* oj = o + (h * group + j) * d + i;
+          _mm256_storeu_ps(oj, _mm256_fmadd_ps(_mm256_set1_ps(p[(h * group + j) * len + t]), x, _mm256_loadu_ps(oj)));
+        }
+      }
+    }
+  }
+}
 #endif
 
 bool use_avx512() { return std::string(path().name) == "avx512"; }
+bool use_avx2() { return std::string(path().name) == "avx2"; }
 
 void softmax_weights(float* p, int64_t len, float scale, float* total) {
 #ifdef RS_X86
   if (use_avx512()) return softmax_weights_avx512(p, len, scale, total);
+  if (use_avx2()) return softmax_weights_avx2(p, len, scale, total);
 #endif
   float m = -INFINITY;
   for (int64_t t = 0; t < len; ++t) m = std::max(m, p[t] *= scale);
@@ -616,6 +725,7 @@ template <typename T>
 void add_scaled_rows(float* o, const T* v, int64_t vs, const float* p, int64_t len, int64_t d) {
 #ifdef RS_X86
   if (use_avx512()) return add_scaled_rows_avx512(o, v, vs, p, len, d);
+  if (use_avx2() && d % 8 == 0) return add_scaled_rows_avx2(o, v, vs, p, len, d);
 #endif
   std::fill(o, o + d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
@@ -628,15 +738,11 @@ void gather_scores(const T* k, int64_t ks, const int64_t* sl, int64_t len, const
                    int64_t group, int64_t d, float* p) {
 #ifdef RS_X86
   if (use_avx512() && d % 16 == 0) return gather_scores_avx512(k, ks, sl, len, q, rows, group, d, p);
+  if (use_avx2() && d % 8 == 0) return gather_scores_avx2(k, ks, sl, len, q, rows, group, d, p);
 #endif
   for (int64_t t = 0; t < len; ++t) {
     const T* row = k + sl[t] * ks;
-    for (int64_t r = 0; r < rows * group; ++r) {
-      const T* kh = row + (r / group) * d;
-      float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s += widen(kh[i]) * q[r * d + i];
-      p[r * len + t] = s;
-    }
+    for (int64_t r = 0; r < rows * group; ++r) p[r * len + t] = dot_portable(row + (r / group) * d, q + r * d, d);
   }
 }
 
@@ -645,6 +751,7 @@ void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const 
                      int64_t rows, int64_t group, int64_t d) {
 #ifdef RS_X86
   if (use_avx512() && d % 16 == 0) return gather_add_rows_avx512(o, v, vs, sl, p, len, rows, group, d);
+  if (use_avx2() && d % 8 == 0) return gather_add_rows_avx2(o, v, vs, sl, p, len, rows, group, d);
 #endif
   std::fill(o, o + rows * group * d, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
