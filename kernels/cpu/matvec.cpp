@@ -782,6 +782,7 @@ std::string use_matvec_isa(const std::string& isa) {
 // rows.cpp's vector paths follow the products' choice (use_matvec_isa switches both).
 namespace radixserve_cpu_paths {
 bool avx512() { return use_avx512(); }
+bool avx2() { return use_avx2(); }
 }  // namespace radixserve_cpu_paths
 
 TORCH_LIBRARY(radixserve_cpu, m) {

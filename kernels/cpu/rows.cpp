@@ -17,9 +17,9 @@
 // rmsnorm_matvec in matvec.cpp), and the rotation is x1 * cos - x2 * sin, x2 * cos + x1 * sin with each
 // product rounded before the sum (the library builds with -ffp-contract=off, so no multiply-add is fused:
 // the bits are torch's). SiLU is g / (1 + exp(-g)) then times up, as torch orders it; its exp is exp16.h's
-// on AVX-512 (the attention's softmax's too: within 2 ulp of torch's Sleef exp), std::exp elsewhere (the
-// path follows use_matvec_isa). Rows go to the compute threads in bands; a decode batch's few rows are one
-// band.
+// on AVX-512 and its 8-lane exp8 on AVX2 (the attention's softmax's too: within 2 ulp of torch's Sleef exp),
+// std::exp elsewhere (the path follows use_matvec_isa). Rows go to the compute threads in bands; a decode
+// batch's few rows are one band.
 //
 // bfloat16: every tensor of a call in bfloat16 (the cos / sin tables stay float32), each value widened exactly
 // as read, the arithmetic in float32 as above, and a rounding to bfloat16 (nearest even, as torch rounds)
@@ -50,6 +50,7 @@
 
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: whether the products' chosen path is AVX-512 (use_matvec_isa switches it)
+bool avx2();    // ... or AVX2 + FMA
 }  // namespace radixserve_cpu_paths
 
 namespace {
@@ -189,12 +190,80 @@ __attribute__((target("avx512f"))) void add_row_avx512(const T* x, const T* r, i
     store16(h + i, keep16<T>(_mm512_add_ps(load16(x + i, live), load16(r + i, live))), live);
   }
 }
+
+// The same steps on 8 lanes (AVX2 + FMA) over a row's full groups of 8; the last k % 8 values take the scalar
+// steps (the same arithmetic, value by value).
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline __m256 keep8(__m256 f) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+  } else {
+    return f;
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+__attribute__((target("avx2,fma"))) inline void store8(bf16* p, __m256 kept) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(kept), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) double squares_avx2(const T* h, int64_t k) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 x = load8(h + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    a0 = _mm256_fmadd_pd(lo, lo, a0);
+    a1 = _mm256_fmadd_pd(hi, hi, a1);
+  }
+  alignas(32) double lanes4[4];
+  _mm256_store_pd(lanes4, _mm256_add_pd(a0, a1));
+  double s = (lanes4[0] + lanes4[2]) + (lanes4[1] + lanes4[3]);
+  for (; i < k; ++i) s += static_cast<double>(widen(h[i])) * widen(h[i]);
+  return s;
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void scale_row_avx2(const T* h, const T* w, float inv, int64_t k, T* o) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  const int64_t kv = k - k % 8;
+  for (int64_t i = 0; i < kv; i += 8) {
+    const __m256 y = keep8<T>(_mm256_mul_ps(load8(h + i), iv));
+    store8(o + i, keep8<T>(_mm256_mul_ps(load8(w + i), y)));
+  }
+  for (int64_t i = kv; i < k; ++i) put(o + i, widen(w[i]) * keep<T>(widen(h[i]) * inv));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void add_row_avx2(const T* x, const T* r, int64_t k, T* h) {
+  const int64_t kv = k - k % 8;
+  for (int64_t i = 0; i < kv; i += 8) store8(h + i, keep8<T>(_mm256_add_ps(load8(x + i), load8(r + i))));
+  for (int64_t i = kv; i < k; ++i) put(h + i, widen(x[i]) + widen(r[i]));
+}
 #endif
 
 template <typename T>
 double squares(const T* h, int64_t k) {
 #ifdef RS_X86
   if (radixserve_cpu_paths::avx512()) return squares_avx512(h, k);
+  if (radixserve_cpu_paths::avx2()) return squares_avx2(h, k);
 #endif
   double s = 0.0;
   for (int64_t i = 0; i < k; ++i) s += static_cast<double>(widen(h[i])) * widen(h[i]);
@@ -208,6 +277,7 @@ void norm_row(const T* h, const T* w, float eps, int64_t k, T* o) {
   const float inv = 1.0f / std::sqrt(static_cast<float>(sum / k) + eps);
 #ifdef RS_X86
   if (radixserve_cpu_paths::avx512()) return scale_row_avx512(h, w, inv, k, o);
+  if (radixserve_cpu_paths::avx2()) return scale_row_avx2(h, w, inv, k, o);
 #endif
   for (int64_t i = 0; i < k; ++i) put(o + i, widen(w[i]) * keep<T>(widen(h[i]) * inv));
 }
@@ -217,6 +287,7 @@ template <typename T>
 void add_row(const T* x, const T* r, int64_t k, T* h) {
 #ifdef RS_X86
   if (radixserve_cpu_paths::avx512()) return add_row_avx512(x, r, k, h);
+  if (radixserve_cpu_paths::avx2()) return add_row_avx2(x, r, k, h);
 #endif
   for (int64_t i = 0; i < k; ++i) put(h + i, widen(x[i]) + widen(r[i]));
 }
@@ -401,12 +472,35 @@ __attribute__((target("avx512f"))) void silu_mul_row_avx512(const T* g, const T*
     store16(o + i, keep16<T>(_mm512_mul_ps(silu, uv)), live);
   }
 }
+
+// On 8 lanes with exp8; the last n % 8 values through zero-padded copies (so every value's exp is exp8's).
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void silu_mul_eight(const T* g, const T* u, T* o) {
+  const __m256 gv = load8(g), uv = load8(u);
+  const __m256 e = radixserve_cpu_vec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+  const __m256 silu = keep8<T>(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+  store8(o, keep8<T>(_mm256_mul_ps(silu, uv)));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const T* g, const T* u, T* o, int64_t n) {
+  const int64_t nv = n - n % 8;
+  for (int64_t i = 0; i < nv; i += 8) silu_mul_eight(g + i, u + i, o + i);
+  if (nv < n) {
+    alignas(32) T gp[8] = {}, up[8] = {}, op[8];
+    std::memcpy(gp, g + nv, (n - nv) * sizeof(T));
+    std::memcpy(up, u + nv, (n - nv) * sizeof(T));
+    silu_mul_eight(gp, up, op);
+    std::memcpy(o + nv, op, (n - nv) * sizeof(T));
+  }
+}
 #endif
 
 template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
 #ifdef RS_X86
   if (radixserve_cpu_paths::avx512()) return silu_mul_row_avx512(g, u, o, n);
+  if (radixserve_cpu_paths::avx2()) return silu_mul_row_avx2(g, u, o, n);
 #endif
   for (int64_t i = 0; i < n; ++i) {
     const float gi = widen(g[i]);
