@@ -474,7 +474,9 @@ CPU = Area(
         _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call; each layer one C++ op, "
                     "kernels/cpu/layer_row.cpp: 77.5 vs 26.9 before it, `_a`)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32 (decode only 3.13×; `_a`: 531.0 vs 189.6, 2.80×; "
-                    "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`)"),
+                    "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`; on a Zen 3 "
+                    "guest without AVX-512, 29 GB/s: 221.2 vs 113.5, 1.95×, after the AVX2 attention and row ops, "
+                    "182.4 vs 108.7 before, `2026-12-06_e`)"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
                     "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
