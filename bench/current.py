@@ -546,9 +546,11 @@ QWEN35_GPU = Area(
                lambda d: int(d["results"]["bfloat16_repeat_hits_all_but_the_last_token"]["hits_all_but_the_last_token"]),
                "{:d} of 1", target=Target("==", 1, "1 of 1", on="value"),
                command="python bench/gpu_qwen35_check.py bfloat16"),
-        Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers (one-launch routing, PDL, the MoE's "
-               "padding rows masked; on an H100: 2026-12-04 on the H200, 774.6 of 1,191.7 tok/s, 0.650)",
-               "gpu_qwen35_2026-12-06_a.json",
+        Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers (one-launch routing, PDL; the k "
+               "experts' sum and the gated shared expert in one launch, kernels/fused_moe.combine_experts: before "
+               "it 0.790 and 0.820 in two runs on an H100, `_06_a` / `_06_b`, step 1.50 -> 1.36 ms; on an H100. "
+               "2026-12-04 on the H200: 774.6 of 1,191.7 tok/s, 0.650)",
+               "gpu_qwen35_2026-12-06_c.json",
                lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: _q35(d)["ceiling_tok_s"], peer_label="ceiling: bytes read (top-8 experts) / copy bw",
                target=Target(">=", 0.8, "≥ 0.8 of the ceiling"),

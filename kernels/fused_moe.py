@@ -57,11 +57,13 @@ from kernels.moe_blocks import (
     moe_tiles_for,
     one_pair_per_block,
 )
+from kernels.pdl import launch_options, pdl_enter
 
 __all__ = [
     "DETERMINISTIC_MOE_TILES",
     "MoeTiles",
     "align_tokens_by_expert",
+    "combine_experts",
     "fused_moe",
     "moe_tiles_for",
     "one_pair_per_block",
@@ -313,6 +315,53 @@ def _check_fp8_experts(
     return bn, bk
 
 
+@triton.jit
+def _combine_kernel(P, Out, Shared, Gate, H, stride_st, stride_gt, TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Out[t] = sum_j P[t, j] (float32, j = 0, 1, ... in order) [+ sigmoid(Gate[t]) * Shared[t]], rounded once."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(P + (t * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        gate = tl.load(Gate + t * stride_gt).to(tl.float32)
+        shared = tl.load(Shared + t * stride_st + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += shared * (1.0 / (1.0 + tl.exp(-gate)))
+    tl.store(Out + t * H + cols, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+def combine_experts(
+    per_pair: torch.Tensor, top_k: int, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """per_pair [T * k, H] (each token's k weighted expert outputs, contiguous) -> [T, H]: their sum, plus
+    sigmoid(gate) * shared_out where shared = (shared_out [T, H], gate [T, 1]) is given (Qwen3.5's gated
+    shared expert), in one launch: what torch's sum over k, sigmoid, product and add took four for."""
+    hidden_size = per_pair.shape[1]
+    num_tokens = per_pair.shape[0] // top_k
+    out = torch.empty((num_tokens, hidden_size), dtype=per_pair.dtype, device=per_pair.device)
+    if num_tokens == 0:
+        return out
+    shared_out, gate = shared if shared is not None else (out, out)
+    if shared is not None and (
+        shared_out.shape != (num_tokens, hidden_size) or shared_out.stride(1) != 1
+        or gate.shape != (num_tokens, 1)
+    ):  # fmt: skip
+        raise ValueError(
+            f"shared: expected shared_out [{num_tokens}, {hidden_size}] (contiguous rows) and gate "
+            f"[{num_tokens}, 1], got {tuple(shared_out.shape)} and {tuple(gate.shape)}"
+        )
+    block = min(1024, triton.next_power_of_2(hidden_size))
+    pdl = launch_options(per_pair.device)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
+        per_pair, out, shared_out, gate, hidden_size, shared_out.stride(0), gate.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block, PDL=bool(pdl), **pdl,
+    )  # fmt: skip
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
@@ -327,8 +376,11 @@ def fused_moe(
     block_size: tuple[int, int] | None = None,
     fp8_activations: bool | None = None,
     pair_per_block: bool | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x.
+    """sum_j topk_weights[:, j] * w2[e_j] @ silu_and_mul(w13[e_j] @ x) for each token x, plus
+    sigmoid(gate) * shared_out where shared = (shared_out [T, H], gate [T, 1]) is given (added in the
+    launch that sums the k outputs: combine_experts).
     sum_in_order: add the k expert outputs j = 0, 1, ... one after another (deterministic inference: a
     reduction kernel over k may split it differently for another number of tokens).
 
@@ -390,12 +442,12 @@ def fused_moe(
     _grouped_gemm(
         act, w2, per_pair, sorted_ids, expert_ids, num_padded, weights, 1, False, tiles, w2_scale_inv, **fp8
     )
-    if top_k == 1:
-        return per_pair
-    per_token = per_pair.view(num_tokens, top_k, hidden_size)
     if not sum_in_order:
-        return per_token.sum(dim=1)
-    out = per_token[:, 0] + per_token[:, 1]
-    for j in range(2, top_k):
+        return per_pair if top_k == 1 and shared is None else combine_experts(per_pair, top_k, shared)
+    per_token = per_pair.view(num_tokens, top_k, hidden_size)
+    out = per_token[:, 0].clone()
+    for j in range(1, top_k):
         out += per_token[:, j]
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1]) * shared[0]
     return out

@@ -9,6 +9,7 @@ from kernels.fused_moe import (
     DETERMINISTIC_MOE_TILES,
     MoeTiles,
     align_tokens_by_expert,
+    combine_experts,
     fused_moe,
     one_pair_per_block,
 )
@@ -122,6 +123,40 @@ def test_one_pair_per_block_reads_strided_ids_and_gives_one_expert_per_token(gen
     assert rel_error(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
     top1 = fused_moe(x, w13, w2, weights[:, :1], ids[:, :1], SMALL)  # k = 1: the pairs are the tokens
     assert rel_error(top1, fused_moe_ref(x, w13, w2, weights[:, :1], ids[:, :1])) < 1e-4
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_sums_the_experts_and_adds_the_gated_shared_expert(gen, top_k, dtype) -> None:
+    # Each token's k outputs summed in float32 (then one rounding), plus sigmoid(gate) * shared_out.
+    tokens, hidden = 5, 1100  # two column blocks, the second partial
+    per_pair = torch.randn((tokens * top_k, hidden), generator=gen).to(dtype)
+    shared_out = torch.randn((tokens, hidden), generator=gen).to(dtype)
+    gate = torch.randn((tokens, 1), generator=gen).to(dtype)
+    summed = per_pair.double().view(tokens, top_k, hidden).sum(1)
+    with_shared = summed + torch.sigmoid(gate.double()) * shared_out.double()
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    for shared, ref in ((None, summed), ((shared_out, gate), with_shared)):
+        out = combine_experts(per_pair, top_k, shared)
+        assert out.dtype == dtype and out.shape == (tokens, hidden)
+        assert ((out.double() - ref).abs() <= tol * ref.abs().clamp(min=1.0)).all()
+    with pytest.raises(ValueError, match=r"shared: expected shared_out \[5, 1100\]"):
+        combine_experts(per_pair, top_k, (shared_out[:, :100], gate))
+    with pytest.raises(ValueError, match=r"gate \[5, 1\]"):
+        combine_experts(per_pair, top_k, (shared_out, gate.view(1, 5)))
+
+
+@pytest.mark.parametrize("sum_in_order", [False, True])
+def test_fused_moe_adds_a_gated_shared_expert(gen, sum_in_order) -> None:
+    tokens, experts, top_k, hidden, inter = 6, 5, 2, 32, 24
+    x = torch.randn((tokens, hidden), generator=gen)
+    w13 = torch.randn((experts, 2 * inter, hidden), generator=gen) / hidden**0.5
+    w2 = torch.randn((experts, hidden, inter), generator=gen) / inter**0.5
+    weights, ids = _routing(gen, tokens, experts, top_k)
+    shared_out, gate = torch.randn((tokens, hidden), generator=gen), torch.randn((tokens, 1), generator=gen)
+    out = fused_moe(x, w13, w2, weights, ids, SMALL, sum_in_order, shared=(shared_out, gate))
+    ref = fused_moe_ref(x, w13, w2, weights, ids) + torch.sigmoid(gate) * shared_out
+    assert rel_error(out, ref) < 1e-4
 
 
 def test_fused_moe_rejects_mismatched_weights(gen) -> None:

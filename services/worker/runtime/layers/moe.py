@@ -164,7 +164,16 @@ class FusedMoE(nn.Module):
         offset = 0 if shard_id == "w1" else rows
         param.data[expert_id, offset : offset + rows].copy_(narrow_weight(loaded_weight, 0, start, rows))
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum, plus sigmoid(gate) * shared_out where shared = (shared_out,
+        gate) is given (a gated shared expert's output, added before the all-reduce: one rank only)."""
+        if shared is not None and self.tp_size != 1:
+            raise ValueError("FusedMoE: a shared expert's output is added here only without tensor parallelism")
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         if hidden.is_cuda:
             # Imported here: triton is needed (and installed) only where CUDA runs.
@@ -184,10 +193,10 @@ class FusedMoE(nn.Module):
                     fp8["fp8_activations"] = False
                 out = fused_moe(
                     hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                    tiles=DETERMINISTIC_MOE_TILES, sum_in_order=True, **fp8,
+                    tiles=DETERMINISTIC_MOE_TILES, sum_in_order=True, shared=shared, **fp8,
                 )  # fmt: skip
             else:
-                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, **fp8)
+                out = fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, shared=shared, **fp8)
         else:
             invariant = self.batch_invariant
             scales = (None, None, None)
@@ -198,4 +207,6 @@ class FusedMoE(nn.Module):
                 product=batch_invariant.invariant_linear if invariant else F.linear,
                 act=batch_invariant.silu_and_mul if invariant else silu_and_mul,
             )  # fmt: skip
+            if shared is not None:
+                out = out + torch.sigmoid(shared[1]) * shared[0]
         return tp_all_reduce(out)

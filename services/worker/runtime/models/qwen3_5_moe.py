@@ -38,8 +38,12 @@ class Qwen3_5MoeSparseMoeBlock(Qwen3MoeSparseMoeBlock):
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return super().forward(hidden) + shared
+        gate, shared_out = self.shared_expert_gate(hidden), self.shared_expert(hidden)
+        if self.experts.tp_size == 1:
+            # Added where the routed outputs are summed (on the GPU one launch for the sum over k, the
+            # sigmoid, the product and the add); under TP after the routed all-reduce, as its own rows are.
+            return self.experts(hidden, self.gate(hidden), shared=(shared_out, gate))
+        return super().forward(hidden) + torch.sigmoid(gate) * shared_out
 
 
 class Qwen3_5MoeDecoderLayer(Qwen3_5DecoderLayer):
