@@ -548,7 +548,8 @@ QWEN35_GPU = Area(
                command="python bench/gpu_qwen35_check.py bfloat16"),
         Figure("batch-1 decode, Qwen3.5-35B-A3B shape, first 12 of 40 layers (one-launch routing, PDL; the k "
                "experts' sum and the gated shared expert in one launch, kernels/fused_moe.combine_experts: before "
-               "it 0.790 and 0.820 in two runs on an H100, `_06_a` / `_06_b`, step 1.50 -> 1.36 ms; on an H100. "
+               "it 0.790 and 0.820 in two runs on an H100, `_06_a` / `_06_b`, step 1.50 -> 1.36 ms; with it again 0.871, "
+               "`_06_d`; on an H100. "
                "2026-12-04 on the H200: 774.6 of 1,191.7 tok/s, 0.650)",
                "gpu_qwen35_2026-12-06_c.json",
                lambda d: _q35(d)["decode_tok_s"], "{:,.1f} tok/s",
