@@ -149,11 +149,11 @@ EXTEND_ATTENTION_ENV = "RS_CPU_EXTEND_ATTENTION"
 def extend_attention() -> Callable[..., torch.Tensor] | None:
     """torch.ops.radixserve_cpu.extend_attention_rows (a prefill batch's causal attention, keys and values
     read from the pool through slots) where the library is already loaded in this process, its path is
-    AVX-512 (the portable path is a reference, slower than SDPA) and RS_CPU_EXTEND_ATTENTION is not 0,
-    else None: never builds."""
+    AVX-512 or AVX2 (the portable path is a reference, slower than SDPA) and RS_CPU_EXTEND_ATTENTION is not
+    0, else None: never builds."""
     if _loaded is None or os.environ.get(EXTEND_ATTENTION_ENV, "1") == "0":
         return None
-    if torch.ops.radixserve_cpu.matvec_isa() != "avx512":
+    if torch.ops.radixserve_cpu.matvec_isa() not in ("avx512", "avx2"):
         return None
     return torch.ops.radixserve_cpu.extend_attention_rows
 

@@ -134,7 +134,7 @@ def test_a_models_prefill_on_the_op_matches_sdpa(qwen3_path, monkeypatch: pytest
         return logits, tokens
 
     if cpu_matvec.extend_attention() is None:
-        pytest.skip("the op serves float32 prefill only on AVX-512 CPUs")
+        pytest.skip("the op serves float32 prefill only on AVX-512 and AVX2 CPUs")
     ours, tokens = run()
     monkeypatch.setenv(cpu_matvec.EXTEND_ATTENTION_ENV, "0")
     assert cpu_matvec.extend_attention() is None

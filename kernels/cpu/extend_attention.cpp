@@ -23,7 +23,8 @@
 // batched, chunked or not. A row's blocks past its own position are entirely masked and leave it unchanged
 // (max unchanged, correction exp(0) = 1, weights exactly 0). The portable path (any CPU) attends one query
 // row at a time, two-pass softmax; it is the reference for tests and the fallback, not a fast path (callers
-// use this op only on AVX-512, kernels/cpu_matvec.py's extend_attention()).
+// use this op only on AVX-512 and AVX2, kernels/cpu_matvec.py's extend_attention()). AVX2 takes the same
+// steps on 8-lane vectors (below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -45,6 +46,7 @@
 
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: whether the library's chosen path is AVX-512 (use_matvec_isa switches it)
+bool avx2();    // ... or AVX2 + FMA
 }  // namespace radixserve_cpu_paths
 
 namespace {
@@ -242,6 +244,147 @@ __attribute__((target("avx512f"))) void avx512_task(const Geometry& g, const Tas
     else avx512_rows<3>(g, task, t0, t1, buffer);
   }
 }
+
+// The same steps on 8-lane vectors (AVX2 + FMA), sized for its 16 registers: up to 24 query rows (three
+// vectors) a sub-task, scores tiles of 4 keys, value tiles of 4 D values. Keys still go in blocks of 64 at
+// absolute positions and lanes never mix, so a row's bits are the same alone, batched or chunked here too.
+using radixserve_cpu_vec::exp8;
+
+constexpr int64_t kRows8 = 24;
+constexpr int64_t kKeys8 = 4;
+
+template <int NR>
+__attribute__((target("avx2,fma"))) inline void scores_tile8(const float* qt, int64_t d, const float* const* keys,
+                                                           __m256* s) {
+  __m256 acc[kKeys8][NR];
+  for (int j = 0; j < kKeys8; ++j)
+    for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    __m256 qv[NR];
+    for (int r = 0; r < NR; ++r) qv[r] = _mm256_loadu_ps(qt + i * NR * 8 + r * 8);
+    for (int j = 0; j < kKeys8; ++j) {
+      const __m256 kb = _mm256_set1_ps(keys[j][i]);
+      for (int r = 0; r < NR; ++r) acc[j][r] = _mm256_fmadd_ps(qv[r], kb, acc[j][r]);
+    }
+  }
+  for (int j = 0; j < kKeys8; ++j)
+    for (int r = 0; r < NR; ++r) s[j * NR + r] = acc[j][r];
+}
+
+template <int NR>
+__attribute__((target("avx2,fma"))) inline void values_tile8(float* ot, int64_t i0, const __m256* p,
+                                                           const float* const* values, int64_t n) {
+  __m256 acc[4][NR];
+  for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_loadu_ps(ot + (i0 + i) * NR * 8 + r * 8);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = values[j] + i0;
+    for (int i = 0; i < 4; ++i) {
+      const __m256 vb = _mm256_set1_ps(v[i]);
+      for (int r = 0; r < NR; ++r) acc[i][r] = _mm256_fmadd_ps(p[j * NR + r], vb, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int r = 0; r < NR; ++r) _mm256_storeu_ps(ot + (i0 + i) * NR * 8 + r * 8, acc[i][r]);
+}
+
+template <int NR>
+__attribute__((target("avx2,fma"))) void avx2_rows(const Geometry& g, const Task& task, int64_t t0, int64_t t1,
+                                                  std::vector<float>& buffer) {
+  const int64_t d = g.d, group = g.group, lanes = NR * 8;
+  const int64_t rows = (t1 - t0) * group;
+  buffer.assign(static_cast<size_t>(2 * d * lanes), 0.0f);
+  float* qt = buffer.data();  // [D][lanes], scaled queries; padding lanes stay 0
+  float* ot = qt + d * lanes;  // [D][lanes]
+  alignas(32) float pos[kRows8];
+  for (int64_t r = 0; r < lanes; ++r) {
+    if (r < rows) {
+      const int64_t t = t0 + r / group, j = r % group;
+      const float* q = g.q + (task.first + t) * g.qs + (task.head * group + j) * d;
+      for (int64_t i = 0; i < d; ++i) qt[i * lanes + r] = q[i] * g.scale;
+      pos[r] = static_cast<float>(task.prefix + t);
+    } else {
+      pos[r] = static_cast<float>(task.prefix + t1 - 1);  // padding: sees what the last row sees
+    }
+  }
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  __m256 rowpos[NR], m[NR], l[NR];
+  for (int r = 0; r < NR; ++r) {
+    rowpos[r] = _mm256_loadu_ps(pos + r * 8);
+    m[r] = neg_inf;
+    l[r] = _mm256_setzero_ps();
+  }
+  const int64_t lowest = task.prefix + t0, end = task.prefix + t1;  // keys [0, end)
+  const float* keys[kBlock];
+  const float* values[kBlock];
+  alignas(32) __m256 s[kBlock * NR];
+  for (int64_t b0 = 0; b0 < end; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, end - b0);
+    const int64_t chunks = (n + kKeys8 - 1) / kKeys8;
+    for (int64_t j = 0; j < chunks * kKeys8; ++j) {
+      const int64_t slot = task.slots[b0 + std::min(j, n - 1)];  // past n: a real row, masked below
+      keys[j] = g.k + slot * g.ks + task.head * d;
+      values[j] = g.v + slot * g.vs + task.head * d;
+    }
+    for (int64_t c = 0; c < chunks; ++c) scores_tile8<NR>(qt, d, keys + c * kKeys8, s + c * kKeys8 * NR);
+    __m256 block_max[NR];
+    for (int r = 0; r < NR; ++r) block_max[r] = neg_inf;
+    const bool masked = b0 + chunks * kKeys8 - 1 > lowest;
+    for (int64_t j = 0; j < chunks * kKeys8; ++j) {
+      const __m256 kpos = _mm256_set1_ps(static_cast<float>(j < n ? b0 + j : INFINITY));
+      for (int r = 0; r < NR; ++r) {
+        __m256& x = s[j * NR + r];
+        if (masked) x = _mm256_blendv_ps(x, neg_inf, _mm256_cmp_ps(kpos, rowpos[r], _CMP_GT_OQ));
+        block_max[r] = _mm256_max_ps(block_max[r], x);
+      }
+    }
+    __m256 alpha[NR], total[NR];
+    const bool rescale = b0 > 0;
+    for (int r = 0; r < NR; ++r) {
+      const __m256 m_new = _mm256_max_ps(m[r], block_max[r]);
+      alpha[r] = exp8(_mm256_sub_ps(m[r], m_new));
+      m[r] = m_new;
+      total[r] = _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < chunks * kKeys8; ++j) {
+      for (int r = 0; r < NR; ++r) {
+        __m256& x = s[j * NR + r];
+        const __m256 live = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ);
+        x = _mm256_and_ps(exp8(_mm256_sub_ps(x, m[r])), live);
+        total[r] = _mm256_add_ps(total[r], x);
+      }
+    }
+    for (int r = 0; r < NR; ++r) l[r] = _mm256_add_ps(_mm256_mul_ps(l[r], alpha[r]), total[r]);
+    if (rescale) {
+      for (int64_t i = 0; i < d; ++i)
+        for (int r = 0; r < NR; ++r)
+          _mm256_storeu_ps(ot + i * lanes + r * 8, _mm256_mul_ps(_mm256_loadu_ps(ot + i * lanes + r * 8), alpha[r]));
+    }
+    for (int64_t i0 = 0; i0 < d; i0 += 4) values_tile8<NR>(ot, i0, s, values, n);
+  }
+  alignas(32) float inv[kRows8];
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(inv + r * 8, _mm256_div_ps(_mm256_set1_ps(1.0f), l[r]));
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / group, j = r % group;
+    float* o = g.out + (task.first + t) * g.os + (task.head * group + j) * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = ot[i * lanes + r] * inv[r];
+  }
+}
+
+__attribute__((target("avx2,fma"))) void avx2_task(const Geometry& g, const Task& task, std::vector<float>& buffer) {
+  const int64_t tokens = std::max<int64_t>(1, kRows8 / g.group);
+  for (int64_t t0 = task.t0; t0 < task.t1; t0 += tokens) {
+    const int64_t t1 = std::min(task.t1, t0 + tokens);
+    const int64_t rows = (t1 - t0) * g.group;
+    if (rows > kRows8) {  // a group wider than kRows8: the portable loop
+      portable_task(g, Task{task.first, task.prefix, t0, t1, task.head, task.slots});
+      continue;
+    }
+    if (rows <= 8) avx2_rows<1>(g, task, t0, t1, buffer);
+    else if (rows <= 16) avx2_rows<2>(g, task, t0, t1, buffer);
+    else avx2_rows<3>(g, task, t0, t1, buffer);
+  }
+}
 #endif
 
 at::Tensor extend_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
@@ -306,16 +449,19 @@ at::Tensor extend_attention_rows(const at::Tensor& q, const at::Tensor& k_pool, 
     if (lo < hi) tasks.push_back(blocks[lo++]);
   }
 #ifdef RS_X86
-  const bool vector = radixserve_cpu_paths::avx512() && d % 8 == 0;
-#else
-  const bool vector = false;
+  const bool vector512 = radixserve_cpu_paths::avx512() && d % 8 == 0;
+  const bool vector2 = !vector512 && radixserve_cpu_paths::avx2() && d % 8 == 0;
 #endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buffer;
     for (int64_t i = i0; i < i1; ++i) {
 #ifdef RS_X86
-      if (vector) {
+      if (vector512) {
         avx512_task(g, tasks[i], buffer);
+        continue;
+      }
+      if (vector2) {
+        avx2_task(g, tasks[i], buffer);
         continue;
       }
 #endif

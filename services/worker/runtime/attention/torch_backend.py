@@ -51,7 +51,7 @@ class ExtendMetadata:
     q_starts: list[int]
     q_lens: list[int]
     masks: list[torch.Tensor | None]
-    # Float32 on an AVX-512 CPU: kernels/cpu/extend_attention.cpp's op attends for the whole batch, reading
+    # Float32 on an AVX-512 or AVX2 CPU: kernels/cpu/extend_attention.cpp's op attends for the whole batch, reading
     # the pool through `slots` [bs, max seq_len] with `seq_lens` and `q_len_rows` (int64 [bs]).
     rows: Any = None
     slots: torch.Tensor | None = None
@@ -307,7 +307,7 @@ def _rows_attention(pool: Any) -> Any:
 
 def _extend_attention(pool: Any) -> Any:
     """kernels/cpu_matvec.py's extend_attention_rows where it applies to a prefill batch over `pool`: a
-    float32 pool on an AVX-512 CPU, the C++ library loaded, RS_CPU_EXTEND_ATTENTION not 0."""
+    float32 pool on an AVX-512 or AVX2 CPU, the C++ library loaded, RS_CPU_EXTEND_ATTENTION not 0."""
     if pool.device.type != "cpu" or pool.dtype != torch.float32:
         return None
     from kernels.cpu_matvec import extend_attention  # imported where used: the CPU library's module
