@@ -478,7 +478,10 @@ CPU = Area(
                     "guest without AVX-512, 29 GB/s: 221.2 vs 113.5, 1.95×, after the AVX2 attention and row ops, "
                     "182.4 vs 108.7 before, `2026-12-06_e`)"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
-                    "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6)"),
+                    "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6; on a Zen 3 "
+                    "guest without AVX-512, where oneDNN cannot pack bfloat16: 48.8 vs 24.3, 2.00×, the C++ "
+                    "product and the layer op now taken without a packed copy, 27.7 vs 25.4 before, "
+                    "`2026-12-06_f`)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
                     "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
                     "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`)"),

@@ -268,3 +268,48 @@ def test_single_rows_on_packed_products_take_the_batch_op(
     assert none == {}
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_bfloat16_single_rows_take_the_cpp_product_where_bfloat16_cannot_be_packed(
+    qwen3_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AVX2-only CPU packs float32 weights only (oneDNN refuses bfloat16 there): a bfloat16 model's layers
+    get no packed copy but are marked cpu_rows, calibration times F.linear against the C++ product alone,
+    and with the C++ product a lone request's layers each run as decoder_layer_row, its logits bit for bit
+    the modules' on the same product (before, such a model's single rows went through F.linear)."""
+    import services.worker.runtime.layers.cpu_prepack as cpu_prepack_module
+    from services.worker.runtime.layers.linear import Projection
+    from services.worker.runtime.layers.linear_calibration import calibrate_single_row
+
+    monkeypatch.setattr(cpu_prepack_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    config = ModelConfig.from_path(qwen3_path, dtype="bfloat16")
+    runner = load_model(config, "cpu")
+    prepack_cpu_weights(runner)
+    projections = [m for m in runner.modules() if isinstance(m, Projection)]
+    assert projections and all(m.packed_weight is None and m.cpu_rows for m in projections)
+    best = calibrate_single_row(runner, repeats=1, max_seconds=1.0)
+    assert {"plain", "matvec"} <= set(best) and "packed" not in best
+    monkeypatch.setattr(linear_module, "_matvec", cpu_matvec.load_matvec())  # as calibration picks here
+    prompt = [5, 9, 31, 7, 2, 44, 3, 8]
+
+    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
+        driver = BatchDriver(runner, config)
+        row = driver.new_request()
+        logits, tokens = [driver.extend([(row, prompt)])], list(prompt)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(4):
+                tokens.append(int(logits[-1].argmax(-1)))
+                logits.append(driver.decode([(row, tokens[-1])]))
+        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::")}
+        return logits, counts
+
+    ours, counts = run()
+    assert counts.get("radixserve_cpu::decoder_layer_row") == 4 * config.num_layers
+    monkeypatch.setenv(LAYER_ROW_ENV, "0")
+    modules, counts = run()
+    assert "radixserve_cpu::decoder_layer_row" not in counts and counts.get("radixserve_cpu::matvec", 0) > 0
+    for a, b in zip(ours, modules):
+        assert torch.equal(a, b)

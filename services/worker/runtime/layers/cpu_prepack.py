@@ -28,16 +28,27 @@ def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
+# Weight dtypes whose single rows the C++ product takes (kernels/cpu_matvec.py), packed copy or not.
+CPU_ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def prepack_cpu_weights(model: nn.Module) -> int:
     """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy; returns
-    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only."""
+    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only. Each such module
+    with a float32 or bfloat16 CPU weight is also marked `cpu_rows` (its single rows may take the C++
+    product), packed or not: an AVX2-only CPU cannot pack bfloat16, and its single rows went through
+    F.linear's bfloat16 product (a SmolLM2 batch-1 step 30 ms; the C++ product reads it in half)."""
     total = 0
     dtypes = cpu_prepack_dtypes()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
             continue
-        if weight.device.type != "cpu" or weight.dtype not in dtypes:
+        if weight.device.type != "cpu":
+            continue
+        if weight.dtype in CPU_ROW_DTYPES:
+            module.cpu_rows = True
+        if weight.dtype not in dtypes:
             continue
         module.packed_weight = prepack_weight(weight)
         total += weight.numel() * weight.element_size()

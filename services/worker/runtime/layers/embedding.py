@@ -33,6 +33,7 @@ class VocabParallelEmbedding(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    cpu_rows = False  # as Projection's (layers/linear.py)
     gemv_tiles: object = None
     batch_invariant = False  # as the LM head: layers/linear.py's make_batch_invariant sets it
 

@@ -65,11 +65,12 @@ def linear(
     min_rows: int | None = None,
     gemv_tiles: Any = None,
     batch_invariant: bool = False,
+    cpu_rows: bool = False,
 ) -> torch.Tensor:
     """x W^T + b: through the Triton matrix-vector product (with `gemv_tiles`, which select_gemv_tiles
     sets) when x has at most `gemv_tiles.max_rows` rows (1, or 16 for "dot" tiles); for one float32 or
-    bfloat16 row of a prepacked layer, through the C++ product where set_single_row_product chose it
-    (min_rows not given);
+    bfloat16 row of a prepacked layer (or one prepack_cpu_weights marked `cpu_rows`), through the C++
+    product where set_single_row_product chose it (min_rows not given);
     through the prepacked weight when there is one and x has at least `min_rows` (default
     PREPACKED_MIN_ROWS) rows. batch_invariant: invariant_linear whatever the rows (deterministic inference)."""
     if batch_invariant:
@@ -77,7 +78,7 @@ def linear(
     if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
-    if _matvec is not None and packed is not None and min_rows is None and weight.dtype in MATVEC_DTYPES:
+    if _matvec is not None and (packed is not None or cpu_rows) and min_rows is None and weight.dtype in MATVEC_DTYPES:
         if x.dim() == 2 and x.shape[0] == 1:
             return _matvec(x, weight, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
@@ -199,6 +200,7 @@ class Projection(nn.Module):
 
     prepackable = True
     packed_weight: torch.Tensor | None = None
+    cpu_rows = False  # prepack_cpu_weights: single rows may take the C++ product (float32 / bfloat16, CPU)
     gemv_tiles: Any = None
     prologue: str | None = None
     quant_method: LinearMethod | None = None
@@ -217,6 +219,7 @@ class Projection(nn.Module):
             self.packed_weight,
             gemv_tiles=self.gemv_tiles,
             batch_invariant=self.batch_invariant,
+            cpu_rows=self.cpu_rows,
         )
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
@@ -230,7 +233,7 @@ class Projection(nn.Module):
 
     def cpu_single_row(self, x: torch.Tensor) -> bool:
         """Whether one row x goes through the C++ product (linear() with _matvec set, not batch-invariant)."""
-        if _matvec is None or self.packed_weight is None or self.batch_invariant:
+        if _matvec is None or (self.packed_weight is None and not self.cpu_rows) or self.batch_invariant:
             return False
         return self.weight.dtype == x.dtype and x.dtype in MATVEC_DTYPES
 

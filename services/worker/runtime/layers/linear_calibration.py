@@ -212,14 +212,18 @@ def single_row_matvec(modules: list[nn.Module]) -> Callable[..., torch.Tensor] |
 def calibrate_single_row(
     model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
 ) -> dict[str, float]:
-    """Time one single-row pass over every prepacked weight of `model` through each product this CPU
-    has: F.linear ("plain"), the packed weight ("packed") and, for a float32 or bfloat16 model, the C++
-    product ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
+    """Time one single-row pass over every prepacked weight of `model` (where none could be packed, as
+    bfloat16 on an AVX2-only CPU, every weight prepack_cpu_weights marked `cpu_rows`) through each product
+    this CPU has: F.linear ("plain"), the packed weight ("packed", where there is one) and, for a float32
+    or bfloat16 model, the C++ product ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
     `repeats` rounds are clean or `max_seconds` have passed; single rows then use the product with the
     fastest pass (set_single_row_product). A round is clean when the threaded products kept their
     compute threads busy (CALIBRATION_MIN_CPU_SHARE); if none was, the best of all rounds decides.
     Returns the best seconds per product and `clean_rounds`."""
     modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    packed = bool(modules)
+    if not packed:  # a dtype this CPU cannot pack (bfloat16 on AVX2): F.linear against the C++ product
+        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
     if not modules:
         return {}
     inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
@@ -236,7 +240,7 @@ def calibrate_single_row(
         for module, x in zip(modules, inputs):
             matvec(x, module.weight)
 
-    passes = {"plain": through_linear(2), "packed": through_linear(1)}
+    passes = {"plain": through_linear(2), "packed": through_linear(1)} if packed else {"plain": through_linear(2)}
     if matvec is not None:
         passes["matvec"] = through_matvec
     busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()

@@ -40,7 +40,7 @@ class LogitsProcessor(nn.Module):
             hidden = hidden[rows]
         logits = linear(
             hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles,
-            batch_invariant=lm_head.batch_invariant,
+            batch_invariant=lm_head.batch_invariant, cpu_rows=lm_head.cpu_rows,
         )  # fmt: skip
         logits = tp_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()
