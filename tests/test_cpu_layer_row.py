@@ -233,6 +233,24 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
         assert torch.equal(a, b)
 
 
+def _lone_request(runner, config, steps: int) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """A lone request's prefill and `steps` greedy decode steps: the logits of each, and how often each
+    radixserve_cpu op ran during the decode steps."""
+    prompt = [5, 9, 31, 7, 2, 44, 3, 8]
+    driver = BatchDriver(runner, config)
+    row = driver.new_request()
+    logits, tokens = [driver.extend([(row, prompt)])], list(prompt)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            tokens.append(int(logits[-1].argmax(-1)))
+            logits.append(driver.decode([(row, tokens[-1])]))
+    return logits, {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::")}
+
+
+def _layer_ops(counts: dict[str, int]) -> dict[str, int]:
+    return {key: n for key, n in counts.items() if key.startswith("radixserve_cpu::decoder_layer")}
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_single_rows_on_packed_products_take_the_batch_op(
@@ -248,24 +266,11 @@ def test_single_rows_on_packed_products_take_the_batch_op(
     config = ModelConfig.from_path(qwen3_path, dtype=dtype)
     runner = load_model(config, "cpu")
     prepack_cpu_weights(runner)
-    prompt = [5, 9, 31, 7, 2, 44, 3, 8]
-
-    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
-        driver = BatchDriver(runner, config)
-        row = driver.new_request()
-        logits, tokens = [driver.extend([(row, prompt)])], list(prompt)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(6):
-                tokens.append(int(logits[-1].argmax(-1)))
-                logits.append(driver.decode([(row, tokens[-1])]))
-        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::decoder_layer")}
-        return logits, counts
-
-    ours, counts = run()
-    assert counts == {"radixserve_cpu::decoder_layer_rows": 6 * config.num_layers}
+    ours, counts = _lone_request(runner, config, 6)
+    assert _layer_ops(counts) == {"radixserve_cpu::decoder_layer_rows": 6 * config.num_layers}
     monkeypatch.setenv(LAYER_ROW_ENV, "0")
-    reference, none = run()
-    assert none == {}
+    reference, counts = _lone_request(runner, config, 6)
+    assert _layer_ops(counts) == {}
     for a, b in zip(ours, reference):
         assert torch.equal(a, b)
 
@@ -293,23 +298,10 @@ def test_bfloat16_single_rows_take_the_cpp_product_where_bfloat16_cannot_be_pack
     best = calibrate_single_row(runner, repeats=1, max_seconds=1.0)
     assert {"plain", "matvec"} <= set(best) and "packed" not in best
     monkeypatch.setattr(linear_module, "_matvec", cpu_matvec.load_matvec())  # as calibration picks here
-    prompt = [5, 9, 31, 7, 2, 44, 3, 8]
-
-    def run() -> tuple[list[torch.Tensor], dict[str, int]]:
-        driver = BatchDriver(runner, config)
-        row = driver.new_request()
-        logits, tokens = [driver.extend([(row, prompt)])], list(prompt)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(4):
-                tokens.append(int(logits[-1].argmax(-1)))
-                logits.append(driver.decode([(row, tokens[-1])]))
-        counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("radixserve_cpu::")}
-        return logits, counts
-
-    ours, counts = run()
-    assert counts.get("radixserve_cpu::decoder_layer_row") == 4 * config.num_layers
+    ours, counts = _lone_request(runner, config, 4)
+    assert _layer_ops(counts) == {"radixserve_cpu::decoder_layer_row": 4 * config.num_layers}
     monkeypatch.setenv(LAYER_ROW_ENV, "0")
-    modules, counts = run()
-    assert "radixserve_cpu::decoder_layer_row" not in counts and counts.get("radixserve_cpu::matvec", 0) > 0
+    modules, counts = _lone_request(runner, config, 4)
+    assert _layer_ops(counts) == {} and counts.get("radixserve_cpu::matvec", 0) > 0
     for a, b in zip(ours, modules):
         assert torch.equal(a, b)
