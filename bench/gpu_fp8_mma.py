@@ -174,7 +174,9 @@ def time_shapes(rows: list[dict], dev: torch.device, copy_bw: float, sweep: list
     return best
 
 
-def time_step(rows: list[dict], dev: torch.device, copy_bw: float, best: dict) -> None:
+def time_step(
+    rows: list[dict], dev: torch.device, copy_bw: float, best: dict, best_case: str = "mma, best tiles"
+) -> None:
     ws = {name: [random_fp8(n, k, dev) for _ in range(LAYERS)] for name, (n, k) in SHAPES.items()}
     xs = {name: torch.randn(1, k, device=dev, dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
     nbytes = sum(q.numel() + s.numel() * 4 for v in ws.values() for q, s in v)
@@ -182,7 +184,7 @@ def time_step(rows: list[dict], dev: torch.device, copy_bw: float, best: dict) -
     cases: dict[str, Callable[[str, int], object]] = {
         "weight-only gemv": lambda nm, i: fp8_block_gemv(xs[nm], *ws[nm][i], BLOCK),
         "mma, default tiles": lambda nm, i: fp8_mma_gemv(xs[nm], *ws[nm][i], BLOCK),
-        "mma, best tiles": lambda nm, i: fp8_mma_gemv(xs[nm], *ws[nm][i], BLOCK, best[nm]),
+        best_case: lambda nm, i: fp8_mma_gemv(xs[nm], *ws[nm][i], BLOCK, best[nm]),
     }
     for case, fn in cases.items():
         ms = graph_us(lambda fn=fn: [fn(nm, i) for i in range(LAYERS) for nm in SHAPES]) / 1e3
@@ -224,10 +226,32 @@ def prologue_case(model: str, dev: torch.device, copy_bw: float) -> dict:
     return row
 
 
+def step_only() -> int:
+    dev = torch.device("cuda")
+    copy_bw = copy_bandwidth()
+    rows: list[dict] = []
+    stages3 = MmaGemvTiles(num_stages=3)
+    time_step(rows, dev, copy_bw, {name: stages3 for name in SHAPES}, "mma, three copies in flight")
+    for model in ("8b", "0.6b"):
+        rows.append(prologue_case(model, dev, copy_bw))
+        torch.cuda.empty_cache()
+    OUT.mkdir(parents=True, exist_ok=True)
+    tag = "_".join(f"{k}{os.environ[k]}" for k in ("RS_PDL", "RS_PDL_PRELOAD") if k in os.environ)
+    (OUT / f"gpu_fp8_mma_step{'_' + tag if tag else ''}.json").write_text(
+        json.dumps({"copy_bw": copy_bw, "rows": rows}, indent=1)
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a smaller tile sweep")
+    parser.add_argument("--step-only", action="store_true",
+                        help="no checks and no sweep: the step of 144 with the default tiles and with three "
+                             "copies in flight, and the fused-prologue steps (for A/B runs of a switch)")  # fmt: skip
     args = parser.parse_args()
+    if args.step_only:
+        return step_only()
     dev = torch.device("cuda")
     copy_bw = copy_bandwidth()
     checks: dict[str, float] = {}

@@ -20,6 +20,10 @@ tile's last program (kernels/split_reduce.py).
 
 One-row prologues as in kernels/gemv.py (the same jit helpers and rounding): RMSNorm of the row
 (adding the residual first, program (0, 0) writing the sum) and SiLU-and-mul of a gate_up row.
+
+Under programmatic dependent launch (kernels/pdl.py) each program's first weight tile is read before the
+wait for the kernel before it (read_ahead): a kernel boundary costs these short programs (two to three
+128-column turns each) about as much as their weights take to stream.
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ import triton.language as tl
 
 from kernels.fp8_quant import _round_to_e4m3_grid, per_token_group_quant_fp8
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_EPS, FP8_MAX, check_block_weight
-from kernels.gemv import GemvTiles, check_prologue_row, prologue_input, rmsnorm_outputs, rmsnorm_rstd
+from kernels.gemv import (
+    GemvTiles,
+    _weight_tile,
+    check_prologue_row,
+    prologue_input,
+    rmsnorm_outputs,
+    rmsnorm_rstd,
+)
 from kernels.interpreter_compat import interpreting
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_gate, pdl_release, preload_weights
 from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 MMA_MAX_ROWS = 16
@@ -74,11 +85,24 @@ def split_for(n: int, k: int, tiles: MmaGemvTiles) -> tuple[int, int]:
     return triton.cdiv(turns, per_split), per_split * tiles.unroll * GROUP_K
 
 
+def read_ahead(pdl: bool, prologue: int, prequant: bool, tiles: MmaGemvTiles) -> tuple[bool, bool]:
+    """(EARLY, PRELOAD): how a launch reads its first weight tile before the PDL wait, where PDL is on and
+    RS_PDL_PRELOAD is not 0. A row without RMSNorm's statistics (plain or SiLU-and-mul) waits inside the
+    loop's turns, so the pipelined copies issued before the loop run ahead (EARLY); an RMSNorm row must
+    wait before the loop for its statistics, so its first tile is read into registers before the wait
+    (PRELOAD). H100, Qwen3-8B shape, `--quantization fp8` batch-1 decode through the Engine (bench/gpu_pdl.py
+    --env RS_PDL_PRELOAD, outputs identical): 257.9 -> 268.2 tok/s. EARLY on the RMSNorm rows instead
+    (their statistics in the first turn) was 0.88x: it doubled their registers."""
+    if not (pdl and preload_weights()) or prequant or tiles.unroll != 1:
+        return False, False
+    return prologue in (0, 2), prologue == 1
+
+
 @triton.jit
 def _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0, k_end, K, stride_xm,
                    stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                    GROUP: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                   ROUND_IN_F32: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                   ROUND_IN_F32: tl.constexpr, MASKED: tl.constexpr, w_pre=None):  # fmt: skip
     """The [BLOCK_N, BLOCK_M] product of the weight's columns k0..k0+GROUP with the rows' group there,
     quantized, times the two scales; zero where MASKED and k0 >= k_end (an unrolled turn's overhang)."""
     cols = k0 + tl.arange(0, GROUP)
@@ -109,7 +133,10 @@ def _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask,
         if ROUND_IN_F32:
             q = _round_to_e4m3_grid(q)
     w_ptrs = W + safe_rows[:, None] * stride_wn + cols[None, :]
-    if MASKED:
+    if w_pre is not None:  # the tile read before the wait (PRELOAD)
+        w = w_pre
+        w_scale = tl.load(scale_row + k0 // GROUP)
+    elif MASKED:
         w = tl.load(w_ptrs, mask=valid, other=0.0, eviction_policy="evict_first")
         w_scale = tl.load(scale_row + k0 // GROUP, mask=valid, other=0.0)
     else:
@@ -156,6 +183,8 @@ def _fp8_mma_gemv_kernel(
     BLOCK_FULL: tl.constexpr,
     ROUND_IN_F32: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -166,28 +195,47 @@ def _fp8_mma_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     scale_row = W_scale + ((pid_n * BLOCK_N) // group_n).to(tl.int64) * stride_wsn
-    pdl_enter(PDL)
-    rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREQUANT:
-        # X holds the rows already quantized (fp8 [M, K]) and X_scale their group scales ([M, K / GROUP]):
-        # both operands stream through the copies Triton pipelines for a dot, no reduction in the loop.
+    if EARLY:
+        # The wait inside the turns (a row without RMSNorm's statistics): the pipeliner's first weight
+        # copies, issued before the loop, are in flight while the kernel before this one finishes. Every
+        # activation pointer carries pdl_gate's 0, so no read of one is moved above the wait.
         for k0 in range(k_start, k_end, GROUP):
-            cols = k0 + tl.arange(0, GROUP)
-            q = tl.load(X + offs_m[None, :] * stride_xm + cols[:, None], mask=m_mask[None, :], other=0.0)
-            w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
-            part = tl.dot(w, q)
-            x_scale = tl.load(X_scale + offs_m * stride_sm + k0 // GROUP, mask=m_mask, other=0.0)
-            acc += part * (tl.load(scale_row + k0 // GROUP) * x_scale[None, :])
+            gate = pdl_gate(PDL)
+            pdl_release(PDL)
+            acc += _group_product(X + gate, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0, k_end, K,
+                                  stride_xm, stride_wn, 1.0, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP, PROLOGUE,
+                                  HAS_RESIDUAL, ROUND_IN_F32, False)  # fmt: skip
     else:
-        # UNROLL groups a turn: their weight tiles are issued together, UNROLL * 128 contiguous bytes a row.
-        for k0 in range(k_start, k_end, GROUP * UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc += _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0 + u * GROUP,
-                                      k_end, K, stride_xm, stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP,
-                                      PROLOGUE, HAS_RESIDUAL, ROUND_IN_F32, UNROLL > 1)  # fmt: skip
+        if PRELOAD:
+            # RMSNorm's row (PROLOGUE 1) needs the wait before the loop, and the loop's copies start after it:
+            # the first tile is read into registers before the wait instead (kernels/gemv.py's PRELOAD).
+            w_first = _weight_tile(W, safe_rows, stride_wn, k_start + tl.arange(0, GROUP), K, True)
+        pdl_enter(PDL)
+        rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
+        if PRELOAD:
+            acc += _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k_start, k_end, K,
+                                  stride_xm, stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP, PROLOGUE,
+                                  HAS_RESIDUAL, ROUND_IN_F32, False, w_first)  # fmt: skip
+        if PREQUANT:
+            # X holds the rows already quantized (fp8 [M, K]) and X_scale their group scales ([M, K / GROUP]):
+            # both operands stream through the copies Triton pipelines for a dot, no reduction in the loop.
+            for k0 in range(k_start, k_end, GROUP):
+                cols = k0 + tl.arange(0, GROUP)
+                q = tl.load(X + offs_m[None, :] * stride_xm + cols[:, None], mask=m_mask[None, :], other=0.0)
+                w = tl.load(W + safe_rows[:, None] * stride_wn + cols[None, :], eviction_policy="evict_first")
+                part = tl.dot(w, q)
+                x_scale = tl.load(X_scale + offs_m * stride_sm + k0 // GROUP, mask=m_mask, other=0.0)
+                acc += part * (tl.load(scale_row + k0 // GROUP) * x_scale[None, :])
+        else:
+            # UNROLL groups a turn: their weight tiles are issued together, UNROLL * 128 contiguous bytes a row.
+            for k0 in range(k_start + GROUP if PRELOAD else k_start, k_end, GROUP * UNROLL):
+                for u in tl.static_range(UNROLL):
+                    acc += _group_product(X, W, scale_row, Residual, Norm_w, safe_rows, offs_m, m_mask, k0 + u * GROUP,
+                                          k_end, K, stride_xm, stride_wn, rstd, fp8_eps, fp8_max, BLOCK_M, ROWS, GROUP,
+                                          PROLOGUE, HAS_RESIDUAL, ROUND_IN_F32, UNROLL > 1)  # fmt: skip
     out_mask = row_mask[:, None] & m_mask[None, :]
     out_offs = offs_m[None, :] * stride_ym + rows[:, None]
     # Work is [SPLIT, BLOCK_M * N] float32: a split's part of row m, column n at m * N + n.
@@ -215,15 +263,16 @@ def _launch(
             f"multiple of {tiles.block_n}; got weight [{n}, {k}], block size {tuple(block_size)}"
         )
     m = x.shape[0] if prologue == 0 else 1
+    prequant = tiles.prequant and prologue == 0
+    pdl = launch_options(x.device)
+    early, preload = read_ahead(bool(pdl), prologue, prequant, tiles)
     split, k_per_split = split_for(n, k, tiles)
     blocks = triton.cdiv(n, tiles.block_n)
     check_tiles(blocks)
     work = split_workspace(split, MMA_MAX_ROWS * n, out)
-    prequant = tiles.prequant and prologue == 0
     x_rows, x_scale = x, out
     if prequant:
         x_rows, x_scale = per_token_group_quant_fp8(x, GROUP_K)
-    pdl = launch_options(x.device)
     _fp8_mma_gemv_kernel[(blocks, split)](
         x_rows,
         w_q,
@@ -260,6 +309,8 @@ def _launch(
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         ROUND_IN_F32=interpreting(),
         PDL=bool(pdl),
+        EARLY=early,
+        PRELOAD=preload,
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -20,7 +20,9 @@ What it buys (H200, CUDA graphs, bench/gpu_pdl.py, 2026-12-04): batch-1 decode 1
 the early start on an L2 bulk prefetch of each GEMV's first weight columns (cp.async.bulk.prefetch) was
 tried and dropped: no gain at 0.6B and 0.87x at 8B. Loading them into registers instead (kernels/gemv.py's
 PRELOAD, RS_PDL_PRELOAD) gave 1.07-1.10x at 0.6B and 0.96x at 8B, so only products up to 16 MiB do it.
-Weights are the one thing read before the wait: they are constant during a step.
+Weights are the one thing read before the wait: they are constant during a step. The FP8 tensor-core GEMV
+(kernels/fp8_gemv_mma.read_ahead) reads ahead too, and where it waits inside its loop (pdl_gate) every
+activation pointer carries the wait's value, so the compiler cannot move a read of one above it.
 
 Off (the default elsewhere): under the interpreter, on CPUs and GPUs before sm90, and with RS_PDL=0
 (for A/B runs). `launch_options` gives the launch's keyword, `PDL` the kernels' constexpr.
@@ -71,4 +73,26 @@ def pdl_enter(PDL: tl.constexpr):
     protocol). Every program of a PDL kernel calls this before it reads an activation."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_gate(PDL: tl.constexpr):
+    """The wait of pdl_enter as a value: 0, produced by the wait itself, for a kernel that reads weights
+    in a loop's pipelined copies before it. Adding it to every activation pointer ties those reads to the
+    wait: with a plain wait in the loop's first turn, the compiler moved that turn's read of the row above
+    it (seen in the PTX). Called every turn (a wait whose grid has completed returns at once); the release
+    is pdl_release's."""
+    if PDL:
+        gate = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+    else:
+        gate = 0
+    return gate
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel be scheduled (after a pdl_gate)."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()

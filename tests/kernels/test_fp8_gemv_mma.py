@@ -22,6 +22,7 @@ from kernels.fp8_gemv_mma import (
     fp8_mma_rmsnorm_gemv,
     fp8_mma_silu_mul_gemv,
     mma_gemv_supported,
+    read_ahead,
     split_for,
 )
 from kernels.fp8_reference import (
@@ -90,6 +91,51 @@ def test_split_for_covers_k_in_whole_turns() -> None:
         splits, per_split = split_for(n, k, tiles)
         assert per_split % (128 * tiles.unroll) == 0
         assert (splits - 1) * per_split < k <= splits * per_split  # every split has work, all of K is covered
+
+
+def test_read_ahead_only_under_pdl_and_by_prologue(monkeypatch) -> None:
+    tiles = MmaGemvTiles()
+    assert read_ahead(False, 0, False, tiles) == (False, False)
+    # Plain and SiLU rows wait inside the loop; an RMSNorm row reads its first tile into registers.
+    assert [read_ahead(True, p, False, tiles) for p in (0, 1, 2)] == [
+        (True, False),
+        (False, True),
+        (True, False),
+    ]
+    assert read_ahead(True, 0, True, tiles) == (False, False)  # rows quantized by a kernel of their own
+    assert read_ahead(True, 0, False, MmaGemvTiles(unroll=2)) == (False, False)
+    monkeypatch.setenv("RS_PDL_PRELOAD", "0")
+    assert read_ahead(True, 1, False, tiles) == (False, False)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("tiles", [TILES[0], TILES[1]])
+def test_reading_ahead_changes_no_bit(gen, monkeypatch, tiles, m) -> None:
+    # Under PDL the first weight tile is read before the wait (read_ahead); the sums are the same, in the
+    # same order. The interpreter has no PDL, so the forms are forced here (the wait is then a no-op).
+    import kernels.fp8_gemv_mma as mma
+
+    k = 640
+    w_q, w_s = _weight(gen, 256, k)
+    x = (torch.randn((m, k), generator=gen) * 3).bfloat16()
+    residual, norm_w = (
+        torch.randn((1, k), generator=gen).bfloat16(),
+        (1 + 0.2 * torch.randn(k, generator=gen)).bfloat16(),
+    )
+    gate_up = (torch.randn((1, 2 * k), generator=gen) * 2).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        outs = [
+            fp8_mma_gemv(x, w_q, w_s, BLOCK, tiles),
+            fp8_mma_silu_mul_gemv(gate_up, w_q, w_s, BLOCK, tiles),
+        ]
+        return outs + list(fp8_mma_rmsnorm_gemv(x[:1], residual, norm_w, EPS, w_q, w_s, BLOCK, tiles))
+
+    plain = run()
+    monkeypatch.setattr(
+        mma, "read_ahead", lambda pdl, prologue, prequant, t: (prologue in (0, 2), prologue == 1)
+    )
+    assert all(torch.equal(a, b) for a, b in zip(run(), plain, strict=True))
 
 
 @pytest.mark.parametrize("tiles", [TILES[0], TILES[3]])

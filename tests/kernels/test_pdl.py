@@ -73,6 +73,35 @@ def test_every_pdl_kernel_is_found() -> None:
 @pytest.mark.parametrize(("name", "fn"), _pdl_kernels(), ids=lambda v: v if isinstance(v, str) else "")
 def test_pdl_kernels_wait_before_touching_memory(name, fn) -> None:
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    early = [i for i, s in enumerate(body) if isinstance(s, ast.If) and ast.unparse(s.test) == "EARLY"]
+    if early:
+        # `if EARLY:` waits inside its loop (pdl_gate); its `else:` keeps the protocol below.
+        _check_gated_loop(name, body[early[0]].body)
+        _check_protocol(name, body[: early[0]] + body[early[0]].orelse)
+    else:
+        _check_protocol(name, body)
+
+
+def _check_gated_loop(name: str, stmts: list[ast.stmt]) -> None:
+    """An EARLY branch: one loop whose first statement is `gate = pdl_gate(PDL)`, whose memory is touched
+    only through _group_product, with the rows' pointer offset by the gate (X + gate)."""
+    assert len(stmts) == 1 and isinstance(stmts[0], ast.For), f"{name}: the EARLY branch is not one loop"
+    loop = stmts[0].body
+    assert ast.unparse(loop[0]) == "gate = pdl_gate(PDL)", (
+        f"{name}: the EARLY loop does not open with its wait"
+    )
+    calls = [n for stmt in loop[1:] for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+    names = {c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "") for c in calls}
+    assert not names & MEMORY_OPS and names <= {"pdl_release", "_group_product"}, (
+        f"{name} calls {sorted(names)}"
+    )
+    products = [c for c in calls if getattr(c.func, "id", "") == "_group_product"]
+    assert products and all(ast.unparse(c.args[0]) == "X + gate" for c in products), (
+        f"{name}: a read of the rows in the EARLY loop is not tied to the wait"
+    )
+
+
+def _check_protocol(name: str, body: list[ast.stmt]) -> None:
     enter = [i for i, s in enumerate(body) if isinstance(s, ast.Expr) and "pdl_enter" in _calls(s)]
     assert enter, f"{name} takes PDL but never calls pdl_enter(PDL) at its top level"
     before = body[: enter[0]]
@@ -83,7 +112,7 @@ def test_pdl_kernels_wait_before_touching_memory(name, fn) -> None:
         calls = _calls(stmt)
         assert not calls & MEMORY_OPS, f"{name} touches memory before pdl_enter: {ast.unparse(stmt)}"
         # Helpers could load; only Triton's own arithmetic may run before the wait.
-        assert calls <= {"program_id", "arange", "where", "to", "num_programs", "minimum", "maximum"}, (
+        assert calls <= {"program_id", "arange", "where", "to", "num_programs", "minimum", "maximum", "zeros"}, (
             f"{name} calls {sorted(calls)} before pdl_enter: {ast.unparse(stmt)}"
         )
 
