@@ -43,7 +43,9 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def _chain(self, key: bytes) -> list[int]:
+    def chain(self, key: bytes) -> list[int]:
+        """The key's block hashes, block i's chained over blocks 0..i (matched_bytes and record take it, so
+        one routing decision hashes its key once)."""
         hashes: list[int] = []
         h = 0
         for start in range(0, len(key) - self.block_bytes + 1, self.block_bytes):
@@ -51,9 +53,10 @@ class PrefixIndex:
             hashes.append(h)
         return hashes
 
-    def matched_bytes(self, key: bytes, workers: Iterable[str]) -> dict[str, int]:
-        """For each of `workers`, how many leading bytes of `key` it was sent before (whole blocks)."""
-        chain = self._chain(key)
+    def matched_bytes(self, key: bytes, workers: Iterable[str], chain: list[int] | None = None) -> dict[str, int]:
+        """For each of `workers`, how many leading bytes of `key` it was sent before (whole blocks).
+        `chain`: self.chain(key), where the caller has it."""
+        chain = self.chain(key) if chain is None else chain
         out: dict[str, int] = {}
         for worker in workers:
             blocks = self._blocks.get(worker)
@@ -66,12 +69,15 @@ class PrefixIndex:
             out[worker] = n * self.block_bytes
         return out
 
-    def record(self, worker: str, key: bytes) -> None:
-        """`key` was routed to `worker`: its blocks become that worker's most recent."""
+    def record(self, worker: str, key: bytes, chain: list[int] | None = None) -> None:
+        """`key` was routed to `worker`: its blocks become that worker's most recent. `chain`: as in
+        matched_bytes."""
         blocks = self._blocks.setdefault(worker, OrderedDict())
-        for h in self._chain(key):
-            blocks[h] = None
-            blocks.move_to_end(h)
+        for h in self.chain(key) if chain is None else chain:
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                blocks[h] = None
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
 

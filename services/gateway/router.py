@@ -139,16 +139,18 @@ class WorkerRegistry:
         queued = {w.load.worker_id: w.queued(local.get(w.load.worker_id, 0)) for w in candidates}
         best = min(candidates, key=lambda w: (queued[w.load.worker_id], w.load.kv_usage, w.load.worker_id))
         if self.policy == "cache_aware" and key:
+            chain = self.prefixes.chain(key)
             shortest, longest = min(queued.values()), max(queued.values())
             imbalanced = (
                 longest - shortest > self.balance_abs_threshold and longest > shortest * self.balance_rel_threshold
             )
-            if not imbalanced:
-                matched = self.prefixes.matched_bytes(key, queued)
+            if not imbalanced and len(candidates) > 1:  # with one candidate there is nothing to choose
+                matched = self.prefixes.matched_bytes(key, queued, chain)
                 top = max(candidates, key=lambda w: (matched[w.load.worker_id], -queued[w.load.worker_id]))
                 if matched[top.load.worker_id] >= self.cache_threshold * len(key) and matched[top.load.worker_id]:
                     best = top
-            self.prefixes.record(best.load.worker_id, key)
+            # Recorded even so: a worker that joins later is then routed around what this one holds.
+            self.prefixes.record(best.load.worker_id, key, chain)
         best.sent_since_report += 1
         return best
 
