@@ -721,8 +721,9 @@ FP8_GPU = Area(
                lambda d: float(dict(d["rows"])["matmul tiles per shape (tiles_for): time / cuBLAS"].split()[1].rstrip(",")),
                "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --skip-throughput"),
         Figure("FP8 batch-1 decode, Qwen3-8B shape, `--quantization fp8` (block 128 × 128) resident, PDL on, the "
-               "FP8 GEMV's first weight tile read before the PDL wait (on an H100: without it 257.9 tok/s, 0.816; "
-               "2026-12-04 on an H200, before: 315.7 of 439.3, 0.719)",
+               "FP8 GEMV's first weight tile read before the PDL wait (on an H100: without it 257.9 tok/s, 0.816; the "
+               "same code in a later run, `gpu_pdl_2026-12-06_d`'s off side: 267.4 of 314.5, 0.850; 2026-12-04 on "
+               "an H200, before: 315.7 of 439.3, 0.719)",
                "gpu_pdl_2026-12-06_a.json", lambda d: max(d["models"]["8b-fp8"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["8b-fp8"]["ceiling_tok_s"],
                peer_label="ceiling: resident weight bytes / copy bw",
