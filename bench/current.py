@@ -679,6 +679,12 @@ FP8_GPU = Area(
                peer=lambda d: sum(r["bf16_us"] for r in d["rows"] if r["m"] == 96),
                peer_label="bf16 torch.matmul", ratio_fmt="{:.2f}× bf16's time",
                command="python bench/gpu_fp8_rows.py --quick"),
+        Figure("FP8 batched decode, M = 96, a Qwen3-8B layer's products with the rows quantized inside the norm and "
+               "the activation (kernels/fp8_quant.py; the same bits as the separate launches, 12/12 checks; 32 rows: "
+               "no gain, 256: 179.8 vs 181.6. On an H100)", "gpu_fp8_quant_fused_2026-12-06_a.json",
+               lambda d: _row(d["rows"], m=96)["fused_us"], "{:,.1f} µs",
+               peer=lambda d: _row(d["rows"], m=96)["separate_us"], peer_label="norm / activation, then the quantizer",
+               ratio_fmt="{:.3f}× their time", command="python bench/gpu_fp8_quant_fused.py"),
         Figure("FP8 MoE (w8a8, now the default form at every size), 1,024 tokens, Qwen3-30B-A3B experts (padding rows "
                "masked; before: 516 µs, bf16 566; weight-only now 605. On an H100)", "gpu_fp8_2026-12-06_c.json",
                lambda d: _row(d["rows"], table="moe", t=1024)["fp8_w8a8_us"], "{:,.0f} µs",

@@ -194,9 +194,45 @@ def test_fp8_dispatch_takes_one_contiguous_row_where_the_kernels_run() -> None:
     )
     row = torch.zeros((1, 64))
     assert on.fuses_prologue(row) and not off.fuses_prologue(row) and not default.fuses_prologue(row)
-    assert not on.fuses_prologue(torch.zeros((2, 64)))  # several rows: the norm kernel, then the product
+    assert not on.fuses_prologue(torch.zeros((2, 64)))  # a few rows: the norm kernel, then the product
+    assert not on.fuses_prologue(torch.zeros((16, 64)))
+    # Past the GEMVs' 16 rows, the norm or activation quantizes the rows for the w8a8 GEMM as it writes.
+    assert on.fuses_prologue(torch.zeros((17, 64))) and not off.fuses_prologue(torch.zeros((17, 64)))
+    assert not on.fuses_prologue(torch.zeros((64, 17)).t())  # strided rows
     assert not on.fuses_prologue(torch.zeros((64, 2)).t()[:1])  # a strided row
     assert not on.fuses_prologue(torch.zeros(64))
+
+
+@pytest.mark.parametrize(("hidden", "inter", "fused"), [(96, 64, True), (80, 72, False)])
+def test_an_fp8_mlp_quantizes_many_rows_inside_its_norm_and_activation(gen, monkeypatch, hidden, inter, fused) -> None:  # fmt: skip
+    # 20 rows (batched decode): where the rows are whole 32-column groups, the norm and the activation each
+    # quantize their output for the w8a8 GEMM in the same launch (kernels/fp8_quant.py); else the norm's
+    # and the activation's own kernels, then the products. Either way the module's torch norm and
+    # activation are not called, and the result is the reference path's (torch ops, dequantized products)
+    # up to the rows' e4m3 rounding.
+    import kernels.fp8_quant as fp8_quant
+
+    block = (32, 32)
+    mlp, norm = _fp8_mlp(gen, hidden, inter, block)
+    calls = {"norm": 0, "act": 0, "fused": 0}
+    norm.register_forward_hook(lambda *_: calls.__setitem__("norm", calls["norm"] + 1))
+    mlp.act_fn.register_forward_hook(lambda *_: calls.__setitem__("act", calls["act"] + 1))
+    for name in ("rmsnorm_group_quant_fp8", "silu_mul_group_quant_fp8"):
+        fn = getattr(fp8_quant, name)
+        monkeypatch.setattr(
+            fp8_quant,
+            name,
+            lambda *a, fn=fn, **kw: (calls.__setitem__("fused", calls["fused"] + 1), fn(*a, **kw))[1],
+        )
+    x, residual = torch.randn((20, hidden), generator=gen), torch.randn((20, hidden), generator=gen)
+    _run_kernels(mlp, False)
+    want, want_res = mlp.forward_normed(norm, x, residual)
+    calls.update(norm=0, act=0)
+    _run_kernels(mlp, True)
+    got, got_res = mlp.forward_normed(norm, x, residual)
+    assert calls == {"norm": 0, "act": 0, "fused": 2 if fused else 0}
+    assert torch.equal(got_res, want_res)
+    assert rel_error(got, want) < 0.06  # measured 0.035-0.040: e4m3 rows; a wrong scale is far off
 
 
 # (few_rows, bound against the reference): the weight-only kernels leave the rows unrounded, so only float32

@@ -44,6 +44,10 @@ from kernels.fp8_reference import fp8_scale
 from services.worker.config import QUANTIZATION_METHODS
 from services.worker.runtime.layers.linear import LoadedWeight, full_weight, one_contiguous_row, weight_shape
 
+# The most rows kernels/fp8_gemm.fp8_block_linear sends to a GEMV (its GEMV_MAX_ROWS; a test checks they
+# agree): more rows take the w8a8 GEMM, whose rows a norm or activation kernel may quantize as it writes.
+FEW_ROWS_MAX = 16
+
 SCALE_SUFFIX = ".weight_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -205,7 +209,20 @@ class Fp8LinearMethod:
         return self.few_rows == "mma" and mma_gemv_supported(*layer.weight.shape, self.block_size)
 
     def fuses_prologue(self, x: torch.Tensor) -> bool:
-        return self.runs_kernels(x) and one_contiguous_row(x)
+        """One row (the GEMVs' prologues) or more rows than they take (kernels/fp8_quant.py's norm or
+        activation with the group quantization in one launch, then the w8a8 GEMM)."""
+        if not self.runs_kernels(x):
+            return False
+        return one_contiguous_row(x) or (x.dim() == 2 and x.shape[0] > FEW_ROWS_MAX and x.stride(-1) == 1)
+
+    def _gemm(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        from kernels.fp8_gemm import w8a8_block_fp8_matmul
+
+        return w8a8_block_fp8_matmul(
+            q, scale, layer.weight, layer.weight_scale_inv, self.block_size, out_dtype=dtype
+        )
 
     def apply_rmsnorm(
         self,
@@ -215,17 +232,44 @@ class Fp8LinearMethod:
         norm_weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rmsnorm(x + residual) W^T, x + residual) of one row in one launch (no bias)."""
+        """(rmsnorm(x + residual) W^T, x + residual) (no bias): one row in one launch; more rows as the
+        norm with the rows' group quantization in one launch, then the w8a8 GEMM (the norm's own kernel
+        where the row is not whole groups)."""
         from kernels.fp8_gemv import fp8_rmsnorm_gemv
         from kernels.fp8_gemv_mma import fp8_mma_rmsnorm_gemv
+
+        if x.shape[0] > 1:
+            if x.shape[1] % self.block_size[1] == 0:
+                from kernels.fp8_quant import rmsnorm_group_quant_fp8
+
+                q, scale, residual_out = rmsnorm_group_quant_fp8(
+                    x, residual, norm_weight, eps, self.block_size[1]
+                )
+                return self._gemm(layer, q, scale, x.dtype), residual_out
+            from kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+            hidden, residual_out = (rmsnorm(x, norm_weight, eps), x) if residual is None else fused_add_rmsnorm(
+                x, residual, norm_weight, eps)  # fmt: skip
+            return self.apply(layer, hidden, None), residual_out
 
         product = fp8_mma_rmsnorm_gemv if self._mma(layer) else fp8_rmsnorm_gemv
         return product(x, residual, norm_weight, eps, layer.weight, layer.weight_scale_inv, self.block_size)
 
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """(silu(gate) * up) W^T of one row [gate | up] in one launch (no bias)."""
+        """(silu(gate) * up) W^T of rows [gate | up] (no bias): one row in one launch; more rows as the
+        activation with the rows' group quantization in one launch, then the w8a8 GEMM."""
         from kernels.fp8_gemv import fp8_silu_mul_gemv
         from kernels.fp8_gemv_mma import fp8_mma_silu_mul_gemv
+
+        if gate_up.shape[0] > 1:
+            if gate_up.shape[1] % (2 * self.block_size[1]) == 0:
+                from kernels.fp8_quant import silu_mul_group_quant_fp8
+
+                q, scale = silu_mul_group_quant_fp8(gate_up, self.block_size[1])
+                return self._gemm(layer, q, scale, gate_up.dtype)
+            from kernels.activation import silu_and_mul
+
+            return self.apply(layer, silu_and_mul(gate_up), None)
 
         product = fp8_mma_silu_mul_gemv if self._mma(layer) else fp8_silu_mul_gemv
         return product(gate_up, layer.weight, layer.weight_scale_inv, self.block_size)
