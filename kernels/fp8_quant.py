@@ -33,6 +33,18 @@ def _round_to_e4m3_grid(v):
 
 
 @triton.jit
+def _quantize_groups(x, eps, fp8_max, AXIS: tl.constexpr, ROUND_IN_F32: tl.constexpr):
+    """(q, scale) of float32 x whose groups lie along AXIS: scale = max(|group|, eps) / fp8_max (a true
+    division), q = x / scale clamped and rounded to e4m3 (still float32). Every quantizer here uses it,
+    so the fused ones give the plain one's bits."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=AXIS), eps), fp8_max)
+    q = tl.clamp(tl.math.div_rn(x, tl.expand_dims(scale, AXIS)), -fp8_max, fp8_max)
+    if ROUND_IN_F32:
+        q = _round_to_e4m3_grid(q)
+    return q, scale
+
+
+@triton.jit
 def _group_quant_kernel(
     X,
     Q,
@@ -61,10 +73,7 @@ def _group_quant_kernel(
     cols = groups[:, None] * GROUP + inner[None, :]
     mask = (inner[None, :] < GROUP) & (cols < K) & (units < num_units)[:, None]
     x = tl.load(X + rows[:, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), eps), fp8_max)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -fp8_max, fp8_max)
-    if ROUND_IN_F32:
-        q = _round_to_e4m3_grid(q)
+    q, scale = _quantize_groups(x, eps, fp8_max, 1, ROUND_IN_F32)
     tl.store(Q + rows[:, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + rows * stride_sm + groups, scale, mask=units < num_units)
 
@@ -113,14 +122,11 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[t
 def _group_quant_rows(y, rows, row_mask, Q, S, K, stride_qm, stride_sm, eps, fp8_max, BLOCK_ROWS: tl.constexpr,
                       BLOCK_COLS: tl.constexpr, GROUP: tl.constexpr, ROUND_IN_F32: tl.constexpr):  # fmt: skip
     """Quantize y [BLOCK_ROWS, BLOCK_COLS] (float32, already rounded as the unfused op's output is) per
-    GROUP columns, as _group_quant_kernel does: the same scale and the same rounding."""
+    GROUP columns and store the rows and their scales."""
     groups = tl.arange(0, BLOCK_COLS // GROUP)
     inner = tl.arange(0, GROUP)
     yg = tl.reshape(y, [BLOCK_ROWS, BLOCK_COLS // GROUP, GROUP])
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=2), eps), fp8_max)
-    q = tl.clamp(tl.math.div_rn(yg, scale[:, :, None]), -fp8_max, fp8_max)
-    if ROUND_IN_F32:
-        q = _round_to_e4m3_grid(q)
+    q, scale = _quantize_groups(yg, eps, fp8_max, 2, ROUND_IN_F32)
     cols = groups[None, :, None] * GROUP + inner[None, None, :]
     mask = row_mask[:, None, None] & (cols < K)
     tl.store(Q + rows[:, None, None] * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
