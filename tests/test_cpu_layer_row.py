@@ -252,17 +252,19 @@ def _layer_ops(counts: dict[str, int]) -> dict[str, int]:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("product", ["packed", "plain"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_single_rows_on_packed_products_take_the_batch_op(
-    dtype: str, qwen3_path: str, monkeypatch: pytest.MonkeyPatch
+def test_single_rows_on_packed_or_plain_products_take_the_batch_op(
+    dtype: str, product: str, qwen3_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where calibration picks the packed product for single rows (oneDNN's AMX bfloat16 products on Intel,
-    say), a lone request's layers go through decoder_layer_rows with one row, not layer by layer: its logits
-    equal the modules' at every step, bit for bit."""
+    say), or F.linear on the plain weight (MKL's float32 one on a 2-vCPU Xeon), a lone request's layers go
+    through decoder_layer_rows with one row, not layer by layer: its logits equal the modules' at every step,
+    bit for bit."""
     if not cpu_prepack_available() or getattr(torch, dtype) not in cpu_prepack_dtypes():
         pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
     monkeypatch.setattr(linear_module, "_matvec", None)
-    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 1)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 1 if product == "packed" else 2)
     config = ModelConfig.from_path(qwen3_path, dtype=dtype)
     runner = load_model(config, "cpu")
     prepack_cpu_weights(runner)

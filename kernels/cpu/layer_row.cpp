@@ -99,7 +99,9 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
 // The same layer for a decode batch of M >= 2 rows, as layers/ and models/llama.py run it at batch M: the row
 // ops of rows.cpp, oneDNN's packed products (mkldnn::_linear_pointwise, as layers/linear.py's linear() takes
 // rows with a prepacked weight), the KV store into the pool and, where the attention reads the dense blocks
-// (attention/dense_kv.py), the append of this step's rows to them.
+// (attention/dense_kv.py), the append of this step's rows to them. It also takes one row whose products are
+// not the C++ ones: the packed weights where calibration chose them for single rows, or the plain weights
+// (aten::linear, F.linear's op) where it chose F.linear; each product goes by its weight.
 //
 //   hidden, residual = decoder_layer_rows(hidden, residual?, input_norm, qkv_packed, q_norm?, k_norm?, o_packed,
 //                                         post_norm, gate_up_packed, down_packed, k_pool, v_pool, loc,
@@ -117,6 +119,10 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
 // requests' slots) or this layer's dense blocks viewed as rows (read_slots each request's rows there, new_rows
 // where this step's go). The outputs are bit for bit the separate ops' (tested).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+  if (!packed.is_mkldnn()) {  // a plain [N, K] weight: F.linear's op, so the same bits as the layer by layer path
+    static const auto linear = find("aten::linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&)>();
+    return linear.call(x, packed, c10::nullopt);
+  }
   static const auto op = find("mkldnn::_linear_pointwise");
   torch::jit::Stack stack;
   stack.reserve(6);

@@ -9,13 +9,17 @@ At batch 1, decoder_layer_row: the fused norm + C++ product, the q/k norm + rota
 attention over the pool's slots, SiLU-and-mul + product. At batch 2 and more, decoder_layer_rows: the row ops
 of kernels/cpu/rows.cpp, oneDNN's packed products (as linear() takes several rows) and the attention over
 what the torch backend reads this step, the dense blocks (attention/dense_kv.py, this step's rows appended)
-or the pool's slots; a step that regathers the blocks runs the modules.
+or the pool's slots; a step that regathers the blocks runs the modules. decoder_layer_rows also takes a lone
+row whose products are not the C++ ones: on the packed weights, or on the plain ones where calibration chose
+F.linear for single rows (without this, such a layer ran module by module: on a 2-vCPU Intel Xeon, SmolLM2's
+batch-1 step 33.0 ms on F.linear against 26.9 on the C++ product, whose pass alone was 5 % slower).
 
 A step qualifies on the CPU in float32 or bfloat16 (every op of the layer takes either, rounding bfloat16
 where torch's bfloat16 ops round) with one tensor-parallel rank, the library loaded and the torch backend's
 C++ decode attention in use (`rows`, or a lone request's consecutive slots); a layer when it is a plain
 Llama/Qwen3 layer (LlamaMLP, RMSNorms, no biases, no quantization, not batch-invariant) whose products take
-its rows as the step-by-step path would (the C++ product for one row, the packed weight for more).
+its rows as the step-by-step path would (the C++ product for one row, the packed weight for more, F.linear on
+the weight for one row where calibration chose it).
 RS_CPU_LAYER_ROW=0 turns it off, as does RS_CPU_ROW_ATTENTION=0 (its attention is the C++ batch op).
 """
 
@@ -105,14 +109,19 @@ def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...]
     norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
     if any(lin.bias is not None or lin.quant_method is not None for lin in linears):
         return None
-    products = all(lin.cpu_single_row(hidden) if single else lin.cpu_packed_rows(hidden) for lin in linears)
+    if single:
+        products = all(lin.cpu_single_row(hidden) for lin in linears)
+    else:  # each product by its weight: the packed one, or for one row where F.linear won calibration the plain one
+        products = all(lin.cpu_packed_rows(hidden) or lin.cpu_plain_row(hidden) for lin in linears)
     if not products or getattr(mlp.act_fn, "batch_invariant", False):
         return None
     if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != hidden.dtype) for n in norms):
         return None
     if len({n.eps for n in norms if n is not None}) != 1:
         return None
-    qkv, o, gate_up, down = (lin.weight if single else lin.packed_weight for lin in linears)
+    qkv, o, gate_up, down = (
+        lin.packed_weight if not single and lin.cpu_packed_rows(hidden) else lin.weight for lin in linears
+    )
     rope = attn.rotary_emb
     return (
         layer.input_layernorm.weight,
