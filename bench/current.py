@@ -472,19 +472,25 @@ CPU = Area(
     CPU_AMD,
     (
         _cpu_decode("float32", 1, "batch-1 decode, float32 (whole generate call; each layer one C++ op, "
-                    "kernels/cpu/layer_row.cpp: 77.5 vs 26.9 before it, `_a`)"),
+                    "kernels/cpu/layer_row.cpp: 77.5 vs 26.9 before it, `_a`; 2026-12-06 on a 2-vCPU Intel Xeon, "
+                    "24 GB/s, where calibration chose F.linear for single rows: 34.8 vs 24.7, 1.41×, the layer op "
+                    "now taken on the plain weights, 26.9 vs 23.8 before, `2026-12-06_g`)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32 (decode only 3.13×; `_a`: 531.0 vs 189.6, 2.80×; "
                     "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`; on a Zen 3 "
                     "guest without AVX-512, 29 GB/s: 221.2 vs 113.5, 1.95×, after the AVX2 attention and row ops, "
-                    "182.4 vs 108.7 before, `2026-12-06_e`)"),
+                    "182.4 vs 108.7 before, `2026-12-06_e`; on a 2-vCPU Intel Xeon, 24 GB/s, where oneDNN's "
+                    "16-row float32 products run at ~100-170 GFLOP/s, compute-bound: 246.5 vs 155.4, 1.59×, "
+                    "`2026-12-06_g`)"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
                     "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6; on a Zen 3 "
                     "guest without AVX-512, where oneDNN cannot pack bfloat16: 48.8 vs 24.3, 2.00×, the C++ "
                     "product and the layer op now taken without a packed copy, 27.7 vs 25.4 before, "
-                    "`2026-12-06_f`)"),
+                    "`2026-12-06_f`; on a 2-vCPU Intel Xeon with AMX, 24 GB/s: 50.5 vs 23.3, 2.17×, "
+                    "`2026-12-06_h`)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
                     "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
-                    "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`)"),
+                    "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`; on a "
+                    "2-vCPU Intel Xeon with AMX: 501.3 vs 257.1, 1.95×, `2026-12-06_h`)"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
