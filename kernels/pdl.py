@@ -20,6 +20,9 @@ What it buys (H200, CUDA graphs, bench/gpu_pdl.py, 2026-12-04): batch-1 decode 1
 the early start on an L2 bulk prefetch of each GEMV's first weight columns (cp.async.bulk.prefetch) was
 tried and dropped: no gain at 0.6B and 0.87x at 8B. Loading them into registers instead (kernels/gemv.py's
 PRELOAD, RS_PDL_PRELOAD) gave 1.07-1.10x at 0.6B and 0.96x at 8B, so only products up to 16 MiB do it.
+Asking the L2 for the *next* product's weight instead (each program its share, before its wait) shortened a
+chain of 112 0.6B-shaped GEMVs to 0.91x its time but made the Engine's 0.6B step 0.90x as fast (H100,
+2026-12-06): dropped too.
 Weights are the one thing read before the wait: they are constant during a step. The FP8 tensor-core GEMV
 (kernels/fp8_gemv_mma.read_ahead) reads ahead too, and where it waits inside its loop (pdl_gate) every
 activation pointer carries the wait's value, so the compiler cannot move a read of one above it.
