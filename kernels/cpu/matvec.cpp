@@ -65,17 +65,21 @@ void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0,
 }
 
 // Bytes ahead of the weight being read that the product asks to be brought into L2 (RS_CPU_PREFETCH_BYTES,
-// default 1536; 0 turns it off). The hardware prefetchers alone left a thread's stream at ~9.3-10 GB/s on a
-// 2-vCPU Xeon guest whose memory gives one thread ~10.6; with these requests SmolLM2's batch-1 step at one
-// thread went 59.2 -> 52.4 ms (bench/HISTORY.md, "CPU, twenty-sixth session"). Prefetches never fault, so the
-// ones past the end of a band or of the weight are harmless.
+// default 1536; 0 turns it off), for a float32 weight; a bfloat16 weight looks twice as far. The hardware
+// prefetchers alone left a thread's stream at ~9.3-10 GB/s on a 2-vCPU Xeon guest whose memory gives one thread
+// ~10.6; with these requests SmolLM2's batch-1 step at one thread went 59.2 -> 52.4 ms (bench/HISTORY.md, "CPU,
+// twenty-sixth session"; 3072 bytes were no better than none there, in float32). In bfloat16 the same guest
+// class wants more: a pass over SmolLM2's bfloat16 weights took 24.6 ms at 1536 bytes against 20.4 at 3072 or
+// 6144 with one thread, 13.6 against 11.3 (6144) with two (thirty-second session). Prefetches never fault, so
+// the ones past the end of a band or of the weight are harmless.
+template <typename T>
 int64_t prefetch_bytes() {
   static const int64_t bytes = [] {
     const char* env = std::getenv("RS_CPU_PREFETCH_BYTES");
     const long long v = env != nullptr ? std::atoll(env) : 1536;
     return static_cast<int64_t>(std::clamp<long long>(v, 0, 1 << 20));
   }();
-  return bytes;
+  return sizeof(T) == 2 ? 2 * bytes : bytes;
 }
 
 #ifdef RS_X86
@@ -110,7 +114,7 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
 template <typename T>
 __attribute__((target("avx2,fma"))) void rows_avx2(
     const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes();
+  const int64_t k32 = k - k % 32, kv = k - k % 8, ahead = prefetch_bytes<T>();
   for (int64_t r = r0; r < r1; ++r) {
     const T* w0 = w + r * ld;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -156,7 +160,7 @@ __attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p, __mma
 template <typename T>
 __attribute__((target("avx512f"))) void rows_avx512(
     const T* w, int64_t ld, const float* x, float* y, int64_t r0, int64_t r1, int64_t k) {
-  const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes();
+  const int64_t k64 = k - k % 64, kv = k - k % 16, ahead = prefetch_bytes<T>();
   const __mmask16 tail = static_cast<__mmask16>((1u << (k % 16)) - 1u);
   const __m512 xt = _mm512_maskz_loadu_ps(tail, x + kv);
   for (int64_t r = r0; r < r1; ++r) {
