@@ -485,12 +485,12 @@ CPU = Area(
                     "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6; on a Zen 3 "
                     "guest without AVX-512, where oneDNN cannot pack bfloat16: 48.8 vs 24.3, 2.00×, the C++ "
                     "product and the layer op now taken without a packed copy, 27.7 vs 25.4 before, "
-                    "`2026-12-06_f`; on a 2-vCPU Intel Xeon with AMX, 24 GB/s: 50.5 vs 23.3, 2.17×, "
-                    "`2026-12-06_h`)"),
+                    "`2026-12-06_f`; on a 2-vCPU Intel Xeon with AMX, 24 GB/s: 72.2 vs 28.2, 2.56×, the bfloat16 "
+                    "weight prefetched twice as far, `2026-12-06_i`; 59.2 vs 27.6 right before without it, `_j`)"),
         _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
                     "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
                     "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`; on a "
-                    "2-vCPU Intel Xeon with AMX: 501.3 vs 257.1, 1.95×, `2026-12-06_h`)"),
+                    "2-vCPU Intel Xeon with AMX: 610.2 vs 294.4, 2.07×, `2026-12-06_i`)"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
