@@ -59,6 +59,23 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
     step_ms = (time.perf_counter() - t0) / 50 * 1e3
     print(f"batch {args.batch}, prompt {args.prompt}, temperature {args.temperature}: step {step_ms:.2f} ms, "
           f"{args.batch / step_ms * 1e3:.0f} tok/s")
+    # The step's forward alone: its decode graph replayed back to back (the last step's inputs), so the
+    # difference from the step above is what the step does besides the forward (sampling, the token's copy
+    # to the host, the scheduler's own work not hidden behind the GPU).
+    graphs = loop.runner.graph_runner
+    g = graphs._decode_graph(args.batch) if graphs is not None and torch.cuda.is_available() else None
+    if g is not None and g.graph is not None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(10):
+            g.graph.replay()
+        start.record()
+        for _ in range(100):
+            g.graph.replay()
+        end.record()
+        sync()
+        replay_ms = start.elapsed_time(end) / 100
+        print(f"decode graph (bs {g.batch_size}) replayed alone: {replay_ms:.3f} ms; the step's other work: "
+              f"{step_ms - replay_ms:.3f} ms")
     if args.host_profile:
         prof = cProfile.Profile()
         prof.enable()
