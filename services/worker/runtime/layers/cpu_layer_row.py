@@ -100,6 +100,19 @@ def _weights(layer: Any, hidden: torch.Tensor) -> tuple[bool, tuple[Any, ...]] |
     return single, operands
 
 
+def _plain_row(lin: Any, x: torch.Tensor) -> bool:
+    """Whether one float32 or bfloat16 row x of this prepacked projection (or one marked cpu_rows) goes
+    through F.linear on its weight (layers/linear.py's linear()): calibration chose neither the C++ product
+    nor the packed weight for single rows, and the layer is not batch-invariant."""
+    from services.worker.runtime.layers import linear  # its PREPACKED_MIN_ROWS as calibration left it
+
+    if lin.gemv_tiles is not None or lin.batch_invariant or (lin.packed_weight is None and not lin.cpu_rows):
+        return False
+    if x.dim() != 2 or x.shape[0] != 1 or linear.PREPACKED_MIN_ROWS <= 1 or lin.cpu_single_row(x):
+        return False
+    return lin.weight.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...] | None:
     """What _weights caches: the operands after the layer's checks, or None."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -112,7 +125,7 @@ def _operands(layer: Any, hidden: torch.Tensor, single: bool) -> tuple[Any, ...]
     if single:
         products = all(lin.cpu_single_row(hidden) for lin in linears)
     else:  # each product by its weight: the packed one, or for one row where F.linear won calibration the plain one
-        products = all(lin.cpu_packed_rows(hidden) or lin.cpu_plain_row(hidden) for lin in linears)
+        products = all(lin.cpu_packed_rows(hidden) or _plain_row(lin, hidden) for lin in linears)
     if not products or getattr(mlp.act_fn, "batch_invariant", False):
         return None
     if any(n is not None and (type(n) is not RMSNorm or n.weight.dtype != hidden.dtype) for n in norms):

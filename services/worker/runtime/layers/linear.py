@@ -237,17 +237,6 @@ class Projection(nn.Module):
             return False
         return self.weight.dtype == x.dtype and x.dtype in MATVEC_DTYPES
 
-    def cpu_plain_row(self, x: torch.Tensor) -> bool:
-        """Whether one float32 or bfloat16 row x of this prepacked layer (or one marked cpu_rows) goes through
-        F.linear on its weight: calibration chose neither the C++ product nor the packed weight for single
-        rows, and the layer is not batch-invariant. kernels/cpu/layer_row.cpp's batch op takes such a row on
-        the plain weight (aten::linear)."""
-        if self.gemv_tiles is not None or self.batch_invariant or (self.packed_weight is None and not self.cpu_rows):
-            return False
-        if x.dim() != 2 or x.shape[0] != 1 or x.shape[0] >= PREPACKED_MIN_ROWS or self.cpu_single_row(x):
-            return False
-        return self.weight.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16)
-
     def cpu_packed_rows(self, x: torch.Tensor) -> bool:
         """Whether the rows of float32 or bfloat16 x [M, K] go through this layer's packed weight of x's dtype
         (linear() with M >= PREPACKED_MIN_ROWS, no GEMV tiles, not batch-invariant): what
