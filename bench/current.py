@@ -480,7 +480,8 @@ CPU = Area(
                     "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`; on a Zen 3 "
                     "guest without AVX-512, 29 GB/s: 221.2 vs 113.5, 1.95×, after the AVX2 attention and row ops, "
                     "182.4 vs 108.7 before, `2026-12-06_e`; on a 2-vCPU Intel Xeon, 24 GB/s, where oneDNN's "
-                    "16-row float32 products run at ~100-170 GFLOP/s, compute-bound: 246.5 vs 155.4, 1.59×, "
+                    "16-row float32 products run at ~100-170 GFLOP/s (peak 324), 41 ms a step against 21 to read the "
+                    "weights: 246.5 vs 155.4, 1.59×, "
                     "`2026-12-06_g`)"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
                     "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6; on a Zen 3 "
