@@ -118,16 +118,18 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
 // k_read / v_read [rows, kv_heads, head_dim] are what the attention reads: the pool itself (read_slots the
 // requests' slots) or this layer's dense blocks viewed as rows (read_slots each request's rows there, new_rows
 // where this step's go). The outputs are bit for bit the separate ops' (tested).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
-  if (!packed.is_mkldnn()) {  // a plain [N, K] weight: F.linear's op, so the same bits as the layer by layer path
+// x's rows times a weight as layers/linear.py's linear() takes them: a oneDNN packed weight through
+// mkldnn::_linear_pointwise, a plain [N, K] one through aten::linear (F.linear's op), so the same bits.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (!weight.is_mkldnn()) {
     static const auto linear = find("aten::linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&)>();
-    return linear.call(x, packed, c10::nullopt);
+    return linear.call(x, weight, c10::nullopt);
   }
   static const auto op = find("mkldnn::_linear_pointwise");
   torch::jit::Stack stack;
   stack.reserve(6);
   stack.emplace_back(x);
-  stack.emplace_back(packed);
+  stack.emplace_back(weight);
   stack.emplace_back(c10::IValue());
   stack.emplace_back(std::string("none"));
   stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
@@ -159,11 +161,11 @@ Pair decoder_layer_rows(const at::Tensor& hidden, const Opt& residual, const at:
     res = hidden;
   }
   const at::Tensor attn =
-      attention_rows("decoder_layer_rows", packed_linear(x, qkv_packed), q_norm, k_norm, k_pool, v_pool, loc,
+      attention_rows("decoder_layer_rows", rows_linear(x, qkv_packed), q_norm, k_norm, k_pool, v_pool, loc,
                      positions, cos, sin, k_read, v_read, read_slots, seq_lens, new_rows, eps, scale, kv_heads, head_dim);
-  const at::Tensor o = packed_linear(attn, o_packed);
+  const at::Tensor o = rows_linear(attn, o_packed);
   auto [gx, res2] = add_rmsnorm.call(o, res, post_norm, eps);
-  return {packed_linear(silu_mul.call(packed_linear(gx, gate_up_packed)), down_packed), res2};
+  return {rows_linear(silu_mul.call(rows_linear(gx, gate_up_packed)), down_packed), res2};
 }
 
 }  // namespace
