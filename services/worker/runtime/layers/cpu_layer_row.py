@@ -104,11 +104,9 @@ def _plain_row(lin: Any, x: torch.Tensor) -> bool:
     """Whether one float32 or bfloat16 row x of this prepacked projection (or one marked cpu_rows) goes
     through F.linear on its weight (layers/linear.py's linear()): calibration chose neither the C++ product
     nor the packed weight for single rows, and the layer is not batch-invariant."""
-    from services.worker.runtime.layers import linear  # its PREPACKED_MIN_ROWS as calibration left it
-
     if lin.gemv_tiles is not None or lin.batch_invariant or (lin.packed_weight is None and not lin.cpu_rows):
         return False
-    if x.dim() != 2 or x.shape[0] != 1 or linear.PREPACKED_MIN_ROWS <= 1 or lin.cpu_single_row(x):
+    if x.dim() != 2 or x.shape[0] != 1 or lin.cpu_single_row(x) or lin.cpu_packed_rows(x):
         return False
     return lin.weight.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16)
 
