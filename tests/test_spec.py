@@ -414,3 +414,18 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_up(qwen3_path: Path
     other = write_checkpoint(tmp_path / "vocab200", tiny_qwen3_config(vocab_size=200), seed=5)
     with pytest.raises(ValueError, match="speculative_draft_model_path.*vocabulary of 200"):
         Engine(str(qwen3_path), speculative_algorithm="draft", speculative_draft_model_path=str(other))
+
+
+def test_runners_whose_decode_rows_share_requests_say_so(qwen3_path: Path, bad_draft_path: Path) -> None:
+    """Verification (the target) and catch-ups (the draft) run rows of one request in one decode batch,
+    row j attending to rows 0 .. j-1's new tokens, so their attention backends must store every row's K/V
+    before any row attends (tests/kernels/test_triton_backend.py's rows-share-requests case); a plain
+    scheduler's decode rows are one per request."""
+    plain = scheduler_here(EngineConfig.from_kwargs(str(qwen3_path), max_total_tokens=256))
+    assert not plain.runner.attn_backend.decode_rows_share_requests
+    spec = scheduler_here(EngineConfig.from_kwargs(
+        str(qwen3_path), max_total_tokens=256, speculative_algorithm="draft",
+        speculative_draft_model_path=str(bad_draft_path), speculative_num_draft_tokens=K,
+    ))  # fmt: skip
+    assert spec.runner.attn_backend.decode_rows_share_requests
+    assert spec.spec.proposer.runner.attn_backend.decode_rows_share_requests

@@ -154,17 +154,30 @@ def test_reserved_decode_buffers_never_move(gen) -> None:
     assert backend._scratch.data_ptr() == scratch
 
 
-@pytest.mark.parametrize("rope_in_decode", ["1", "0"], ids=["rope-in-decode", "rope-launch"])
+@pytest.mark.parametrize(
+    ("rope_in_decode", "rows_share"),
+    [("1", False), ("0", False), ("1", True)],
+    ids=["rope-in-decode", "rope-launch", "rows-share-requests"],
+)
 @pytest.mark.parametrize("checkpoint", ["qwen3_path", "llama_path"])
 def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, checkpoint: str, rope_in_decode: str
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    checkpoint: str,
+    rope_in_decode: str,
+    rows_share: bool,
 ) -> None:
+    """rows-share-requests: a backend whose decode rows may be rows of one request (speculative
+    verification) keeps the prologue a launch of its own, which stores every row's K/V before any row
+    attends; folded into decode attention, another program of the same launch would store them (a race the
+    interpreter, running programs one by one, cannot show)."""
     monkeypatch.setenv(ROPE_IN_DECODE_ENV, rope_in_decode)
     path: Path = request.getfixturevalue(checkpoint)
     config = ModelConfig.from_path(path, dtype="float32")
     model = load_model(config, "cpu")
     drivers = {name: BatchDriver(model, config, max_requests=3, max_tokens=96) for name in ("torch", "triton")}
     drivers["triton"].backend = TritonAttnBackend()
+    drivers["triton"].backend.decode_rows_share_requests = rows_share
     fused_calls: list[bool] = []
     qk_norm_rope = triton_backend.qk_norm_rope_
 
@@ -196,7 +209,9 @@ def test_model_on_triton_backend_fuses_the_prologue_and_matches_torch_backend(
 
     # Every layer of every step went through a fused prologue, with the norms exactly when the model has
     # them: its own launch in extend steps, inside decode attention in decode steps.
-    assert bool(in_decode) == (rope_in_decode == "1"), f"RS_ROPE_IN_DECODE={rope_in_decode}: {len(in_decode)}"
+    assert bool(in_decode) == (rope_in_decode == "1" and not rows_share), (
+        f"RS_ROPE_IN_DECODE={rope_in_decode}, rows_share={rows_share}: {len(in_decode)}"
+    )
     assert fused_calls + in_decode == [checkpoint == "qwen3_path"] * (5 * config.num_layers)
     pools = {name: driver.kv_pool for name, driver in drivers.items()}
     for layer_id in range(config.num_layers):

@@ -199,7 +199,11 @@ class ModelRunner:
     # Constrained decoding's host bitmasks (grammar.py), made at the first constrained step.
     _masks: MaskBuffers | None = None
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, device: torch.device, draft: bool = False
+    ) -> None:
+        """draft: this runner is a speculative draft model's (DraftProposer), whose catch-ups run as decode
+        rows sharing requests, as the target's verification steps do."""
         self.config = config
         self.model_config = model_config
         self.device = device
@@ -302,6 +306,7 @@ class ModelRunner:
         else:
             self.req_to_token_pool = ReqToTokenPool(rows, model_config.context_len + 1, device)
         self.attn_backend = make_attn_backend(backend, deterministic, model_config.context_len)
+        self.attn_backend.decode_rows_share_requests = draft or config.speculative_algorithm is not None
         self.sampler = Sampler()
         self.graph_runner: CudaGraphRunner | None = None
         if config.cuda_graph_max_bs > 0 and device.type == "cuda":

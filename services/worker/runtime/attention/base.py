@@ -24,7 +24,15 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
-    """Computes attention for one layer over the paged (token-level) KV pool."""
+    """Computes attention for one layer over the paged (token-level) KV pool.
+
+    decode_rows_share_requests: a decode batch may hold several rows of one request (speculative
+    verification and a draft's catch-up, ScheduleBatch.prepare_rows), row j attending to the new tokens
+    of rows 0 .. j-1. Every row's K/V must then be stored before any row attends, so a backend may not
+    fold the KV store into its decode attention launch. The model runner sets it before any graph is
+    captured."""
+
+    decode_rows_share_requests: bool = False
 
     def min_extend_chunk_tokens(self) -> int:
         """New tokens of one request below which its extend attention gets no faster: the scheduler

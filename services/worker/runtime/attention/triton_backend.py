@@ -254,8 +254,12 @@ class TritonAttnBackend(AttentionBackend):
         meta = self._metadata(batch, TritonDecodeMetadata if decode else TritonExtendMetadata)
         pool = batch.token_to_kv_pool
         norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
-        rope = decode_rope_for(layer.head_dim, positions, k, v, rotary_emb, batch.out_cache_loc, *norms) if decode else None
-        if rope is not None:  # one launch: decode attention rotates q and k and stores the new K/V itself
+        rope = None
+        # One launch: decode attention rotates q and k and stores the new K/V itself. Where rows of one
+        # request attend to each other's new tokens, another program of that launch would store them.
+        if decode and not self.decode_rows_share_requests:
+            rope = decode_rope_for(layer.head_dim, positions, k, v, rotary_emb, batch.out_cache_loc, *norms)
+        if rope is not None:
             return self._decode(q, layer, batch, meta, rope)
         qk_norm_rope_(
             positions,

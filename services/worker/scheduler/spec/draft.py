@@ -76,7 +76,7 @@ class DraftProposer:
             speculative_algorithm=None,
             speculative_draft_model_path=None,
         )
-        self.runner = ModelRunner(draft_config, model_config, target.device)
+        self.runner = ModelRunner(draft_config, model_config, target.device, draft=True)
         # Catch-ups of at most this many tokens in all run as decode rows, longer ones as an EXTEND.
         self.max_rows = self.runner.max_decode_rows()
         self.vocab_size = model_config.vocab_size
