@@ -9,7 +9,12 @@ anything the earlier kernels wrote, and the wait returns once those kernels have
 writes are visible. CUDA graphs keep the dependency (a programmatic edge), so replays overlap the same way.
 
 The protocol every kernel here follows when PDL is on (`pdl_enter`):
-- before the wait, a program writes nothing and reads nothing but weights (kernels/gemv.py's preload);
+- before the wait, a program writes nothing and reads nothing but weights (kernels/gemv.py's preload),
+  except that decode attention with its prologue (ROPE) also reads what no kernel of the step writes: the
+  step's inputs, copied in before the step's first kernel, the rotary tables, and its first tile of the
+  keys and values before the new token's, which only earlier steps stored (decode_attention's
+  _prior_kv_tile, through L2). A decode batch whose rows share a request never takes that path
+  (AttentionBackend.decode_rows_share_requests);
 - every program waits, unconditionally, before anything else: a kernel that completes has then seen its
   predecessor complete, so the guarantee is transitive down the chain;
 - a program releases its dependents right after its wait, never before: the next kernel becomes
