@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_rope import DecodeRope, preload_prior_kv, rope_operands
+from kernels.decode_rope import DecodeRope, rope_operands
 from kernels.kv_store import fp8_max
 from kernels.pdl import launch_options, pdl_enter
 from kernels.qk_norm_rope import rope_heads, store_new_kv
@@ -47,10 +47,6 @@ from kernels.qk_norm_rope import rope_heads, store_new_kv
 # head's keys are read by several programs at once instead of one program looping over four tiles.
 # Large batches are bounded by max_kv_splits_for instead, so this only shapes small ones.
 MIN_TOKENS_PER_SPLIT = 64
-# The widest key tile a program holds in registers across its PDL wait (_prior_kv_tile): K and V of 64
-# keys are 32 KiB a program (bf16, head_dim 128); the wide batches' 128-key tiles read their first tile
-# in the loop as before.
-PRELOAD_MAX_BLOCK_N = 64
 # Upper bound on splits per request (also the merge's vector width over splits).
 MAX_KV_SPLITS = 64
 _LOG2E = 1.4426950408889634
@@ -177,38 +173,6 @@ def _merge_splits(
 
 
 @triton.jit
-def _fresh_state(BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """An online softmax before its first key: (m, l, acc) for BLOCK_H rows."""
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _tile_weights(q, k, pos, n_mask, n0, row_end, m_i, l_i, sm_scale_log2, DOT_PRECISION: tl.constexpr,
-                  ROW_ENDS: tl.constexpr):
-    """One key tile's softmax step (k [BLOCK_D, BLOCK_N] in q's dtype, keys at `pos`, valid where n_mask):
-    the new running max and l, the factor alpha that rescales what was accumulated, and the weights p."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
-    if ROW_ENDS:
-        s = tl.where(pos[None, :] < row_end[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no key in this tile keeps its state exactly (alpha 1, p 0); its m_new may be -inf
-        # (no key yet), which is never subtracted. Rows with keys subtract m_new as above.
-        active = row_end > n0
-        m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.where(active, tl.exp2(m_i - m_sub), 1.0)
-        p = tl.exp2(s - m_sub[:, None])
-    else:
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
-
-
-@triton.jit
 def _attend_split(
     q,
     K_buf,
@@ -225,19 +189,20 @@ def _attend_split(
     stride_kh,
     stride_vt,
     stride_vh,
-    m_i,
-    l_i,
-    acc,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     K_ROWS: tl.constexpr,
     ROW_ENDS: tl.constexpr,
 ):
-    """One split's online softmax over positions [start, end) of one request (slots from `token_row`),
-    continuing the state (m_i, l_i, acc) of q's rows (_fresh_state before any key). ROW_ENDS: row i stops
-    at row_end[i] <= end instead (rows of several query tokens of that request); its arithmetic over its
-    own keys is then the one-end case's, tile for tile: a tile past a row's end leaves its m, l and acc as
-    they were (alpha 1, p 0)."""
+    """One split's online softmax over positions [start, end) of one request (slots from `token_row`):
+    (m, l, acc) for q's BLOCK_H rows. ROW_ENDS: row i stops at row_end[i] <= end instead (rows of several
+    query tokens of that request); its arithmetic over its own keys is then the one-end case's, tile for
+    tile: a tile past a row's end leaves its m, l and acc as they were (alpha 1, p 0)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
@@ -256,8 +221,22 @@ def _attend_split(
                 mask=n_mask[None, :] & d_mask[:, None],
                 other=0.0,
             ).to(q.dtype)
-        m_new, l_i, alpha, p = _tile_weights(q, k, pos, n_mask, n0, row_end, m_i, l_i, sm_scale_log2, DOT_PRECISION,
-                                             ROW_ENDS)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * sm_scale_log2
+        if ROW_ENDS:
+            s = tl.where(pos[None, :] < row_end[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no key in this tile keeps its state exactly (alpha 1, p 0); its m_new may be -inf
+            # (no key yet), which is never subtracted. Rows with keys subtract m_new as above.
+            active = row_end > n0
+            m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.where(active, tl.exp2(m_i - m_sub), 1.0)
+            p = tl.exp2(s - m_sub[:, None])
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
@@ -266,48 +245,6 @@ def _attend_split(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr, SPLIT_TOKENS: tl.constexpr):
-    """Positions per split: SPLIT_TOKENS where fixed (deterministic inference: the boundaries depend on
-    nothing else), else whole tiles per split, so only the sequence's last tile is partial."""
-    if SPLIT_TOKENS > 0:
-        return SPLIT_TOKENS
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _prior_kv_tile(
-    K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_splits, Positions, Cos, Sin, b, kv_head,
-    first_split, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t, stride_cos, stride_sin,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
-):
-    """What a program of a decode step with its prologue (ROPE: one row per request, the new token's K/V
-    stored by this launch) reads that no kernel of the step writes, so it may read it before its PDL wait:
-    the step's inputs (splits, length, request row and position of row b), the rotary tables at that
-    position, and the first tile of the program's split, K and V at the positions before the new token's,
-    which earlier steps stored ([BLOCK_N, BLOCK_D] rows in the pool's dtype; 0 elsewhere, as the split's
-    loop masks them). Step inputs are copied in before the step's first kernel and the pool's earlier
-    positions are never written during a step. Loads go to L2 (.cg), never to a line an SM's L1 kept."""
-    num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b, cache_modifier=".cg"), 1), MAX_SPLITS)
-    seq_len = tl.load(Seq_lens + b, cache_modifier=".cg").to(tl.int32)
-    req_row = tl.load(Req_pool_indices + b, cache_modifier=".cg").to(tl.int64)
-    new_pos = tl.load(Positions + b, cache_modifier=".cg").to(tl.int64)
-    offs_half = tl.arange(0, HEAD_DIM // 2)
-    cos = tl.load(Cos + new_pos * stride_cos + offs_half, cache_modifier=".cg").to(tl.float32)[None, :]
-    sin = tl.load(Sin + new_pos * stride_sin + offs_half, cache_modifier=".cg").to(tl.float32)[None, :]
-    split_len = _split_len(seq_len, num_splits, BLOCK_N, SPLIT_TOKENS)
-    start = first_split * split_len
-    pos = start + tl.arange(0, BLOCK_N)
-    prior = (pos < tl.minimum(start + split_len, seq_len - 1)) & (first_split < num_splits)
-    slots = tl.load(Req_to_token + req_row * stride_r2t + pos, mask=prior, other=0, cache_modifier=".cg").to(tl.int64)
-    kv_mask = prior[:, None] & d_mask[None, :]
-    k = tl.load(K_buf + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0,
-                cache_modifier=".cg")
-    v = tl.load(V_buf + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0,
-                cache_modifier=".cg")
-    return num_splits, seq_len, req_row, cos, sin, k, v
 
 
 @triton.jit
@@ -369,9 +306,9 @@ def _decode_kernel(
     ROPE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    PRELOAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     if HEAD_MAJOR:
         kv_head = tl.program_id(0)
         b = tl.program_id(1)
@@ -381,25 +318,17 @@ def _decode_kernel(
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
     first_split = tl.program_id(2)
-    if PRELOAD:
-        # Only with ROPE (this launch stores the step's one new K/V row per request): the step's inputs
-        # and the first tile of earlier keys and values, read while the kernel before this one finishes.
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        num_splits, seq_len, req_row, cos, sin, k_first, v_first = _prior_kv_tile(
-            K_buf, V_buf, Req_to_token, Req_pool_indices, Seq_lens, Num_splits, Positions, Cos, Sin, b, kv_head,
-            first_split, offs_d, d_mask, stride_kt, stride_kh, stride_vt, stride_vh, stride_r2t, stride_cos,
-            stride_sin, BLOCK_N, HEAD_DIM, MAX_SPLITS, SPLIT_TOKENS,
-        )
-    pdl_enter(PDL)
-    if not PRELOAD:
-        # Clamped to MAX_SPLITS, so every split that is counted below is also run.
-        num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
+    # Clamped to MAX_SPLITS, so every split that is counted below is also run.
+    num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
     if first_split < num_splits:
-        if not PRELOAD:
-            seq_len = tl.load(Seq_lens + b).to(tl.int32)
-            req_row = tl.load(Req_pool_indices + b).to(tl.int64)
-        split_len = _split_len(seq_len, num_splits, BLOCK_N, SPLIT_TOKENS)
+        seq_len = tl.load(Seq_lens + b).to(tl.int32)
+        req_row = tl.load(Req_pool_indices + b).to(tl.int64)
+        if SPLIT_TOKENS > 0:
+            # Fixed-size splits (deterministic inference): the split boundaries depend on nothing else.
+            split_len = SPLIT_TOKENS
+        else:
+            # Whole tiles per split so only the sequence's last tile is partial.
+            split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
         offs_h = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + offs_h
@@ -411,11 +340,10 @@ def _decode_kernel(
             # The q/k norm, rotary and KV store (kernels/qk_norm_rope.py's arithmetic) as this launch's
             # prologue: every program rotates its own q heads, and the program whose split holds the new
             # position stores that token's K/V head before its loop reads the pool.
-            if not PRELOAD:
-                new_pos = tl.load(Positions + b).to(tl.int64)
-                offs_half = tl.arange(0, HEAD_DIM // 2)
-                cos = tl.load(Cos + new_pos * stride_cos + offs_half).to(tl.float32)[None, :]
-                sin = tl.load(Sin + new_pos * stride_sin + offs_half).to(tl.float32)[None, :]
+            new_pos = tl.load(Positions + b).to(tl.int64)
+            offs_half = tl.arange(0, HEAD_DIM // 2)
+            cos = tl.load(Cos + new_pos * stride_cos + offs_half).to(tl.float32)[None, :]
+            sin = tl.load(Sin + new_pos * stride_sin + offs_half).to(tl.float32)[None, :]
             q = rope_heads(
                 Q + b * stride_qb, heads, h_mask, stride_qh, Q_w, eps, cos, sin, HAS_NORM, HEAD_DIM, HEAD_DIM // 2
             )
@@ -429,34 +357,17 @@ def _decode_kernel(
             end = tl.minimum(start + split_len, seq_len)
             if ROPE:
                 if (end >= seq_len) & ((start < seq_len) | (split == 0)):
-                    k_new, v_new = store_new_kv(
+                    store_new_kv(
                         K_new + b * stride_knt, V_new + b * stride_vnt, kv_head, stride_knh, stride_vnh, K_w, eps,
                         cos, sin, K_buf, V_buf, tl.load(Loc + b).to(tl.int64), stride_kt, stride_kh, stride_vt,
                         stride_vh, inv_k_scale, inv_v_scale, HAS_NORM, FP8_MAX, HEAD_DIM, HEAD_DIM // 2,
                     )
                     # The loop below reads that slot back through other threads of this program.
                     tl.debug_barrier()
-                    if PRELOAD:
-                        # The first tile was read before the new token's row was stored: that row, in place.
-                        is_new = (first_split * split_len + tl.arange(0, BLOCK_N)) == seq_len - 1
-                        k_first = tl.where(is_new[:, None], k_new, k_first)
-                        v_first = tl.where(is_new[:, None], v_new, v_first)
 
-            m_i, l_i, acc = _fresh_state(BLOCK_H, BLOCK_D)
-            tiles_from = start
-            if PRELOAD:
-                if (split == first_split) & (start < end):
-                    # The loop's first tile, with its arithmetic (_attend_split), on the tile read early.
-                    pos = start + tl.arange(0, BLOCK_N)
-                    k = tl.trans(k_first.to(q.dtype))
-                    m_i, l_i, alpha, p = _tile_weights(
-                        q, k, pos, pos < end, start, end, m_i, l_i, sm_scale_log2, DOT_PRECISION, False
-                    )
-                    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v_first.to(q.dtype), input_precision=DOT_PRECISION)
-                    tiles_from = start + BLOCK_N
             m_i, l_i, acc = _attend_split(
-                q, K_buf, V_buf, Req_to_token + req_row * stride_r2t, tiles_from, end, end, kv_head, offs_d, d_mask,
-                sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, m_i, l_i, acc, BLOCK_N, DOT_PRECISION,
+                q, K_buf, V_buf, Req_to_token + req_row * stride_r2t, start, end, end, kv_head, offs_d, d_mask,
+                sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_H, BLOCK_D, BLOCK_N, DOT_PRECISION,
                 K_ROWS, False,
             )
 
@@ -654,7 +565,6 @@ def decode_attention(
         ROPE=rope is not None,
         HAS_NORM=rope is not None and rope.q_weight is not None,
         FP8_MAX=fp8_max(k_buffer.dtype) if rope is not None else 0.0,
-        PRELOAD=rope is not None and tiles.k_rows and tiles.block_n <= PRELOAD_MAX_BLOCK_N and preload_prior_kv(),
         PDL=bool(pdl),
         **pdl,
         num_warps=tiles.num_warps,

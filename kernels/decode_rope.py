@@ -6,14 +6,9 @@ kernels/decode_attention.py's kernel does it instead: each program normalizes an
 group's q heads (kernels/qk_norm_rope.py's `rope_heads`, the same arithmetic, so the same bits), and the
 program whose split holds a request's new position normalizes, rotates and stores that token's K/V head
 (`store_new_kv`) before its loop reads the pool. Other programs never read that position, as long as each
-row of the batch is its own request's one new token: rows of one request (speculative verification) would
-read each other's new tokens, stored by other programs of the launch, so the backend then keeps the
+row of the batch is its own request's one new token: rows of one request (speculative verification) read
+each other's new tokens, which other programs of the launch would store, so the backend then keeps the
 prologue a launch of its own (AttentionBackend.decode_rows_share_requests).
-
-Because the launch itself stores the step's only new K/V rows, everything else a program attends to was
-stored by earlier steps: with RS_DECODE_PRELOAD on (the default) each program reads the step's inputs and
-its first tile of keys and values before its PDL wait (kernels/pdl.py), then puts the new token's row,
-which it stores itself, into that tile in registers instead of reading it back.
 
 This module holds the host side: the operands and their checks.
 """
@@ -28,15 +23,6 @@ import torch
 
 # RS_ROPE_IN_DECODE=0 keeps decode's q/k norm, rotary and KV store a launch of their own (for A/B runs).
 ROPE_IN_DECODE_ENV = "RS_ROPE_IN_DECODE"
-# RS_DECODE_PRELOAD=0: the fused launch reads its step inputs and first KV tile after its PDL wait (A/B runs).
-DECODE_PRELOAD_ENV = "RS_DECODE_PRELOAD"
-
-
-def preload_prior_kv() -> bool:
-    """Whether a decode launch with its prologue reads what no kernel of the step writes (the step's
-    inputs, the rotary tables, its first tile of earlier keys and values) before its PDL wait
-    (kernels/decode_attention.py's _prior_kv_tile; RS_DECODE_PRELOAD, default on)."""
-    return os.environ.get(DECODE_PRELOAD_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,7 @@ anything the earlier kernels wrote, and the wait returns once those kernels have
 writes are visible. CUDA graphs keep the dependency (a programmatic edge), so replays overlap the same way.
 
 The protocol every kernel here follows when PDL is on (`pdl_enter`):
-- before the wait, a program writes nothing and reads nothing but weights (kernels/gemv.py's preload),
-  except that decode attention with its prologue (ROPE) also reads what no kernel of the step writes: the
-  step's inputs, copied in before the step's first kernel, the rotary tables, and its first tile of the
-  keys and values before the new token's, which only earlier steps stored (decode_attention's
-  _prior_kv_tile, through L2). A decode batch whose rows share a request never takes that path
-  (AttentionBackend.decode_rows_share_requests);
+- before the wait, a program writes nothing and reads nothing but weights (kernels/gemv.py's preload);
 - every program waits, unconditionally, before anything else: a kernel that completes has then seen its
   predecessor complete, so the guarantee is transitive down the chain;
 - a program releases its dependents right after its wait, never before: the next kernel becomes
@@ -28,6 +23,10 @@ PRELOAD, RS_PDL_PRELOAD) gave 1.07-1.10x at 0.6B and 0.96x at 8B, so only produc
 Asking the L2 for the *next* product's weight instead (each program its share, before its wait) shortened a
 chain of 112 0.6B-shaped GEMVs to 0.91x its time but made the Engine's 0.6B step 0.90x as fast (H100,
 2026-12-06): dropped too.
+Decode attention with its prologue reading the step's inputs and its first tile of earlier keys and values
+before its wait (only earlier steps wrote those; the new token's row put into the tile in registers) gave
+the same bits and nothing else: 0.6B batch-1 decode 0.999x with 8 warps a program, 0.964x with 4, whose
+registers then spilled (H100, 2026-12-06). Dropped.
 Weights are the one thing read before the wait: they are constant during a step. The FP8 tensor-core GEMV
 (kernels/fp8_gemv_mma.read_ahead) reads ahead too, and where it waits inside its loop (pdl_gate) every
 activation pointer carries the wait's value, so the compiler cannot move a read of one above it.

@@ -74,16 +74,13 @@ def store_new_kv(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
 ):
     """One new token's KV head `kv_head` into the pool at `slot`: k normalized and rotated (rope_heads),
-    v as it is, each cast to the pool's dtype as _qk_norm_rope_kernel stores them. Returns the two rows
-    stored, [1, HEAD_DIM] each in the pool's dtype: what a read of the slot gives back."""
+    v as it is, each cast to the pool's dtype as _qk_norm_rope_kernel stores them."""
     head = kv_head + tl.arange(0, 1)
     k = rope_heads(K_new, head, head >= 0, stride_kh, K_w, eps, cos, sin, HAS_NORM, HEAD_DIM, HALF)
     cols = tl.arange(0, HEAD_DIM)[None, :]
-    k = to_pool(k, inv_k_scale, K_buf, FP8_MAX)
-    tl.store(K_buf + slot * stride_kbs + head[:, None] * stride_kbh + cols, k)
-    v = to_pool(tl.load(V_new + head[:, None] * stride_vh + cols), inv_v_scale, V_buf, FP8_MAX)
-    tl.store(V_buf + slot * stride_vbs + head[:, None] * stride_vbh + cols, v)
-    return k, v
+    tl.store(K_buf + slot * stride_kbs + head[:, None] * stride_kbh + cols, to_pool(k, inv_k_scale, K_buf, FP8_MAX))
+    v = tl.load(V_new + head[:, None] * stride_vh + cols)
+    tl.store(V_buf + slot * stride_vbs + head[:, None] * stride_vbh + cols, to_pool(v, inv_v_scale, V_buf, FP8_MAX))
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _LOG2E, DecodeTiles, _attend_split, _fresh_state, _merge_splits, dot_precision
+from kernels.decode_attention import _LOG2E, DecodeTiles, _attend_split, _merge_splits, dot_precision
 
 
 def tokens_per_block(num_heads: int, num_kv_heads: int) -> int:
@@ -128,10 +128,9 @@ def _token_block_kernel(
             start = split * SPLIT_TOKENS
             end = tl.minimum(start + SPLIT_TOKENS, seq_len)
             row_end = tl.minimum(start + SPLIT_TOKENS, row_len)
-            m_i, l_i, acc = _fresh_state(BLOCK_H, BLOCK_D)
             m_i, l_i, acc = _attend_split(
                 q, K_buf, V_buf, Req_to_token + req_row * stride_r2t, start, end, row_end, kv_head, offs_d,
-                d_mask, sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, m_i, l_i, acc, BLOCK_N,
+                d_mask, sm_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_H, BLOCK_D, BLOCK_N,
                 DOT_PRECISION, K_ROWS, True,
             )
             has_tokens = l_i > 0

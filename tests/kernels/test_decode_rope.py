@@ -19,7 +19,7 @@ from kernels.decode_attention import (
     decode_attention,
     kv_splits_per_request,
 )
-from kernels.decode_rope import DECODE_PRELOAD_ENV, DecodeRope, rope_fusable
+from kernels.decode_rope import DecodeRope, rope_fusable
 from kernels.qk_norm_rope import qk_norm_rope_
 from tests.kernels.conftest import poisoned, rotary_caches
 
@@ -55,7 +55,6 @@ class Case:
         )
         self.max_splits = 8
         self.splits = kv_splits_per_request(lens, self.max_splits, min_tokens_per_split=16)
-        self.grid_splits = 0  # programs per (request, kv head); 0: one per split
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -69,7 +68,6 @@ class Case:
             q, k_buffer, v_buffer, out, self.kv.req_to_token, self.kv.req_pool_indices, self.kv.seq_lens,
             self.splits, self.max_splits, self.head_dim**-0.5, part_out, part_lse, DecodeTiles(block_n=16),
             alloc_split_counters(bs, self.kv_heads, "cpu"), k_scale=scales[0], v_scale=scales[1], rope=rope,
-            grid_splits=self.grid_splits,
         )  # fmt: skip
         return out
 
@@ -129,26 +127,6 @@ def test_fused_prologue_gives_the_unfused_bits(
     _assert_same(out, ref_out, "the attention output")
     # And the pool did change: the new rows were stored (so the comparison above is not of two no-ops).
     assert not torch.equal(k_buffer.view(torch.uint8), case.kv.k_buffer.view(torch.uint8))
-
-
-@pytest.mark.parametrize("preload", ["1", "0"], ids=["tile-read-early", "tile-read-in-loop"])
-@pytest.mark.parametrize("grid_splits", [0, 3], ids=["program-per-split", "programs-walk-splits"])
-def test_the_first_tile_read_before_the_wait_gives_the_same_bits(
-    gen, paged_kv, monkeypatch, preload, grid_splits
-) -> None:
-    """A program reads its first split's first tile before its PDL wait (_prior_kv_tile), then puts the
-    new token's K/V in that tile's row; RS_DECODE_PRELOAD=0 reads it in the loop. Either way, and with
-    programs walking several splits (only the first split's tile is read early): the unfused bits. The
-    lengths put the new token in its split's first tile (130: splits of 32, 129 = 4 x 32 + 1), its second
-    (150 = 4 x 32 + 22) and leave empty splits (8 splits of 32 over 130 and 150 tokens)."""
-    monkeypatch.setenv(DECODE_PRELOAD_ENV, preload)
-    case = Case(gen, paged_kv, [130, 150, 2], 8, 2, 32, torch.bfloat16, torch.bfloat16, True)
-    case.grid_splits = grid_splits
-    ref_out, ref_k, ref_v = case.unfused((1.0, 1.0))
-    out, k_buffer, v_buffer = case.fused((1.0, 1.0))
-    _assert_same(k_buffer, ref_k, "the K pool")
-    _assert_same(v_buffer, ref_v, "the V pool")
-    _assert_same(out, ref_out, "the attention output")
 
 
 def test_rope_fusable_takes_whole_power_of_two_heads_only() -> None:

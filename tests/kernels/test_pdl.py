@@ -3,9 +3,7 @@
 The overlap itself runs only on an sm90 GPU (bench/gpu_pdl.py checks there that greedy tokens and log-probs
 are identical with PDL on and off). What can be checked here is the part a future edit could break
 silently: a kernel that takes the PDL flag must wait (pdl_enter) before it touches memory, except to
-read a weight (constant during a step) through a weight loader, under `if PRELOAD:` / `if PRELOAD >= n:`,
-or, in decode attention, what no kernel of the step writes through its prior loader (the step's inputs and
-the KV of positions before the new token's).
+read a weight (constant during a step) through a weight loader, under `if PRELOAD:` / `if PRELOAD >= n:`.
 """
 
 from __future__ import annotations
@@ -31,14 +29,6 @@ PDL_MODULES = [
 ]
 # Loaders a PDL kernel may call before its wait, on its weight operand only (the argument named here).
 WEIGHT_LOADERS = {"_weight_tile": "W"}
-# Loaders of what no kernel of a step writes, and the operands they may read: the step's inputs (copied in
-# before its first kernel), the rotary tables and the KV pool, which a step writes only at its new tokens'
-# slots (the loader masks those positions off).
-PRIOR_LOADERS = {
-    "_prior_kv_tile": {
-        "K_buf", "V_buf", "Req_to_token", "Req_pool_indices", "Seq_lens", "Num_splits", "Positions", "Cos", "Sin",
-    },
-}
 MEMORY_OPS = {"load", "store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min"}
 
 
@@ -137,9 +127,6 @@ def _check_weight_preload(name: str, stmt: ast.If) -> None:
             assert isinstance(arg, ast.Name) and arg.id == WEIGHT_LOADERS[callee], (
                 f"{name} preloads {ast.unparse(arg)}, not its weight, before pdl_enter"
             )
-        elif callee in PRIOR_LOADERS:
-            pointers = {a.id for a in call.args if isinstance(a, ast.Name) and a.id[:1].isupper() and not a.id.isupper()}
-            assert pointers <= PRIOR_LOADERS[callee], f"{name} hands {sorted(pointers)} to {callee} before pdl_enter"
         else:
             assert callee in {"arange", "to"}, f"{name} calls {callee} before pdl_enter: {ast.unparse(call)}"
 
@@ -151,27 +138,3 @@ def test_weight_loaders_read_only_the_weight() -> None:
     loads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _calls(n) & MEMORY_OPS]
     assert loads and all(ast.unparse(n.args[0]).startswith("W ") for n in loads)
     assert not {"store", "atomic_add"} & _calls(tree)
-
-
-def test_prior_loaders_read_only_step_inputs_and_earlier_kv() -> None:
-    """The decode prior loader reads nothing but its allowed operands, writes nothing, goes to L2 (.cg: the
-    step's inputs arrived by copy, never through this SM's L1), and masks its KV reads to positions before
-    the new token's (seq_len - 1), which the launch itself stores."""
-    from kernels import decode_attention
-
-    fn = decode_attention._prior_kv_tile.fn
-    tree = ast.parse(inspect.getsource(fn))
-    assert not {"store", "atomic_add", "atomic_xchg", "atomic_cas"} & _calls(tree)
-    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _calls(n) & {"load"} and
-             isinstance(n.func, ast.Attribute) and n.func.attr == "load"]
-    assert loads
-    for load in loads:
-        base = ast.unparse(load.args[0]).split(" ")[0]
-        assert base in PRIOR_LOADERS["_prior_kv_tile"], f"_prior_kv_tile reads {base}"
-        assert any(k.arg == "cache_modifier" and ast.unparse(k.value) == "'.cg'" for k in load.keywords), (
-            f"_prior_kv_tile: {ast.unparse(load)} may hit a line L1 kept"
-        )
-    source = inspect.getsource(fn)
-    assert "prior = (pos < tl.minimum(start + split_len, seq_len - 1))" in source
-    kv = [ast.unparse(n) for n in loads if ast.unparse(n.args[0]).split(" ")[0] in {"K_buf", "V_buf", "Req_to_token"}]
-    assert len(kv) == 3 and all("mask=prior" in text or "mask=kv_mask" in text for text in kv)
