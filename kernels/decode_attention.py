@@ -74,10 +74,20 @@ class DecodeTiles:
 WIDE_BATCH_TILES = DecodeTiles(block_n=128)
 NARROW_BATCH_TILES = DecodeTiles()
 WIDE_BATCH = 32
+# One request: 8 warps a program. A batch-1 launch is a few dependent round trips long (the q/k norm and
+# rotary over its GQA group padded to 16 rows, one 64-key tile per program, the merge), and twice the
+# threads shorten each step of that chain: H100, with its prologue, graphs of 28 launches
+# (bench/gpu_decode_warps.py, gpu_decode_warps_2026-12-06_a): 0.6B and 8B heads 7.75 -> 6.69 us at 256
+# tokens, 11.6 -> 8.8 at 1,024; the 0.6B Engine's batch-1 decode 1.045x. From two requests on it loses
+# (1,024 tokens: 1.08-1.10x the time at 2, 1.18 at 4, 1.28-1.55 from 8), as more programs then share the SMs.
+SINGLE_REQUEST_TILES = DecodeTiles(num_warps=8)
 
 
 def tiles_for(batch_size: int) -> DecodeTiles:
-    """The launch shape decode_attention uses when given none: 128-key tiles from WIDE_BATCH requests."""
+    """The launch shape decode_attention uses when given none: 8 warps for one request, 128-key tiles from
+    WIDE_BATCH requests."""
+    if batch_size == 1:
+        return SINGLE_REQUEST_TILES
     return WIDE_BATCH_TILES if batch_size >= WIDE_BATCH else NARROW_BATCH_TILES
 
 

@@ -11,12 +11,17 @@ from triton.runtime import interpreter
 from kernels.decode_attention import (
     MAX_KV_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    NARROW_BATCH_TILES,
+    SINGLE_REQUEST_TILES,
+    WIDE_BATCH,
+    WIDE_BATCH_TILES,
     DecodeTiles,
     alloc_decode_partials,
     alloc_split_counters,
     decode_attention,
     kv_splits_per_request,
     max_kv_splits_for,
+    tiles_for,
 )
 from kernels.reference import decode_attention_ref
 from tests.kernels.conftest import poisoned, rel_error
@@ -116,6 +121,14 @@ def test_decode_grid_order_and_k_layout_match_reference(gen, paged_kv, max_split
     out = _run(kv, q, 8, max_splits, 32**-0.5, scratch=scratch, tiles=tiles)
     assert rel_error(out, _ref(kv, q, 32**-0.5)) < 1e-3
     assert scratch.counters.eq(0).all()
+
+
+def test_default_launch_shapes_by_batch_size() -> None:
+    """One request runs 8 warps a program (bench/gpu_decode_warps.py: faster at batch 1 only), batches below
+    WIDE_BATCH the narrow 64-key tiles at 4, wide batches 128-key tiles; the tiles are otherwise the same."""
+    assert tiles_for(1) == SINGLE_REQUEST_TILES == DecodeTiles(num_warps=8)
+    assert tiles_for(2) == tiles_for(WIDE_BATCH - 1) == NARROW_BATCH_TILES == DecodeTiles()
+    assert tiles_for(WIDE_BATCH) == tiles_for(256) == WIDE_BATCH_TILES == DecodeTiles(block_n=128)
 
 
 @pytest.mark.parametrize("max_splits", [1, 8, MAX_KV_SPLITS])
