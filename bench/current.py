@@ -158,8 +158,9 @@ GPU_ENGINE = Area(
                lambda d: d["results"]["8b"]["hf_compile_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: d["results"]["8b"]["tok_s"], peer_label="radixserve",
                command="python bench/gpu_engine.py --hf-compile"),
-        Figure("P2 batch-1 decode, Qwen3-0.6B (2026-12-06 on an H100: 1,130.2 of 2,501.5 tok/s, "
-               "0.452, the off side of `gpu_pdl_2026-12-06_f`; the H200's ceiling is higher)", "gpu_pdl_2026-12-04_e.json",
+        Figure("P2 batch-1 decode, Qwen3-0.6B (2026-12-06 on an H100, one request's decode attention at 8 warps: "
+               "1,197.0 of 2,489.5 tok/s, 0.481, the on side of `gpu_pdl_2026-12-06_l`; before, 1,130.2 of 2,501.5, "
+               "0.452, `gpu_pdl_2026-12-06_f`; the H200's ceiling is higher)", "gpu_pdl_2026-12-04_e.json",
                lambda d: max(d["models"]["0.6b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["0.6b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
                target=Target(">=", 0.6, "≥ 0.6 of the ceiling"), command=PDL + ROPE_AB),
@@ -172,6 +173,19 @@ GPU_ENGINE = Area(
                     "RS_PDL_PRELOAD"),
         _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_e.json", ROPE_AB,
                     "q/k norm, rotary and KV store inside decode attention", "RS_ROPE_IN_DECODE"),
+        Figure("one request's decode attention at 8 warps a program vs 4, batch-1 decode, Qwen3-0.6B (the warps "
+               "change the sums' order, so tokens differ; the 8B FP8 shape 262.3 vs 259.1, 1.012×, "
+               "`gpu_pdl_2026-12-06_k`. On an H100)", "gpu_pdl_2026-12-06_j.json",
+               lambda d: max(d["models"]["0.6b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
+               peer=lambda d: max(d["models"]["0.6b"]["pdl_off_tok_s"]), peer_label="4 warps",
+               ratio_fmt="{:.3f}×", command=PDL + " --env RS_DECODE_W8 --models 0.6b --rounds 2"),
+        Figure("decode attention with its prologue, one request, 1,024 tokens, Qwen3-0.6B heads, µs a launch in a "
+               "graph of 28 (256 tokens: 6.69 vs 7.75; two requests at 1,024: 14.31 vs 13.07, so 8 warps only for "
+               "one. On an H100)", "gpu_decode_warps_2026-12-06_a.json",
+               lambda d: next(r["us_8_warps"] for r in d["rows"] if (r["model"], r["ctx"], r["bs"]) == ("0.6b", 1024, 1)),
+               "{:.2f} µs",
+               peer=lambda d: next(r["us_4_warps"] for r in d["rows"] if (r["model"], r["ctx"], r["bs"]) == ("0.6b", 1024, 1)),
+               peer_label="4 warps", ratio_fmt="{:.3f}× the time", command="python bench/gpu_decode_warps.py"),
         _pdl_figure("8b", "Qwen3-8B", "gpu_pdl_2026-12-04_e.json", ROPE_AB,
                     "q/k norm, rotary and KV store inside decode attention", "RS_ROPE_IN_DECODE"),
         Figure("P3 offline throughput, nano-vllm recipe (256 requests), 0.6B", "gpu_serving_2026-12-02_e.json",
@@ -735,24 +749,27 @@ FP8_GPU = Area(
                lambda d: float(dict(d["rows"])["matmul tiles per shape (tiles_for): time / cuBLAS"].split()[1].rstrip(",")),
                "{:.2f}× cuBLAS", command="python bench/gpu_deterministic.py --skip-outputs --skip-pipeline --skip-throughput"),
         Figure("FP8 batch-1 decode, Qwen3-8B shape, `--quantization fp8` (block 128 × 128) resident, PDL on, the "
-               "FP8 GEMV's first weight tile read before the PDL wait (on an H100: without it 257.9 tok/s, 0.816; the "
-               "same code in a later run, `gpu_pdl_2026-12-06_d`'s off side: 267.4 of 314.5, 0.850; 2026-12-04 on "
-               "an H200, before: 315.7 of 439.3, 0.719)",
-               "gpu_pdl_2026-12-06_a.json", lambda d: max(d["models"]["8b-fp8"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
+               "FP8 GEMV's first weight tile read before the PDL wait, one request's decode attention at 8 warps (on "
+               "an H100 whose 4-warp side gave 259.1, 0.824; on another H100 before the warps change, "
+               "`gpu_pdl_2026-12-06_a` and `_d`: 268.2 of 315.8, 0.849, and 267.4 of 314.5, 0.850; without the "
+               "read-ahead 257.9, 0.816; 2026-12-04 on an H200, before: 315.7 of 439.3, 0.719)",
+               "gpu_pdl_2026-12-06_k.json", lambda d: max(d["models"]["8b-fp8"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["8b-fp8"]["ceiling_tok_s"],
                peer_label="ceiling: resident weight bytes / copy bw",
                target=Target(">=", 0.85, "≥ 0.85 of the ceiling"),
-               command=PDL + " --env RS_PDL_PRELOAD --models 8b-fp8 --rounds 1"),
+               command=PDL + " --env RS_DECODE_W8 --models 8b-fp8 --rounds 1"),
         _pdl_figure("8b-fp8", "Qwen3-8B shape, FP8 (on an H100)", "gpu_pdl_2026-12-06_a.json",
                     " --env RS_PDL_PRELOAD --models 8b-fp8 --rounds 1", "FP8 GEMV's first weight tile read before the "
                     "PDL wait", "RS_PDL_PRELOAD"),
         _pdl_figure("8b-fp8", "Qwen3-8B shape, FP8", "gpu_pdl_2026-12-04_c.json", " --models 8b-fp8 --rounds 1"),
-        Figure("FP8 batch-1 decode, Qwen3-8B shape, FP8 checkpoint (block 128 × 128) resident, CUDA graphs",
-               "gpu_fp8_resident_2026-12-03_c.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
+        Figure("FP8 batch-1 decode, Qwen3-8B shape, FP8 checkpoint (block 128 × 128) resident, CUDA graphs (on an "
+               "H100; 2026-12-03 on an H200, before the FP8 GEMV's read-ahead and PDL: 302.8 of 444.9, 0.680)",
+               "gpu_fp8_resident_2026-12-06_b.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
                peer=lambda d: _fp8r(d)["decode_ceiling_tok_s"]["fp8"], peer_label="ceiling: FP8 checkpoint bytes / copy bw",
                target=Target(">=", 0.85, "≥ 0.85 of the ceiling"), command=FP8R + " 8b"),
-        Figure("FP8 vs bf16 batch-1 decode, Qwen3-8B shape (bf16: the dequantized copy, same run)",
-               "gpu_fp8_resident_2026-12-03_c.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
+        Figure("FP8 vs bf16 batch-1 decode, Qwen3-8B shape (bf16: the dequantized copy, same run, 0.969 of its own "
+               "ceiling. On an H100; 2026-12-03 on an H200: 302.8 vs 231.3, 1.31×)",
+               "gpu_fp8_resident_2026-12-06_b.json", lambda d: _fp8r(d)["decode_tok_s"]["fp8"], "{:,.1f} tok/s",
                peer=lambda d: _fp8r(d)["decode_tok_s"]["bf16"], peer_label="bf16", ratio_fmt="{:.2f}×",
                command=FP8R + " 8b"),
         Figure("FP8 vs bf16 batch-1 decode, Qwen3-0.6B shape (on an H100)", "gpu_fp8_resident_2026-12-06_a.json",
@@ -768,8 +785,9 @@ FP8_GPU = Area(
                "gpu_fp8_resident_2026-12-06_a.json",
                lambda d: d["results"]["qwen3-moe-small"]["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 0.6b"),
-        Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, Qwen3-8B shape (FP8 KV cache alone: 0.231)",
-               "gpu_fp8_resident_2026-12-03_c.json",
+        Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, Qwen3-8B shape (FP8 KV cache alone: "
+               "0.241, same run; 2026-12-03 on an H200: 0.365, the control 0.231. On an H100)",
+               "gpu_fp8_resident_2026-12-06_b.json",
                lambda d: _fp8r(d)["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 8b"),
         Figure("max concurrent 4k-token requests, FP8 (e4m3) KV cache, Qwen3-8B shape, same memory",

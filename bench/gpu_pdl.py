@@ -13,9 +13,10 @@ alternation, --rounds times, CUDA graphs on (the default):
 Prints a table last; JSON to $OUT/gpu_pdl.json. Exit 1 when a check fails.
 
 --env NAME A/B-tests another switch of the decode kernels the same way (NAME=0 "off" against NAME=1 "on",
-PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the PDL wait) or
-RS_ROPE_IN_DECODE (q/k norm, rotary and the KV store folded into decode attention); JSON to
-$OUT/gpu_pdl_<name>.json.
+PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the PDL wait), RS_DECODE_W8
+(one request's decode attention at 8 warps a program) or RS_ROPE_IN_DECODE (q/k norm, rotary and the KV
+store folded into decode attention); JSON to $OUT/gpu_pdl_<name>.json. A switch that changes the order of
+a kernel's sums (RS_DECODE_W8) changes the tokens too, so the check is reported, not required, for it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ if __package__ in (None, ""):
 
 from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
 from bench.gpu_fp8_resident import run as fp8_resident_run  # noqa: E402
+
+# Switches that change the order of a kernel's sums: their tokens may differ, so the check is not required.
+REORDERING_SWITCHES = {"RS_DECODE_W8"}
 
 
 def run(path: Path, env: str, on: bool, **kw: object) -> dict:
@@ -73,7 +77,7 @@ def main() -> int:
             r["tokens"] == off["tokens"] and r["logprobs"] == off["logprobs"]
             for r in runs[True] + runs[False]
         )
-        failed |= not same
+        failed |= not same and args.env not in REORDERING_SWITCHES
         ceiling = bw / off["weight_bytes"]
         best = {pdl: max(r["decode_tok_s"] for r in runs[pdl]) for pdl in (False, True)}
         results["models"][name] = {

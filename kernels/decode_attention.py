@@ -31,6 +31,7 @@ decode step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +82,14 @@ WIDE_BATCH = 32
 # tokens, 11.6 -> 8.8 at 1,024; the 0.6B Engine's batch-1 decode 1.045x. From two requests on it loses
 # (1,024 tokens: 1.08-1.10x the time at 2, 1.18 at 4, 1.28-1.55 from 8), as more programs then share the SMs.
 SINGLE_REQUEST_TILES = DecodeTiles(num_warps=8)
+# RS_DECODE_W8=0 runs one request's launch at 4 warps too (A/B runs: bench/gpu_pdl.py --env RS_DECODE_W8).
+SINGLE_REQUEST_WARPS_ENV = "RS_DECODE_W8"
 
 
 def tiles_for(batch_size: int) -> DecodeTiles:
     """The launch shape decode_attention uses when given none: 8 warps for one request, 128-key tiles from
     WIDE_BATCH requests."""
-    if batch_size == 1:
+    if batch_size == 1 and os.environ.get(SINGLE_REQUEST_WARPS_ENV, "1") != "0":
         return SINGLE_REQUEST_TILES
     return WIDE_BATCH_TILES if batch_size >= WIDE_BATCH else NARROW_BATCH_TILES
 

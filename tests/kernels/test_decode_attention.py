@@ -13,6 +13,7 @@ from kernels.decode_attention import (
     MIN_TOKENS_PER_SPLIT,
     NARROW_BATCH_TILES,
     SINGLE_REQUEST_TILES,
+    SINGLE_REQUEST_WARPS_ENV,
     WIDE_BATCH,
     WIDE_BATCH_TILES,
     DecodeTiles,
@@ -123,10 +124,14 @@ def test_decode_grid_order_and_k_layout_match_reference(gen, paged_kv, max_split
     assert scratch.counters.eq(0).all()
 
 
-def test_default_launch_shapes_by_batch_size() -> None:
-    """One request runs 8 warps a program (bench/gpu_decode_warps.py: faster at batch 1 only), batches below
-    WIDE_BATCH the narrow 64-key tiles at 4, wide batches 128-key tiles; the tiles are otherwise the same."""
+def test_default_launch_shapes_by_batch_size(monkeypatch) -> None:
+    """One request runs 8 warps a program (bench/gpu_decode_warps.py: faster at batch 1 only; RS_DECODE_W8=0
+    gives it 4 like the rest), batches below WIDE_BATCH the narrow 64-key tiles at 4, wide batches 128-key
+    tiles; the tiles are otherwise the same."""
     assert tiles_for(1) == SINGLE_REQUEST_TILES == DecodeTiles(num_warps=8)
+    monkeypatch.setenv(SINGLE_REQUEST_WARPS_ENV, "0")
+    assert tiles_for(1) == NARROW_BATCH_TILES
+    monkeypatch.delenv(SINGLE_REQUEST_WARPS_ENV)
     assert tiles_for(2) == tiles_for(WIDE_BATCH - 1) == NARROW_BATCH_TILES == DecodeTiles()
     assert tiles_for(WIDE_BATCH) == tiles_for(256) == WIDE_BATCH_TILES == DecodeTiles(block_n=128)
 
