@@ -1,12 +1,11 @@
 """The `triton` attention backend: kernels/ decode (split-K) and extend attention over the paged pool.
 
-Per step, init_forward_metadata turns the batch into the few device tensors the kernels read (the
-req_to_token rows and lengths the batch already has, plus per-request split counts for decode or
-cumulative new-token offsets and prefix lengths for extend); every layer then stores its new K/V with
-one kernel and attends with one more (decode merges its splits inside that launch: the last split
-program of a request and KV head to finish merges). Layers that hand over unrotated q/k (`forward_with_rope`)
-get their q/k norm, rotary and KV store in that one store launch (kernels/qk_norm_rope.py), or at decode
-inside the attention launch (kernels/decode_rope.py): at batch 1 a decode step is bound by launches.
+Per step, init_forward_metadata turns the batch into the few device tensors the kernels read (req_to_token
+rows and lengths, plus split counts for decode or new-token offsets and prefix lengths for extend); each
+layer stores its new K/V with one kernel and attends with one more (decode merges its splits in that launch:
+the last split program of a request and KV head to finish merges). Unrotated q/k (`forward_with_rope`) get
+their q/k norm, rotary and KV store in that store launch (kernels/qk_norm_rope.py), or at decode in the
+attention launch (kernels/decode_rope.py) unless rows share requests (AttentionBackend says why).
 
 CUDA graphs: decode's grid depends on the batch size alone (kernels.decode_attention.max_kv_splits_for),
 its split counts are computed on the device from seq_lens, and its scratch and its merge's arrival
@@ -254,12 +253,9 @@ class TritonAttnBackend(AttentionBackend):
         meta = self._metadata(batch, TritonDecodeMetadata if decode else TritonExtendMetadata)
         pool = batch.token_to_kv_pool
         norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None and k_norm is not None else ()
-        rope = None
-        # One launch: decode attention rotates q and k and stores the new K/V itself. Where rows of one
-        # request attend to each other's new tokens, another program of that launch would store them.
-        if decode and not self.decode_rows_share_requests:
-            rope = decode_rope_for(layer.head_dim, positions, k, v, rotary_emb, batch.out_cache_loc, *norms)
-        if rope is not None:
+        fuse = decode and not self.decode_rows_share_requests  # (why not: AttentionBackend)
+        rope = decode_rope_for(layer.head_dim, positions, k, v, rotary_emb, batch.out_cache_loc, *norms) if fuse else None
+        if rope is not None:  # one launch: decode attention rotates q and k and stores the new K/V itself
             return self._decode(q, layer, batch, meta, rope)
         qk_norm_rope_(
             positions,
