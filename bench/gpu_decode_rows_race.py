@@ -36,15 +36,17 @@ from kernels.decode_attention import (  # noqa: E402
 )
 from kernels.decode_rope import DecodeRope  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_  # noqa: E402
+from services.worker.runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, CACHED, ROWS = 16, 8, 128, 300, 4
 DEV, DT = "cuda", torch.bfloat16
 
 
 def rotary(max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=DEV, dtype=torch.float32) / HEAD_DIM))
-    angles = torch.arange(max_pos, device=DEV, dtype=torch.float32)[:, None] * inv[None, :]
-    return angles.cos(), angles.sin()
+    """Qwen3's rotary tables (theta 1e6) for positions below max_pos, as the model's RotaryEmbedding holds them."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    rope = RotaryEmbedding(HEAD_DIM, inv_freq, max_pos).to(DEV)
+    return rope.cos_cache, rope.sin_cache
 
 
 def case(shared: bool, gen: torch.Generator) -> dict:

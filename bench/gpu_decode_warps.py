@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from bench.gpu_common import OUT  # noqa: E402
+from bench.gpu_decode_rows_race import rotary  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
     NARROW_BATCH_TILES,
     alloc_decode_partials,
@@ -51,9 +52,7 @@ def time_case(heads: int, kv_heads: int, bs: int, ctx: int, warps: int) -> float
     seq_lens = torch.full((bs,), ctx, device=DEV)
     positions = seq_lens - 1
     loc = table[rows, positions].to(torch.int64)
-    inv = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, device=DEV, dtype=torch.float32) / HEAD_DIM))
-    angles = torch.arange(ctx + 1, device=DEV, dtype=torch.float32)[:, None] * inv[None, :]
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = rotary(ctx + 1)
     w = (torch.rand(HEAD_DIM, generator=gen, device=DEV) + 0.5).to(DT)
     q_size, kv_size = heads * HEAD_DIM, kv_heads * HEAD_DIM
     qkv = torch.randn((bs, q_size + 2 * kv_size), generator=gen, device=DEV).to(DT)
