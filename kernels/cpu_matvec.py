@@ -46,6 +46,8 @@ ROWS_SOURCE = SOURCE.with_name("rows.cpp")
 EXTEND_SOURCE = SOURCE.with_name("extend_attention.cpp")
 # A Llama-shaped decoder layer's batch-1 decode step as one op (decoder_layer_row), the same library.
 LAYER_SOURCE = SOURCE.with_name("layer_row.cpp")
+# Products of a few float32 rows over 12-column weight panels (pack_panels, panel_linear), the same library.
+PANELS_SOURCE = SOURCE.with_name("panels.cpp")
 # The extension's name and cache folder. torch rebuilds it when the source or flags change; the torch
 # version is in the name so that an upgrade (another C++ ABI) builds anew instead of loading a stale one.
 EXTENSION = "radixserve_cpu_matvec_" + re.sub(r"\W", "_", torch.__version__)
@@ -108,7 +110,7 @@ def load_matvec(verbose: bool = False) -> Callable[..., torch.Tensor]:
         # to the libgomp that torch already loaded (same soname), so both share one thread pool.
         load(
             name=EXTENSION,
-            sources=[str(SOURCE), str(ROWS_SOURCE), str(EXTEND_SOURCE), str(LAYER_SOURCE)],
+            sources=[str(SOURCE), str(ROWS_SOURCE), str(EXTEND_SOURCE), str(LAYER_SOURCE), str(PANELS_SOURCE)],
             # -ffp-contract=off: no multiply-add is fused unless written so, which keeps rows.cpp's
             # products and sums rounded one by one, as torch's ops round them.
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DRS_CPU_HEADERS={_headers_digest()}"],

@@ -15,6 +15,7 @@ import kernels.cpu_matvec as cpu_matvec
 import services.worker.runtime.layers.linear as linear_module
 from services.worker.runtime.layers.cpu_layer_row import LAYER_ROW_ENV
 from services.worker.runtime.layers.cpu_prepack import (
+    PANELS_ENV,
     cpu_prepack_available,
     cpu_prepack_dtypes,
     prepack_cpu_weights,
@@ -85,10 +86,14 @@ def test_the_op_is_its_steps_bit_for_bit() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("packing", ["onednn", "panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("dense", [False, True], ids=["pool slots", "dense blocks"])
-def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype) -> None:
-    if not cpu_prepack_available() or dtype not in cpu_prepack_dtypes():
+def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype, packing: str) -> None:
+    """The layer op on oneDNN's packed weights, and on panels.cpp's (float32) through panel_linear."""
+    if packing == "panels" and dtype != torch.float32:
+        pytest.skip("the panels are float32")
+    if packing == "onednn" and (not cpu_prepack_available() or dtype not in cpu_prepack_dtypes()):
         pytest.skip(f"this torch has no oneDNN prepacked linear for {dtype}")
     g = torch.Generator().manual_seed(6)
     hidden_size, heads, kv_heads, d, inter, slots_n, bs = 96, 6, 2, 16, 160, 40, 3
@@ -97,13 +102,17 @@ def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype) 
         return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
 
     def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        if packing == "panels":
+            return ops().panel_linear(x, packed)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    pack = ops().pack_panels if packing == "panels" else prepack_weight
 
     hidden, residual = w(bs, hidden_size), w(bs, hidden_size)
     in_norm, post_norm, q_norm, k_norm = w(hidden_size) + 1, w(hidden_size) + 1, w(d) + 1, w(d) + 1
     qkv_w, o_w = w((heads + 2 * kv_heads) * d, hidden_size), w(hidden_size, heads * d)
     gate_up_w, down_w = w(2 * inter, hidden_size), w(hidden_size, inter)
-    qkv_p, o_p, gate_up_p, down_p = map(prepack_weight, (qkv_w, o_w, gate_up_w, down_w))
+    qkv_p, o_p, gate_up_p, down_p = map(pack, (qkv_w, o_w, gate_up_w, down_w))
     k_pool, v_pool = w(slots_n, kv_heads, d), w(slots_n, kv_heads, d)
     slots = torch.tensor([[3, 9, 4, 17, 30, 0], [5, 6, 21, 0, 0, 0], [8, 1, 2, 33, 34, 35]])
     seq_lens, loc, positions = torch.tensor([5, 3, 6]), torch.tensor([30, 21, 35]), torch.tensor([4, 2, 5])
@@ -191,10 +200,12 @@ def test_a_model_decodes_through_it_as_through_its_layers(
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("panels", ["0", "1"], ids=["onednn", "panels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("model", ["qwen3", "llama"])
 def test_a_batch_decodes_through_it_as_through_its_layers(
-    model: str, dtype: str, request: pytest.FixtureRequest, single_rows_in_cpp: None, monkeypatch: pytest.MonkeyPatch
+    model: str, dtype: str, panels: str, request: pytest.FixtureRequest, single_rows_in_cpp: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Three requests of different lengths: the first decode step gathers the dense blocks (the modules run),
     the others append to them through the batch op; a request that finishes leaves two, then one (the
@@ -202,10 +213,14 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     bfloat16 steps are checked against torch's bfloat16 ops in tests/test_cpu_rows.py and test_cpu_matvec.py)."""
     if getattr(torch, dtype) not in cpu_prepack_dtypes():
         pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
+    if panels == "1" and dtype != "float32":
+        pytest.skip("the panels are float32")
+    monkeypatch.setenv(PANELS_ENV, panels)  # float32 weights in panels.cpp's panels, or oneDNN's layout
     path = request.getfixturevalue(f"{model}_path")
     config = ModelConfig.from_path(path, dtype=dtype)
     runner = load_model(config, "cpu")
     prepack_cpu_weights(runner)
+    assert (runner.lm_head.packed_weight.dim() == 3) == (panels == "1")
     prompts = [[5, 9, 31, 7, 2, 44, 3, 8], [11, 4, 6], [21, 22, 23, 24, 25]]
 
     def run() -> tuple[list[torch.Tensor], dict[str, int]]:

@@ -97,8 +97,8 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
 
 
 // The same layer for a decode batch of M >= 2 rows, as layers/ and models/llama.py run it at batch M: the row
-// ops of rows.cpp, oneDNN's packed products (mkldnn::_linear_pointwise, as layers/linear.py's linear() takes
-// rows with a prepacked weight), the KV store into the pool and, where the attention reads the dense blocks
+// ops of rows.cpp, the packed products (oneDNN's mkldnn::_linear_pointwise or panels.cpp's panel_linear, as
+// layers/linear.py's linear() takes rows with a prepacked weight), the KV store into the pool and, where the attention reads the dense blocks
 // (attention/dense_kv.py), the append of this step's rows to them. It also takes one row whose products are
 // not the C++ ones: the packed weights where calibration chose them for single rows, or the plain weights
 // (aten::linear, F.linear's op) where it chose F.linear; each product goes by its weight.
@@ -119,8 +119,14 @@ Pair decoder_layer_row(const at::Tensor& hidden, const Opt& residual, const at::
 // requests' slots) or this layer's dense blocks viewed as rows (read_slots each request's rows there, new_rows
 // where this step's go). The outputs are bit for bit the separate ops' (tested).
 // x's rows times a weight as layers/linear.py's linear() takes them: a oneDNN packed weight through
-// mkldnn::_linear_pointwise, a plain [N, K] one through aten::linear (F.linear's op), so the same bits.
+// mkldnn::_linear_pointwise, pack_panels' [1, N, K] through panel_linear (panels.cpp), a plain [N, K] one
+// through aten::linear (F.linear's op), so the same bits.
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (!weight.is_mkldnn() && weight.dim() == 3) {
+    static const auto panels = find("radixserve_cpu::panel_linear")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&)>();
+    return panels.call(x, weight, c10::nullopt);
+  }
   if (!weight.is_mkldnn()) {
     static const auto linear = find("aten::linear").typed<at::Tensor(const at::Tensor&, const at::Tensor&, const Opt&)>();
     return linear.call(x, weight, c10::nullopt);

@@ -10,6 +10,8 @@ CPU the rows go through the ordinary product CPU_ROW_BLOCK at a time (the last b
 every call has the same shape, and a row of a fixed-shape oneDNN / MKL product comes out the same
 wherever it sits in the block and whatever the other rows hold (tests/kernels/test_batch_invariant.py
 checks that on the machine running the tests; a BLAS that broke it would fail there, not silently).
+Weights packed into kernels/cpu/panels.cpp's panels need no blocks: each output there is one chain of
+multiply-adds over k in order whatever the rows, so panel_linear takes all the rows at once.
 
 Elementwise transcendental functions on the CPU have the same problem in miniature: torch's vectorized
 loop computes the elements past the last whole group of vectors (and past a thread's share) with the
@@ -45,6 +47,8 @@ def invariant_linear(
         return matmul(x, weight, bias)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
+    if packed is not None and not packed.is_mkldnn:  # cpu_prepack.py's panels: invariant by construction
+        return torch.ops.radixserve_cpu.panel_linear(rows, packed, bias).view(*lead, weight.shape[0])
     m = rows.shape[0]
     padded = -(-m // CPU_ROW_BLOCK) * CPU_ROW_BLOCK
     if padded != m or not rows.is_contiguous():

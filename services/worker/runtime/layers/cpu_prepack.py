@@ -1,12 +1,22 @@
 """The CPU's prepacked weights: every linear layer (and the LM head) gets a copy of its weight in
 oneDNN's blocked layout, which layers/linear.py's `linear` multiplies batches of two rows or more with
 (the plain F.linear repacks the weight on every call, which at batch 16 costs as much as the product
-itself), and single rows where linear_calibration.py's `calibrate_single_row` found it the fastest."""
+itself), and single rows where linear_calibration.py's `calibrate_single_row` found it the fastest.
+
+Where the CPU products' best path is AVX2 (no AVX-512), float32 weights are packed instead into the
+12-column panels of kernels/cpu/panels.cpp, whose products of 2 to 64 rows run ~1.5x oneDNN's there (at
+16 rows 30-33 ms against 50-53 for a SmolLM2 step's weights, and about even at 256: bench/cpu_panels.py);
+`linear` then multiplies every row count through them (panel_linear). RS_CPU_PANELS=1 takes the panels
+wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
+
+PANELS_ENV = "RS_CPU_PANELS"
 
 
 def cpu_prepack_available() -> bool:
@@ -28,6 +38,21 @@ def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
+def float32_panels() -> bool:
+    """Whether float32 weights go into kernels/cpu/panels.cpp's panels rather than oneDNN's layout: where
+    the C++ library builds and its best path here is AVX2 (RS_CPU_PANELS=1: wherever AVX2 runs, 0: never)."""
+    choice = os.environ.get(PANELS_ENV, "")
+    if choice == "0":
+        return False
+    from kernels import cpu_matvec  # imported where used: building it takes a compiler
+
+    try:
+        isa = cpu_matvec.matvec_isa()
+    except cpu_matvec.MatvecUnavailable:
+        return False
+    return isa == "avx2" or (choice == "1" and isa == "avx512")
+
+
 # Weight dtypes whose single rows the C++ product takes (kernels/cpu_matvec.py), packed copy or not.
 CPU_ROW_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -40,6 +65,7 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     F.linear's bfloat16 product (a SmolLM2 batch-1 step 30 ms; the C++ product reads it in half)."""
     total = 0
     dtypes = cpu_prepack_dtypes()
+    panels = float32_panels()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
@@ -50,6 +76,9 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             module.cpu_rows = True
         if weight.dtype not in dtypes:
             continue
-        module.packed_weight = prepack_weight(weight)
+        if panels and weight.dtype == torch.float32:
+            module.packed_weight = torch.ops.radixserve_cpu.pack_panels(weight.detach())
+        else:
+            module.packed_weight = prepack_weight(weight)
         total += weight.numel() * weight.element_size()
     return total

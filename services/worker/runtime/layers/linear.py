@@ -10,7 +10,8 @@ tensor may be a torch tensor or a lazily read safetensors slice: `narrow_weight`
 columns this rank keeps, so no rank materialises a whole sharded matrix.
 
 On the CPU, cpu_prepack.py gives every linear layer (and the LM head) a copy of its weight in oneDNN's
-blocked layout, which batches of two rows or more multiply with. For single rows the fastest product
+blocked layout, or for float32 on an AVX2 CPU in kernels/cpu/panels.cpp's panels, which batches of two
+rows or more multiply with. For single rows the fastest product
 depends on the CPU (F.linear's MKL matrix-vector product, the packed weight, or the C++ product of
 kernels/cpu_matvec.py for float32 and bfloat16); linear_calibration.py's `calibrate_single_row` times each at load
 and keeps the fastest (`set_single_row_product`). The C++ product also takes the norm before a
@@ -82,6 +83,8 @@ def linear(
         if x.dim() == 2 and x.shape[0] == 1:
             return _matvec(x, weight, bias)
     if packed is not None and x.dim() == 2 and x.shape[0] >= (min_rows or PREPACKED_MIN_ROWS):
+        if not packed.is_mkldnn:  # cpu_prepack.py's 12-column panels
+            return torch.ops.radixserve_cpu.panel_linear(x, packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

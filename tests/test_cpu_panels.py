@@ -1,0 +1,154 @@
+"""kernels/cpu/panels.cpp's products of a few float32 rows over 12-column weight panels: against a float64
+reference on each path this CPU has (AVX2 and the portable loop, bit for bit the same), each row the same bits
+alone as in any batch, its errors on bad input, and the prepacking that chooses the panels
+(layers/cpu_prepack.py, RS_CPU_PANELS) with linear() and the batch-invariant product multiplying through them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from kernels.cpu_matvec import use_matvec_isa
+from services.worker.runtime.layers.batch_invariant import invariant_linear
+from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, float32_panels, prepack_cpu_weights
+from services.worker.runtime.layers.linear import linear
+from services.worker.runtime.model_config import ModelConfig
+from services.worker.runtime.model_loader import load_model
+from tests.forward_helpers import BatchDriver
+from tests.test_cpu_matvec import assert_float32_close, needs_matvec
+
+pytestmark = needs_matvec
+
+# (N, K): full panels only, a tail of 4 (N = 1,024 as Qwen3's hidden size), a single narrow panel, K past and
+# short of the 256-k block and of a multiple of 8.
+SHAPES = [(960, 576), (1024, 300), (5, 7), (36, 513), (25, 1040)]
+ROWS = [1, 2, 7, 8, 9, 16, 17, 24, 25, 50]
+
+
+def ops():
+    return torch.ops.radixserve_cpu
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def panel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The vector path and the portable loop in turn (use_matvec_isa switches both), the best restored after."""
+    try:
+        before = use_matvec_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU has no {request.param} path")
+    yield request.param
+    use_matvec_isa(before)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_panel_linear_matches_the_float64_reference(shape: tuple[int, int], panel_isa: str) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    panels = ops().pack_panels(w)
+    assert panels.shape == (1, n, k) and sorted(panels.flatten().tolist()) == sorted(w.flatten().tolist())
+    for m in ROWS:
+        x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        assert_float32_close(ops().panel_linear(x, panels, b), x, w, b)
+        assert_float32_close(ops().panel_linear(x, panels), x, w)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_each_row_is_the_same_bits_alone_and_on_either_path(shape: tuple[int, int]) -> None:
+    """Each output is one chain of multiply-adds over k in order, whatever the rows beside it, the tile or the
+    path: alone == batched, and the portable loop == AVX2, bit for bit."""
+    n, k = shape
+    g = torch.Generator().manual_seed(7)
+    panels = ops().pack_panels(torch.randn(n, k, generator=g))
+    x, b = torch.randn(50, k, generator=g), torch.randn(n, generator=g)
+    batched = ops().panel_linear(x, panels, b)
+    for m in (1, 9, 24, 31):
+        assert torch.equal(ops().panel_linear(x[:m], panels, b), batched[:m])
+    assert torch.equal(torch.cat([ops().panel_linear(x[i : i + 1], panels, b) for i in range(50)]), batched)
+    try:
+        before = use_matvec_isa("portable")
+    except RuntimeError:
+        pytest.skip("no portable path")
+    try:
+        assert torch.equal(ops().panel_linear(x, panels, b), batched)
+    finally:
+        use_matvec_isa(before)
+
+
+def test_strided_rows_give_the_contiguous_rows_results() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 40, generator=g)
+    panels = ops().pack_panels(w)
+    wide = torch.randn(20, 64, generator=g)
+    for x in (wide[:, 3:43], torch.randn(40, 20, generator=g).t(), wide[::2, :40]):
+        assert torch.equal(ops().panel_linear(x, panels), ops().panel_linear(x.contiguous(), panels))
+        assert_float32_close(ops().panel_linear(x, panels), x, w)
+    assert ops().panel_linear(torch.zeros(0, 40), panels).shape == (0, 50)
+
+
+def test_bad_input_is_refused_with_a_message() -> None:
+    w = torch.randn(24, 16)
+    panels = ops().pack_panels(w)
+    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+        ops().panel_linear(torch.randn(2, 16, dtype=torch.bfloat16), panels)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):
+        ops().panel_linear(torch.randn(2, 15), panels)
+    with pytest.raises(RuntimeError, match="panels must be pack_panels' contiguous"):
+        ops().panel_linear(torch.randn(2, 16), w)
+    with pytest.raises(RuntimeError, match=r"bias must be \[24\]"):
+        ops().panel_linear(torch.randn(2, 16), panels, torch.randn(12))
+    with pytest.raises(RuntimeError, match=r"weight must be \[N, K\]"):
+        ops().pack_panels(torch.randn(24))
+    with pytest.raises(RuntimeError, match="weight must be a float32 CPU tensor"):
+        ops().pack_panels(w.double())
+
+
+def test_prepacking_takes_the_panels_as_rs_cpu_panels_says(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RS_CPU_PANELS=1: every float32 linear (and the LM head) gets [1, N, K] panels, which linear() and the
+    batch-invariant product multiply through; 0: oneDNN's blocked copies. Unset: the panels where the
+    products' best path is AVX2."""
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    monkeypatch.setenv(PANELS_ENV, "0")
+    assert not float32_panels()
+    prepack_cpu_weights(model)
+    assert not any(m.packed_weight.dim() == 3 for m in model.modules() if getattr(m, "packed_weight", None) is not None)
+    monkeypatch.setenv(PANELS_ENV, "1")
+    assert float32_panels()
+    prepack_cpu_weights(model)
+    packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    assert packed and model.lm_head in packed
+    assert all(not m.packed_weight.is_mkldnn and m.packed_weight.shape == (1, *m.weight.shape) for m in packed)
+    g = torch.Generator().manual_seed(1)
+    for m in packed[:6]:
+        x = torch.randn(19, m.weight.shape[1], generator=g)
+        y = linear(x, m.weight, None, m.packed_weight)
+        assert torch.equal(y, ops().panel_linear(x, m.packed_weight))
+        assert ((y - F.linear(x, m.weight)).norm(dim=-1) / F.linear(x, m.weight).norm(dim=-1)).max() <= 1e-5
+        alone = torch.cat([invariant_linear(x[i : i + 1], m.weight, None, m.packed_weight) for i in range(19)])
+        assert torch.equal(alone, invariant_linear(x, m.weight, None, m.packed_weight))
+    monkeypatch.delenv(PANELS_ENV)
+    assert float32_panels() == (torch.ops.radixserve_cpu.matvec_isa() == "avx2")
+
+
+@torch.no_grad()
+def test_a_model_on_panels_matches_transformers(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill of 24 rows and a decode step of 4 through the panels, logits against transformers."""
+    monkeypatch.setenv(PANELS_ENV, "1")
+    config = ModelConfig.from_path(llama_path, dtype="float32")
+    model = load_model(config, "cpu")
+    prepack_cpu_weights(model)
+    assert model.lm_head.packed_weight.dim() == 3
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [[5, 9, 17, 33, 2 + i, 40 + 3 * i] for i in range(4)]
+    driver = BatchDriver(model, config)
+    rows = [driver.new_request() for _ in prompts]
+    logits = driver.extend(list(zip(rows, prompts)), return_all_logits=True)
+    ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
+    assert ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
+    step = driver.decode([(row, 7) for row in rows])
+    ref = torch.stack([hf(torch.tensor([p + [7]])).logits[0, -1].float() for p in prompts])
+    assert ((step - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
