@@ -361,6 +361,11 @@ def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
                   command=".venv/bin/python bench/cpu_decode.py" + ("" if dtype == "float32" else f" --dtype {dtype}"))
 
 
+def _panels_at(d: dict[str, Any], rows: int) -> dict[str, Any]:
+    """bench/cpu_panels.py's row for `rows` rows."""
+    return next(r for r in d["rows"] if r["rows"] == rows)
+
+
 def _ngram(k: int, label: str) -> Figure:
     """n-gram speculation drafting k tokens: the median speed-up, with the mean accepted length beside it."""
 
@@ -492,8 +497,9 @@ CPU = Area(
                     "now taken on the plain weights, 26.9 vs 23.8 before, `2026-12-06_g`)"),
         _cpu_decode("float32", 16, "batch-16 decode, float32 (decode only 3.13×; `_a`: 531.0 vs 189.6, 2.80×; "
                     "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`; on a Zen 3 "
-                    "guest without AVX-512, 29 GB/s: 221.2 vs 113.5, 1.95×, after the AVX2 attention and row ops, "
-                    "182.4 vs 108.7 before, `2026-12-06_e`; on a 2-vCPU Intel Xeon, 24 GB/s, where oneDNN's "
+                    "guest without AVX-512, 27-29 GB/s: the batch's float32 products on kernels/cpu/panels.cpp's "
+                    "12-column panels, 282.8 vs 108.2, 2.61× (decode only 3.05×), `2026-12-06_k`; before them 221.2 "
+                    "vs 113.5, 1.95×, after the AVX2 attention and row ops, 182.4 vs 108.7 before, `2026-12-06_e`; on a 2-vCPU Intel Xeon, 24 GB/s, where oneDNN's "
                     "16-row float32 products run at ~100-170 GFLOP/s (peak 324), 41 ms a step against 21 to read the "
                     "weights: 246.5 vs 155.4, 1.59×, "
                     "`2026-12-06_g`)"),
@@ -507,6 +513,13 @@ CPU = Area(
                     "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
                     "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`; on a "
                     "2-vCPU Intel Xeon with AMX: 610.2 vs 294.4, 2.07×, `2026-12-06_i`)"),
+        Figure("float32 products of 16 rows over a decode step's weights (SmolLM2-135M's 121 products, 538 MB), "
+               "kernels/cpu/panels.cpp's 12-column panels against oneDNN's prepacked weights (the Engine's before), "
+               "on a Zen 3 guest without AVX-512, 2 threads, where the panels are the default; 8 rows 24.9 vs "
+               "44.1 ms, 64 rows 123.2 vs 157.9, 256 rows 467.2 vs 479.5; a read-only pass over the bytes 17.9 ms",
+               "cpu_panels_2026-12-06_a.json", lambda d: _panels_at(d, 16)["pass_ms"]["panels"], "{:.1f} ms",
+               peer=lambda d: _panels_at(d, 16)["pass_ms"]["onednn"], peer_label="oneDNN",
+               ratio_fmt="{:.2f}× its time", command=".venv/bin/python bench/cpu_panels.py"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
