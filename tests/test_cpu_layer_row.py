@@ -90,9 +90,7 @@ def test_the_op_is_its_steps_bit_for_bit() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("dense", [False, True], ids=["pool slots", "dense blocks"])
 def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype, packing: str) -> None:
-    """The layer op on oneDNN's packed weights, and on panels.cpp's (float32) through panel_linear."""
-    if packing == "panels" and dtype != torch.float32:
-        pytest.skip("the panels are float32")
+    """The layer op on oneDNN's packed weights, and on panels.cpp's through panel_linear."""
     if packing == "onednn" and (not cpu_prepack_available() or dtype not in cpu_prepack_dtypes()):
         pytest.skip(f"this torch has no oneDNN prepacked linear for {dtype}")
     g = torch.Generator().manual_seed(6)
@@ -211,11 +209,12 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     the others append to them through the batch op; a request that finishes leaves two, then one (the
     batch-1 op). Logits equal to the modules' at every step, in float32 and in bfloat16 (the modules' own
     bfloat16 steps are checked against torch's bfloat16 ops in tests/test_cpu_rows.py and test_cpu_matvec.py)."""
-    if getattr(torch, dtype) not in cpu_prepack_dtypes():
+    onednn = getattr(torch, dtype) in cpu_prepack_dtypes()
+    if panels == "0" and not onednn:
         pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
-    if panels == "1" and dtype != "float32":
-        pytest.skip("the panels are float32")
-    monkeypatch.setenv(PANELS_ENV, panels)  # float32 weights in panels.cpp's panels, or oneDNN's layout
+    if panels == "1" and dtype == "bfloat16" and onednn:
+        pytest.skip("bfloat16 takes the panels only where oneDNN cannot pack it")
+    monkeypatch.setenv(PANELS_ENV, panels)  # panels.cpp's panels, or oneDNN's layout
     path = request.getfixturevalue(f"{model}_path")
     config = ModelConfig.from_path(path, dtype=dtype)
     runner = load_model(config, "cpu")
@@ -305,6 +304,7 @@ def test_bfloat16_single_rows_take_the_cpp_product_where_bfloat16_cannot_be_pack
     from services.worker.runtime.layers.linear_calibration import calibrate_single_row
 
     monkeypatch.setattr(cpu_prepack_module, "cpu_prepack_dtypes", lambda: (torch.float32,))
+    monkeypatch.setenv(PANELS_ENV, "0")  # without panels.cpp's panels, which take such weights (below)
     monkeypatch.setattr(linear_module, "_matvec", None)
     monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
     config = ModelConfig.from_path(qwen3_path, dtype="bfloat16")

@@ -71,6 +71,8 @@ def test_bf16_weights_stay_plain_where_the_cpu_cannot_pack_them(
         import services.worker.runtime.layers.cpu_prepack as cpu_prepack
 
         monkeypatch.setattr(cpu_prepack, "cpu_prepack_dtypes", lambda: (torch.float32,))
+    # Without kernels/cpu/panels.cpp's panels, which take such weights (tests/test_cpu_panels.py).
+    monkeypatch.setenv("RS_CPU_PANELS", "0")
     model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
     packed = prepack_cpu_weights(model)
     opted_in = [m for m in model.modules() if getattr(m, "prepackable", False)]

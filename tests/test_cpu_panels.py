@@ -1,7 +1,8 @@
-"""kernels/cpu/panels.cpp's products of a few float32 rows over 12-column weight panels: against a float64
-reference on each path this CPU has (AVX2 and the portable loop, bit for bit the same), each row the same bits
-alone as in any batch, its errors on bad input, and the prepacking that chooses the panels
-(layers/cpu_prepack.py, RS_CPU_PANELS) with linear() and the batch-invariant product multiplying through them."""
+"""kernels/cpu/panels.cpp's products of a few rows over 12-column weight panels: float32 against a float64
+reference on each path this CPU has (AVX2 and the portable loop, bit for bit the same), bfloat16 as the float32
+product of the widened values rounded once, each row the same bits alone as in any batch, its errors on bad
+input, and the prepacking that chooses the panels (layers/cpu_prepack.py, RS_CPU_PANELS) with linear() and the
+batch-invariant product multiplying through them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from kernels.cpu_matvec import use_matvec_isa
 from services.worker.runtime.layers.batch_invariant import invariant_linear
-from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, float32_panels, prepack_cpu_weights
+from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, use_panels, prepack_cpu_weights
 from services.worker.runtime.layers.linear import linear
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
@@ -79,6 +80,25 @@ def test_each_row_is_the_same_bits_alone_and_on_either_path(shape: tuple[int, in
         use_matvec_isa(before)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_bfloat16_is_the_float32_product_of_the_widened_values_rounded_once(
+    shape: tuple[int, int], panel_isa: str
+) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    panels, wide = ops().pack_panels(w), ops().pack_panels(w.float())
+    assert panels.dtype == torch.bfloat16 and panels.shape == (1, n, k)
+    for m in (1, 9, 16, 25):
+        x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        y = ops().panel_linear(x, panels, b)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, ops().panel_linear(x.float(), wide, b.float()).bfloat16())
+        assert torch.equal(ops().panel_linear(x[:1], panels, b), y[:1])
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
+
+
 def test_strided_rows_give_the_contiguous_rows_results() -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(50, 40, generator=g)
@@ -93,7 +113,9 @@ def test_strided_rows_give_the_contiguous_rows_results() -> None:
 def test_bad_input_is_refused_with_a_message() -> None:
     w = torch.randn(24, 16)
     panels = ops().pack_panels(w)
-    with pytest.raises(RuntimeError, match="x must be a float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match="x must be a float32 or bfloat16 CPU tensor"):
+        ops().panel_linear(torch.randn(2, 16, dtype=torch.float64), panels)
+    with pytest.raises(RuntimeError, match=r"x \(BFloat16\) must have the panels' dtype \(Float\)"):
         ops().panel_linear(torch.randn(2, 16, dtype=torch.bfloat16), panels)
     with pytest.raises(RuntimeError, match=r"x must be \[M, 16\]"):
         ops().panel_linear(torch.randn(2, 15), panels)
@@ -103,8 +125,10 @@ def test_bad_input_is_refused_with_a_message() -> None:
         ops().panel_linear(torch.randn(2, 16), panels, torch.randn(12))
     with pytest.raises(RuntimeError, match=r"weight must be \[N, K\]"):
         ops().pack_panels(torch.randn(24))
-    with pytest.raises(RuntimeError, match="weight must be a float32 CPU tensor"):
+    with pytest.raises(RuntimeError, match="weight must be a float32 or bfloat16 CPU tensor"):
         ops().pack_panels(w.double())
+    with pytest.raises(RuntimeError, match="bias must be a CPU tensor of the panels' dtype"):
+        ops().panel_linear(torch.randn(2, 16), panels, torch.randn(24, dtype=torch.bfloat16))
 
 
 def test_prepacking_takes_the_panels_as_rs_cpu_panels_says(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,11 +137,11 @@ def test_prepacking_takes_the_panels_as_rs_cpu_panels_says(llama_path, monkeypat
     products' best path is AVX2."""
     model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
     monkeypatch.setenv(PANELS_ENV, "0")
-    assert not float32_panels()
+    assert not use_panels()
     prepack_cpu_weights(model)
     assert not any(m.packed_weight.dim() == 3 for m in model.modules() if getattr(m, "packed_weight", None) is not None)
     monkeypatch.setenv(PANELS_ENV, "1")
-    assert float32_panels()
+    assert use_panels()
     prepack_cpu_weights(model)
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     assert packed and model.lm_head in packed
@@ -131,7 +155,34 @@ def test_prepacking_takes_the_panels_as_rs_cpu_panels_says(llama_path, monkeypat
         alone = torch.cat([invariant_linear(x[i : i + 1], m.weight, None, m.packed_weight) for i in range(19)])
         assert torch.equal(alone, invariant_linear(x, m.weight, None, m.packed_weight))
     monkeypatch.delenv(PANELS_ENV)
-    assert float32_panels() == (torch.ops.radixserve_cpu.matvec_isa() == "avx2")
+    assert use_panels() == (torch.ops.radixserve_cpu.matvec_isa() == "avx2")
+
+
+@pytest.mark.parametrize("onednn_bf16", [False, True])
+def test_bfloat16_weights_take_the_panels_where_onednn_cannot_pack_them(
+    llama_path, onednn_bf16: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AVX2-only CPU cannot pack bfloat16 for oneDNN: with the panels its bfloat16 weights take them (and
+    a batch's rows go through panel_linear); where oneDNN can, bfloat16 keeps oneDNN's layout."""
+    import services.worker.runtime.layers.cpu_prepack as cpu_prepack
+
+    if onednn_bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 products")
+    if not onednn_bf16:
+        monkeypatch.setattr(cpu_prepack, "cpu_prepack_dtypes", lambda: (torch.float32,))
+    monkeypatch.setenv(PANELS_ENV, "1")
+    model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
+    prepack_cpu_weights(model)
+    packed = [m for m in model.modules() if getattr(m, "prepackable", False)]
+    assert packed and all(m.packed_weight is not None for m in packed)
+    assert all((m.packed_weight.dim() == 3) != onednn_bf16 for m in packed)
+    layer = packed[0]
+    x = torch.randn(5, layer.weight.shape[1], dtype=torch.bfloat16)
+    y = linear(x, layer.weight, None, layer.packed_weight)
+    if not onednn_bf16:
+        assert torch.equal(y, ops().panel_linear(x, layer.packed_weight))
+    ref = F.linear(x.double(), layer.weight.double())
+    assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
 
 
 @torch.no_grad()

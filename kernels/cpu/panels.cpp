@@ -1,23 +1,25 @@
-// Float32 products of a few rows y = x W^T (+ b) on the CPU, over the weight packed into 12-column panels
-// (kernels/cpu_matvec.py): what a decode batch of 2 to a few dozen requests multiplies by every layer.
+// Products of a few rows y = x W^T (+ b) on the CPU, float32 or bfloat16, over the weight packed into 12-column
+// panels (kernels/cpu_matvec.py): what a decode batch of 2 to a few dozen requests multiplies by every layer.
 //
-//   panels = pack_panels(weight)            // weight [N, K] float32 -> [1, N, K], the same values reordered
-//   y = panel_linear(x, panels, bias?)      // x [M, K] float32 (unit column stride) -> [M, N]
+//   panels = pack_panels(weight)            // weight [N, K] float32 or bfloat16 -> [1, N, K], the values reordered
+//   y = panel_linear(x, panels, bias?)      // x [M, K] of the panels' dtype (unit column stride) -> [M, N]
 //
 // The packed layout: columns (output features) in panels of 12, each panel [K][12] (the 12 weights of one k
 // side by side), the N % 12 last columns a narrower panel [K][N % 12]; the tensor keeps W's element count,
 // shaped [1, N, K] so N and K travel with it and nothing mistakes it for a plain weight.
 //
-// x is transposed into [K][8 * ceil(rows / 8)] blocks of up to 24 rows, so the 8 lanes of a vector are 8 rows
-// of x at one k. A tile holds 12 accumulators: rows in RV vectors (RV = 1, 2, 3 for 8, 16, 24 rows) times
-// 12 / RV columns; each k costs RV loads of x, 12 / RV broadcasts of a weight and 12 multiply-adds, and
+// x is transposed into [K][8 * ceil(rows / 8)] float32 blocks of up to 24 rows, so the 8 lanes of a vector are
+// 8 rows of x at one k. A tile holds 12 accumulators: rows in RV vectors (RV = 1, 2, 3 for 8, 16, 24 rows)
+// times 12 / RV columns; each k costs RV loads of x, 12 / RV broadcasts of a weight and 12 multiply-adds, and
 // every weight is read from memory once whatever the rows (a packed panel is one sequential stream, which
 // the prefetchers keep ahead of). K goes in blocks of 256 so a panel's tiles reuse x's block from L1; the
-// threads take chunks of 4 panels, all rows of x through each chunk before the next.
+// threads take chunks of 4 panels, all rows of x through each chunk before the next. A bfloat16 panel's block
+// is widened to float32 (exact) into an L1 buffer first and read from there, so it streams half the bytes.
 //
 // Each output is one chain of fused multiply-adds over k = 0 .. K-1 in order, in whatever lane, tile or
 // thread it lands: a row's result is the same bits alone or in any batch (batch-invariant), and the
-// portable path (std::fma in the same order) gives the same bits as the AVX2 one.
+// portable path (std::fma in the same order) gives the same bits as the AVX2 one. A bfloat16 product is the
+// float32 product of the widened rows and weights (plus the widened bias), rounded to bfloat16 once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -34,12 +37,16 @@
 #define RS_PANELS_X86 1
 #endif
 
+#include "bf16.h"
+
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: the products' chosen path (use_matvec_isa switches it)
 bool avx2();
 }  // namespace radixserve_cpu_paths
 
 namespace {
+
+using radixserve_cpu_bf16::bf16_to_float;
 
 constexpr int64_t kPanel = 12;        // columns a full panel holds
 constexpr int64_t kBlockRows = 24;    // rows of x a pass over a panel takes (3 vectors of 8)
@@ -57,33 +64,32 @@ inline PanelAt panel_at(int64_t p, int64_t n, int64_t k) {
   return {p * kPanel * k, std::min(kPanel, n - p * kPanel)};
 }
 
-// acc[c][m] (the panel's column c, row m of the block; mp rows a column) += x_block . W[k0 .. k0 + kl) for
-// the columns of one panel; the first block starts from zero. The reference for the vector path.
-void panel_portable(const float* xt, int64_t mp, const float* w, int64_t width, int64_t k0, int64_t kl,
-                    float* acc) {
+// acc[c][m] (the panel's column c, row m of the block; mp rows a column) += x's block . the panel's block of
+// kl k (xk, wk: both at the block's first k), from zero unless `accumulate`. The reference for the vector path.
+void panel_portable(const float* xk, int64_t mp, const float* wk, int64_t width, int64_t kl, float* acc,
+                    bool accumulate) {
   for (int64_t c = 0; c < width; ++c) {
     for (int64_t m = 0; m < mp; ++m) {
-      float a = k0 == 0 ? 0.0f : acc[c * mp + m];
-      for (int64_t k = k0; k < k0 + kl; ++k) a = std::fma(xt[k * mp + m], w[k * width + c], a);
+      float a = accumulate ? acc[c * mp + m] : 0.0f;
+      for (int64_t k = 0; k < kl; ++k) a = std::fma(xk[k * mp + m], wk[k * width + c], a);
       acc[c * mp + m] = a;
     }
   }
 }
 
 #ifdef RS_PANELS_X86
-// C columns (from w, a panel's column, `width` weights per k) times RV vectors of rows, k in [k0, k0 + kl).
+// C columns (from wk, a panel's column at the block's first k, `width` weights per k) times RV vectors of rows
+// (xk, x's block at the same k), kl k; the block's sums start from acc where `accumulate`, else from zero.
 template <int RV, int C>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* xt, const float* w, int64_t width, int64_t k0,
-                                                         int64_t kl, float* acc, bool prefetch) {
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* xk, const float* wk, int64_t width, int64_t kl,
+                                                         float* acc, bool accumulate, bool prefetch) {
   constexpr int64_t mp = 8 * RV;
   __m256 a[RV][C];
 #pragma GCC unroll 4
   for (int r = 0; r < RV; ++r) {
 #pragma GCC unroll 12
-    for (int c = 0; c < C; ++c) a[r][c] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + c * mp + 8 * r);
+    for (int c = 0; c < C; ++c) a[r][c] = accumulate ? _mm256_loadu_ps(acc + c * mp + 8 * r) : _mm256_setzero_ps();
   }
-  const float* xk = xt + k0 * mp;
-  const float* wk = w + k0 * width;
   for (int64_t k = 0; k < kl; ++k, xk += mp, wk += width) {
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchAhead), _MM_HINT_T0);
     __m256 xv[RV];
@@ -170,13 +176,24 @@ __attribute__((target("avx2,fma"))) void write_rows_avx2(const float* acc, int64
 }
 
 template <int RV>
-__attribute__((target("avx2,fma"))) void panel_avx2(const float* xt, const float* w, int64_t width, int64_t k0,
-                                                   int64_t kl, float* acc) {
+__attribute__((target("avx2,fma"))) void panel_avx2(const float* xk, const float* wk, int64_t width, int64_t kl,
+                                                   float* acc, bool accumulate, bool prefetch) {
   constexpr int C = 12 / RV;
   constexpr int64_t mp = 8 * RV;
   int64_t c = 0;
-  for (; c + C <= width; c += C) tile_avx2<RV, C>(xt, w + c, width, k0, kl, acc + c * mp, c == 0);
-  for (; c < width; ++c) tile_avx2<RV, 1>(xt, w + c, width, k0, kl, acc + c * mp, c == 0);
+  for (; c + C <= width; c += C) tile_avx2<RV, C>(xk, wk + c, width, kl, acc + c * mp, accumulate, prefetch && c == 0);
+  for (; c < width; ++c) tile_avx2<RV, 1>(xk, wk + c, width, kl, acc + c * mp, accumulate, prefetch && c == 0);
+}
+
+// count bfloat16 weights widened to float32 (exact) into dst, the source prefetched a KiB ahead.
+__attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    if ((i & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + i + 2 * kPrefetchAhead), _MM_HINT_T0);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+  for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
 }
 #endif
 
@@ -188,66 +205,116 @@ bool use_avx2() {
 #endif
 }
 
-void panel_block(const float* xt, int64_t mp, const float* w, int64_t width, int64_t k, float* acc, bool avx2) {
+// The float32 weights of a panel's block of `count` values: the block itself, or (bfloat16) widened into scratch.
+const float* block_weights(const float* w, int64_t, float*, bool) { return w; }
+
+const float* block_weights(const uint16_t* w, int64_t count, float* scratch, bool avx2) {
+#ifdef RS_PANELS_X86
+  if (avx2) {
+    widen_avx2(w, count, scratch);
+    return scratch;
+  }
+#endif
+  (void)avx2;
+  for (int64_t i = 0; i < count; ++i) scratch[i] = bf16_to_float(w[i]);
+  return scratch;
+}
+
+// acc [width][mp] = x's block (xt, [k][mp]) times one panel (w, [k][width]), k in blocks of kKBlock; scratch
+// holds kKBlock * kPanel floats (a bfloat16 panel's block widened).
+template <typename W>
+void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t k, float* acc, float* scratch,
+                 bool avx2) {
+  constexpr bool plain = std::is_same_v<W, float>;  // float32 panels stream from memory: prefetch them
   for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
     const int64_t kl = std::min(kKBlock, k - k0);
+    const float* xk = xt + k0 * mp;
+    const float* wk = block_weights(w + k0 * width, kl * width, scratch, avx2);
 #ifdef RS_PANELS_X86
     if (avx2) {
-      if (mp == 8) panel_avx2<1>(xt, w, width, k0, kl, acc);
-      else if (mp == 16) panel_avx2<2>(xt, w, width, k0, kl, acc);
-      else panel_avx2<3>(xt, w, width, k0, kl, acc);
+      if (mp == 8) panel_avx2<1>(xk, wk, width, kl, acc, k0 > 0, plain);
+      else if (mp == 16) panel_avx2<2>(xk, wk, width, kl, acc, k0 > 0, plain);
+      else panel_avx2<3>(xk, wk, width, kl, acc, k0 > 0, plain);
       continue;
     }
 #endif
-    (void)avx2;
-    panel_portable(xt, mp, w, width, k0, kl, acc);
+    panel_portable(xk, mp, wk, width, kl, acc, k0 > 0);
   }
 }
 
-void check_float_cpu(const char* what, const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "panel_linear: ", what,
-              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+void check_cpu(const char* op, const char* what, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op, ": ",
+              what, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {
-  check_float_cpu("weight", weight);
-  TORCH_CHECK(weight.dim() == 2, "pack_panels: weight must be [N, K], got ", weight.sizes());
-  const at::Tensor w = weight.contiguous();
+template <typename T>
+const T* elements(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.const_data_ptr());
+}
+
+template <typename T>
+void pack(const at::Tensor& w, at::Tensor& out) {
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor out = at::empty({1, n, k}, w.options());
-  const float* src = w.const_data_ptr<float>();
-  float* dst = out.mutable_data_ptr<float>();
+  const T* src = elements<T>(w);
+  T* dst = reinterpret_cast<T*>(out.mutable_data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const PanelAt at_p = panel_at(p, n, k);
       for (int64_t c = 0; c < at_p.width; ++c) {
-        const float* row = src + (p * kPanel + c) * k;
+        const T* row = src + (p * kPanel + c) * k;
         for (int64_t j = 0; j < k; ++j) dst[at_p.offset + j * at_p.width + c] = row[j];
       }
     }
   });
+}
+
+at::Tensor pack_panels(const at::Tensor& weight) {
+  check_cpu("pack_panels", "weight", weight);
+  TORCH_CHECK(weight.dim() == 2, "pack_panels: weight must be [N, K], got ", weight.sizes());
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty({1, w.size(0), w.size(1)}, w.options());
+  if (w.scalar_type() == at::kFloat) pack<float>(w, out);
+  else pack<uint16_t>(w, out);
   return out;
 }
 
+template <typename W>
+at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const float* bp);
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
-  check_float_cpu("x", x);
-  check_float_cpu("panels", panels);
+  check_cpu("panel_linear", "x", x);
+  check_cpu("panel_linear", "panels", panels);
   TORCH_CHECK(panels.dim() == 3 && panels.size(0) == 1 && panels.is_contiguous(),
               "panel_linear: panels must be pack_panels' contiguous [1, N, K], got ", panels.sizes());
+  const at::ScalarType dtype = panels.scalar_type();
+  TORCH_CHECK(x.scalar_type() == dtype, "panel_linear: x (", x.scalar_type(), ") must have the panels' dtype (",
+              dtype, ")");
   const int64_t n = panels.size(1), k = panels.size(2);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "panel_linear: x must be [M, ", k, "], got ", x.sizes());
-  const float* bp = nullptr;
-  at::Tensor b;
+  at::Tensor b;  // float32: added to the float32 sums, before a bfloat16 result's one rounding
   if (bias.has_value()) {
-    check_float_cpu("bias", *bias);
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->device().is_cpu(), "panel_linear: bias must be a CPU tensor of the panels' dtype (",
+                dtype, "), got ", bias->scalar_type());
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "panel_linear: bias must be [", n, "], got ", bias->sizes());
-    b = bias->contiguous();
-    bp = b.const_data_ptr<float>();
+    b = bias->to(at::kFloat).contiguous();
   }
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
+  const float* bp = bias.has_value() ? b.const_data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) return panel_product<float>(x, panels, bp);
+  // bfloat16: the rows widened (exact), float32 sums over the widened weights, the result rounded once.
+  return panel_product<uint16_t>(x.to(at::kFloat), panels, bp).to(at::kBFloat16);
+}
+
+// x (float32 [M, K]) times the panels (of W: float32, or bfloat16 as uint16_t) plus bp where given: [M, N] float32.
+template <typename W>
+at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const float* bp) {
+  const int64_t n = panels.size(1), k = panels.size(2), m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y;
-  if (k == 0) return bias.has_value() ? y.copy_(b.expand({m, n})) : y.zero_();
+  if (k == 0) {  // no products: the bias alone (or zeros)
+    float* yp = y.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < m * n; ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
+    return y;
+  }
 
   // x transposed, block by block of up to 24 rows: block j at offsets[j], [k][mps[j]], zero past the rows.
   const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
@@ -275,12 +342,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
     }
   }
 
-  const float* wp = panels.const_data_ptr<float>();
+  const W* wp = elements<W>(panels);
   float* yp = y.mutable_data_ptr<float>();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(kChunkPanels * kPanel * kBlockRows);
+    std::vector<float> acc(kChunkPanels * kPanel * kBlockRows), scratch(kKBlock * kPanel);
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
       const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
@@ -289,7 +356,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
         for (int64_t p = p0; p < p1; ++p) {
           const PanelAt at_p = panel_at(p, n, k);
           panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, acc.data() + (p - p0) * kPanel * mp,
-                      avx2);
+                      scratch.data(), avx2);
         }
         const int64_t r0 = j * kBlockRows, rows = std::min(kBlockRows, m - r0);
 #ifdef RS_PANELS_X86

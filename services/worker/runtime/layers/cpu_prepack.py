@@ -4,10 +4,11 @@ oneDNN's blocked layout, which layers/linear.py's `linear` multiplies batches of
 itself), and single rows where linear_calibration.py's `calibrate_single_row` found it the fastest.
 
 Where the CPU products' best path is AVX2 (no AVX-512), float32 weights are packed instead into the
-12-column panels of kernels/cpu/panels.cpp, whose products of 2 to 64 rows run ~1.5x oneDNN's there (at
-16 rows 30-33 ms against 50-53 for a SmolLM2 step's weights, and about even at 256: bench/cpu_panels.py);
-`linear` then multiplies every row count through them (panel_linear). RS_CPU_PANELS=1 takes the panels
-wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
+12-column panels of kernels/cpu/panels.cpp, whose products of 2 to 64 rows run ~1.3-1.8x oneDNN's there
+(16 rows over a SmolLM2 step's weights 39.7 against 56.6 ms, about even at 256: bench/cpu_panels.py), and
+so are bfloat16 weights, which oneDNN cannot pack on such a CPU (they went through F.linear, which repacks
+the weight on every call); `linear` then multiplies every row count through them (panel_linear).
+RS_CPU_PANELS=1 takes the panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
-def float32_panels() -> bool:
-    """Whether float32 weights go into kernels/cpu/panels.cpp's panels rather than oneDNN's layout: where
-    the C++ library builds and its best path here is AVX2 (RS_CPU_PANELS=1: wherever AVX2 runs, 0: never)."""
+def use_panels() -> bool:
+    """Whether float32 weights (and bfloat16 ones oneDNN cannot pack) go into kernels/cpu/panels.cpp's
+    panels rather than oneDNN's layout: where the C++ library builds and its best path here is AVX2
+    (RS_CPU_PANELS=1: wherever AVX2 runs, 0: never)."""
     choice = os.environ.get(PANELS_ENV, "")
     if choice == "0":
         return False
@@ -59,13 +61,14 @@ CPU_ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 def prepack_cpu_weights(model: nn.Module) -> int:
     """Give every module with a 2-D `weight` that opts in (`prepackable = True`) its packed copy; returns
-    the bytes the copies take. CPU tensors of the dtypes cpu_prepack_dtypes() names only. Each such module
+    the bytes the copies take: oneDNN's layout for CPU tensors of the dtypes cpu_prepack_dtypes() names, or
+    where use_panels() the panels for float32 ones and for bfloat16 ones oneDNN cannot pack. Each such module
     with a float32 or bfloat16 CPU weight is also marked `cpu_rows` (its single rows may take the C++
     product), packed or not: an AVX2-only CPU cannot pack bfloat16, and its single rows went through
     F.linear's bfloat16 product (a SmolLM2 batch-1 step 30 ms; the C++ product reads it in half)."""
     total = 0
     dtypes = cpu_prepack_dtypes()
-    panels = float32_panels()
+    panels = use_panels()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
@@ -74,11 +77,11 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             continue
         if weight.dtype in CPU_ROW_DTYPES:
             module.cpu_rows = True
-        if weight.dtype not in dtypes:
-            continue
-        if panels and weight.dtype == torch.float32:
+        if panels and (weight.dtype == torch.float32 or weight.dtype in CPU_ROW_DTYPES and weight.dtype not in dtypes):
             module.packed_weight = torch.ops.radixserve_cpu.pack_panels(weight.detach())
-        else:
+        elif weight.dtype in dtypes:
             module.packed_weight = prepack_weight(weight)
+        else:
+            continue
         total += weight.numel() * weight.element_size()
     return total
