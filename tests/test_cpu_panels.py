@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from kernels.cpu_matvec import use_matvec_isa
 from services.worker.runtime.layers.batch_invariant import invariant_linear
-from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, use_panels, prepack_cpu_weights
+from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, prepack_cpu_weights, use_panels
 from services.worker.runtime.layers.linear import linear
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
