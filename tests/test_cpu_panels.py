@@ -203,3 +203,24 @@ def test_a_model_on_panels_matches_transformers(llama_path, monkeypatch: pytest.
     step = driver.decode([(row, 7) for row in rows])
     ref = torch.stack([hf(torch.tensor([p + [7]])).logits[0, -1].float() for p in prompts])
     assert ((step - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
+
+
+def test_on_avx512_prepacking_takes_the_layout_whose_products_were_faster(
+    llama_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the products' best path is AVX-512 (unset RS_CPU_PANELS), the panels only if their 16-row products
+    of the model's first weights beat oneDNN's; without a model to time, oneDNN's layout."""
+    import kernels.cpu_matvec as cpu_matvec
+    import services.worker.runtime.layers.cpu_prepack as cpu_prepack
+
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    seconds = cpu_prepack.panels_against_onednn(model, rounds=2)
+    assert set(seconds) == {"panels", "onednn"} and all(0 < t < 1 for t in seconds.values())
+    monkeypatch.delenv(PANELS_ENV, raising=False)
+    monkeypatch.setattr(cpu_matvec, "matvec_isa", lambda: "avx512")
+    assert not use_panels()
+    for panels, onednn in ((1e-3, 2e-3), (2e-3, 1e-3)):
+        monkeypatch.setattr(cpu_prepack, "panels_against_onednn", lambda m, p=panels, o=onednn: {"panels": p, "onednn": o})
+        assert use_panels(model) == (panels < onednn)
+        prepack_cpu_weights(model)
+        assert (model.lm_head.packed_weight.dim() == 3) == (panels < onednn)

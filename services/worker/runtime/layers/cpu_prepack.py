@@ -8,16 +8,26 @@ Where the CPU products' best path is AVX2 (no AVX-512), float32 weights are pack
 (16 rows over a SmolLM2 step's weights 39.7 against 56.6 ms, about even at 256: bench/cpu_panels.py), and
 so are bfloat16 weights, which oneDNN cannot pack on such a CPU (they went through F.linear, which repacks
 the weight on every call); `linear` then multiplies every row count through them (panel_linear).
-RS_CPU_PANELS=1 takes the panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
+Where the best path is AVX-512, oneDNN's products are wider than the panels' AVX2 ones (on Intel; AMD's
+Zen 4 runs AVX-512 at the AVX2 rate), so prepacking times 16-row products of the model's first four float32
+weights through both layouts and takes the faster (`panels_against_onednn`). RS_CPU_PANELS=1 takes the
+panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 PANELS_ENV = "RS_CPU_PANELS"
+# Rows of the products panels_against_onednn times (a decode batch's size), and its rounds.
+PANELS_CALIBRATION_ROWS = 16
+PANELS_CALIBRATION_ROUNDS = 5
 
 
 def cpu_prepack_available() -> bool:
@@ -39,10 +49,11 @@ def prepack_weight(weight: torch.Tensor, rows_hint: int = 16) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
 
 
-def use_panels() -> bool:
+def use_panels(model: nn.Module | None = None) -> bool:
     """Whether float32 weights (and bfloat16 ones oneDNN cannot pack) go into kernels/cpu/panels.cpp's
-    panels rather than oneDNN's layout: where the C++ library builds and its best path here is AVX2
-    (RS_CPU_PANELS=1: wherever AVX2 runs, 0: never)."""
+    panels rather than oneDNN's layout: where the C++ library builds and its best path here is AVX2, or
+    it is AVX-512 and the panels' products of `model`'s first weights were the faster
+    (panels_against_onednn; without a model, no). RS_CPU_PANELS=1: wherever AVX2 runs, 0: never."""
     choice = os.environ.get(PANELS_ENV, "")
     if choice == "0":
         return False
@@ -52,7 +63,51 @@ def use_panels() -> bool:
         isa = cpu_matvec.matvec_isa()
     except cpu_matvec.MatvecUnavailable:
         return False
-    return isa == "avx2" or (choice == "1" and isa == "avx512")
+    if isa == "avx2" or (choice == "1" and isa == "avx512"):
+        return True
+    if isa != "avx512" or model is None:
+        return False
+    seconds = panels_against_onednn(model)
+    if not seconds:
+        return False
+    faster = seconds["panels"] < seconds["onednn"]
+    logger.info(
+        "float32 batches on %s: %d-row products of the first weights, panels %.3f ms, oneDNN %.3f ms",
+        "panels" if faster else "oneDNN's layout", PANELS_CALIBRATION_ROWS,
+        seconds["panels"] * 1e3, seconds["onednn"] * 1e3,
+    )  # fmt: skip
+    return faster
+
+
+def panels_against_onednn(model: nn.Module, rounds: int = PANELS_CALIBRATION_ROUNDS) -> dict[str, float]:
+    """The best seconds, over `rounds` alternating rounds, of PANELS_CALIBRATION_ROWS-row products with the
+    first four float32 CPU weights of `model` that opt in (a decoder layer's qkv, o, gate_up and down)
+    through each layout, "panels" and "onednn"; {} where it has none or oneDNN cannot pack them."""
+    weights = [
+        m.weight.detach()
+        for m in model.modules()
+        if getattr(m, "prepackable", False) and getattr(m, "weight", None) is not None and m.weight.dim() == 2
+        and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    ][:4]
+    if not weights or not cpu_prepack_available():
+        return {}
+    xs = [torch.randn(PANELS_CALIBRATION_ROWS, w.shape[1]) for w in weights]
+    panels = [torch.ops.radixserve_cpu.pack_panels(w) for w in weights]
+    onednn = [prepack_weight(w) for w in weights]
+    passes = {
+        "panels": lambda: [torch.ops.radixserve_cpu.panel_linear(x, p) for x, p in zip(xs, panels)],
+        "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, onednn)],
+    }
+    best = dict.fromkeys(passes, float("inf"))
+    with torch.inference_mode():
+        for run in passes.values():
+            run()
+        for _ in range(rounds):
+            for name, run in passes.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 # Weight dtypes whose single rows the C++ product takes (kernels/cpu_matvec.py), packed copy or not.
@@ -68,7 +123,7 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     F.linear's bfloat16 product (a SmolLM2 batch-1 step 30 ms; the C++ product reads it in half)."""
     total = 0
     dtypes = cpu_prepack_dtypes()
-    panels = use_panels()
+    panels = use_panels(model)
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
@@ -84,4 +139,7 @@ def prepack_cpu_weights(model: nn.Module) -> int:
         else:
             continue
         total += weight.numel() * weight.element_size()
+    if panels:
+        logger.info("batched CPU products over kernels/cpu/panels.cpp's 12-column panels (%s=0: oneDNN's layout)",
+                    PANELS_ENV)  # fmt: skip
     return total
