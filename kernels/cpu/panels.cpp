@@ -80,9 +80,10 @@ void panel_portable(const float* xk, int64_t mp, const float* wk, int64_t width,
 #ifdef RS_PANELS_X86
 // C columns (from wk, a panel's column at the block's first k, `width` weights per k) times RV vectors of rows
 // (xk, x's block at the same k), kl k; the block's sums start from acc where `accumulate`, else from zero.
+// With pf, each k also asks for the line at pf + k * pf_step (the weights to come).
 template <int RV, int C>
 __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* xk, const float* wk, int64_t width, int64_t kl,
-                                                         float* acc, bool accumulate, bool prefetch) {
+                                                         float* acc, bool accumulate, const char* pf, int64_t pf_step) {
   constexpr int64_t mp = 8 * RV;
   __m256 a[RV][C];
 #pragma GCC unroll 4
@@ -91,7 +92,7 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(const float* xk, const
     for (int c = 0; c < C; ++c) a[r][c] = accumulate ? _mm256_loadu_ps(acc + c * mp + 8 * r) : _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < kl; ++k, xk += mp, wk += width) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchAhead), _MM_HINT_T0);
+    if (pf != nullptr) _mm_prefetch(pf + k * pf_step, _MM_HINT_T0);
     __m256 xv[RV];
 #pragma GCC unroll 4
     for (int r = 0; r < RV; ++r) xv[r] = _mm256_loadu_ps(xk + 8 * r);
@@ -177,19 +178,20 @@ __attribute__((target("avx2,fma"))) void write_rows_avx2(const float* acc, int64
 
 template <int RV>
 __attribute__((target("avx2,fma"))) void panel_avx2(const float* xk, const float* wk, int64_t width, int64_t kl,
-                                                   float* acc, bool accumulate, bool prefetch) {
+                                                   float* acc, bool accumulate, const char* pf, int64_t pf_step) {
   constexpr int C = 12 / RV;
   constexpr int64_t mp = 8 * RV;
-  int64_t c = 0;
-  for (; c + C <= width; c += C) tile_avx2<RV, C>(xk, wk + c, width, kl, acc + c * mp, accumulate, prefetch && c == 0);
-  for (; c < width; ++c) tile_avx2<RV, 1>(xk, wk + c, width, kl, acc + c * mp, accumulate, prefetch && c == 0);
+  int64_t c = 0;  // the first tile alone asks for the weights to come
+  for (; c + C <= width; c += C) {
+    tile_avx2<RV, C>(xk, wk + c, width, kl, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
+  }
+  for (; c < width; ++c) tile_avx2<RV, 1>(xk, wk + c, width, kl, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
 }
 
-// count bfloat16 weights widened to float32 (exact) into dst, the source prefetched a KiB ahead.
+// count bfloat16 weights widened to float32 (exact) into dst.
 __attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* src, int64_t count, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
-    if ((i & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(src + i + 2 * kPrefetchAhead), _MM_HINT_T0);
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
   }
@@ -222,19 +224,25 @@ const float* block_weights(const uint16_t* w, int64_t count, float* scratch, boo
 
 // acc [width][mp] = x's block (xt, [k][mp]) times one panel (w, [k][width]), k in blocks of kKBlock; scratch
 // holds kKBlock * kPanel floats (a bfloat16 panel's block widened).
+// Prefetching, so the weights' stream overlaps the multiply-adds: a float32 block's tiles ask for the
+// panel's weights kPrefetchAhead ahead of their reads; a bfloat16 block's (read from scratch) for the next
+// block's source, row by row (the next panel's first block after a panel's last: panels lie in order).
 template <typename W>
 void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t k, float* acc, float* scratch,
                  bool avx2) {
-  constexpr bool plain = std::is_same_v<W, float>;  // float32 panels stream from memory: prefetch them
+  constexpr bool plain = std::is_same_v<W, float>;
   for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
     const int64_t kl = std::min(kKBlock, k - k0);
     const float* xk = xt + k0 * mp;
     const float* wk = block_weights(w + k0 * width, kl * width, scratch, avx2);
 #ifdef RS_PANELS_X86
     if (avx2) {
-      if (mp == 8) panel_avx2<1>(xk, wk, width, kl, acc, k0 > 0, plain);
-      else if (mp == 16) panel_avx2<2>(xk, wk, width, kl, acc, k0 > 0, plain);
-      else panel_avx2<3>(xk, wk, width, kl, acc, k0 > 0, plain);
+      const char* pf = plain ? reinterpret_cast<const char*>(wk + kPrefetchAhead)
+                             : reinterpret_cast<const char*>(w + (k0 + kl) * width);
+      const int64_t pf_step = width * static_cast<int64_t>(sizeof(W));
+      if (mp == 8) panel_avx2<1>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
+      else if (mp == 16) panel_avx2<2>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
+      else panel_avx2<3>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
       continue;
     }
 #endif
@@ -348,15 +356,29 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> acc(kChunkPanels * kPanel * kBlockRows), scratch(kKBlock * kPanel);
+    // bfloat16 with several row blocks: the chunk's panels widened once (at most 4 * 12 * K floats, L2), which
+    // every block then reads as float32 panels, instead of each block widening them again.
+    std::vector<float> wide;
+    constexpr bool narrow = !std::is_same_v<W, float>;
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
       const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
+      const bool widened = narrow && blocks > 1;
+      if (widened) {
+        wide.resize((n1 - n0) * k);
+        block_weights(wp + p0 * kPanel * k, (n1 - n0) * k, wide.data(), avx2);
+      }
       for (int64_t j = 0; j < blocks; ++j) {
         const int64_t mp = mps[j];
         for (int64_t p = p0; p < p1; ++p) {
           const PanelAt at_p = panel_at(p, n, k);
-          panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, acc.data() + (p - p0) * kPanel * mp,
-                      scratch.data(), avx2);
+          float* out = acc.data() + (p - p0) * kPanel * mp;
+          if (widened) {
+            panel_block(xt.data() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k, out,
+                        scratch.data(), avx2);
+          } else {
+            panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), avx2);
+          }
         }
         const int64_t r0 = j * kBlockRows, rows = std::min(kBlockRows, m - r0);
 #ifdef RS_PANELS_X86
