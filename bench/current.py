@@ -514,8 +514,8 @@ CPU = Area(
                     "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`; on a "
                     "2-vCPU Intel Xeon with AMX: 610.2 vs 294.4, 2.07×, `2026-12-06_i`; on a Zen 3 guest without "
                     "AVX-512, where oneDNN cannot pack bfloat16, the weights on kernels/cpu/panels.cpp's panels: "
-                    "207.2 vs 36.2, 5.73× (F.linear's per-call repack before them: 45.1 tok/s in the Engine), "
-                    "`2026-12-06_l`)"),
+                    "213.8 vs 40.5, 5.27×, `2026-12-06_m`; 207.2 vs 36.2, 5.73×, `_l` (F.linear's per-call repack "
+                    "before them: 45.1 tok/s in the Engine))"),
         Figure("float32 products of 16 rows over a decode step's weights (SmolLM2-135M's 121 products, 538 MB), "
                "kernels/cpu/panels.cpp's 12-column panels against oneDNN's prepacked weights (the Engine's before), "
                "on a Zen 3 guest without AVX-512, 2 threads, where the panels are the default; 8 rows 24.9 vs "
