@@ -24,6 +24,7 @@ from services.worker.runtime.layers.rotary import RotaryEmbedding
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
 from tests.forward_helpers import BatchDriver
+from tests.test_cpu_matvec import needs_matvec
 
 needs_onednn = pytest.mark.skipif(not cpu_prepack_available(), reason="this torch build has no oneDNN linear ops")
 
@@ -145,10 +146,14 @@ def test_single_row_calibration_skips_passes_run_beside_other_work(
 
 @needs_onednn
 @torch.no_grad()
-def test_prepacked_model_logits_match_transformers(llama_path) -> None:
+@pytest.mark.parametrize("panels", ["0", pytest.param("1", marks=needs_matvec)], ids=["onednn", "panels"])
+def test_prepacked_model_logits_match_transformers(llama_path, panels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's layout, and kernels/cpu/panels.cpp's panels (RS_CPU_PANELS=1, where the C++ library builds)."""
+    monkeypatch.setenv("RS_CPU_PANELS", panels)
     config = ModelConfig.from_path(llama_path, dtype="float32")
     model = load_model(config, "cpu")
     prepack_cpu_weights(model)
+    assert (model.lm_head.packed_weight.dim() == 3) == (panels == "1")
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32, attn_implementation="eager").eval()
     prompts = [[5, 9, 17, 33, 2 + i, 40 + 3 * i] for i in range(4)]  # 24 rows: the prepacked path
     driver = BatchDriver(model, config)

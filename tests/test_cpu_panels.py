@@ -6,12 +6,9 @@ batch-invariant product multiplying through them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from kernels.cpu_matvec import use_matvec_isa
 from services.worker.runtime.layers.batch_invariant import invariant_linear
@@ -19,8 +16,7 @@ from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, prepack_cpu_w
 from services.worker.runtime.layers.linear import linear
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
-from tests.forward_helpers import BatchDriver
-from tests.test_cpu_matvec import assert_float32_close, needs_matvec
+from tests.test_cpu_matvec import assert_float32_close, isa, needs_matvec  # noqa: F401 (isa: each path in turn)
 
 pytestmark = needs_matvec
 
@@ -34,19 +30,9 @@ def ops():
     return torch.ops.radixserve_cpu
 
 
-@pytest.fixture(params=["avx2", "portable"])
-def panel_isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The vector path and the portable loop in turn (use_matvec_isa switches both), the best restored after."""
-    try:
-        before = use_matvec_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"this CPU has no {request.param} path")
-    yield request.param
-    use_matvec_isa(before)
-
-
+@pytest.mark.usefixtures("isa")  # each path this CPU has (the AVX-512 one runs the AVX2 kernels)
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_panel_linear_matches_the_float64_reference(shape: tuple[int, int], panel_isa: str) -> None:
+def test_panel_linear_matches_the_float64_reference(shape: tuple[int, int]) -> None:
     n, k = shape
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g)
@@ -80,10 +66,9 @@ def test_each_row_is_the_same_bits_alone_and_on_either_path(shape: tuple[int, in
         use_matvec_isa(before)
 
 
+@pytest.mark.usefixtures("isa")
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_bfloat16_is_the_float32_product_of_the_widened_values_rounded_once(
-    shape: tuple[int, int], panel_isa: str
-) -> None:
+def test_bfloat16_is_the_float32_product_of_the_widened_values_rounded_once(shape: tuple[int, int]) -> None:
     n, k = shape
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
@@ -183,26 +168,6 @@ def test_bfloat16_weights_take_the_panels_where_onednn_cannot_pack_them(
         assert torch.equal(y, ops().panel_linear(x, layer.packed_weight))
     ref = F.linear(x.double(), layer.weight.double())
     assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
-
-
-@torch.no_grad()
-def test_a_model_on_panels_matches_transformers(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill of 24 rows and a decode step of 4 through the panels, logits against transformers."""
-    monkeypatch.setenv(PANELS_ENV, "1")
-    config = ModelConfig.from_path(llama_path, dtype="float32")
-    model = load_model(config, "cpu")
-    prepack_cpu_weights(model)
-    assert model.lm_head.packed_weight.dim() == 3
-    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = [[5, 9, 17, 33, 2 + i, 40 + 3 * i] for i in range(4)]
-    driver = BatchDriver(model, config)
-    rows = [driver.new_request() for _ in prompts]
-    logits = driver.extend(list(zip(rows, prompts)), return_all_logits=True)
-    ref = torch.cat([hf(torch.tensor([p])).logits[0].float() for p in prompts])
-    assert ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
-    step = driver.decode([(row, 7) for row in rows])
-    ref = torch.stack([hf(torch.tensor([p + [7]])).logits[0, -1].float() for p in prompts])
-    assert ((step - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-4
 
 
 def test_on_avx512_prepacking_takes_the_layout_whose_products_were_faster(
