@@ -46,7 +46,7 @@ ROWS_SOURCE = SOURCE.with_name("rows.cpp")
 EXTEND_SOURCE = SOURCE.with_name("extend_attention.cpp")
 # A Llama-shaped decoder layer's batch-1 decode step as one op (decoder_layer_row), the same library.
 LAYER_SOURCE = SOURCE.with_name("layer_row.cpp")
-# Products of a few float32 rows over 12-column weight panels (pack_panels, panel_linear), the same library.
+# Products of a few float32 or bfloat16 rows over 12-column weight panels (pack_panels, panel_linear), the same library.
 PANELS_SOURCE = SOURCE.with_name("panels.cpp")
 # The extension's name and cache folder. torch rebuilds it when the source or flags change; the torch
 # version is in the name so that an upgrade (another C++ ABI) builds anew instead of loading a stale one.
