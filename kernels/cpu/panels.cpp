@@ -12,14 +12,18 @@
 // 8 rows of x at one k. A tile holds 12 accumulators: rows in RV vectors (RV = 1, 2, 3 for 8, 16, 24 rows)
 // times 12 / RV columns; each k costs RV loads of x, 12 / RV broadcasts of a weight and 12 multiply-adds, and
 // every weight is read from memory once whatever the rows (a packed panel is one sequential stream, which
-// the prefetchers keep ahead of). K goes in blocks of 256 so a panel's tiles reuse x's block from L1; the
-// threads take chunks of 4 panels, all rows of x through each chunk before the next. A bfloat16 panel's block
-// is widened to float32 (exact) into an L1 buffer first and read from there, so it streams half the bytes.
+// the prefetchers keep ahead of). On AVX-512 a block takes up to 32 rows, past 8 of them in 16-row vectors:
+// tiles of RV = 1, 2 vectors times the panel's 12 columns, each multiply-add taking its weight as a broadcast
+// memory operand (the AVX2 tiles serve blocks of at most 8 rows there). K goes in blocks of 256 so a panel's
+// tiles reuse x's block from L1; the threads take chunks of 4 panels, all rows of x through each chunk before
+// the next. A bfloat16 panel's block is widened to float32 (exact) into an L1 buffer first and read from
+// there, so it streams half the bytes.
 //
 // Each output is one chain of fused multiply-adds over k = 0 .. K-1 in order, in whatever lane, tile or
 // thread it lands: a row's result is the same bits alone or in any batch (batch-invariant), and the
-// portable path (std::fma in the same order) gives the same bits as the AVX2 one. A bfloat16 product is the
-// float32 product of the widened rows and weights (plus the widened bias), rounded to bfloat16 once.
+// portable path (std::fma in the same order) gives the same bits as the AVX2 and AVX-512 ones. A bfloat16
+// product is the float32 product of the widened rows and weights (plus the widened bias), rounded to
+// bfloat16 once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,10 +53,12 @@ namespace {
 using radixserve_cpu_bf16::bf16_to_float;
 
 constexpr int64_t kPanel = 12;        // columns a full panel holds
-constexpr int64_t kBlockRows = 24;    // rows of x a pass over a panel takes (3 vectors of 8)
+constexpr int64_t kBlockRows = 24;     // rows of x a pass over a panel takes (3 vectors of 8)
+constexpr int64_t kBlockRows512 = 32;  // on AVX-512 (2 vectors of 16)
 constexpr int64_t kChunkPanels = 4;   // panels a thread finishes before writing their columns out
 constexpr int64_t kKBlock = 256;      // k per block: x's block (at most 24 KiB) stays in L1
-constexpr int64_t kPrefetchAhead = 256;  // weights ahead of the read (1 KiB of the panel's stream)
+constexpr int64_t kPrefetchAhead = 1024;  // weights ahead of the read (4 KiB of the panel's stream; 1 KiB was
+                                          // 1-3 ms slower a 16-row pass on a Zen 4 guest, both paths)
 
 // Where panel p starts and how wide it is: full panels first, then the N % 12 tail.
 struct PanelAt {
@@ -188,6 +194,49 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const float* xk, const float
   for (; c < width; ++c) tile_avx2<RV, 1>(xk, wk + c, width, kl, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
 }
 
+// AVX-512: RV vectors of 16 rows times C columns, each multiply-add taking its weight as a broadcast memory
+// operand (no separate broadcast), 12 * RV of the 32 registers accumulating. The same chains as tile_avx2.
+template <int RV, int C>
+__attribute__((target("avx512f,fma"))) inline void tile_avx512(const float* xk, const float* wk, int64_t width,
+                                                              int64_t kl, float* acc, bool accumulate, const char* pf,
+                                                              int64_t pf_step) {
+  constexpr int64_t mp = 16 * RV;
+  __m512 a[RV][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 12
+    for (int c = 0; c < C; ++c) a[r][c] = accumulate ? _mm512_loadu_ps(acc + c * mp + 16 * r) : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kl; ++k, xk += mp, wk += width) {
+    if (pf != nullptr) _mm_prefetch(pf + k * pf_step, _MM_HINT_T0);
+    __m512 xv[RV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) xv[r] = _mm512_loadu_ps(xk + 16 * r);
+#pragma GCC unroll 12
+    for (int c = 0; c < C; ++c) {
+      const __m512 b = _mm512_set1_ps(wk[c]);
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) a[r][c] = _mm512_fmadd_ps(xv[r], b, a[r][c]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) _mm512_storeu_ps(acc + c * mp + 16 * r, a[r][c]);
+  }
+}
+
+template <int RV>
+__attribute__((target("avx512f,fma"))) void panel_avx512(const float* xk, const float* wk, int64_t width, int64_t kl,
+                                                        float* acc, bool accumulate, const char* pf, int64_t pf_step) {
+  constexpr int64_t mp = 16 * RV;
+  int64_t c = 0;
+  for (; c + kPanel <= width; c += kPanel) {
+    tile_avx512<RV, kPanel>(xk, wk + c, width, kl, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
+  }
+  for (; c < width; ++c) tile_avx512<RV, 1>(xk, wk + c, width, kl, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
+}
+
 // count bfloat16 weights widened to float32 (exact) into dst.
 __attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* src, int64_t count, float* dst) {
   int64_t i = 0;
@@ -199,12 +248,15 @@ __attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* src, int64_t
 }
 #endif
 
-bool use_avx2() {
+// The kernels a product takes: the chosen path of matvec.cpp (use_matvec_isa switches it).
+enum class Path { kPortable, kAvx2, kAvx512 };
+
+Path chosen_path() {
 #ifdef RS_PANELS_X86
-  return radixserve_cpu_paths::avx2() || radixserve_cpu_paths::avx512();  // every AVX-512F CPU has AVX2 + FMA
-#else
-  return false;
+  if (radixserve_cpu_paths::avx512()) return Path::kAvx512;
+  if (radixserve_cpu_paths::avx2()) return Path::kAvx2;
 #endif
+  return Path::kPortable;
 }
 
 // The float32 weights of a panel's block of `count` values: the block itself, or (bfloat16) widened into scratch.
@@ -229,8 +281,9 @@ const float* block_weights(const uint16_t* w, int64_t count, float* scratch, boo
 // block's source, row by row (the next panel's first block after a panel's last: panels lie in order).
 template <typename W>
 void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t k, float* acc, float* scratch,
-                 bool avx2) {
+                 Path path) {
   constexpr bool plain = std::is_same_v<W, float>;
+  const bool avx2 = path != Path::kPortable;  // every AVX-512F CPU has AVX2 + FMA
   for (int64_t k0 = 0; k0 < k; k0 += kKBlock) {
     const int64_t kl = std::min(kKBlock, k - k0);
     const float* xk = xt + k0 * mp;
@@ -240,6 +293,11 @@ void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t
       const char* pf = plain ? reinterpret_cast<const char*>(wk + kPrefetchAhead)
                              : reinterpret_cast<const char*>(w + (k0 + kl) * width);
       const int64_t pf_step = width * static_cast<int64_t>(sizeof(W));
+      if (path == Path::kAvx512 && mp % 16 == 0) {
+        if (mp == 16) panel_avx512<1>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
+        else panel_avx512<2>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
+        continue;
+      }
       if (mp == 8) panel_avx2<1>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
       else if (mp == 16) panel_avx2<2>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
       else panel_avx2<3>(xk, wk, width, kl, acc, k0 > 0, pf, pf_step);
@@ -324,28 +382,32 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
     return y;
   }
 
-  // x transposed, block by block of up to 24 rows: block j at offsets[j], [k][mps[j]], zero past the rows.
-  const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+  // x transposed, block by block of up to 24 rows (AVX-512: 32): block j at offsets[j], [k][mps[j]], zero past
+  // the rows; mps[j] a multiple of 8 (AVX-512: of 16 past 8 rows).
+  const Path path = chosen_path();
+  const bool avx2 = path != Path::kPortable;
+  const int64_t block_rows = path == Path::kAvx512 ? kBlockRows512 : kBlockRows;
+  const int64_t blocks = (m + block_rows - 1) / block_rows;
   std::vector<int64_t> offsets(blocks + 1, 0), mps(blocks);
   for (int64_t j = 0; j < blocks; ++j) {
-    mps[j] = 8 * ((std::min(kBlockRows, m - j * kBlockRows) + 7) / 8);
+    const int64_t rows = std::min(block_rows, m - j * block_rows);
+    mps[j] = path == Path::kAvx512 && rows > 8 ? 16 * ((rows + 15) / 16) : 8 * ((rows + 7) / 8);
     offsets[j + 1] = offsets[j] + k * mps[j];
   }
-  const bool avx2 = use_avx2();
   std::vector<float> xt(offsets[blocks], 0.0f);
   const float* xp = x.const_data_ptr<float>();
   const int64_t xs = x.stride(0), xcs = x.stride(1);
   for (int64_t j = 0; j < blocks; ++j) {
-    const int64_t rows = std::min(kBlockRows, m - j * kBlockRows);
+    const int64_t rows = std::min(block_rows, m - j * block_rows);
     float* dst = xt.data() + offsets[j];
 #ifdef RS_PANELS_X86
     if (avx2 && xcs == 1) {
-      transpose_rows_avx2(xp + j * kBlockRows * xs, xs, rows, k, dst, mps[j]);
+      transpose_rows_avx2(xp + j * block_rows * xs, xs, rows, k, dst, mps[j]);
       continue;
     }
 #endif
     for (int64_t r = 0; r < rows; ++r) {
-      const float* row = xp + (j * kBlockRows + r) * xs;
+      const float* row = xp + (j * block_rows + r) * xs;
       for (int64_t i = 0; i < k; ++i) dst[i * mps[j] + r] = row[i * xcs];
     }
   }
@@ -355,7 +417,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(kChunkPanels * kPanel * kBlockRows), scratch(kKBlock * kPanel);
+    std::vector<float> acc(kChunkPanels * kPanel * block_rows), scratch(kKBlock * kPanel);
     // bfloat16 with several row blocks: the chunk's panels widened once (at most 4 * 12 * K floats, L2), which
     // every block then reads as float32 panels, instead of each block widening them again.
     std::vector<float> wide;
@@ -375,12 +437,12 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
           float* out = acc.data() + (p - p0) * kPanel * mp;
           if (widened) {
             panel_block(xt.data() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k, out,
-                        scratch.data(), avx2);
+                        scratch.data(), path);
           } else {
-            panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), avx2);
+            panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
           }
         }
-        const int64_t r0 = j * kBlockRows, rows = std::min(kBlockRows, m - r0);
+        const int64_t r0 = j * block_rows, rows = std::min(block_rows, m - r0);
 #ifdef RS_PANELS_X86
         if (avx2) {
           write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
