@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -394,23 +395,28 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
     mps[j] = path == Path::kAvx512 && rows > 8 ? 16 * ((rows + 15) / 16) : 8 * ((rows + 7) / 8);
     offsets[j + 1] = offsets[j] + k * mps[j];
   }
-  std::vector<float> xt(offsets[blocks], 0.0f);
+  // Blocks transposed by the threads in turn (a prompt's rows are many blocks: one thread alone left the
+  // others waiting for it before every product).
+  std::unique_ptr<float[]> xt(new float[offsets[blocks]]);
   const float* xp = x.const_data_ptr<float>();
   const int64_t xs = x.stride(0), xcs = x.stride(1);
-  for (int64_t j = 0; j < blocks; ++j) {
-    const int64_t rows = std::min(block_rows, m - j * block_rows);
-    float* dst = xt.data() + offsets[j];
+  at::parallel_for(0, blocks, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t rows = std::min(block_rows, m - j * block_rows);
+      float* dst = xt.get() + offsets[j];
 #ifdef RS_PANELS_X86
-    if (avx2 && xcs == 1) {
-      transpose_rows_avx2(xp + j * block_rows * xs, xs, rows, k, dst, mps[j]);
-      continue;
-    }
+      if (avx2 && xcs == 1) {  // writes the zeros past the rows too
+        transpose_rows_avx2(xp + j * block_rows * xs, xs, rows, k, dst, mps[j]);
+        continue;
+      }
 #endif
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* row = xp + (j * block_rows + r) * xs;
-      for (int64_t i = 0; i < k; ++i) dst[i * mps[j] + r] = row[i * xcs];
+      std::fill(dst, dst + k * mps[j], 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = xp + (j * block_rows + r) * xs;
+        for (int64_t i = 0; i < k; ++i) dst[i * mps[j] + r] = row[i * xcs];
+      }
     }
-  }
+  });
 
   const W* wp = elements<W>(panels);
   float* yp = y.mutable_data_ptr<float>();
@@ -436,10 +442,10 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
           const PanelAt at_p = panel_at(p, n, k);
           float* out = acc.data() + (p - p0) * kPanel * mp;
           if (widened) {
-            panel_block(xt.data() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k, out,
+            panel_block(xt.get() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k, out,
                         scratch.data(), path);
           } else {
-            panel_block(xt.data() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
+            panel_block(xt.get() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
           }
         }
         const int64_t r0 = j * block_rows, rows = std::min(block_rows, m - r0);
