@@ -30,7 +30,7 @@ def ops():
     return torch.ops.radixserve_cpu
 
 
-@pytest.mark.usefixtures("isa")  # each path this CPU has (AVX-512: 16-lane tiles past 8 rows, AVX2 ones up to 8)
+@pytest.mark.usefixtures("isa")  # each path this CPU has (AVX-512: 16-lane tiles past 8 rows)
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_panel_linear_matches_the_float64_reference(shape: tuple[int, int]) -> None:
     n, k = shape
@@ -87,6 +87,29 @@ def test_bfloat16_is_the_float32_product_of_the_widened_values_rounded_once(shap
         assert torch.equal(ops().panel_linear(x[:1], panels, b), y[:1])
         ref = F.linear(x.double(), w.double(), b.double())
         assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_team_of_threads_gives_the_same_bits(dtype: torch.dtype) -> None:
+    """The threads share the chunks of panels (each its own from the front, then the others' from the back):
+    every chunk is computed once whatever the team, and by whichever thread, to the same bits."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 12 * 4 * 9 + 5, 300  # 10 chunks of 4 panels, the last one a narrow tail
+    w = torch.randn(n, k, generator=g).to(dtype)
+    panels = ops().pack_panels(w)
+    x, b = torch.randn(40, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 16):
+            torch.set_num_threads(threads)
+            results.append((ops().panel_linear(x, panels, b), ops().panel_linear(x[:16], panels)))
+    finally:
+        torch.set_num_threads(before)
+    for full, rows16 in results[1:]:
+        assert torch.equal(full, results[0][0]) and torch.equal(rows16, results[0][1])
+    if dtype == torch.float32:
+        assert_float32_close(results[0][0], x, w, b)
 
 
 def test_strided_rows_give_the_contiguous_rows_results() -> None:

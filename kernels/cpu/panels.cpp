@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -309,6 +310,41 @@ void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t
   }
 }
 
+// Chunks [0, count) over `threads` threads: thread t takes its own contiguous share from the front, in order
+// (one stream of weights), then helps the others from the back of theirs, so a thread the host slowed or that
+// came late no longer holds the rest at the region's end. Which thread computes a chunk never changes its values.
+class ChunkShares {
+ public:
+  ChunkShares(int64_t count, int64_t threads) : shares_(threads) {
+    for (int64_t t = 0; t < threads; ++t) shares_[t].range.store(pack(count * t / threads, count * (t + 1) / threads));
+  }
+
+  // The next chunk for thread t, or -1 when none is left anywhere.
+  int64_t next(int64_t t) {
+    const int64_t threads = static_cast<int64_t>(shares_.size());
+    for (int64_t i = 0; i < threads; ++i) {
+      std::atomic<uint64_t>& range = shares_[(t + i) % threads].range;
+      uint64_t v = range.load(std::memory_order_relaxed);
+      for (;;) {
+        const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
+        if (lo >= hi) break;
+        const bool own = i == 0;
+        if (range.compare_exchange_weak(v, own ? pack(lo + 1, hi) : pack(lo, hi - 1), std::memory_order_relaxed)) {
+          return own ? lo : hi - 1;
+        }
+      }
+    }
+    return -1;
+  }
+
+ private:
+  static uint64_t pack(int64_t lo, int64_t hi) { return (static_cast<uint64_t>(lo) << 32) | static_cast<uint64_t>(hi); }
+  struct alignas(64) Share {  // a line each: the owners' claims do not bounce one line between the cores
+    std::atomic<uint64_t> range{0};
+  };
+  std::vector<Share> shares_;
+};
+
 void check_cpu(const char* op, const char* what, const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op, ": ",
               what, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
@@ -422,44 +458,49 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   float* yp = y.mutable_data_ptr<float>();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  // One share of the chunks a thread (at::parallel_for hands each thread one index of [0, teams)).
+  const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
+  ChunkShares shares(chunks, teams);
+  at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kChunkPanels * kPanel * block_rows), scratch(kKBlock * kPanel);
     // bfloat16 with several row blocks: the chunk's panels widened once (at most 4 * 12 * K floats, L2), which
     // every block then reads as float32 panels, instead of each block widening them again.
     std::vector<float> wide;
     constexpr bool narrow = !std::is_same_v<W, float>;
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
-      const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
-      const bool widened = narrow && blocks > 1;
-      if (widened) {
-        wide.resize((n1 - n0) * k);
-        block_weights(wp + p0 * kPanel * k, (n1 - n0) * k, wide.data(), avx2);
-      }
-      for (int64_t j = 0; j < blocks; ++j) {
-        const int64_t mp = mps[j];
-        for (int64_t p = p0; p < p1; ++p) {
-          const PanelAt at_p = panel_at(p, n, k);
-          float* out = acc.data() + (p - p0) * kPanel * mp;
-          if (widened) {
-            panel_block(xt.get() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k, out,
-                        scratch.data(), path);
-          } else {
-            panel_block(xt.get() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
+    for (int64_t t = t0; t < t1; ++t) {  // one index, or all of them where the region runs on this thread alone
+      for (int64_t c = shares.next(t); c >= 0; c = shares.next(t)) {
+        const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
+        const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
+        const bool widened = narrow && blocks > 1;
+        if (widened) {
+          wide.resize((n1 - n0) * k);
+          block_weights(wp + p0 * kPanel * k, (n1 - n0) * k, wide.data(), avx2);
+        }
+        for (int64_t j = 0; j < blocks; ++j) {
+          const int64_t mp = mps[j];
+          for (int64_t p = p0; p < p1; ++p) {
+            const PanelAt at_p = panel_at(p, n, k);
+            float* out = acc.data() + (p - p0) * kPanel * mp;
+            if (widened) {
+              panel_block(xt.get() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k,
+                          out, scratch.data(), path);
+            } else {
+              panel_block(xt.get() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
+            }
           }
-        }
-        const int64_t r0 = j * block_rows, rows = std::min(block_rows, m - r0);
+          const int64_t r0 = j * block_rows, rows = std::min(block_rows, m - r0);
 #ifdef RS_PANELS_X86
-        if (avx2) {
-          write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
-          continue;
-        }
+          if (avx2) {
+            write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
+            continue;
+          }
 #endif
-        for (int64_t r = 0; r < rows; ++r) {
-          float* out = yp + (r0 + r) * n;
-          for (int64_t col = n0; col < n1; ++col) {
-            const float v = acc[(col - n0) * mp + r];
-            out[col] = bp != nullptr ? v + bp[col] : v;
+          for (int64_t r = 0; r < rows; ++r) {
+            float* out = yp + (r0 + r) * n;
+            for (int64_t col = n0; col < n1; ++col) {
+              const float v = acc[(col - n0) * mp + r];
+              out[col] = bp != nullptr ? v + bp[col] : v;
+            }
           }
         }
       }
