@@ -96,7 +96,7 @@ def read_ceiling(weights: list[tuple[str, torch.Tensor]], repeats: int) -> float
         start = time.perf_counter()
         flat.sum()
         times.append(time.perf_counter() - start)
-    return flat.numel() * 4 / statistics.median(times) / 1e9
+    return flat.numel() * flat.element_size() / statistics.median(times) / 1e9
 
 
 def measure(shapes: dict[str, tuple[int, int]], threads: list[int], repeats: int) -> dict[str, object]:

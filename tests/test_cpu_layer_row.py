@@ -86,13 +86,16 @@ def test_the_op_is_its_steps_bit_for_bit() -> None:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("packing", ["onednn", "panels"])
+@pytest.mark.parametrize("packing", ["onednn", "panels", "pairs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("dense", [False, True], ids=["pool slots", "dense blocks"])
 def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype, packing: str) -> None:
-    """The layer op on oneDNN's packed weights, and on panels.cpp's through panel_linear."""
+    """The layer op on oneDNN's packed weights, and on panels.cpp's (and bfloat16 pair panels) through
+    panel_linear."""
     if packing == "onednn" and (not cpu_prepack_available() or dtype not in cpu_prepack_dtypes()):
         pytest.skip(f"this torch has no oneDNN prepacked linear for {dtype}")
+    if packing == "pairs" and dtype != torch.bfloat16:
+        pytest.skip("pair panels hold bfloat16 weights")
     g = torch.Generator().manual_seed(6)
     hidden_size, heads, kv_heads, d, inter, slots_n, bs = 96, 6, 2, 16, 160, 40, 3
 
@@ -100,11 +103,12 @@ def test_the_batch_op_is_its_steps_bit_for_bit(dense: bool, dtype: torch.dtype, 
         return (torch.randn(*shape, generator=g) * 0.1).to(dtype)
 
     def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        if packing == "panels":
+        if packing != "onednn":
             return ops().panel_linear(x, packed)
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-    pack = ops().pack_panels if packing == "panels" else prepack_weight
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return prepack_weight(weight) if packing == "onednn" else ops().pack_panels(weight, packing == "pairs")
 
     hidden, residual = w(bs, hidden_size), w(bs, hidden_size)
     in_norm, post_norm, q_norm, k_norm = w(hidden_size) + 1, w(hidden_size) + 1, w(d) + 1, w(d) + 1
@@ -212,8 +216,8 @@ def test_a_batch_decodes_through_it_as_through_its_layers(
     onednn = getattr(torch, dtype) in cpu_prepack_dtypes()
     if panels == "0" and not onednn:
         pytest.skip(f"oneDNN cannot prepack {dtype} weights on this CPU")
-    if panels == "1" and dtype == "bfloat16" and onednn:
-        pytest.skip("bfloat16 takes the panels only where oneDNN cannot pack it")
+    if panels == "1" and dtype == "bfloat16" and onednn and not ops().pair_panels_native():
+        pytest.skip("bfloat16 takes the panels only where oneDNN cannot pack it or the CPU runs vdpbf16ps")
     monkeypatch.setenv(PANELS_ENV, panels)  # panels.cpp's panels, or oneDNN's layout
     path = request.getfixturevalue(f"{model}_path")
     config = ModelConfig.from_path(path, dtype=dtype)

@@ -1,7 +1,7 @@
 """kernels/cpu/panels.cpp's products of a few rows over 12-column weight panels: float32 against a float64
 reference on each path this CPU has (AVX2 and the portable loop, bit for bit the same), bfloat16 as the float32
-product of the widened values rounded once, each row the same bits alone as in any batch, its errors on bad
-input, and the prepacking that chooses the panels (layers/cpu_prepack.py, RS_CPU_PANELS) with linear() and the
+product of the widened values rounded once (or, as pair panels, vdpbf16ps' sums, its portable copy the same
+bits), each row the same bits alone as in any batch, its errors on bad input, and the prepacking that chooses the panels (layers/cpu_prepack.py, RS_CPU_PANELS) with linear() and the
 batch-invariant product multiplying through them."""
 
 from __future__ import annotations
@@ -12,7 +12,12 @@ import torch.nn.functional as F
 
 from kernels.cpu_matvec import use_matvec_isa
 from services.worker.runtime.layers.batch_invariant import invariant_linear
-from services.worker.runtime.layers.cpu_prepack import PANELS_ENV, prepack_cpu_weights, use_panels
+from services.worker.runtime.layers.cpu_prepack import (
+    PANELS_ENV,
+    prepack_cpu_weights,
+    use_pair_panels,
+    use_panels,
+)
 from services.worker.runtime.layers.linear import linear
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model
@@ -112,6 +117,79 @@ def test_any_team_of_threads_gives_the_same_bits(dtype: torch.dtype) -> None:
         assert_float32_close(results[0][0], x, w, b)
 
 
+def _pair_paths() -> list[str]:
+    """The paths the pair panels take here: vdpbf16ps where this CPU runs it, the portable copy always."""
+    return ["native", "portable"] if ops().pair_panels_native() else ["portable"]
+
+
+@pytest.mark.parametrize("path", _pair_paths())
+@pytest.mark.parametrize("shape", SHAPES[:2] + [(5, 6), (25, 1040)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bfloat16_pair_panels_match_the_float64_reference_alone_or_batched(shape: tuple[int, int], path: str) -> None:
+    """pack_panels(w, pairs=True): [2, N, K / 2], the k pairs of a column one 32-bit word; panel_linear's sums
+    are vdpbf16ps' (or its portable copy's), within bfloat16's rounding of the float64 product, each row the
+    same bits alone as in any batch and on either path."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n + 3 * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    pairs = ops().pack_panels(w, True)
+    assert pairs.shape == (2, n, k // 2) and pairs.dtype == torch.bfloat16
+    assert sorted(pairs.flatten().float().tolist()) == sorted(w.flatten().float().tolist())
+    x, b = torch.randn(50, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    before = torch.ops.radixserve_cpu.matvec_isa()
+    try:
+        if path == "portable":
+            use_matvec_isa("portable")
+        y = ops().panel_linear(x, pairs, b)
+        assert y.dtype == torch.bfloat16 and y.shape == (50, n)
+        ref = x.double() @ w.double().T + b.double()
+        assert ((y.double() - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max() <= 2**-7
+        for m in (1, 9, 16, 17, 33):
+            assert torch.equal(ops().panel_linear(x[:m], pairs, b), y[:m])
+        assert torch.equal(torch.cat([ops().panel_linear(x[i : i + 1], pairs, b) for i in range(50)]), y)
+    finally:
+        use_matvec_isa(before)
+    if path == "native":  # the portable copy of vdpbf16ps' arithmetic is the same bits as the instruction
+        use_matvec_isa("portable")
+        try:
+            assert torch.equal(ops().panel_linear(x, pairs, b), y)
+        finally:
+            use_matvec_isa(before)
+
+
+def test_pair_panels_flush_denormals_as_vdpbf16ps_does() -> None:
+    """Denormal inputs read as zero and denormal sums flush to zero (vdpbf16ps' rules), on either path; the
+    widening panels keep them (an exact float32 product)."""
+    w = torch.tensor([[1e-20, 1.0], [1e-39, 1.0]], dtype=torch.bfloat16)  # 1e-39: a bfloat16 denormal
+    x = torch.tensor([[1e-19, 0.0], [1.0, 0.0]], dtype=torch.bfloat16)
+    before = torch.ops.radixserve_cpu.matvec_isa()
+    results = []
+    try:
+        for path in _pair_paths():
+            use_matvec_isa("portable" if path == "portable" else before)
+            results.append(ops().panel_linear(x, ops().pack_panels(w, True)))
+    finally:
+        use_matvec_isa(before)
+    for y in results:
+        assert y[0, 0] == 0 and y[1, 1] == 0  # 1e-20 * 1e-19 is a float32 denormal; 1e-39 reads as 0
+        assert torch.equal(y, results[0])
+    wide = ops().panel_linear(x, ops().pack_panels(w))
+    assert wide[1, 1] != 0
+
+
+def test_pair_panels_refuse_what_they_cannot_pack() -> None:
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight with an even K"):
+        ops().pack_panels(torch.randn(4, 6), True)
+    with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight with an even K"):
+        ops().pack_panels(torch.randn(4, 7).bfloat16(), True)
+    pairs = ops().pack_panels(torch.randn(4, 6).bfloat16(), True)
+    with pytest.raises(RuntimeError, match=r"x must be \[M, 6\]"):
+        ops().panel_linear(torch.randn(2, 3).bfloat16(), pairs)
+    with pytest.raises(RuntimeError, match=r"x \(Float\) must have the panels' dtype"):
+        ops().panel_linear(torch.randn(2, 6), pairs)
+    with pytest.raises(RuntimeError, match="panels must be pack_panels' contiguous"):
+        ops().panel_linear(torch.randn(2, 6), torch.randn(2, 4, 3))  # float32 [2, N, K / 2]: no pairs
+
+
 def test_strided_rows_give_the_contiguous_rows_results() -> None:
     g = torch.Generator().manual_seed(3)
     w = torch.randn(50, 40, generator=g)
@@ -176,7 +254,8 @@ def test_bfloat16_weights_take_the_panels_where_onednn_cannot_pack_them(
     llama_path, onednn_bf16: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An AVX2-only CPU cannot pack bfloat16 for oneDNN: with the panels its bfloat16 weights take them (and
-    a batch's rows go through panel_linear); where oneDNN can, bfloat16 keeps oneDNN's layout."""
+    a batch's rows go through panel_linear); where oneDNN can, bfloat16 keeps oneDNN's layout, unless the CPU
+    runs vdpbf16ps (then RS_CPU_PANELS=1 takes the pair panels)."""
     import services.worker.runtime.layers.cpu_prepack as cpu_prepack
 
     if onednn_bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -188,11 +267,16 @@ def test_bfloat16_weights_take_the_panels_where_onednn_cannot_pack_them(
     prepack_cpu_weights(model)
     packed = [m for m in model.modules() if getattr(m, "prepackable", False)]
     assert packed and all(m.packed_weight is not None for m in packed)
-    assert all((m.packed_weight.dim() == 3) != onednn_bf16 for m in packed)
+    # Where the CPU runs vdpbf16ps, RS_CPU_PANELS=1 takes the pair panels.
+    pairs = ops().pair_panels_native()
+    for m in packed:
+        n, k = m.weight.shape
+        want = (2, n, k // 2) if pairs else (1, n, k) if not onednn_bf16 else None
+        assert (m.packed_weight.shape == want) if want else m.packed_weight.is_mkldnn
     layer = packed[0]
     x = torch.randn(5, layer.weight.shape[1], dtype=torch.bfloat16)
     y = linear(x, layer.weight, None, layer.packed_weight)
-    if not onednn_bf16:
+    if not layer.packed_weight.is_mkldnn:
         assert torch.equal(y, ops().panel_linear(x, layer.packed_weight))
     ref = F.linear(x.double(), layer.weight.double())
     assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
@@ -217,3 +301,41 @@ def test_on_avx512_prepacking_takes_the_layout_whose_products_were_faster(
         assert use_panels(model) == (panels < onednn)
         prepack_cpu_weights(model)
         assert (model.lm_head.packed_weight.dim() == 3) == (panels < onednn)
+
+
+def test_bfloat16_pair_panels_are_taken_where_vdpbf16ps_runs_and_they_were_faster(
+    llama_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unset RS_CPU_PANELS: bfloat16 weights of an even K take the pair panels where the library runs vdpbf16ps
+    and their 16-row products of the model's first bfloat16 weights beat oneDNN's; =0 never, =1 wherever
+    vdpbf16ps runs. Through them, linear() is panel_linear's product, close to F.linear's."""
+    import services.worker.runtime.layers.cpu_prepack as cpu_prepack
+
+    if torch.bfloat16 not in cpu_prepack.cpu_prepack_dtypes():
+        pytest.skip("oneDNN cannot pack bfloat16 here: the choice is against its products")
+    model = load_model(ModelConfig.from_path(llama_path, dtype="bfloat16"), "cpu")
+    seconds = cpu_prepack.panels_against_onednn(model, rounds=2, dtype=torch.bfloat16)
+    assert set(seconds) == {"panels", "onednn"} and all(0 < t < 1 for t in seconds.values())
+    monkeypatch.delenv(PANELS_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.radixserve_cpu, "pair_panels_native", lambda: True)
+    assert not use_pair_panels()  # no model to time
+    for pairs, onednn in ((1e-3, 2e-3), (2e-3, 1e-3)):
+        monkeypatch.setattr(
+            cpu_prepack, "panels_against_onednn",
+            lambda m, rounds=None, dtype=None, p=pairs, o=onednn: {"panels": p, "onednn": o},
+        )  # fmt: skip
+        assert use_pair_panels(model) == (pairs < onednn)
+        prepack_cpu_weights(model)
+        packed = model.lm_head.packed_weight
+        n, k = model.lm_head.weight.shape
+        assert packed.shape == (2, n, k // 2) if pairs < onednn else packed.is_mkldnn
+    x = torch.randn(7, k, dtype=torch.bfloat16)
+    model.lm_head.packed_weight = ops().pack_panels(model.lm_head.weight, True)
+    y = linear(x, model.lm_head.weight, None, model.lm_head.packed_weight)
+    assert torch.equal(y, ops().panel_linear(x, model.lm_head.packed_weight))
+    ref = F.linear(x.double(), model.lm_head.weight.double())
+    assert ((y.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max() <= 1e-2
+    monkeypatch.setenv(PANELS_ENV, "0")
+    assert not use_pair_panels(model)
+    monkeypatch.setenv(PANELS_ENV, "1")
+    assert use_pair_panels()

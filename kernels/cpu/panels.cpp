@@ -19,6 +19,13 @@
 // the next. A bfloat16 panel's block is widened to float32 (exact) into an L1 buffer first and read from
 // there, so it streams half the bytes.
 //
+// Pair panels (bfloat16, an even K): pack_panels(weight, pairs=True) -> [2, N, K / 2], each panel [K / 2][12]
+// 32-bit words, the column's weights at k = 2q, 2q + 1 side by side; x's rows are read as such pairs too.
+// Where the CPU runs vdpbf16ps (AVX512-BF16) and the path is AVX-512, a tile's instruction does the 16 rows'
+// two multiply-adds at once (twice a float32 FMA's, over half the bytes); elsewhere a portable copy of its
+// arithmetic (odd k then even, each a fused multiply-add, denormals read as zero and flushed) gives the same
+// bits. Batch-invariant as the panels are.
+//
 // Each output is one chain of fused multiply-adds over k = 0 .. K-1 in order, in whatever lane, tile or
 // thread it lands: a row's result is the same bits alone or in any batch (batch-invariant), and the
 // portable path (std::fma in the same order) gives the same bits as the AVX2 and AVX-512 ones. A bfloat16
@@ -248,6 +255,54 @@ __attribute__((target("avx2,fma"))) void widen_avx2(const uint16_t* src, int64_t
   }
   for (; i < count; ++i) dst[i] = bf16_to_float(src[i]);
 }
+
+// bfloat16 pair panels (AVX512-BF16): a vector's 16 lanes are 16 rows of x, each lane the pair of x's bfloat16
+// values at k = 2q, 2q + 1; each weight operand is the column's pair at the same k, broadcast. vdpbf16ps adds
+// the odd k's product, then the even one's, each a fused multiply-add (the products of two bfloat16 are exact
+// in float32), inputs denormal-as-zero and results flushed to zero: twice the multiply-adds of a float32 FMA
+// an instruction, over half the bytes.
+template <int RV, int C>
+__attribute__((target("avx512f,avx512bf16"))) inline void tile_pairs(const uint32_t* xq, const uint32_t* wq,
+                                                                    int64_t width, int64_t ql, float* acc,
+                                                                    bool accumulate, const char* pf,
+                                                                    int64_t pf_step) {
+  constexpr int64_t mp = 16 * RV;
+  __m512 a[RV][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < RV; ++r) {
+#pragma GCC unroll 12
+    for (int c = 0; c < C; ++c) a[r][c] = accumulate ? _mm512_loadu_ps(acc + c * mp + 16 * r) : _mm512_setzero_ps();
+  }
+  for (int64_t q = 0; q < ql; ++q, xq += mp, wq += width) {
+    if (pf != nullptr) _mm_prefetch(pf + q * pf_step, _MM_HINT_T0);
+    __m512bh xv[RV];
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) xv[r] = (__m512bh)_mm512_loadu_si512(xq + 16 * r);
+#pragma GCC unroll 12
+    for (int c = 0; c < C; ++c) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(wq[c]));
+#pragma GCC unroll 4
+      for (int r = 0; r < RV; ++r) a[r][c] = _mm512_dpbf16_ps(a[r][c], xv[r], b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 4
+    for (int r = 0; r < RV; ++r) _mm512_storeu_ps(acc + c * mp + 16 * r, a[r][c]);
+  }
+}
+
+template <int RV>
+__attribute__((target("avx512f,avx512bf16"))) void panel_pairs(const uint32_t* xq, const uint32_t* wq, int64_t width,
+                                                              int64_t ql, float* acc, bool accumulate, const char* pf,
+                                                              int64_t pf_step) {
+  constexpr int64_t mp = 16 * RV;
+  int64_t c = 0;
+  for (; c + kPanel <= width; c += kPanel) {
+    tile_pairs<RV, kPanel>(xq, wq + c, width, ql, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
+  }
+  for (; c < width; ++c) tile_pairs<RV, 1>(xq, wq + c, width, ql, acc + c * mp, accumulate, c == 0 ? pf : nullptr, pf_step);
+}
 #endif
 
 // The kernels a product takes: the chosen path of matvec.cpp (use_matvec_isa switches it).
@@ -259,6 +314,39 @@ Path chosen_path() {
   if (radixserve_cpu_paths::avx2()) return Path::kAvx2;
 #endif
   return Path::kPortable;
+}
+
+// Whether this CPU runs vdpbf16ps (AVX512-BF16) and the chosen path is AVX-512 (use_matvec_isa switches it).
+bool use_pairs_avx512() {
+#ifdef RS_PANELS_X86
+  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
+  return has && chosen_path() == Path::kAvx512;
+#else
+  return false;
+#endif
+}
+
+// vdpbf16ps' arithmetic in portable C++: float32 fused multiply-adds, the odd k's then the even one's,
+// denormal inputs read as zero and denormal results flushed to zero.
+inline float daz(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+
+inline float dp_pair(float acc, uint32_t xp, uint32_t wp) {
+  const float x0 = daz(bf16_to_float(static_cast<uint16_t>(xp))), x1 = daz(bf16_to_float(static_cast<uint16_t>(xp >> 16)));
+  const float w0 = daz(bf16_to_float(static_cast<uint16_t>(wp))), w1 = daz(bf16_to_float(static_cast<uint16_t>(wp >> 16)));
+  acc = daz(std::fma(x1, w1, daz(acc)));
+  return daz(std::fma(x0, w0, acc));
+}
+
+// acc[c][m] (+)= the pair block's products, as panel_portable for pairs (xq: [ql][mp] pairs, wq: [ql][width]).
+void pairs_portable(const uint32_t* xq, int64_t mp, const uint32_t* wq, int64_t width, int64_t ql, float* acc,
+                    bool accumulate) {
+  for (int64_t c = 0; c < width; ++c) {
+    for (int64_t m = 0; m < mp; ++m) {
+      float a = accumulate ? acc[c * mp + m] : 0.0f;
+      for (int64_t q = 0; q < ql; ++q) a = dp_pair(a, xq[q * mp + m], wq[q * width + c]);
+      acc[c * mp + m] = a;
+    }
+  }
 }
 
 // The float32 weights of a panel's block of `count` values: the block itself, or (bfloat16) widened into scratch.
@@ -371,15 +459,24 @@ void pack(const at::Tensor& w, at::Tensor& out) {
   });
 }
 
-at::Tensor pack_panels(const at::Tensor& weight) {
+at::Tensor pack_panels(const at::Tensor& weight, bool pairs) {
   check_cpu("pack_panels", "weight", weight);
   TORCH_CHECK(weight.dim() == 2, "pack_panels: weight must be [N, K], got ", weight.sizes());
   const at::Tensor w = weight.contiguous();
+  if (pairs) {  // [2, N, K / 2]: the panels of k pairs, each pair one 32-bit word
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+                "pack_panels: pairs need a bfloat16 weight with an even K, got ", w.scalar_type(), " ", w.sizes());
+    at::Tensor out = at::empty({2, w.size(0), w.size(1) / 2}, w.options());
+    pack<uint32_t>(w.view(at::kInt), out);
+    return out;
+  }
   at::Tensor out = at::empty({1, w.size(0), w.size(1)}, w.options());
   if (w.scalar_type() == at::kFloat) pack<float>(w, out);
   else pack<uint16_t>(w, out);
   return out;
 }
+
+at::Tensor pair_product(const at::Tensor& x, const at::Tensor& panels, const float* bp);
 
 template <typename W>
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const float* bp);
@@ -387,22 +484,27 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
   check_cpu("panel_linear", "x", x);
   check_cpu("panel_linear", "panels", panels);
-  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == 1 && panels.is_contiguous(),
-              "panel_linear: panels must be pack_panels' contiguous [1, N, K], got ", panels.sizes());
   const at::ScalarType dtype = panels.scalar_type();
+  const bool pairs = panels.dim() == 3 && panels.size(0) == 2 && dtype == at::kBFloat16;
+  TORCH_CHECK(panels.dim() == 3 && (panels.size(0) == 1 || pairs) && panels.is_contiguous(),
+              "panel_linear: panels must be pack_panels' contiguous [1, N, K] (or bfloat16 pairs [2, N, K / 2]), got ",
+              panels.sizes());
   TORCH_CHECK(x.scalar_type() == dtype, "panel_linear: x (", x.scalar_type(), ") must have the panels' dtype (",
               dtype, ")");
-  const int64_t n = panels.size(1), k = panels.size(2);
+  const int64_t n = panels.size(1), k = pairs ? 2 * panels.size(2) : panels.size(2);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "panel_linear: x must be [M, ", k, "], got ", x.sizes());
   at::Tensor b;  // float32: added to the float32 sums, before a bfloat16 result's one rounding
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->device().is_cpu(), "panel_linear: bias must be a CPU tensor of the panels' dtype (",
-                dtype, "), got ", bias->scalar_type());
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->device().is_cpu(),
+                "panel_linear: bias must be a CPU tensor of the panels' dtype (", dtype, "), got ",
+                bias->scalar_type());
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "panel_linear: bias must be [", n, "], got ", bias->sizes());
     b = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bias.has_value() ? b.const_data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) return panel_product<float>(x, panels, bp);
+  // bfloat16 pairs: vdpbf16ps' sums (or their portable copy), rounded once.
+  if (pairs) return pair_product(x, panels, bp).to(at::kBFloat16);
   // bfloat16: the rows widened (exact), float32 sums over the widened weights, the result rounded once.
   return panel_product<uint16_t>(x.to(at::kFloat), panels, bp).to(at::kBFloat16);
 }
@@ -509,10 +611,111 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   return y;
 }
 
+// x (bfloat16 [M, K]) times the pair panels ([2, N, K / 2]) plus bp where given: [M, N] float32 sums.
+at::Tensor pair_product(const at::Tensor& x, const at::Tensor& panels, const float* bp) {
+  const int64_t n = panels.size(1), kq = panels.size(2), m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0 || n == 0) return y;
+  if (kq == 0) {
+    float* yp = y.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < m * n; ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
+    return y;
+  }
+  // Rows as 32-bit pairs: unit column stride, an even row stride and 4-byte alignment, else a copy.
+  const bool direct = x.stride(1) == 1 && x.stride(0) % 2 == 0 &&
+                      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 4 == 0;
+  const at::Tensor xc = direct ? x : x.contiguous();
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xc.const_data_ptr());
+  const int64_t xs = xc.stride(0) / 2;
+  const bool simd = use_pairs_avx512();
+
+  // x's pairs transposed, blocks of up to 32 rows: block j at offsets[j], [kq][mps[j]] (16 or 32), zero past rows.
+  const int64_t blocks = (m + kBlockRows512 - 1) / kBlockRows512;
+  std::vector<int64_t> offsets(blocks + 1, 0), mps(blocks);
+  for (int64_t j = 0; j < blocks; ++j) {
+    mps[j] = 16 * ((std::min(kBlockRows512, m - j * kBlockRows512) + 15) / 16);
+    offsets[j + 1] = offsets[j] + kq * mps[j];
+  }
+  std::unique_ptr<uint32_t[]> xt(new uint32_t[offsets[blocks]]);
+  at::parallel_for(0, blocks, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t rows = std::min(kBlockRows512, m - j * kBlockRows512);
+      uint32_t* dst = xt.get() + offsets[j];
+#ifdef RS_PANELS_X86
+      if (simd) {  // 32-bit moves only: the float transposition carries the pairs' bits
+        transpose_rows_avx2(reinterpret_cast<const float*>(xp + j * kBlockRows512 * xs), xs, rows, kq,
+                            reinterpret_cast<float*>(dst), mps[j]);
+        continue;
+      }
+#endif
+      std::fill(dst, dst + kq * mps[j], 0u);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint32_t* row = xp + (j * kBlockRows512 + r) * xs;
+        for (int64_t i = 0; i < kq; ++i) dst[i * mps[j] + r] = row[i];
+      }
+    }
+  });
+
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(panels.const_data_ptr());
+  float* yp = y.mutable_data_ptr<float>();
+  constexpr int64_t kPairBlock = kKBlock / 2;  // pairs of k per block
+  const int64_t num_panels = (n + kPanel - 1) / kPanel;
+  const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
+  const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
+  ChunkShares shares(chunks, teams);
+  at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc(kChunkPanels * kPanel * kBlockRows512);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = shares.next(t); c >= 0; c = shares.next(t)) {
+        const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
+        const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
+        for (int64_t j = 0; j < blocks; ++j) {
+          const int64_t mp = mps[j];
+          for (int64_t p = p0; p < p1; ++p) {
+            const PanelAt at_p = panel_at(p, n, kq);
+            float* out = acc.data() + (p - p0) * kPanel * mp;
+            for (int64_t q0 = 0; q0 < kq; q0 += kPairBlock) {
+              const int64_t ql = std::min(kPairBlock, kq - q0);
+              const uint32_t* xq = xt.get() + offsets[j] + q0 * mp;
+              const uint32_t* wq = wp + at_p.offset + q0 * at_p.width;
+#ifdef RS_PANELS_X86
+              if (simd) {
+                const char* pf = reinterpret_cast<const char*>(wq + kPrefetchAhead);
+                const int64_t pf_step = at_p.width * static_cast<int64_t>(sizeof(uint32_t));
+                if (mp == 16) panel_pairs<1>(xq, wq, at_p.width, ql, out, q0 > 0, pf, pf_step);
+                else panel_pairs<2>(xq, wq, at_p.width, ql, out, q0 > 0, pf, pf_step);
+                continue;
+              }
+#endif
+              pairs_portable(xq, mp, wq, at_p.width, ql, out, q0 > 0);
+            }
+          }
+          const int64_t r0 = j * kBlockRows512, rows = std::min(kBlockRows512, m - r0);
+#ifdef RS_PANELS_X86
+          if (simd) {
+            write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
+            continue;
+          }
+#endif
+          for (int64_t r = 0; r < rows; ++r) {
+            float* row = yp + (r0 + r) * n;
+            for (int64_t col = n0; col < n1; ++col) {
+              const float v = acc[(col - n0) * mp + r];
+              row[col] = bp != nullptr ? v + bp[col] : v;
+            }
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("pack_panels(Tensor weight, bool pairs=False) -> Tensor");
+  m.def("pair_panels_native() -> bool", &use_pairs_avx512);
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias=None) -> Tensor");
 }
 

@@ -11,7 +11,14 @@ the weight on every call); `linear` then multiplies every row count through them
 Where the best path is AVX-512, oneDNN's products are wider than the panels' AVX2 ones (on Intel; AMD's
 Zen 4 runs AVX-512 at the AVX2 rate), so prepacking times 16-row products of the model's first four float32
 weights through both layouts and takes the faster (`panels_against_onednn`). RS_CPU_PANELS=1 takes the
-panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere."""
+panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere.
+
+Where the CPU has AVX512-BF16 (Zen 4, Intel from Cooper Lake) and the path is AVX-512, bfloat16 weights with
+an even K may be packed as pair panels instead (pack_panels(w, pairs=True): vdpbf16ps, two multiply-adds
+a lane an instruction), again where 16-row products of the first four such weights were faster than
+oneDNN's (`use_pair_panels`; on a Zen 4 guest, SmolLM2's 16-row bfloat16 pass ~13 against 21 ms). Their
+sums are vdpbf16ps' own (odd k, then even, each a fused multiply-add, denormals flushed), so batch-invariant
+as the panels are; RS_CPU_PANELS=0/1 decides for them as well."""
 
 from __future__ import annotations
 
@@ -80,22 +87,58 @@ def use_panels(model: nn.Module | None = None) -> bool:
     return faster
 
 
-def panels_against_onednn(model: nn.Module, rounds: int = PANELS_CALIBRATION_ROUNDS) -> dict[str, float]:
+def use_pair_panels(model: nn.Module | None = None) -> bool:
+    """Whether bfloat16 weights of an even K go into pair panels (pack_panels(w, pairs=True)) rather than
+    oneDNN's layout: where the library runs vdpbf16ps (AVX512-BF16 and the AVX-512 path) and the pair
+    panels' products of `model`'s first bfloat16 weights were the faster (without a model, no).
+    RS_CPU_PANELS=1: wherever vdpbf16ps runs, 0: never."""
+    choice = os.environ.get(PANELS_ENV, "")
+    if choice == "0":
+        return False
+    from kernels import cpu_matvec  # imported where used: building it takes a compiler
+
+    try:
+        cpu_matvec.load_matvec()
+    except cpu_matvec.MatvecUnavailable:
+        return False
+    if not torch.ops.radixserve_cpu.pair_panels_native():
+        return False
+    if choice == "1":
+        return True
+    if model is None:
+        return False
+    seconds = panels_against_onednn(model, dtype=torch.bfloat16)
+    if not seconds:
+        return False
+    faster = seconds["panels"] < seconds["onednn"]
+    logger.info(
+        "bfloat16 batches on %s: %d-row products of the first weights, pair panels %.3f ms, oneDNN %.3f ms",
+        "pair panels (vdpbf16ps)" if faster else "oneDNN's layout", PANELS_CALIBRATION_ROWS,
+        seconds["panels"] * 1e3, seconds["onednn"] * 1e3,
+    )  # fmt: skip
+    return faster
+
+
+def panels_against_onednn(
+    model: nn.Module, rounds: int = PANELS_CALIBRATION_ROUNDS, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     """The median seconds, over `rounds` alternating rounds, of PANELS_CALIBRATION_ROWS-row products with the
-    first four float32 CPU weights of `model` that opt in (a tied LM head, which streams from memory as every
-    weight of a real step does, then a decoder layer's qkv, o and gate_up) through each layout, "panels" and
-    "onednn"; {} where it has none or oneDNN cannot pack them. (The median: the best of 5 rounds chose
-    oneDNN once in five loads of SmolLM2 on a Zen 4 guest whose decode step was 28 % faster on the panels.)"""
+    first four CPU weights of `dtype` of `model` that opt in (a tied LM head, which streams from memory as every
+    weight of a real step does, then a decoder layer's qkv, o and gate_up) through each layout, "panels" (for
+    bfloat16 the pair panels, weights of an even K) and "onednn"; {} where it has none or oneDNN cannot pack
+    them. (The median: the best of 5 rounds chose oneDNN once in five loads of SmolLM2 on a Zen 4 guest whose
+    decode step was 28 % faster on the panels.)"""
+    pairs = dtype == torch.bfloat16
     weights = [
         m.weight.detach()
         for m in model.modules()
         if getattr(m, "prepackable", False) and getattr(m, "weight", None) is not None and m.weight.dim() == 2
-        and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-    ][:4]
-    if not weights or not cpu_prepack_available():
+        and m.weight.dtype == dtype and m.weight.device.type == "cpu" and not (pairs and m.weight.shape[1] % 2)
+    ][:4]  # fmt: skip
+    if not weights or not cpu_prepack_available() or dtype not in cpu_prepack_dtypes():
         return {}
-    xs = [torch.randn(PANELS_CALIBRATION_ROWS, w.shape[1]) for w in weights]
-    panels = [torch.ops.radixserve_cpu.pack_panels(w) for w in weights]
+    xs = [torch.randn(PANELS_CALIBRATION_ROWS, w.shape[1]).to(dtype) for w in weights]
+    panels = [torch.ops.radixserve_cpu.pack_panels(w, pairs) for w in weights]
     onednn = [prepack_weight(w) for w in weights]
     passes = {
         "panels": lambda: [torch.ops.radixserve_cpu.panel_linear(x, p) for x, p in zip(xs, panels)],
@@ -127,6 +170,11 @@ def prepack_cpu_weights(model: nn.Module) -> int:
     total = 0
     dtypes = cpu_prepack_dtypes()
     panels = use_panels(model)
+    pairs = any(
+        getattr(m, "prepackable", False) and getattr(m, "weight", None) is not None
+        and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+        for m in model.modules()
+    ) and use_pair_panels(model)  # fmt: skip
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not getattr(module, "prepackable", False) or weight is None or weight.dim() != 2:
@@ -135,14 +183,16 @@ def prepack_cpu_weights(model: nn.Module) -> int:
             continue
         if weight.dtype in CPU_ROW_DTYPES:
             module.cpu_rows = True
-        if panels and (weight.dtype == torch.float32 or weight.dtype in CPU_ROW_DTYPES and weight.dtype not in dtypes):
+        if pairs and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+            module.packed_weight = torch.ops.radixserve_cpu.pack_panels(weight.detach(), True)
+        elif panels and (weight.dtype == torch.float32 or weight.dtype in CPU_ROW_DTYPES and weight.dtype not in dtypes):
             module.packed_weight = torch.ops.radixserve_cpu.pack_panels(weight.detach())
         elif weight.dtype in dtypes:
             module.packed_weight = prepack_weight(weight)
         else:
             continue
         total += weight.numel() * weight.element_size()
-    if panels:
-        logger.info("batched CPU products over kernels/cpu/panels.cpp's 12-column panels (%s=0: oneDNN's layout)",
-                    PANELS_ENV)  # fmt: skip
+    if panels or pairs:
+        logger.info("batched CPU %s products over kernels/cpu/panels.cpp's 12-column panels (%s=0: oneDNN's "
+                    "layout)", "bfloat16 (pairs)" if pairs and not panels else "float32", PANELS_ENV)  # fmt: skip
     return total
