@@ -32,6 +32,7 @@
 #endif
 
 #include "bf16.h"
+#include "chunk_shares.h"
 #include "exp16.h"
 
 namespace {
@@ -450,32 +451,37 @@ void attend_rows(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, 
   // once, front to back, so a request whose rows are one run (the dense blocks) is one sequential stream.
   // A bfloat16 request's query row is widened into a float32 copy and its output summed in float32, then
   // rounded once as it is stored.
+  // The threads share the requests (chunk_shares.h): a request's cost is its length, and lengths differ.
   constexpr bool wide = std::is_same_v<T, float>;
-  at::parallel_for(0, bs, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t teams = std::min<int64_t>(at::get_num_threads(), bs);
+  radixserve_cpu_shares::ChunkShares shares(bs, teams);
+  at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
     const int64_t q_rows = heads * group;
     std::vector<float> p, totals(q_rows), q_wide(wide ? 0 : q_rows * d), o_wide(wide ? 0 : q_rows * d);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t len = lp[b];
-      const int64_t* sl = sp + b * s0;
-      const float* q;
-      float* o;
-      if constexpr (wide) {
-        q = qp + b * qs;
-        o = op + b * q_rows * d;
-      } else {
-        for (int64_t i = 0; i < q_rows * d; ++i) q_wide[i] = widen(qp[b * qs + i]);
-        q = q_wide.data();
-        o = o_wide.data();
+    for (int64_t t = t0; t < t1; ++t) {  // one index, or all of them where the region runs on this thread alone
+      for (int64_t b = shares.next(t); b >= 0; b = shares.next(t)) {
+        const int64_t len = lp[b];
+        const int64_t* sl = sp + b * s0;
+        const float* q;
+        float* o;
+        if constexpr (wide) {
+          q = qp + b * qs;
+          o = op + b * q_rows * d;
+        } else {
+          for (int64_t i = 0; i < q_rows * d; ++i) q_wide[i] = widen(qp[b * qs + i]);
+          q = q_wide.data();
+          o = o_wide.data();
+        }
+        p.resize(q_rows * len);
+        gather_scores(kp, ks, sl, len, q, heads, group, d, p.data());
+        for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
+        gather_add_rows(o, vp, vs, sl, p.data(), len, heads, group, d);
+        for (int64_t r = 0; r < q_rows; ++r) {
+          const float inv = 1.0f / totals[r];
+          for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
+        }
+        store_row(op + b * q_rows * d, o, q_rows * d);
       }
-      p.resize(q_rows * len);
-      gather_scores(kp, ks, sl, len, q, heads, group, d, p.data());
-      for (int64_t r = 0; r < q_rows; ++r) softmax_weights(p.data() + r * len, len, sc, &totals[r]);
-      gather_add_rows(o, vp, vs, sl, p.data(), len, heads, group, d);
-      for (int64_t r = 0; r < q_rows; ++r) {
-        const float inv = 1.0f / totals[r];
-        for (int64_t i = 0; i < d; ++i) o[r * d + i] *= inv;
-      }
-      store_row(op + b * q_rows * d, o, q_rows * d);
     }
   });
 }

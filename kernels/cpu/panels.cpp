@@ -38,7 +38,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -51,6 +50,7 @@
 #endif
 
 #include "bf16.h"
+#include "chunk_shares.h"
 
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: the products' chosen path (use_matvec_isa switches it)
@@ -398,41 +398,6 @@ void panel_block(const float* xt, int64_t mp, const W* w, int64_t width, int64_t
   }
 }
 
-// Chunks [0, count) over `threads` threads: thread t takes its own contiguous share from the front, in order
-// (one stream of weights), then helps the others from the back of theirs, so a thread the host slowed or that
-// came late no longer holds the rest at the region's end. Which thread computes a chunk never changes its values.
-class ChunkShares {
- public:
-  ChunkShares(int64_t count, int64_t threads) : shares_(threads) {
-    for (int64_t t = 0; t < threads; ++t) shares_[t].range.store(pack(count * t / threads, count * (t + 1) / threads));
-  }
-
-  // The next chunk for thread t, or -1 when none is left anywhere.
-  int64_t next(int64_t t) {
-    const int64_t threads = static_cast<int64_t>(shares_.size());
-    for (int64_t i = 0; i < threads; ++i) {
-      std::atomic<uint64_t>& range = shares_[(t + i) % threads].range;
-      uint64_t v = range.load(std::memory_order_relaxed);
-      for (;;) {
-        const int64_t lo = static_cast<int64_t>(v >> 32), hi = static_cast<int64_t>(v & 0xffffffffu);
-        if (lo >= hi) break;
-        const bool own = i == 0;
-        if (range.compare_exchange_weak(v, own ? pack(lo + 1, hi) : pack(lo, hi - 1), std::memory_order_relaxed)) {
-          return own ? lo : hi - 1;
-        }
-      }
-    }
-    return -1;
-  }
-
- private:
-  static uint64_t pack(int64_t lo, int64_t hi) { return (static_cast<uint64_t>(lo) << 32) | static_cast<uint64_t>(hi); }
-  struct alignas(64) Share {  // a line each: the owners' claims do not bounce one line between the cores
-    std::atomic<uint64_t> range{0};
-  };
-  std::vector<Share> shares_;
-};
-
 void check_cpu(const char* op, const char* what, const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), op, ": ",
               what, " must be a float32 or bfloat16 CPU tensor, got ", t.scalar_type(), " on ", t.device());
@@ -562,7 +527,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
   // One share of the chunks a thread (at::parallel_for hands each thread one index of [0, teams)).
   const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
-  ChunkShares shares(chunks, teams);
+  radixserve_cpu_shares::ChunkShares shares(chunks, teams);
   at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kChunkPanels * kPanel * block_rows), scratch(kKBlock * kPanel);
     // bfloat16 with several row blocks: the chunk's panels widened once (at most 4 * 12 * K floats, L2), which
@@ -662,7 +627,7 @@ at::Tensor pair_product(const at::Tensor& x, const at::Tensor& panels, const flo
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
   const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
-  ChunkShares shares(chunks, teams);
+  radixserve_cpu_shares::ChunkShares shares(chunks, teams);
   at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kChunkPanels * kPanel * kBlockRows512);
     for (int64_t t = t0; t < t1; ++t) {
