@@ -176,6 +176,14 @@ def test_pair_panels_flush_denormals_as_vdpbf16ps_does() -> None:
     assert wide[1, 1] != 0
 
 
+def test_a_product_over_no_k_is_the_bias() -> None:
+    for dtype, pairs in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        panels = ops().pack_panels(torch.randn(5, 0).to(dtype), pairs)
+        b = torch.randn(5).to(dtype)
+        assert torch.equal(ops().panel_linear(torch.randn(3, 0).to(dtype), panels, b), b.expand(3, 5))
+        assert torch.equal(ops().panel_linear(torch.randn(3, 0).to(dtype), panels), torch.zeros(3, 5, dtype=dtype))
+
+
 def test_pair_panels_refuse_what_they_cannot_pack() -> None:
     with pytest.raises(RuntimeError, match="pairs need a bfloat16 weight with an even K"):
         ops().pack_panels(torch.randn(4, 6), True)

@@ -432,7 +432,7 @@ at::Tensor pack_panels(const at::Tensor& weight, bool pairs) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
                 "pack_panels: pairs need a bfloat16 weight with an even K, got ", w.scalar_type(), " ", w.sizes());
     at::Tensor out = at::empty({2, w.size(0), w.size(1) / 2}, w.options());
-    pack<uint32_t>(w.view(at::kInt), out);
+    if (w.size(1) > 0) pack<uint32_t>(w.view(at::kInt), out);  // K = 0: nothing to pack (nor to view)
     return out;
   }
   at::Tensor out = at::empty({1, w.size(0), w.size(1)}, w.options());
@@ -474,6 +474,32 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
   return panel_product<uint16_t>(x.to(at::kFloat), panels, bp).to(at::kBFloat16);
 }
 
+// A chunk's sums acc [cols][mp] (columns n0 .. n1) into out's rows 0 .. rows (row stride n), plus the bias
+// where given: through the 8 x 8 register transposes where AVX2 runs, else one by one.
+void write_rows(const float* acc, int64_t mp, int64_t rows, int64_t n0, int64_t n1, const float* bp, float* out,
+                int64_t n, bool avx2) {
+#ifdef RS_PANELS_X86
+  if (avx2) {
+    write_rows_avx2(acc, mp, rows, n0, n1, bp, out, n);
+    return;
+  }
+#endif
+  (void)avx2;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t col = n0; col < n1; ++col) {
+      const float v = acc[(col - n0) * mp + r];
+      out[r * n + col] = bp != nullptr ? v + bp[col] : v;
+    }
+  }
+}
+
+// y [m, n] = the bias in every row (or zeros): a product over K = 0.
+void bias_rows(at::Tensor& y, const float* bp) {
+  const int64_t n = y.size(1);
+  float* yp = y.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
+}
+
 // x (float32 [M, K]) times the panels (of W: float32, or bfloat16 as uint16_t) plus bp where given: [M, N] float32.
 template <typename W>
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const float* bp) {
@@ -481,8 +507,7 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y;
   if (k == 0) {  // no products: the bias alone (or zeros)
-    float* yp = y.mutable_data_ptr<float>();
-    for (int64_t i = 0; i < m * n; ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
+    bias_rows(y, bp);
     return y;
   }
 
@@ -555,20 +580,8 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
               panel_block(xt.get() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
             }
           }
-          const int64_t r0 = j * block_rows, rows = std::min(block_rows, m - r0);
-#ifdef RS_PANELS_X86
-          if (avx2) {
-            write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
-            continue;
-          }
-#endif
-          for (int64_t r = 0; r < rows; ++r) {
-            float* out = yp + (r0 + r) * n;
-            for (int64_t col = n0; col < n1; ++col) {
-              const float v = acc[(col - n0) * mp + r];
-              out[col] = bp != nullptr ? v + bp[col] : v;
-            }
-          }
+          const int64_t r0 = j * block_rows;
+          write_rows(acc.data(), mp, std::min(block_rows, m - r0), n0, n1, bp, yp + r0 * n, n, avx2);
         }
       }
     }
@@ -582,8 +595,7 @@ at::Tensor pair_product(const at::Tensor& x, const at::Tensor& panels, const flo
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
   if (m == 0 || n == 0) return y;
   if (kq == 0) {
-    float* yp = y.mutable_data_ptr<float>();
-    for (int64_t i = 0; i < m * n; ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
+    bias_rows(y, bp);
     return y;
   }
   // Rows as 32-bit pairs: unit column stride, an even row stride and 4-byte alignment, else a copy.
@@ -655,20 +667,8 @@ at::Tensor pair_product(const at::Tensor& x, const at::Tensor& panels, const flo
               pairs_portable(xq, mp, wq, at_p.width, ql, out, q0 > 0);
             }
           }
-          const int64_t r0 = j * kBlockRows512, rows = std::min(kBlockRows512, m - r0);
-#ifdef RS_PANELS_X86
-          if (simd) {
-            write_rows_avx2(acc.data(), mp, rows, n0, n1, bp, yp + r0 * n, n);
-            continue;
-          }
-#endif
-          for (int64_t r = 0; r < rows; ++r) {
-            float* row = yp + (r0 + r) * n;
-            for (int64_t col = n0; col < n1; ++col) {
-              const float v = acc[(col - n0) * mp + r];
-              row[col] = bp != nullptr ? v + bp[col] : v;
-            }
-          }
+          const int64_t r0 = j * kBlockRows512;
+          write_rows(acc.data(), mp, std::min(kBlockRows512, m - r0), n0, n1, bp, yp + r0 * n, n, simd);
         }
       }
     }
