@@ -16,7 +16,7 @@ panels wherever their AVX2 path runs, 0 keeps oneDNN's layout everywhere.
 Where the CPU has AVX512-BF16 (Zen 4, Intel from Cooper Lake) and the path is AVX-512, bfloat16 weights with
 an even K may be packed as pair panels instead (pack_panels(w, pairs=True): vdpbf16ps, two multiply-adds
 a lane an instruction), again where 16-row products of the first four such weights were faster than
-oneDNN's (`use_pair_panels`; on a Zen 4 guest, SmolLM2's 16-row bfloat16 pass ~13 against 21 ms). Their
+oneDNN's (`use_pair_panels`; on a Zen 4 guest, SmolLM2's 16-row bfloat16 pass 21.4 against 24.5 ms). Their
 sums are vdpbf16ps' own (odd k, then even, each a fused multiply-add, denormals flushed), so batch-invariant
 as the panels are; RS_CPU_PANELS=0/1 decides for them as well."""
 
@@ -123,8 +123,8 @@ def panels_against_onednn(
     model: nn.Module, rounds: int = PANELS_CALIBRATION_ROUNDS, dtype: torch.dtype = torch.float32
 ) -> dict[str, float]:
     """The median seconds, over `rounds` alternating rounds, of PANELS_CALIBRATION_ROWS-row products with the
-    first four CPU weights of `dtype` of `model` that opt in (a tied LM head, which streams from memory as every
-    weight of a real step does, then a decoder layer's qkv, o and gate_up) through each layout, "panels" (for
+    first four CPU weights of `dtype` of `model` that opt in (for SmolLM2 its tied LM head, which streams from
+    memory as every weight of a real step does, then the first layer's qkv, o and gate_up) through each layout, "panels" (for
     bfloat16 the pair panels, weights of an even K) and "onednn"; {} where it has none or oneDNN cannot pack
     them. (The median: the best of 5 rounds chose oneDNN once in five loads of SmolLM2 on a Zen 4 guest whose
     decode step was 28 % faster on the panels.)"""
