@@ -305,7 +305,7 @@ def test_on_avx512_prepacking_takes_the_layout_whose_products_were_faster(
     monkeypatch.setattr(cpu_matvec, "matvec_isa", lambda: "avx512")
     assert not use_panels()
     for panels, onednn in ((1e-3, 2e-3), (2e-3, 1e-3)):
-        monkeypatch.setattr(cpu_prepack, "panels_against_onednn", lambda m, p=panels, o=onednn: {"panels": p, "onednn": o})
+        monkeypatch.setattr(cpu_prepack, "panels_against_onednn", lambda m, dtype=None, p=panels, o=onednn: {"panels": p, "onednn": o})
         assert use_panels(model) == (panels < onednn)
         prepack_cpu_weights(model)
         assert (model.lm_head.packed_weight.dim() == 3) == (panels < onednn)

@@ -75,14 +75,20 @@ def use_panels(model: nn.Module | None = None) -> bool:
         return True
     if isa != "avx512" or model is None:
         return False
-    seconds = panels_against_onednn(model)
+    return _faster_than_onednn(model, torch.float32, "panels")
+
+
+def _faster_than_onednn(model: nn.Module, dtype: torch.dtype, layout: str) -> bool:
+    """Whether panels_against_onednn found the panels' products of `model`'s first `dtype` weights faster
+    than oneDNN's (no when it could time none), logged with both times."""
+    seconds = panels_against_onednn(model, dtype=dtype)
     if not seconds:
         return False
     faster = seconds["panels"] < seconds["onednn"]
     logger.info(
-        "float32 batches on %s: %d-row products of the first weights, panels %.3f ms, oneDNN %.3f ms",
-        "panels" if faster else "oneDNN's layout", PANELS_CALIBRATION_ROWS,
-        seconds["panels"] * 1e3, seconds["onednn"] * 1e3,
+        "%s batches on %s: %d-row products of the first weights, %s %.3f ms, oneDNN %.3f ms",
+        str(dtype).removeprefix("torch."), layout if faster else "oneDNN's layout", PANELS_CALIBRATION_ROWS,
+        layout, seconds["panels"] * 1e3, seconds["onednn"] * 1e3,
     )  # fmt: skip
     return faster
 
@@ -105,18 +111,7 @@ def use_pair_panels(model: nn.Module | None = None) -> bool:
         return False
     if choice == "1":
         return True
-    if model is None:
-        return False
-    seconds = panels_against_onednn(model, dtype=torch.bfloat16)
-    if not seconds:
-        return False
-    faster = seconds["panels"] < seconds["onednn"]
-    logger.info(
-        "bfloat16 batches on %s: %d-row products of the first weights, pair panels %.3f ms, oneDNN %.3f ms",
-        "pair panels (vdpbf16ps)" if faster else "oneDNN's layout", PANELS_CALIBRATION_ROWS,
-        seconds["panels"] * 1e3, seconds["onednn"] * 1e3,
-    )  # fmt: skip
-    return faster
+    return model is not None and _faster_than_onednn(model, torch.bfloat16, "pair panels (vdpbf16ps)")
 
 
 def panels_against_onednn(
