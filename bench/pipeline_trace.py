@@ -20,11 +20,32 @@ from pathlib import Path
 
 RID = re.compile(r"^(ttft\d*|floor|text)-(engine|gateway)-(\d+)$")  # ttft512-...: --ttft-prompt-lens
 ORDER = {
-    "gateway": ["client.sent", "gateway.http", "gateway.submit", "gateway.published", "worker.received", "worker.queued",
-                "scheduler.added", "scheduler.outputs", "worker.outputs", "worker.published", "gateway.stream",
-                "client.first"],
-    "engine": ["client.sent", "engine.queued", "scheduler.added", "scheduler.outputs", "engine.outputs",
-               "client.first"],
+    "gateway": [
+        "client.sent",
+        "gateway.http",
+        "gateway.submit",
+        "gateway.published",
+        "worker.received",
+        "worker.queued",
+        "scheduler.added",
+        "scheduler.launched",
+        "scheduler.synced",
+        "scheduler.outputs",
+        "worker.outputs",
+        "worker.published",
+        "gateway.stream",
+        "client.first",
+    ],
+    "engine": [
+        "client.sent",
+        "engine.queued",
+        "scheduler.added",
+        "scheduler.launched",
+        "scheduler.synced",
+        "scheduler.outputs",
+        "engine.outputs",
+        "client.first",
+    ],
 }
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TextIO
+from collections.abc import Iterable
+from typing import Any, TextIO
 
 TRACE_DIR = os.environ.get("RS_TRACE_DIR") or None
 _files: dict[int, TextIO] = {}
@@ -26,3 +27,13 @@ def mark(rid: str, stage: str, at_ns: int | None = None) -> None:
         os.makedirs(TRACE_DIR, exist_ok=True)  # RS_TRACE_DIR need not exist yet
         out = _files[pid] = open(os.path.join(TRACE_DIR, f"{pid}.trace"), "a", buffering=1)  # noqa: SIM115
     out.write(f"{rid} {stage} {now}\n")
+
+
+def mark_each(reqs: Iterable[Any], stage: str) -> None:
+    """mark(req.rid, stage) for each of `reqs` (objects with a `rid`), at one moment; nothing unless
+    RS_TRACE_DIR is set."""
+    if TRACE_DIR is None:
+        return
+    now = time.monotonic_ns()
+    for req in reqs:
+        mark(req.rid, stage, now)

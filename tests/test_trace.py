@@ -36,6 +36,22 @@ def test_a_mark_can_carry_a_time_taken_earlier(tmp_path: Path, monkeypatch: pyte
     assert (tmp_path / f"{os.getpid()}.trace").read_text() == "r1 client.sent 123\n"
 
 
+def test_mark_each_gives_every_request_the_same_moment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Req:
+        def __init__(self, rid: str) -> None:
+            self.rid = rid
+
+    monkeypatch.setattr(trace, "TRACE_DIR", None)
+    trace.mark_each([Req("r0")], "scheduler.launched")  # off: nothing, not even a file
+    monkeypatch.setattr(trace, "TRACE_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_files", {})
+    assert list(tmp_path.iterdir()) == []
+    trace.mark_each([Req("r1"), Req("r2")], "scheduler.launched")
+    lines = [line.split() for line in (tmp_path / f"{os.getpid()}.trace").read_text().splitlines()]
+    assert [line[:2] for line in lines] == [["r1", "scheduler.launched"], ["r2", "scheduler.launched"]]
+    assert lines[0][2] == lines[1][2]
+
+
 def test_a_missing_trace_dir_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     where = tmp_path / "not" / "yet"
     monkeypatch.setattr(trace, "TRACE_DIR", str(where))

@@ -33,6 +33,7 @@ from services.worker.scheduler.schedule_policy import (
     retract,
 )
 from services.worker.scheduler.spec.spec_worker import SpecStep, SpecWorker
+from shared import trace
 
 if TYPE_CHECKING:
     from services.worker.runtime.model_runner import ModelRunner, SampledTokens
@@ -231,6 +232,8 @@ class Scheduler:
         handle = self.runner.sample_async(rows, sampled, future)
         for req in sampled:
             req.num_inflight += 1
+        if batch.mode.is_extend():
+            trace.mark_each(sampled, "scheduler.launched")  # RS_TRACE_DIR: the host's part of a prefill
         return InFlight(batch, sampled, handle)
 
     def _launch_pipelined(self, batch: ScheduleBatch) -> InFlight:
@@ -271,6 +274,8 @@ class Scheduler:
     def _process(self, inflight: InFlight, outputs: list[ReqOutput]) -> None:
         """Read a launched step's tokens back (the host sync) and advance its requests."""
         result = inflight.handle.result()
+        if inflight.batch.mode.is_extend():
+            trace.mark_each(inflight.sampled, "scheduler.synced")
         for j, req in enumerate(inflight.sampled):
             req.num_inflight -= 1
             if req.finished():
