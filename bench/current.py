@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 Read = Callable[[Any], Any]
@@ -403,10 +404,14 @@ LOADED = "(for i in 1 2; do python3 -c 'while True: pass' & done) ; "
 INTEL_QUIET, INTEL_LOADED = "peers_cpu_2026-12-05_15.json", "peers_cpu_2026-12-05_16.json"
 
 
-def _intel(row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
-    """A row of the full bench/peers_cpu.py run on the Intel host, quiet or beside two busy processes."""
-    figure = _peers(row, label, INTEL_LOADED if loaded else INTEL_QUIET, peer)
+def _full_run(runs: tuple[str, str], row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
+    """A row of a host's full bench/peers_cpu.py runs (`runs`: the quiet JSON, the loaded one), quiet or beside
+    two busy processes."""
+    figure = _peers(row, label, runs[loaded], peer)
     return replace(figure, command=(LOADED if loaded else "") + ".venv/bin/python bench/peers_cpu.py")
+
+
+_intel = partial(_full_run, (INTEL_QUIET, INTEL_LOADED))
 
 
 CPU_PEERS = Area(
@@ -441,13 +446,7 @@ CPU_PEERS = Area(
 )
 
 
-ZEN3_QUIET, ZEN3_LOADED = "peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json"
-
-
-def _zen3(row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
-    """A row of the full bench/peers_cpu.py run on the AVX2-only AMD host, quiet or beside two busy processes."""
-    figure = _peers(row, label, ZEN3_LOADED if loaded else ZEN3_QUIET, peer)
-    return replace(figure, command=(LOADED if loaded else "") + ".venv/bin/python bench/peers_cpu.py")
+_zen3 = partial(_full_run, ("peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json"))  # the AVX2-only AMD host
 
 
 CPU_PEERS_AVX2 = Area(
