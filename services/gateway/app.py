@@ -141,12 +141,13 @@ class JsonFastPath:
     """POST routes whose body is one pydantic model, served without FastAPI's per-request machinery
     (matching every included router's routes, its exit-stack and exception middlewares, dependency
     solving; the measured gain is in docs/ARCHITECTURE.md). Only a body FastAPI would accept is served
-    here, by the same function and the same validation (the JSON parsed, then the model); anything else (another route or method, a
-    content type other than application/json, invalid JSON, a body that does not validate) is handed on to FastAPI
-    untouched, so every 4xx keeps its status and message. The JSON is parsed by msgspec (half the time of
-    json.loads on a 512-id prompt); what it refuses and json.loads would take (a byte-order mark, a lone
-    surrogate escape, a number past float range) goes to FastAPI too, which reads it as before. Sits inside BodyLimit, which hands on the
-    whole body in one message, and wraps the FastAPI app itself (create_app)."""
+    here, by the same function and the same validation (the JSON parsed, then the model); anything else
+    (another route or method, a content type other than application/json, invalid JSON, a body that does
+    not validate) is handed on to FastAPI untouched, so every 4xx keeps its status and message. The JSON
+    is parsed by msgspec (half the time of json.loads on a 512-id prompt); what it refuses and json.loads
+    would take (a byte-order mark, a lone surrogate escape, a number past float range) goes to FastAPI
+    too, which reads it as before. Sits inside BodyLimit, which hands on the whole body in one message,
+    and wraps the FastAPI app itself (create_app)."""
 
     def __init__(self, app: ASGIApp, routes: dict[str, tuple[type[BaseModel], JsonEndpoint]]) -> None:
         self.app = app

@@ -168,9 +168,7 @@ class StreamHub:
 
     async def _on_batch(self, batch: BatchStreamOut, raw: Msg) -> None:
         now = time.monotonic()
-        if trace.TRACE_DIR is not None:
-            for out in batch.items:
-                trace.mark(out.rid, "gateway.stream")
+        trace.mark_each(batch.items, "gateway.stream")
         for out in batch.items:
             stream = self._streams.get(out.rid)
             if stream is None:

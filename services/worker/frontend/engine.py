@@ -66,9 +66,7 @@ class Engine:
     # ---- outputs --------------------------------------------------------------------------------
 
     def _on_outputs(self, outputs: list[ReqOutput]) -> None:
-        if trace.TRACE_DIR is not None:
-            for out in outputs:
-                trace.mark(out.rid, "engine.outputs")
+        trace.mark_each(outputs, "engine.outputs")
         for out in outputs:
             with self._lock:
                 state = self._states.get(out.rid)
@@ -162,8 +160,7 @@ class Engine:
                 scheduled.append(req)
         # One command for the whole call: the scheduler admits its prompts before the same step.
         self._client.add(*scheduled)
-        for req in scheduled:
-            trace.mark(req.rid, "engine.queued")
+        trace.mark_each(scheduled, "engine.queued")
 
     def generate(
         self,

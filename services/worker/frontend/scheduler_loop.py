@@ -334,9 +334,7 @@ class SchedulerLoop:
                 self._stall_once()
             t2 = clock()
             if outputs and outbox is not None:
-                if trace.TRACE_DIR is not None:
-                    for out in outputs:
-                        trace.mark(out.rid, "scheduler.outputs")
+                trace.mark_each(outputs, "scheduler.outputs")
                 outbox.put(PackedOutputs.pack(outputs) if pack else outputs)
                 if self._hand_over and self._gave_first_outputs(outputs):
                     self._await_first_tokens_out(inbox)

@@ -238,9 +238,7 @@ class WorkerService(Service):
     def _outputs_from_thread(self, outputs: list[ReqOutput]) -> None:
         """Called on the scheduler's thread, or on this loop's (a scheduler process's outbox is read
         here): hand the step to the step publisher, in order."""
-        if trace.TRACE_DIR is not None:
-            for out in outputs:
-                trace.mark(out.rid, "worker.outputs")
+        trace.mark_each(outputs, "worker.outputs")
         if threading.get_ident() == self._loop_thread:
             self.bus.poller.touch()
             self._first_out = self._first_out or (self._ack_first_tokens and self._has_first_output(outputs))
@@ -289,9 +287,7 @@ class WorkerService(Service):
                     await self._send(batch)
                 except Exception:  # noqa: BLE001 - a lost step must not stop the next ones
                     logger.exception("worker %s: could not publish step %d", self.worker_id, batch.step)
-                if trace.TRACE_DIR is not None:
-                    for item in batch.items:
-                        trace.mark(item.rid, "worker.published")
+                trace.mark_each(batch.items, "worker.published")
             if handed_off or first_out:
                 await asyncio.sleep(0)  # the NATS client's flusher writes the message to the socket
                 for event in handed_off:
@@ -473,8 +469,7 @@ class WorkerService(Service):
         if not arrived or self.client is None:
             return
         self.client.add(*arrived)
-        for req in arrived:
-            trace.mark(req.rid, "worker.queued")
+        trace.mark_each(arrived, "worker.queued")
 
     def _finish_unscheduled(self, rid: str, reason: FinishReason, prompt_tokens: int, completion_tokens: int = 0) -> None:
         """A request that ends before the scheduler sees it: its final goes out as a step of its own."""
