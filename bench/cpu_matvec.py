@@ -11,7 +11,8 @@ median pass and GB/s per shape:
   - onednn: the weight prepacked for oneDNN (what the Engine uses from two rows);
   - mv: torch.mv, MKL's sgemv directly;
   - mkl_linear: MKL's packed-weight product (torch.ops.mkl._mkl_linear, as inductor's CPU path uses);
-  - matvec: kernels/cpu_matvec.py (where it builds).
+  - matvec: kernels/cpu_matvec.py (where it builds), on its best path and on AVX2 where that is not it (the
+    path an AVX2-only CPU runs, timed on this one).
 The same with q/k/v and gate/up as separate matrices (--split) shows what the merged projections save.
 The ceiling: a read-only pass (torch.sum) over the same bytes. JSON goes to bench/out/cpu_matvec.json.
 """
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.cpu_matvec import MatvecUnavailable, load_matvec, matvec_isa  # noqa: E402
+from kernels.cpu_matvec import MatvecUnavailable, load_matvec, matvec_isa, use_matvec_isa  # noqa: E402
 
 LAYERS = 30
 MERGED = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -67,10 +68,36 @@ def products(weights: list[tuple[str, torch.Tensor]]) -> dict[str, Product]:
     }
     try:
         matvec = load_matvec()
-        options[f"matvec ({matvec_isa()})"] = lambda i, x: matvec(x, plain[i])
     except MatvecUnavailable as exc:
         print(f"matvec not available: {exc}")
+        return options
+    best = matvec_isa()
+    for isa in [best] + [p for p in ("avx2",) if p != best and isa_available(p)]:
+        options[f"matvec ({isa})"] = _on_isa(isa, lambda i, x: matvec(x, plain[i]))
+    use_matvec_isa(best)
     return options
+
+
+def isa_available(isa: str) -> bool:
+    """Whether this CPU runs kernels/cpu_matvec.py's `isa` path (the path in use is left as it was)."""
+    before = matvec_isa()
+    try:
+        use_matvec_isa(isa)
+    except RuntimeError:
+        return False
+    use_matvec_isa(before)
+    return True
+
+
+def _on_isa(isa: str, product: Product) -> Product:
+    """`product` on the matvec library's `isa` path: chosen at a pass's first product (weight 0)."""
+
+    def run(i: int, x: torch.Tensor) -> torch.Tensor:
+        if i == 0:
+            use_matvec_isa(isa)
+        return product(i, x)
+
+    return run
 
 
 def one_pass(

@@ -867,10 +867,30 @@ FP8_GPU = Area(
                lambda d: d["results"]["qwen3-moe-small"]["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 0.6b"),
         Figure("FP8 vs its dequantized bf16 copy: prompt log-probs, mean |Δ|, Qwen3-8B shape (FP8 KV cache alone: "
-               "0.241, same run; 2026-12-03 on an H200: 0.365, the control 0.231. On an H100)",
+               "0.241, same run; 2026-12-03 on an H200: 0.365, the control 0.231. On an H100. The w8a8 scheme's own "
+               "rounding in plain arithmetic moves this shape's log-probs by 0.3746 (rows below): out of reach of "
+               "any w8a8 implementation at this init)",
                "gpu_fp8_resident_2026-12-06_b.json",
                lambda d: _fp8r(d)["fp8_vs_dequantized_bf16"]["mean_abs_logprob_diff"], "{:.4f}",
                target=Target("<=", MEAN_LOGPROB_TOL, f"≤ {MEAN_LOGPROB_TOL}", on="value"), command=FP8R + " 8b"),
+        *(
+            Figure(f"the w8a8 scheme's own rounding, no FP8 kernel: prompt log-probs, mean |Δ|, {label}; on the CPU, "
+                   "transformers' Qwen3 in bf16 on block-FP8-dequantized weights, every decoder projection's input "
+                   f"rounded per token group of 128 to e4m3 and back or not ({note})",
+                   "cpu_fp8_sensitivity_2026-12-07_1.json",
+                   lambda d, shape=shape, init=init: _row(d["rows"], shape=shape, init=init)["mean_abs_logprob_diff"],
+                   "{:.4f}", command=f".venv/bin/python bench/cpu_fp8_sensitivity.py --shapes {shape} "
+                   "--inits 0.02,0.01,0.005")
+            for shape, init, label, note in (
+                ("0.6b", 0.02, "Qwen3-0.6B shape, init 0.02", "the GPU's FP8 checkpoint against its copy: 0.0418"),
+                ("8b", 0.02, "Qwen3-8B shape, init 0.02",
+                 "the GPU's: 0.3776; the 8B shape's residual branches amplify any rounding at this init"),
+                ("8b", 0.01, "Qwen3-8B shape, init 0.01", "half the range: the same e4m3 codes, half the gain"),
+                ("8b", 0.005, "Qwen3-8B shape, init 0.005",
+                 "`FP8RES_ARGS=\"--init 0.005 --logprobs-only\" bash bench/gpu_session.sh fp8res` measures the "
+                 "kernels there, beside this scheme distance on the same weights"),
+            )
+        ),
         Figure("max concurrent 4k-token requests, FP8 (e4m3) KV cache, Qwen3-8B shape, same memory",
                "gpu_fp8_kv_2026-12-03_b.json",
                lambda d: d["results"]["engine_fp8_e4m3"]["max_4k_requests_measured"], "{:,d}",

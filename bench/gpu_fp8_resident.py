@@ -1,7 +1,14 @@
 """FP8-resident weights on one GPU through the Engine: an FP8 checkpoint and `--quantization fp8` against
 the same weights dequantized to bf16, and what the FP8 weights free for the KV pool.
 
-    python bench/gpu_fp8_resident.py [0.6b|8b]     (from the repository root, on a GPU; default 0.6b)
+    python bench/gpu_fp8_resident.py [0.6b|8b] [--init R] [--logprobs-only]   (repository root, on a GPU)
+
+--init R builds the dense checkpoint at initializer_range R (default 0.02) under its own /tmp name;
+--logprobs-only runs the dense shape's FP8 checkpoint, its dequantized copy and the FP8-KV control alone
+(no MoE, no `--quantization fp8` pair, no decode timing, no byte checks), then the dequantized copy in
+transformers' Qwen3 with and without the w8a8 scheme's activation rounding (the scheme's own distance on
+these weights, in plain torch arithmetic, and our bf16 Engine's distance from transformers'), and requires
+the log-prob check.
 
 Builds (once per machine, under /tmp) a random Qwen3 checkpoint of the named shape in bf16
 (initializer_range 0.02, so activations stay in a trained model's range), its FP8 copy in the published
@@ -28,6 +35,7 @@ check fails.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -109,10 +117,16 @@ def write_fp8_copies(src: Path) -> tuple[Path, Path]:
     return fp8_dir, deq_dir
 
 
-def run(path: Path, **kw: object) -> dict:
-    """Greedy tokens, prompt log-probs, the worker's weight bytes and KV pool, batch-1 decode tok/s."""
+def bench_prompts() -> list[list[int]]:
+    """The 8 prompts (PROMPT_LENS) every run scores, from seed 3."""
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def run(path: Path, decode: bool = True, **kw: object) -> dict:
+    """Greedy tokens, prompt log-probs, the worker's weight bytes and KV pool, batch-1 decode tok/s (0.0 when
+    not `decode`)."""
+    prompts = bench_prompts()
     t0 = time.perf_counter()
     with Engine(str(path), mem_fraction_static=0.5, **kw) as e:
         info = e.get_server_info()
@@ -124,7 +138,7 @@ def run(path: Path, **kw: object) -> dict:
             input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 1}, return_logprob=True,
             logprob_start_len=0,
         )  # fmt: skip
-        decode = batch1_decode_tok_s(e, DECODE_STEPS)
+        decode = batch1_decode_tok_s(e, DECODE_STEPS) if decode else 0.0
     print(f"  {path.name} {kw}: {time.perf_counter() - t0:.1f} s", flush=True)
     return {
         "tokens": [r["output_ids"] for r in greedy],
@@ -148,9 +162,73 @@ def compare(ours: dict, ref: dict) -> dict:
     }
 
 
+def mean_abs_diff(xss: list[list[float]], yss: list[list[float]]) -> float:
+    diffs = [abs(a - b) for xs, ys in zip(xss, yss) for a, b in zip(xs, ys)]
+    return sum(diffs) / len(diffs)
+
+
+def scheme_distance(deq_dir: Path, deq: dict) -> dict:
+    """The same weights in transformers' Qwen3 on this GPU (bf16): how far the w8a8 scheme's own rounding
+    moves the prompt log-probs in plain torch arithmetic (every decoder `*_proj` input rounded per token group
+    of 128 to e4m3, bench/cpu_fp8_sensitivity.py), and how far our bf16 Engine is from transformers' bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.cpu_fp8_sensitivity import rounded_inputs, score
+
+    prompts = bench_prompts()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(deq_dir), dtype=torch.bfloat16).to(device).eval()
+    plain, _ = score(model, prompts)
+    handles = rounded_inputs(model)
+    rounded, _ = score(model, prompts)
+    for h in handles:
+        h.remove()
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "w8a8_scheme_mean_abs_logprob_diff": mean_abs_diff(rounded, plain),
+        "engine_bf16_vs_transformers_bf16_mean_abs_logprob_diff": mean_abs_diff(deq["logprobs"], plain),
+    }
+
+
+def logprobs_only(label: str, src: Path) -> int:
+    """--logprobs-only: the FP8 checkpoint vs its dequantized copy, beside the FP8-KV control and the w8a8
+    scheme's own distance on the same weights (transformers)."""
+    fp8_dir, deq_dir = write_fp8_copies(src)
+    fp8, deq = run(fp8_dir, decode=False), run(deq_dir, decode=False)
+    control = run(deq_dir, decode=False, kv_cache_dtype="fp8_e4m3")
+    c, k = compare(fp8, deq), compare(control, deq)
+    scheme = scheme_distance(deq_dir, deq)
+    ok = c["mean_abs_logprob_diff"] <= max(MEAN_LOGPROB_TOL, 2 * k["mean_abs_logprob_diff"])
+    result = {
+        "ok": ok,
+        "results": {label: {"fp8_vs_dequantized_bf16": c, "control_fp8_kv_vs_bf16_kv": k, "scheme": scheme}},
+    }
+    if os.environ.get("OUT"):
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "gpu_fp8_resident.json").write_text(json.dumps(result, indent=2))
+    greedy = sum(f == NEW_TOKENS for f in c["greedy_tokens_before_divergence"])
+    print(
+        f"{'model':24s} {'mean|dlp|':>9s} {'max|dlp|':>8s} {'ctl mean':>8s} {'scheme':>8s} {'vs HF':>8s} greedy= check"
+    )
+    print(f"{label:24s} {c['mean_abs_logprob_diff']:9.4f} {c['max_abs_logprob_diff']:8.3f} "
+          f"{k['mean_abs_logprob_diff']:8.4f} {scheme['w8a8_scheme_mean_abs_logprob_diff']:8.4f} "
+          f"{scheme['engine_bf16_vs_transformers_bf16_mean_abs_logprob_diff']:8.4f} "
+          f"{greedy}/{len(PROMPT_LENS)}    {'ok' if ok else 'FAIL'}")  # fmt: skip
+    return 0 if ok else 1
+
+
 def main() -> int:
-    shape = sys.argv[1] if len(sys.argv) > 1 else "0.6b"
-    dense = build_checkpoint(shape, torch.bfloat16, initializer_range=0.02)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("shape", nargs="?", default="0.6b", choices=("0.6b", "8b"))
+    parser.add_argument("--init", type=float, default=0.02, help="the dense checkpoint's initializer_range")
+    parser.add_argument("--logprobs-only", action="store_true")
+    args = parser.parse_args()
+    shape = args.shape
+    dense = build_checkpoint(shape, torch.bfloat16, initializer_range=args.init)
+    init = "" if args.init == 0.02 else f"-init{args.init}"
+    if args.logprobs_only:
+        return logprobs_only(f"qwen3-{shape}{init}", dense)
     moe = build_moe_checkpoint(
         "fp8-bench", torch.bfloat16, 0.02, vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
@@ -160,7 +238,7 @@ def main() -> int:
     ok = True
     rows = []
     bandwidth = copy_bandwidth()
-    for label, src in ((f"qwen3-{shape}", dense), ("qwen3-moe-small", moe)):
+    for label, src in ((f"qwen3-{shape}{init}", dense), ("qwen3-moe-small", moe)):
         fp8_dir, deq_dir = write_fp8_copies(src)
         fp8 = run(fp8_dir)
         fp8_eager = run(fp8_dir, cuda_graph_max_bs=0, cuda_graph_max_extend_tokens=0)

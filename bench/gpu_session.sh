@@ -12,7 +12,8 @@
 # pipeline (`radixserve up` vs the in-process Engine; needs .whl-pipeline/ carried too: its wheels and tokenizer/),
 # fp8 (FP8 kernels: checks, GEMV/GEMM/MoE timings), fp8rows (bench/gpu_fp8_rows.py: the FP8 products' forms and tiles at 64-256 rows), fp8moecheck (bench/gpu_fp8_moe_check.py: where the w8a8 MoE's
 # distance from its reference comes from), fp8mma (kernels/fp8_gemv_mma.py: checks, tile sweep, step), fp8res (FP8-resident weights through the Engine, FP8RES_SHAPE=8b|0.6b;
-# 8b needs ~330 s), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
+# 8b needs ~330 s; FP8RES_ARGS="--init 0.005 --logprobs-only": the log-prob check alone on a checkpoint at a quarter
+# the init range, bench/cpu_fp8_sensitivity.py), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
 # flagchain (bench/gpu_flag_chain.py: a 0.6B-shaped GEMV chain with stream order, the PDL wait, or counters),
 # profiledet (the bs-256 decode kernel table and extend probe, with and without --enable-deterministic-inference;
 # PROFILEDET_MODES=deterministic for one side, PROFILEDET_ARGS=--host-profile for cProfile tables),
@@ -92,7 +93,7 @@ for step in "${steps[@]}"; do
     fp8mma)  timeout 450 python bench/gpu_fp8_mma.py ${FP8MMA_ARGS:-} > "$OUT/fp8mma.log" 2>&1 ;;
     fp8)     timeout 400 python bench/gpu_fp8.py ${FP8_ARGS:---quick} > "$OUT/fp8.log" 2>&1 ;;
     fp8rows) timeout 500 python bench/gpu_fp8_rows.py ${FP8ROWS_ARGS:-} > "$OUT/fp8rows.log" 2>&1 ;;
-    fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} > "$OUT/fp8res.log" 2>&1
+    fp8res)  timeout 540 python bench/gpu_fp8_resident.py ${FP8RES_SHAPE:-8b} ${FP8RES_ARGS:-} > "$OUT/fp8res.log" 2>&1
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk
     q35)     timeout 500 python bench/gpu_qwen35.py ${Q35_ARGS:---models 9b} > "$OUT/q35.log" 2>&1 ;;
     flagchain) timeout 300 python bench/gpu_flag_chain.py ${FLAGCHAIN_ARGS:-} > "$OUT/flagchain.log" 2>&1 ;;
