@@ -28,7 +28,6 @@ wait for the kernel before it (read_ahead): a kernel boundary costs these short 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -97,26 +96,6 @@ def read_ahead(pdl: bool, prologue: int, prequant: bool, tiles: MmaGemvTiles) ->
     if not (pdl and preload_weights()) or prequant or tiles.unroll != 1:
         return False, False
     return prologue in (0, 2), prologue == 1
-
-
-# RS_MMA_EARLY_ALL=1 gives an EARLY launch of few turns every tile before its wait (stages_for); off by default
-# until a device A/B says it pays (bench/gpu_pdl.py --env RS_MMA_EARLY_ALL --models 8b-fp8): not yet timed.
-EARLY_ALL_ENV = "RS_MMA_EARLY_ALL"
-# Shared memory a program may give to its weight copies: 3 x 16 KB tiles keep four programs an SM.
-EARLY_ALL_MAX_STAGES = 3
-
-
-def stages_for(early: bool, k_per_split: int, tiles: MmaGemvTiles) -> int:
-    """Pipelined copies of a launch: where the wait sits inside the turns (EARLY) and a program has few
-    enough turns, one stage more than it has turns, so the pipeliner issues every weight tile of the
-    program before the wait: a launch after decode attention (o_proj: two turns a program at the 8B
-    shape) then streams its whole weight while attention, which reads little, finishes. Compiled for sm90
-    offline, the 8B o_proj's launch issues 16 weight copies before its wait with three stages, 8 with two
-    (51 against 35 KB of shared memory). Only under RS_MMA_EARLY_ALL=1."""
-    turns = k_per_split // GROUP_K
-    if not early or os.environ.get(EARLY_ALL_ENV, "0") != "1" or turns + 1 > EARLY_ALL_MAX_STAGES:
-        return tiles.num_stages
-    return max(tiles.num_stages, turns + 1)
 
 
 @triton.jit
@@ -334,7 +313,7 @@ def _launch(
         PRELOAD=preload,
         **pdl,
         num_warps=tiles.num_warps,
-        num_stages=stages_for(early, k_per_split, tiles),
+        num_stages=tiles.num_stages,
     )
 
 

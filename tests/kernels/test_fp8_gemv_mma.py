@@ -24,7 +24,6 @@ from kernels.fp8_gemv_mma import (
     mma_gemv_supported,
     read_ahead,
     split_for,
-    stages_for,
 )
 from kernels.fp8_reference import (
     fp8_block_linear_reference,
@@ -107,21 +106,6 @@ def test_read_ahead_only_under_pdl_and_by_prologue(monkeypatch) -> None:
     assert read_ahead(True, 0, False, MmaGemvTiles(unroll=2)) == (False, False)
     monkeypatch.setenv("RS_PDL_PRELOAD", "0")
     assert read_ahead(True, 1, False, tiles) == (False, False)
-
-
-def test_an_early_launch_of_few_turns_issues_every_tile_before_its_wait(monkeypatch) -> None:
-    tiles = MmaGemvTiles()  # two copies in flight
-    assert stages_for(True, 256, tiles) == tiles.num_stages  # off unless RS_MMA_EARLY_ALL=1
-    monkeypatch.setenv("RS_MMA_EARLY_ALL", "1")
-    # The 8B shape's o_proj (N = K = 4096): 16 splits of two turns, so three stages; down_proj (K = 12,288)
-    # has six turns a split and keeps its two; a launch that is not EARLY keeps its tiles' stages.
-    assert stages_for(True, split_for(4096, 4096, tiles)[1], tiles) == 3
-    assert stages_for(True, split_for(4096, 12288, tiles)[1], tiles) == tiles.num_stages
-    assert stages_for(False, 256, tiles) == tiles.num_stages
-    assert stages_for(True, 128, tiles) == tiles.num_stages  # one turn: its one tile already goes first
-    assert stages_for(True, 256, MmaGemvTiles(num_stages=4)) == 4  # never fewer than the tiles ask
-    monkeypatch.setenv("RS_MMA_EARLY_ALL", "0")
-    assert stages_for(True, 256, tiles) == tiles.num_stages
 
 
 @pytest.mark.parametrize("m", [1, 3])
