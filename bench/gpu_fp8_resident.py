@@ -149,8 +149,13 @@ def run(path: Path, decode: bool = True, **kw: object) -> dict:
     }
 
 
+def logprob_diffs(xss: list[list[float]], yss: list[list[float]]) -> list[float]:
+    """|a - b| for every scored token of every prompt."""
+    return [abs(a - b) for xs, ys in zip(xss, yss) for a, b in zip(xs, ys)]
+
+
 def compare(ours: dict, ref: dict) -> dict:
-    diffs = [abs(a - b) for xs, ys in zip(ours["logprobs"], ref["logprobs"]) for a, b in zip(xs, ys)]
+    diffs = logprob_diffs(ours["logprobs"], ref["logprobs"])
     firsts = [
         next((i for i, (a, b) in enumerate(zip(xs, ys)) if a != b), len(xs)) for xs, ys in zip(ours["tokens"], ref["tokens"])
     ]  # fmt: skip
@@ -163,7 +168,7 @@ def compare(ours: dict, ref: dict) -> dict:
 
 
 def mean_abs_diff(xss: list[list[float]], yss: list[list[float]]) -> float:
-    diffs = [abs(a - b) for xs, ys in zip(xss, yss) for a, b in zip(xs, ys)]
+    diffs = logprob_diffs(xss, yss)
     return sum(diffs) / len(diffs)
 
 
