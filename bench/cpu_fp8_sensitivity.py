@@ -16,8 +16,8 @@ transformers' own Qwen3 on the CPU:
   - prompt log-probs of bench/gpu_fp8_resident.py's 8 prompts, bf16 activations vs every `*_proj` input
     rounded per token group of 128 to e4m3 and back (per_token_group_quant_fp8_reference): mean and max
     |dlogprob|, and whether each prompt's greedy next token is unchanged.
-Each further init range of a shape is the first one's weights scaled (a power of two: the same e4m3 codes), so
-the rows differ in the residual branches' gain alone. Prints a table; JSON to bench/out/cpu_fp8_sensitivity.json.
+Each further init range of a shape is the weights before it scaled (by a power of two for 0.02, 0.01, 0.005: the
+same e4m3 codes), so the rows differ in the residual branches' gain alone. Prints a table; JSON to bench/out/cpu_fp8_sensitivity.json.
 Needs ~17 GB of memory for the 8B shape (bf16 weights).
 """
 
@@ -43,8 +43,8 @@ from kernels.fp8_reference import (  # noqa: E402
     quantize_block_weight,
 )
 
-# bench/gpu_fp8_resident.py's prompts and bench/gpu_common.py's shapes (copied: those modules import the GPU
-# harness).
+# The scored prompts' lengths (bench/gpu_fp8_resident.py scores the same bench_prompts) and bench/gpu_common.py's
+# shapes (copied: that module imports the GPU harness).
 PROMPT_LENS = (7, 40, 130, 300, 18, 64, 257, 5)
 SHAPES = {
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -55,6 +55,12 @@ SHAPES = {
 VOCAB = 151936
 BLOCK = (128, 128)
 OUT = Path(__file__).resolve().parent / "out" / "cpu_fp8_sensitivity.json"
+
+
+def bench_prompts() -> list[list[int]]:
+    """The 8 prompts (PROMPT_LENS) scored here and by bench/gpu_fp8_resident.py, from seed 3."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 def build(shape: str, init: float) -> torch.nn.Module:
@@ -119,19 +125,18 @@ def main() -> None:
     parser.add_argument("--inits", default="0.02,0.01", help="init ranges, the first the build's")
     args = parser.parse_args()
     inits = [float(v) for v in args.inits.split(",")]
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = bench_prompts()
     rows = []
     for shape in args.shapes.split(","):
         t0 = time.perf_counter()
         model = build(shape, inits[0])
         print(f"{shape}: built in {time.perf_counter() - t0:.0f} s", flush=True)
-        for init in inits:
-            if init != inits[0]:
+        for before, init in zip([inits[0], *inits], inits):
+            if init != before:  # from the last init's weights to this one's
                 with torch.no_grad():
                     for p in model.parameters():
                         if p.dim() >= 2:
-                            p.mul_(init / inits[0])
+                            p.mul_(init / before)
             t0 = time.perf_counter()
             ref, ref_next = score(model, prompts)
             handles = rounded_inputs(model)

@@ -49,6 +49,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.cpu_fp8_sensitivity import PROMPT_LENS, bench_prompts, rounded_inputs, score  # noqa: E402
 from bench.gpu_common import (  # noqa: E402
     OUT,
     batch1_decode_tok_s,
@@ -61,7 +62,6 @@ from services.worker.frontend.engine import Engine  # noqa: E402
 from services.worker.runtime.layers.fp8 import dequantize_blocks, quantize_blocks  # noqa: E402
 
 BLOCK = (128, 128)
-PROMPT_LENS = (7, 40, 130, 300, 18, 64, 257, 5)
 NEW_TOKENS = 32
 # The FP8 GEMM also rounds the activations to e4m3 (per token group), so the prompt log-probs move a
 # little against the dequantized weights in bf16; a wiring error (a wrong scale, a transposed block)
@@ -115,12 +115,6 @@ def write_fp8_copies(src: Path) -> tuple[Path, Path]:
     }  # fmt: skip
     (fp8_dir / "config.json").write_text(json.dumps(config))
     return fp8_dir, deq_dir
-
-
-def bench_prompts() -> list[list[int]]:
-    """The 8 prompts (PROMPT_LENS) every run scores, from seed 3."""
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 def run(path: Path, decode: bool = True, **kw: object) -> dict:
@@ -177,8 +171,6 @@ def scheme_distance(deq_dir: Path, deq: dict) -> dict:
     moves the prompt log-probs in plain torch arithmetic (every decoder `*_proj` input rounded per token group
     of 128 to e4m3, bench/cpu_fp8_sensitivity.py), and how far our bf16 Engine is from transformers' bf16."""
     from transformers import AutoModelForCausalLM
-
-    from bench.cpu_fp8_sensitivity import rounded_inputs, score
 
     prompts = bench_prompts()
     device = "cuda" if torch.cuda.is_available() else "cpu"
