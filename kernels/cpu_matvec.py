@@ -184,6 +184,29 @@ def use_matvec_isa(isa: str) -> str:
     return torch.ops.radixserve_cpu.use_matvec_isa(isa)
 
 
+# RS_CPU_ROW_HELPERS=0: no row helpers (A/B runs); a rank whose OpenMP team gave cores back then computes
+# its single-row products on the one thread left.
+ROW_HELPERS_ENV = "RS_CPU_ROW_HELPERS"
+
+
+def set_row_helpers(count: int, delay_us: int = 0) -> list[int]:
+    """Start `count` helper threads for the single-row products (kernels/cpu/row_helpers.h), ending those
+    before (0: none), and return their kernel thread ids. They never make a product wait: the rows are cut
+    into chunks, and any chunk a helper claimed and has not finished when the rest are done is computed
+    again by the caller, the same bits either way. Where the library is not loaded, or RS_CPU_ROW_HELPERS is
+    0, starts none and returns []. `delay_us` (tests) makes each helper sleep that long after every claim."""
+    if _loaded is None or (count > 0 and os.environ.get(ROW_HELPERS_ENV, "1") == "0"):
+        return []
+    return list(torch.ops.radixserve_cpu.set_row_helpers(count, delay_us))
+
+
+def row_helper_stats() -> tuple[int, int]:
+    """(chunks the helpers computed, chunks taken over from a thread that had claimed them), this process."""
+    load_matvec()
+    helped, taken = torch.ops.radixserve_cpu.row_helper_stats()
+    return helped, taken
+
+
 if __name__ == "__main__":
     # `make setup`: build now so no Engine pays for it; never fail setup (the engines fall back).
     try:

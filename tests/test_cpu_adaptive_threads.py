@@ -306,3 +306,43 @@ def test_the_step_loop_asks_the_controller_between_steps(
         engine.generate("Hello there", {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert len(waits) >= 8  # one call per step at least: a prompt pass and the decode steps
     assert all(w >= 0 for w in waits)
+
+
+@TWO_CORES
+def test_cores_given_back_get_row_helpers_counted_as_the_ranks_own() -> None:
+    """Cut to one thread, the rank starts a row helper (kernels/cpu/row_helpers.h) free to run on both of its
+    cores, and counts it with its compute threads (else its CPU time would read as a neighbour's load and
+    keep the core given back); grown again, the helper ends."""
+    code = """
+import json, os, threading
+import torch
+from kernels.cpu_matvec import load_matvec, row_helper_stats
+from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
+from services.worker.cpu_threads import adaptive_threads
+load_matvec()
+cores = tuple(sorted(os.sched_getaffinity(0))[-2:])
+team = pin_compute_threads(ComputePlacement(2, cores))
+adaptive = adaptive_threads(ComputePlacement(2, cores), team)
+out = {}
+for threads in (1, 2):
+    adaptive._set_threads(threads)
+    own = sorted(adaptive._read_own())
+    helpers = [t for t in own if t not in team and t != threading.get_native_id()]
+    allowed = {}
+    for tid in helpers:
+        status = open(f"/proc/self/task/{tid}/status").read()
+        allowed[tid] = next(l.split()[1] for l in status.splitlines() if l.startswith("Cpus_allowed_list"))
+    if threads == 1:
+        w, x = torch.randn(4096, 64), torch.randn(1, 64)
+        for _ in range(50):
+            torch.ops.radixserve_cpu.matvec(x, w)
+    out[threads] = {"helpers": len(helpers), "allowed": sorted(allowed.values()), "stats": row_helper_stats()}
+out["cores"] = cores
+print(json.dumps(out))
+"""
+    result = json.loads(python_stdout(code).strip().splitlines()[-1])
+    cores = ",".join(str(c) for c in result["cores"])
+    assert result["1"]["helpers"] == 1
+    assert result["1"]["allowed"] == [cores] or result["1"]["allowed"] == [f"{result['cores'][0]}-{result['cores'][1]}"]
+    assert result["1"]["stats"][0] > 0  # the helper computed chunks of the products
+    assert result["2"]["helpers"] == 0

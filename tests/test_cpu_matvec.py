@@ -151,7 +151,7 @@ def test_the_weight_prefetch_changes_no_bit(tmp_path) -> None:
     if not isas:
         pytest.skip("this CPU has no vector path")
     outs = []
-    for value in ("0", None, "65536", "nonsense"):
+    for value in ("0", None, "1536", "65536", "nonsense"):
         env = {k: v for k, v in os.environ.items() if k != "RS_CPU_PREFETCH_BYTES"}
         if value is not None:
             env["RS_CPU_PREFETCH_BYTES"] = value
@@ -506,3 +506,78 @@ def test_layers_fold_the_norm_and_activation_into_the_cpu_product(monkeypatch: p
     assert torch.equal(new_residual, summed)
     for ours, ref in ((gate_up, ref_up), (y, ref_down)):
         assert ((ours - ref).norm() / ref.norm()) <= 1e-5
+
+
+@pytest.fixture
+def no_row_helpers_after() -> Iterator[None]:
+    yield
+    cpu_matvec.set_row_helpers(0)
+
+
+@needs_matvec
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_helpers_give_the_one_thread_bits(dtype: torch.dtype, no_row_helpers_after: None) -> None:
+    """Products shared with row helpers (kernels/cpu/row_helpers.h) give the one thread's bits: with helpers
+    that keep up, and with helpers that sleep after every claim, as preempted ones would, so the caller
+    computes again the chunks they claimed (counted as taken over) and their late results are dropped.
+    Shapes below two chunks run on the caller alone; the others end on a part chunk."""
+    g = torch.Generator().manual_seed(11)
+    weights = [(torch.randn(n, 96, generator=g) * 0.1).to(dtype) for n in (63, 64, 65, 100, 960, 3000)]
+    x = torch.randn(1, 96, generator=g).to(dtype)
+    mv = load_matvec()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = [mv(x, w) for w in weights]
+        for count, delay_us in ((1, 0), (2, 0), (1, 300)):
+            tids = cpu_matvec.set_row_helpers(count, delay_us)
+            assert len(tids) == count and all(Path(f"/proc/self/task/{t}").exists() for t in tids)
+            helped0, taken0 = cpu_matvec.row_helper_stats()
+            for _ in range(30):
+                for w, ref in zip(weights, alone):
+                    assert torch.equal(mv(x, w), ref)
+            helped, taken = cpu_matvec.row_helper_stats()
+            if delay_us:
+                assert taken > taken0  # the sleeping helpers' chunks were computed again
+        assert helped > 0
+        assert cpu_matvec.set_row_helpers(0) == []
+        assert all(torch.equal(mv(x, w), ref) for w, ref in zip(weights, alone))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_matvec
+def test_a_late_row_helper_never_reads_a_freed_weight(no_row_helpers_after: None) -> None:
+    """A helper asleep inside a product that has ended may wake after its weight is gone: each product's
+    inputs stay held until no helper is inside the job that used them (else this reads unmapped memory)."""
+    mv = load_matvec()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(1, 256, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cpu_matvec.set_row_helpers(1, 2000)
+        for i in range(40):
+            w = torch.randn(8192, 256, generator=g)  # 8 MiB: its own mapping, unmapped when freed
+            expected = (x.double() @ w.double().T).float()
+            assert torch.allclose(mv(x, w), expected, rtol=1e-4, atol=1e-4), i
+            del w
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_matvec
+def test_row_helpers_bad_counts_are_refused(no_row_helpers_after: None) -> None:
+    with pytest.raises(RuntimeError, match="count must be in"):
+        torch.ops.radixserve_cpu.set_row_helpers(-1)
+    with pytest.raises(RuntimeError, match="delay_us must be in"):
+        torch.ops.radixserve_cpu.set_row_helpers(1, -5)
+
+
+@needs_matvec
+def test_row_helpers_off_from_the_environment(monkeypatch: pytest.MonkeyPatch, no_row_helpers_after: None) -> None:
+    load_matvec()
+    monkeypatch.setenv(cpu_matvec.ROW_HELPERS_ENV, "0")
+    assert cpu_matvec.set_row_helpers(1) == []
+    monkeypatch.setenv(cpu_matvec.ROW_HELPERS_ENV, "1")
+    assert len(cpu_matvec.set_row_helpers(1)) == 1

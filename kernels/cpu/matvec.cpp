@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -34,6 +35,7 @@
 #include "bf16.h"
 #include "chunk_shares.h"
 #include "exp16.h"
+#include "row_helpers.h"
 
 namespace {
 
@@ -66,18 +68,31 @@ void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0,
 }
 
 // Bytes ahead of the weight being read that the product asks to be brought into L2 (RS_CPU_PREFETCH_BYTES,
-// default 1536; 0 turns it off), for a float32 weight; a bfloat16 weight looks twice as far. The hardware
+// default 1536, or 0 on an AMD CPU without AVX-512; 0 turns it off), for a float32 weight; a bfloat16 weight
+// looks twice as far. The hardware
 // prefetchers alone left a thread's stream at ~9.3-10 GB/s on a 2-vCPU Xeon guest whose memory gives one thread
 // ~10.6; with these requests SmolLM2's batch-1 step at one thread went 59.2 -> 52.4 ms (bench/HISTORY.md, "CPU,
 // twenty-sixth session"; 3072 bytes were no better than none there, in float32). In bfloat16 the same guest
 // class wants more: a pass over SmolLM2's bfloat16 weights took 24.6 ms at 1536 bytes against 20.4 at 3072 or
-// 6144 with one thread, 13.6 against 11.3 (6144) with two (thirty-second session). Prefetches never fault, so
-// the ones past the end of a band or of the weight are harmless.
+// 6144 with one thread, 13.6 against 11.3 (6144) with two (thirty-second session). On AMD's AVX2-only cores
+// (Zen 3 and before) the requests cost more than they bring: on a 2-vCPU Zen 3 guest a one-thread pass over
+// SmolLM2's float32 weights took 36.5-47.6 ms without them against 40.3-55.7 with, in every one of nine
+// alternating pairs, and the Engine's batch-1 decode at one thread ran 17.4-19.6 tok/s against 14.0-16.4
+// (thirty-eighth session); there the default is none. Prefetches never fault, so the ones past the end of a
+// band or of the weight are harmless.
+int64_t default_prefetch_bytes() {
+#ifdef RS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd") && !__builtin_cpu_supports("avx512f")) return 0;
+#endif
+  return 1536;
+}
+
 template <typename T>
 int64_t prefetch_bytes() {
   static const int64_t bytes = [] {
     const char* env = std::getenv("RS_CPU_PREFETCH_BYTES");
-    const long long v = env != nullptr ? std::atoll(env) : 1536;
+    const long long v = env != nullptr ? std::atoll(env) : default_prefetch_bytes();
     return static_cast<int64_t>(std::clamp<long long>(v, 0, 1 << 20));
   }();
   return sizeof(T) == 2 ? 2 * bytes : bytes;
@@ -232,14 +247,61 @@ void check_row(const char* op, const char* what, const at::Tensor& t, int64_t k,
   TORCH_CHECK(t.numel() == k, op, ": ", what, " must hold one row of K=", k, " values, got shape ", t.sizes());
 }
 
+// One product for the row helpers (row_helpers.h): rows [r0, r1) of W v into out[0, r1 - r0), by the same
+// rows function, so the same bits, as the threads' bands.
+struct ProductJob {
+  const void* w;
+  int64_t ld, k;
+  const float* v;
+};
+
+// A job's inputs, kept until its slot is refilled (row_helpers.h: a helper may still read them).
+struct ProductSlot {
+  at::Tensor weight;
+  std::vector<float> v;
+  ProductJob job{};
+};
+
+std::array<ProductSlot, radixserve_cpu_helpers::RowHelpers::kSlots>& product_slots() {
+  static auto* slots = new std::array<ProductSlot, radixserve_cpu_helpers::RowHelpers::kSlots>();
+  return *slots;
+}
+
+template <typename T>
+void product_chunk(const void* job, int64_t r0, int64_t r1, float* out) {
+  const ProductJob& j = *static_cast<const ProductJob*>(job);
+  const T* w = static_cast<const T*>(j.w) + r0 * j.ld;
+  if constexpr (std::is_same_v<T, float>) {
+    path().fn(w, j.ld, j.v, out, 0, r1 - r0, j.k);
+  } else {
+    path().bf16(w, j.ld, j.v, out, 0, r1 - r0, j.k);
+  }
+}
+
 // y = W v over the compute threads: bands of whole 4-row blocks, each thread ceil(blocks / threads)
-// of them, one contiguous stream; y (float32, shaped like `like`, last dim N) is new.
+// of them, one contiguous stream; or, where the rank has row helpers (its OpenMP team cut to one thread
+// while other processes want its cores), chunks shared with them. y (float32, shaped like `like`, last dim
+// N) is new.
 at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& like) {
   const int64_t n = weight.size(0), k = weight.size(1), ld = weight.stride(0);
   std::vector<int64_t> out_shape(like.sizes().begin(), like.sizes().end());
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, like.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
+  radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
+  if (helpers.count() > 0 && n >= 2 * radixserve_cpu_helpers::RowHelpers::kChunkRows && !at::in_parallel_region()) {
+    const bool bf16 = weight.scalar_type() == at::kBFloat16;
+    auto fill = [&](int s) -> const void* {
+      ProductSlot& slot = product_slots()[s];
+      slot.weight = weight;  // held until the slot is refilled: a late helper may still read it
+      slot.v.assign(vp, vp + k);
+      slot.job = {bf16 ? static_cast<const void*>(weight.data_ptr<at::BFloat16>())
+                       : static_cast<const void*>(weight.data_ptr<float>()),
+                  ld, k, slot.v.data()};
+      return &slot.job;
+    };
+    if (helpers.run(fill, bf16 ? product_chunk<uint16_t> : product_chunk<float>, yp, n)) return y;
+  }
   if (weight.scalar_type() == at::kBFloat16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
     const Bf16RowsFn fn = path().bf16;
@@ -787,6 +849,23 @@ std::string use_matvec_isa(const std::string& isa) {
   TORCH_CHECK(false, "matvec: this CPU has no '", isa, "' path (it has: ", names, ")");
 }
 
+// Starts `count` row helpers for the single-row products (ending those before; 0: none); returns their
+// kernel thread ids, which the caller places and counts as the rank's own. `delay_us` (tests) makes each
+// helper sleep that long after claiming every chunk, as one the kernel preempted would.
+std::vector<int64_t> set_row_helpers(int64_t count, int64_t delay_us) {
+  TORCH_CHECK(count >= 0 && count <= 1024, "set_row_helpers: count must be in [0, 1024], got ", count);
+  TORCH_CHECK(delay_us >= 0 && delay_us <= 1000000, "set_row_helpers: delay_us must be in [0, 1e6], got ", delay_us);
+  return radixserve_cpu_helpers::RowHelpers::get().resize(static_cast<int>(count), delay_us, [] {
+    for (ProductSlot& slot : product_slots()) slot = ProductSlot{};  // the weights held for late helpers
+  });
+}
+
+// [chunks computed by helpers, chunks taken over from a thread that claimed them] since the process began.
+std::vector<int64_t> row_helper_stats() {
+  const auto [helped, taken] = radixserve_cpu_helpers::RowHelpers::get().stats();
+  return {helped, taken};
+}
+
 }  // namespace
 
 // rows.cpp's vector paths follow the products' choice (use_matvec_isa switches both).
@@ -803,6 +882,8 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("decode_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scale) -> Tensor");
   m.def("matvec_isa() -> str", &matvec_isa);
   m.def("use_matvec_isa(str isa) -> str", &use_matvec_isa);
+  m.def("set_row_helpers(int count, int delay_us=0) -> int[]", &set_row_helpers);
+  m.def("row_helper_stats() -> int[]", &row_helper_stats);
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {

@@ -166,15 +166,37 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
         raise ValueError("adaptive threads need every compute thread pinned to a core of its own")
     cores = placement.cores[: placement.threads]
     team = dict(pinned)
+    helpers: list[int] = []
 
     def set_threads(threads: int) -> None:
         live = resize_compute_threads(cores, team, threads)
         team.clear()
         team.update(live)
+        helpers[:] = start_row_helpers(cores, len(cores) - threads)
 
     return AdaptiveThreads(
         placement.threads,
         set_threads,
         read_busy=lambda: read_busy_ticks(cores),
-        read_own=lambda: read_thread_ticks(tuple(team)),
+        read_own=lambda: read_thread_ticks((*team, *helpers)),
     )
+
+
+def start_row_helpers(cores: tuple[int, ...], count: int) -> list[int]:
+    """`count` row helpers for the single-row products (kernels/cpu/row_helpers.h) on the cores a rank gave
+    back, free to run on any of `cores`; returns their thread ids (none where the C++ products are not
+    loaded). A team cut to fewer threads waits at each barrier only for its own; the helpers take whatever
+    share of the given-back cores the kernel grants them and never make a product wait, so the batch-1
+    products, most of such a step, still use those cores (SmolLM2 on 2 vCPUs beside two busy loops: a pass
+    over the weights 56-60 ms with one helper against 52-92 without, bench/HISTORY.md, thirty-eighth
+    session). Their CPU time is the rank's own: the caller counts them with its compute threads."""
+    from kernels.cpu_matvec import set_row_helpers
+
+    tids = set_row_helpers(count)
+    if hasattr(os, "sched_setaffinity"):
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, set(cores))
+            except OSError:  # a helper that has already ended keeps no mask to set
+                pass
+    return tids

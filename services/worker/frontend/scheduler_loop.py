@@ -29,7 +29,7 @@ import torch
 
 from services.worker.config import EngineConfig
 from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
-from services.worker.cpu_threads import AdaptiveThreads, adaptive_threads
+from services.worker.cpu_threads import AdaptiveThreads, adaptive_threads, start_row_helpers
 from services.worker.runtime import distributed
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_runner import ModelRunner, default_device
@@ -381,6 +381,8 @@ def run_scheduler_loop(
             faulthandler.dump_traceback_later(CLEANUP_TRACE_S)
         if loop is not None and loop.grammar is not None:
             loop.grammar.close()
+        if loop is not None and loop.adaptive is not None:
+            start_row_helpers((), 0)  # this rank's row helpers end with it (the process may start another)
         if loop is not None and loop.placement is not None:
             loop.placement.release()  # the cores' claims, for a later Engine or worker on this host
         distributed.destroy_tp(exiting=own_process)
