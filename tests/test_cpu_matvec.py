@@ -533,13 +533,16 @@ def test_row_helpers_give_the_one_thread_bits(dtype: torch.dtype, no_row_helpers
             tids = cpu_matvec.set_row_helpers(count, delay_us)
             assert len(tids) == count and all(Path(f"/proc/self/task/{t}").exists() for t in tids)
             helped0, taken0 = cpu_matvec.row_helper_stats()
-            for _ in range(30):
+            for _ in range(10):
                 for w, ref in zip(weights, alone):
                     assert torch.equal(mv(x, w), ref)
-            helped, taken = cpu_matvec.row_helper_stats()
-            if delay_us:
-                assert taken > taken0  # the sleeping helpers' chunks were computed again
-        assert helped > 0
+            for _ in range(500):  # until a helper has claimed a chunk (the host may keep it off a core a while)
+                assert torch.equal(mv(x, weights[-1]), alone[-1])
+                helped, taken = cpu_matvec.row_helper_stats()
+                if (taken > taken0) if delay_us else (helped > helped0):
+                    break
+            # Helpers that keep up commit chunks; sleeping ones have theirs computed again by the caller.
+            assert (taken > taken0) if delay_us else (helped > helped0)
         assert cpu_matvec.set_row_helpers(0) == []
         assert all(torch.equal(mv(x, w), ref) for w, ref in zip(weights, alone))
     finally:

@@ -347,3 +347,40 @@ def test_bfloat16_pair_panels_are_taken_where_vdpbf16ps_runs_and_they_were_faste
     assert not use_pair_panels(model)
     monkeypatch.setenv(PANELS_ENV, "1")
     assert use_pair_panels()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_helpers_give_the_one_thread_bits(dtype: torch.dtype) -> None:
+    """Panel products shared with row helpers (kernels/cpu/row_helpers.h: chunks of 4 panels through every row
+    block, each into the claimer's buffer, written out by the thread that commits it) give the one thread's
+    bits, with helpers that keep up and with helpers that sleep after every claim (so their chunks are taken
+    over), with and without a bias, over one row block and several (bfloat16: the chunk's weights widened)."""
+    from kernels.cpu_matvec import row_helper_stats, set_row_helpers
+
+    g = torch.Generator().manual_seed(21)
+    cases = []
+    for n, k in ((3000, 128), (100, 40), (13, 8)):
+        panels = ops().pack_panels((torch.randn(n, k, generator=g) * 0.1).to(dtype))
+        for m in (2, 24, 70):
+            cases.append((torch.randn(m, k, generator=g).to(dtype), panels, torch.randn(n, generator=g).to(dtype)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = [(ops().panel_linear(x, p, b), ops().panel_linear(x, p)) for x, p, b in cases]
+        for count, delay_us in ((1, 0), (1, 300)):
+            set_row_helpers(count, delay_us)
+            helped0, taken0 = row_helper_stats()
+            for _ in range(3):
+                for (x, p, b), (with_bias, without) in zip(cases, alone):
+                    assert torch.equal(ops().panel_linear(x, p, b), with_bias)
+                    assert torch.equal(ops().panel_linear(x, p), without)
+            x, p, b = cases[2]  # 3,000 columns, 70 rows: 63 chunks
+            for _ in range(200):  # until a helper has claimed a chunk (the host may keep it off a core a while)
+                assert torch.equal(ops().panel_linear(x, p, b), alone[2][0])
+                helped, taken = row_helper_stats()
+                if (taken > taken0) if delay_us else (helped > helped0):
+                    break
+            assert (taken > taken0) if delay_us else (helped > helped0)
+    finally:
+        set_row_helpers(0)
+        torch.set_num_threads(before)

@@ -37,6 +37,10 @@
 #include "exp16.h"
 #include "row_helpers.h"
 
+namespace radixserve_cpu_panels {
+void clear_helper_slots();  // panels.cpp: the inputs its helper jobs hold
+}  // namespace radixserve_cpu_panels
+
 namespace {
 
 using RowsFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
@@ -247,12 +251,16 @@ void check_row(const char* op, const char* what, const at::Tensor& t, int64_t k,
   TORCH_CHECK(t.numel() == k, op, ": ", what, " must hold one row of K=", k, " values, got shape ", t.sizes());
 }
 
-// One product for the row helpers (row_helpers.h): rows [r0, r1) of W v into out[0, r1 - r0), by the same
-// rows function, so the same bits, as the threads' bands.
+// One product for the row helpers (row_helpers.h): chunks of kHelperRows rows of W v, each computed by the
+// same rows function, so the same bits, as the threads' bands.
+constexpr int64_t kHelperRows = 32;  // ~74 KB of a 576-wide float32 weight: a few microseconds a chunk
+
 struct ProductJob {
   const void* w;
   int64_t ld, k;
   const float* v;
+  float* y;
+  int64_t n;
 };
 
 // A job's inputs, kept until its slot is refilled (row_helpers.h: a helper may still read them).
@@ -268,14 +276,21 @@ std::array<ProductSlot, radixserve_cpu_helpers::RowHelpers::kSlots>& product_slo
 }
 
 template <typename T>
-void product_chunk(const void* job, int64_t r0, int64_t r1, float* out) {
+void product_chunk(const void* job, int64_t c, float* out) {
   const ProductJob& j = *static_cast<const ProductJob*>(job);
+  const int64_t r0 = c * kHelperRows, r1 = std::min(j.n, r0 + kHelperRows);
   const T* w = static_cast<const T*>(j.w) + r0 * j.ld;
   if constexpr (std::is_same_v<T, float>) {
     path().fn(w, j.ld, j.v, out, 0, r1 - r0, j.k);
   } else {
     path().bf16(w, j.ld, j.v, out, 0, r1 - r0, j.k);
   }
+}
+
+void product_commit(const void* job, int64_t c, const float* out) {
+  const ProductJob& j = *static_cast<const ProductJob*>(job);
+  const int64_t r0 = c * kHelperRows, r1 = std::min(j.n, r0 + kHelperRows);
+  std::memcpy(j.y + r0, out, sizeof(float) * static_cast<size_t>(r1 - r0));
 }
 
 // y = W v over the compute threads: bands of whole 4-row blocks, each thread ceil(blocks / threads)
@@ -289,7 +304,7 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
   at::Tensor y = at::empty(out_shape, like.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
-  if (helpers.count() > 0 && n >= 2 * radixserve_cpu_helpers::RowHelpers::kChunkRows && !at::in_parallel_region()) {
+  if (helpers.count() > 0 && n >= 2 * kHelperRows && !at::in_parallel_region()) {
     const bool bf16 = weight.scalar_type() == at::kBFloat16;
     auto fill = [&](int s) -> const void* {
       ProductSlot& slot = product_slots()[s];
@@ -297,10 +312,15 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
       slot.v.assign(vp, vp + k);
       slot.job = {bf16 ? static_cast<const void*>(weight.data_ptr<at::BFloat16>())
                        : static_cast<const void*>(weight.data_ptr<float>()),
-                  ld, k, slot.v.data()};
+                  ld, k, slot.v.data(), yp, n};
       return &slot.job;
     };
-    if (helpers.run(fill, bf16 ? product_chunk<uint16_t> : product_chunk<float>, yp, n)) return y;
+    radixserve_cpu_helpers::Work work;
+    work.chunks = (n + kHelperRows - 1) / kHelperRows;
+    work.buffer_floats = kHelperRows;
+    work.compute = bf16 ? product_chunk<uint16_t> : product_chunk<float>;
+    work.commit = product_commit;
+    if (helpers.run(fill, work)) return y;
   }
   if (weight.scalar_type() == at::kBFloat16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
@@ -857,6 +877,7 @@ std::vector<int64_t> set_row_helpers(int64_t count, int64_t delay_us) {
   TORCH_CHECK(delay_us >= 0 && delay_us <= 1000000, "set_row_helpers: delay_us must be in [0, 1e6], got ", delay_us);
   return radixserve_cpu_helpers::RowHelpers::get().resize(static_cast<int>(count), delay_us, [] {
     for (ProductSlot& slot : product_slots()) slot = ProductSlot{};  // the weights held for late helpers
+    radixserve_cpu_panels::clear_helper_slots();
   });
 }
 

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -51,6 +52,7 @@
 
 #include "bf16.h"
 #include "chunk_shares.h"
+#include "row_helpers.h"
 
 namespace radixserve_cpu_paths {
 bool avx512();  // matvec.cpp: the products' chosen path (use_matvec_isa switches it)
@@ -500,6 +502,80 @@ void bias_rows(at::Tensor& y, const float* bp) {
   for (int64_t i = 0; i < y.numel(); ++i) yp[i] = bp != nullptr ? bp[i % n] : 0.0f;
 }
 
+// A panel product for the row helpers (row_helpers.h): chunk c is the kChunkPanels panels from c * kChunkPanels,
+// through every row block, into a thread's buffer (the blocks' sums side by side, then the k-block scratch and,
+// for bfloat16 over several blocks, the chunk's widened weights), then written out as the threads' chunks are:
+// the same arithmetic, so the same bits. Used up to kHelperMaxRows rows (a chunk's sums stay ~200 KB or less).
+constexpr int64_t kHelperMaxRows = 1024;
+
+struct PanelJob {
+  const void* wp;
+  bool narrow;  // bfloat16 panels (uint16_t), else float32
+  const float* xt;
+  const int64_t* offsets;
+  const int64_t* mps;
+  const int64_t* acc_at;  // block j's sums at acc_at[j] in a chunk's buffer; acc_at[blocks]: their total
+  const float* bp;
+  float* y;
+  int64_t m, n, k, blocks, block_rows, num_panels;
+  Path path;
+  bool avx2;
+};
+
+// A job's inputs, kept until its slot is refilled (a late helper may still read them).
+struct PanelSlot {
+  at::Tensor panels;
+  std::unique_ptr<float[]> xt;
+  std::vector<int64_t> offsets, mps, acc_at;
+  std::vector<float> bias;
+  PanelJob job{};
+};
+
+std::array<PanelSlot, radixserve_cpu_helpers::RowHelpers::kSlots>& panel_slots() {
+  static auto* slots = new std::array<PanelSlot, radixserve_cpu_helpers::RowHelpers::kSlots>();
+  return *slots;
+}
+
+void panel_chunk(const void* job, int64_t c, float* buf) {
+  const PanelJob& j = *static_cast<const PanelJob*>(job);
+  const int64_t p0 = c * kChunkPanels, p1 = std::min(j.num_panels, p0 + kChunkPanels);
+  float* scratch = buf + j.acc_at[j.blocks];
+  float* wide = scratch + kKBlock * kPanel;
+  const bool widened = j.narrow && j.blocks > 1;
+  if (widened) {
+    const int64_t n0 = p0 * kPanel, n1 = std::min(j.n, p1 * kPanel);
+    block_weights(static_cast<const uint16_t*>(j.wp) + p0 * kPanel * j.k, (n1 - n0) * j.k, wide, j.avx2);
+  }
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const int64_t mp = j.mps[b];
+    for (int64_t p = p0; p < p1; ++p) {
+      const PanelAt at_p = panel_at(p, j.n, j.k);
+      float* out = buf + j.acc_at[b] + (p - p0) * kPanel * mp;
+      if (widened) {
+        panel_block(j.xt + j.offsets[b], mp, wide + (at_p.offset - p0 * kPanel * j.k), at_p.width, j.k, out, scratch,
+                    j.path);
+      } else if (j.narrow) {
+        panel_block(j.xt + j.offsets[b], mp, static_cast<const uint16_t*>(j.wp) + at_p.offset, at_p.width, j.k, out,
+                    scratch, j.path);
+      } else {
+        panel_block(j.xt + j.offsets[b], mp, static_cast<const float*>(j.wp) + at_p.offset, at_p.width, j.k, out,
+                    scratch, j.path);
+      }
+    }
+  }
+}
+
+void panel_commit(const void* job, int64_t c, const float* buf) {
+  const PanelJob& j = *static_cast<const PanelJob*>(job);
+  const int64_t p0 = c * kChunkPanels, p1 = std::min(j.num_panels, p0 + kChunkPanels);
+  const int64_t n0 = p0 * kPanel, n1 = std::min(j.n, p1 * kPanel);
+  for (int64_t b = 0; b < j.blocks; ++b) {
+    const int64_t r0 = b * j.block_rows;
+    write_rows(buf + j.acc_at[b], j.mps[b], std::min(j.block_rows, j.m - r0), n0, n1, j.bp, j.y + r0 * j.n, j.n,
+               j.avx2);
+  }
+}
+
 // x (float32 [M, K]) times the panels (of W: float32, or bfloat16 as uint16_t) plus bp where given: [M, N] float32.
 template <typename W>
 at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const float* bp) {
@@ -550,6 +626,31 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
   float* yp = y.mutable_data_ptr<float>();
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
+  radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
+  if (helpers.count() > 0 && chunks >= 2 && m <= kHelperMaxRows && !at::in_parallel_region()) {
+    constexpr bool narrow = !std::is_same_v<W, float>;
+    auto fill = [&](int s) -> const void* {
+      PanelSlot& slot = panel_slots()[s];
+      slot.panels = panels;  // held until the slot is refilled, as the rest
+      slot.xt = std::move(xt);
+      slot.offsets = offsets;
+      slot.mps = mps;
+      slot.acc_at.assign(blocks + 1, 0);
+      for (int64_t b = 0; b < blocks; ++b) slot.acc_at[b + 1] = slot.acc_at[b] + kChunkPanels * kPanel * mps[b];
+      if (bp != nullptr) slot.bias.assign(bp, bp + n);
+      slot.job = {wp, narrow, slot.xt.get(), slot.offsets.data(), slot.mps.data(), slot.acc_at.data(),
+                  bp != nullptr ? slot.bias.data() : nullptr, yp, m, n, k, blocks, block_rows, num_panels, path, avx2};
+      return &slot.job;
+    };
+    int64_t sums = 0;
+    for (int64_t b = 0; b < blocks; ++b) sums += kChunkPanels * kPanel * mps[b];
+    radixserve_cpu_helpers::Work work;
+    work.chunks = chunks;
+    work.buffer_floats = sums + kKBlock * kPanel + (narrow && blocks > 1 ? kChunkPanels * kPanel * k : 0);
+    work.compute = panel_chunk;
+    work.commit = panel_commit;
+    if (helpers.run(fill, work)) return y;  // else fill never ran: x's transpose is still here
+  }
   // One share of the chunks a thread (at::parallel_for hands each thread one index of [0, teams)).
   const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
   radixserve_cpu_shares::ChunkShares shares(chunks, teams);
@@ -688,3 +789,9 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
 }
+
+namespace radixserve_cpu_panels {
+void clear_helper_slots() {
+  for (PanelSlot& slot : panel_slots()) slot = PanelSlot{};
+}
+}  // namespace radixserve_cpu_panels

@@ -1,24 +1,25 @@
-// Helper threads for a single-row product that never make the caller wait for them.
+// Helper threads for the CPU's products that never make the caller wait for them.
 //
 // When other processes want a rank's cores, its OpenMP team shrinks to one thread (services/worker/
 // cpu_threads.py): a team's every region ends at a barrier that waits for each of its threads, and a thread
-// the kernel has preempted holds the whole step for its time slice. The batch-1 products, most of such a
-// step, still use the rank's other cores through these helpers: the rows are cut into chunks, the caller
-// and each helper claim chunks in turn, and when none is left to claim the caller (or a helper) computes
-// again any chunk another thread claimed and has not finished, so a helper that was preempted mid-chunk
-// delays nobody; the caller returns once every chunk is in y, whether or not its helpers ever ran. Beside
-// two busy loops on 2 vCPUs a pass over SmolLM2's weights took 56-60 ms this way against 52-92 (one thread)
-// and 60-71 with a p90 of 175-480 (two threads, a barrier each product) (bench/HISTORY.md, thirty-eighth
-// session).
+// the kernel has preempted holds the whole step for its time slice. The products, most of such a step, still
+// use the rank's other cores through these helpers: a product is cut into chunks (rows of a single-row
+// product, matvec.cpp; panels of a few rows' product, panels.cpp), the caller and each helper claim chunks in
+// turn, and when none is left to claim the caller (or a helper) takes over any chunk another thread claimed
+// and has not finished, so a helper that was preempted mid-chunk delays nobody; the caller returns once
+// every chunk is in the output, whether or not its helpers ever ran. Beside two busy loops on 2 vCPUs a pass
+// over SmolLM2's weights took 56-60 ms this way against 52-92 (one thread) and 60-71 with a p90 of 175-480
+// (two threads, a barrier each product) (bench/HISTORY.md, thirty-eighth session).
 //
-// A chunk's rows are computed into the claimer's own buffer and copied into y only by the thread that wins
-// the chunk's state from "claimed by me" to "committing"; a thread that took it over writes y directly after
-// winning "claimed by other" (or "free") -> "taken over". Each job has a generation, part of every chunk
-// state and of the claim counter, so a helper that wakes after its job has ended (and another has begun)
-// claims and writes nothing. The same rows function computes each row whichever thread runs it, so y's bits
-// are the single-thread product's.
+// A chunk is computed into the claimer's own buffer and committed (copied into the output) only by the
+// thread that wins the chunk's state from "claimed by me" to "committing"; taking a chunk over is claiming it
+// again ("claimed by another" or "free" -> "claimed by me"), so a helper preempted after it took over one of
+// the caller's chunks is itself taken over, and the caller waits for no helper, only for a commit's copy in
+// flight. Each job has a generation, part of every chunk state and of the claim counter, so a helper that
+// wakes after its job has ended (and another has begun) claims and writes nothing. A chunk's values come from
+// the same arithmetic whichever thread computes it, so the output's bits are the one thread's.
 //
-// What a job reads (its weight, its input row) must outlive any helper still computing one of its chunks,
+// What a job reads (its weight, its input rows) must outlive any helper still computing one of its chunks,
 // which may be long after the caller has returned. So the caller keeps each job's inputs in one of kSlots
 // slots of its own, the slot gen % kSlots, and a job runs only while no helper is still inside the job that
 // used its slot before (each helper says which job it is in); else the caller computes it alone.
@@ -29,10 +30,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -43,8 +44,14 @@
 
 namespace radixserve_cpu_helpers {
 
-// Computes rows [r0, r1) of a job into out[0, r1 - r0).
-using ChunkFn = void (*)(const void* job, int64_t r0, int64_t r1, float* out);
+// A job's chunks: `compute` writes chunk c into a thread's buffer of `buffer_floats` floats, `commit` copies
+// that buffer into the job's output. Both read the job only through the pointer the caller's slot holds.
+struct Work {
+  int64_t chunks = 0;
+  int64_t buffer_floats = 0;
+  void (*compute)(const void* job, int64_t c, float* buf) = nullptr;
+  void (*commit)(const void* job, int64_t c, const float* buf) = nullptr;
+};
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -54,8 +61,7 @@ inline void cpu_relax() {
 
 class RowHelpers {
  public:
-  static constexpr int64_t kChunkRows = 32;      // ~74 KB of a 576-wide float32 weight: a few microseconds
-  static constexpr int64_t kMaxChunks = 1 << 16;  // chunk states kept; larger products take longer chunks
+  static constexpr int64_t kMaxChunks = 1 << 16;  // chunk states kept; a job of more chunks runs alone
   static constexpr int kSpins = 4000;             // pauses before a waiting helper sleeps (~0.1-0.3 ms)
   static constexpr uint64_t kSlots = 4;          // jobs whose inputs the caller keeps
 
@@ -64,7 +70,7 @@ class RowHelpers {
     return *helpers;
   }
 
-  int count() const { return static_cast<int>(threads_.size()); }
+  int count() const { return count_.load(std::memory_order_relaxed); }
 
   // Starts `count` helpers (ending the ones before, then calling `idle()`: no helper reads any job's inputs
   // then); returns their kernel thread ids. `delay_us` makes each helper sleep that long after claiming
@@ -88,30 +94,30 @@ class RowHelpers {
       });
     }
     while (started.load() < count) std::this_thread::yield();
+    count_.store(count);
     return tids;
   }
 
-  // Rows [0, n) through `fn` into y, on the caller and the helpers. `fill(slot)` stores the job's inputs in
-  // the caller's slot `slot` and returns the job `fn` reads. False, with nothing done, while another
-  // thread's product has the helpers or a helper is still inside that slot's last job.
+  // Runs `work` on the caller and the helpers. `fill(slot)` stores the job's inputs in the caller's slot
+  // `slot` and returns the job that work's functions read. False, with nothing done, while another thread's
+  // product has the helpers, a helper is still inside that slot's last job, or the job has too many chunks.
   template <typename Fill>
-  bool run(Fill fill, ChunkFn fn, float* y, int64_t n) {
+  bool run(Fill fill, const Work& work) {
+    if (work.chunks > kMaxChunks) return false;
     std::unique_lock<std::mutex> busy(run_mutex_, std::try_to_lock);
-    if (!busy.owns_lock()) return false;
-    const int64_t rows = std::max<int64_t>(kChunkRows, (n + kMaxChunks - 1) / kMaxChunks);
-    const int64_t chunks = (n + rows - 1) / rows;
+    if (!busy.owns_lock() || count() == 0) return false;
     const uint64_t gen = gen_.load() + 1;
     for (int i = 0; i < count(); ++i) {
       const uint64_t in = inside_[i].load();
       if (in != 0 && in % kSlots == gen % kSlots) return false;
     }
     const void* job = fill(static_cast<int>(gen % kSlots));
-    for (int64_t c = 0; c < chunks; ++c) states_[c].store(tag(gen, kFree), std::memory_order_relaxed);
+    for (int64_t c = 0; c < work.chunks; ++c) states_[c].store(tag(gen, kFree), std::memory_order_relaxed);
     job_.store(job, std::memory_order_relaxed);
-    fn_.store(fn, std::memory_order_relaxed);
-    y_.store(y, std::memory_order_relaxed);
-    n_.store(n, std::memory_order_relaxed);
-    rows_.store(rows, std::memory_order_relaxed);
+    chunks_.store(work.chunks, std::memory_order_relaxed);
+    buffer_floats_.store(work.buffer_floats, std::memory_order_relaxed);
+    compute_.store(work.compute, std::memory_order_relaxed);
+    commit_.store(work.commit, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     next_.store(claim_base(gen), std::memory_order_relaxed);
     gen_.store(gen);  // sequentially consistent, as a sleeper's count and check: one of the two sees the other
@@ -119,22 +125,15 @@ class RowHelpers {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_all();
     }
-    work(0, gen, Desc{job, fn, y, n, rows, chunks});
-    while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();  // only a commit's copy in flight
+    run_chunks(0, gen, job, work);
     return true;
   }
 
-  // Chunks computed by helpers, and chunks taken over from a thread that had claimed them, since the start.
+  // Chunks committed by helpers, and chunks taken over from a thread that had claimed them, since the start.
   std::pair<int64_t, int64_t> stats() const { return {helped_.load(), taken_.load()}; }
 
  private:
-  enum State : uint64_t { kFree = 0, kDone = 1, kCommitting = 2, kTakenOver = 3, kClaimed = 4 };  // kClaimed + thread
-  struct Desc {
-    const void* job;
-    ChunkFn fn;
-    float* y;
-    int64_t n, rows, chunks;
-  };
+  enum State : uint64_t { kFree = 0, kDone = 1, kCommitting = 2, kClaimed = 4 };  // kClaimed + thread (0: caller)
 
   RowHelpers() : states_(new std::atomic<uint64_t>[kMaxChunks]) {}
 
@@ -150,68 +149,68 @@ class RowHelpers {
     }
     for (std::thread& t : threads_) t.join();
     threads_.clear();
+    count_.store(0);
   }
 
-  void compute(const Desc& d, int64_t c, float* out) const {
-    const int64_t r0 = c * d.rows, r1 = std::min(d.n, r0 + d.rows);
-    d.fn(d.job, r0, r1, out);
-  }
-
-  void finish(int64_t c, uint64_t gen) {
+  // Computes chunk c (claimed as `mine`) into buf and, unless another thread took it over meanwhile, commits it.
+  void compute_and_commit(int me, uint64_t gen, const void* job, const Work& w, int64_t c, uint64_t mine,
+                          float* buf) {
+    w.compute(job, c, buf);
+    uint64_t expect = mine;
+    if (!states_[c].compare_exchange_strong(expect, tag(gen, kCommitting))) return;
+    w.commit(job, c, buf);
     states_[c].store(tag(gen, kDone), std::memory_order_release);
     done_.fetch_add(1, std::memory_order_acq_rel);
+    if (me > 0) helped_.fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Claims chunks of job `gen` until none is left, then takes over those claimed and not finished.
-  void work(int me, uint64_t gen, const Desc& d) {
-    std::vector<float> buf(static_cast<size_t>(d.rows));
+  // Claims chunks of job `gen` until none is left, then takes over those another thread claimed and has not
+  // finished: a helper once, the caller until every chunk is committed.
+  void run_chunks(int me, uint64_t gen, const void* job, const Work& w) {
+    std::vector<float> buf(static_cast<size_t>(w.buffer_floats));
     const uint64_t mine = tag(gen, kClaimed + me);
     const int64_t delay = me > 0 ? delay_us_.load(std::memory_order_relaxed) : 0;
     for (;;) {
       const uint64_t v = next_.fetch_add(1, std::memory_order_acq_rel);
       if ((v >> 32) != (gen & 0xffffffffu)) return;  // a later job's counter: this one has ended
       const int64_t c = static_cast<int64_t>(v & 0xffffffffu);
-      if (c >= d.chunks) break;
+      if (c >= w.chunks) break;
       uint64_t expect = tag(gen, kFree);
       if (!states_[c].compare_exchange_strong(expect, mine)) continue;  // taken over before it was marked
       if (delay > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      compute(d, c, buf.data());
-      expect = mine;
-      if (states_[c].compare_exchange_strong(expect, tag(gen, kCommitting))) {
-        const int64_t r0 = c * d.rows;
-        std::memcpy(d.y + r0, buf.data(), sizeof(float) * static_cast<size_t>(std::min(d.n, r0 + d.rows) - r0));
-        finish(c, gen);
-        if (me > 0) helped_.fetch_add(1, std::memory_order_relaxed);
+      compute_and_commit(me, gen, job, w, c, mine, buf.data());
+    }
+    do {
+      for (int64_t c = 0; c < w.chunks; ++c) {
+        uint64_t s = states_[c].load(std::memory_order_acquire);
+        if ((s >> 8) != gen) return;
+        const uint64_t state = s & 0xff;
+        if (state != kFree && (state < kClaimed || s == mine)) continue;  // committed, committing, or this thread's
+        if (!states_[c].compare_exchange_strong(s, mine)) continue;
+        taken_.fetch_add(1, std::memory_order_relaxed);
+        compute_and_commit(me, gen, job, w, c, mine, buf.data());
       }
-    }
-    for (int64_t c = 0; c < d.chunks; ++c) {
-      uint64_t s = states_[c].load(std::memory_order_acquire);
-      if ((s >> 8) != gen) return;
-      const uint64_t state = s & 0xff;
-      if (state != kFree && (state < kClaimed || s == mine)) continue;
-      if (!states_[c].compare_exchange_strong(s, tag(gen, kTakenOver))) continue;
-      compute(d, c, d.y + c * d.rows);
-      finish(c, gen);
-      taken_.fetch_add(1, std::memory_order_relaxed);
-    }
+    } while (me == 0 && done_.load(std::memory_order_acquire) < w.chunks);
   }
 
-  // Helper `me` (1-based) in job `gen` while the job is current: claims and takes over as work() says, with
-  // `inside_` saying so for as long as it may read the job's inputs.
+  // Helper `me` (1-based) in job `gen` while the job is current, with `inside_` saying so for as long as it
+  // may read the job's inputs.
   void enter(int me, uint64_t gen) {
     std::atomic<uint64_t>& inside = inside_[me - 1];
     inside.store(gen);
     if (gen_.load() == gen) {  // still current: the caller sees `inside` before it refills this job's slot
-      const int64_t n = n_.load(std::memory_order_relaxed), rows = rows_.load(std::memory_order_relaxed);
-      const Desc d{job_.load(std::memory_order_relaxed), fn_.load(std::memory_order_relaxed),
-                   y_.load(std::memory_order_relaxed), n, rows, (n + rows - 1) / rows};
-      work(me, gen, d);
+      Work w;
+      w.chunks = chunks_.load(std::memory_order_relaxed);
+      w.buffer_floats = buffer_floats_.load(std::memory_order_relaxed);
+      w.compute = compute_.load(std::memory_order_relaxed);
+      w.commit = commit_.load(std::memory_order_relaxed);
+      run_chunks(me, gen, job_.load(std::memory_order_relaxed), w);
     }
     inside.store(0);
   }
 
   void loop(int me) {
-    uint64_t seen = gen_.load(std::memory_order_acquire);
+    uint64_t seen = gen_.load();
     for (;;) {
       uint64_t gen = gen_.load(std::memory_order_acquire);
       for (int spins = 0; gen == seen && spins < kSpins; ++spins) {
@@ -223,7 +222,7 @@ class RowHelpers {
         sleepers_.fetch_add(1);
         wake_.wait(lock, [&] { return quit_.load() || gen_.load() != seen; });
         sleepers_.fetch_sub(1);
-        gen = gen_.load(std::memory_order_acquire);
+        gen = gen_.load();
       }
       if (quit_.load()) return;
       seen = gen;
@@ -233,12 +232,12 @@ class RowHelpers {
 
   std::unique_ptr<std::atomic<uint64_t>[]> states_, inside_;
   std::atomic<uint64_t> gen_{0}, next_{0};
-  std::atomic<int64_t> done_{0}, n_{0}, rows_{0}, delay_us_{0}, helped_{0}, taken_{0};
+  std::atomic<int64_t> done_{0}, chunks_{0}, buffer_floats_{0}, delay_us_{0}, helped_{0}, taken_{0};
   std::atomic<const void*> job_{nullptr};
-  std::atomic<ChunkFn> fn_{nullptr};
-  std::atomic<float*> y_{nullptr};
+  std::atomic<void (*)(const void*, int64_t, float*)> compute_{nullptr};
+  std::atomic<void (*)(const void*, int64_t, const float*)> commit_{nullptr};
   std::atomic<bool> quit_{false};
-  std::atomic<int> sleepers_{0};
+  std::atomic<int> sleepers_{0}, count_{0};
   std::mutex mutex_, run_mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> threads_;

@@ -18,6 +18,9 @@ With `given` the cores already given back (its cores less its threads), the rank
     for a moment does not bring the stall back.
 A window is only taken while the rank steps: one that spans a wait for work is dropped, since an idle
 rank's cores say nothing about what a step would meet (on the benchmark host the next engine's turn).
+
+The cores given back still serve the batch-1 products through row helpers (start_row_helpers), which a
+product never waits for; their CPU time is counted as the rank's, not as foreign load.
 """
 
 from __future__ import annotations
