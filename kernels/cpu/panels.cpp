@@ -16,7 +16,8 @@
 // tiles of RV = 1, 2 vectors times the panel's 12 columns, each multiply-add taking its weight as a broadcast
 // memory operand (the AVX2 tiles serve blocks of at most 8 rows there). K goes in blocks of 256 so a panel's
 // tiles reuse x's block from L1; the threads take chunks of 4 panels, all rows of x through each chunk before
-// the next. A bfloat16 panel's block is widened to float32 (exact) into an L1 buffer first and read from
+// the next (or, where a rank gave cores back, claim them with its row helpers, kernels/cpu/row_helpers.h, which
+// the caller never waits for). A bfloat16 panel's block is widened to float32 (exact) into an L1 buffer first and read from
 // there, so it streams half the bytes.
 //
 // Pair panels (bfloat16, an even K): pack_panels(weight, pairs=True) -> [2, N, K / 2], each panel [K / 2][12]
