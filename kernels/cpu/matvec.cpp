@@ -80,7 +80,7 @@ void rows_portable(const T* w, int64_t ld, const float* x, float* y, int64_t r0,
 // class wants more: a pass over SmolLM2's bfloat16 weights took 24.6 ms at 1536 bytes against 20.4 at 3072 or
 // 6144 with one thread, 13.6 against 11.3 (6144) with two (thirty-second session). On AMD's AVX2-only cores
 // (Zen 3 and before) the requests cost more than they bring: on a 2-vCPU Zen 3 guest a one-thread pass over
-// SmolLM2's float32 weights took 36.5-47.6 ms without them against 40.3-55.7 with, in every one of nine
+// SmolLM2's float32 weights took 32.0-54.1 ms without them against 37.1-63.6 with, slower in all ten
 // alternating pairs, and the Engine's batch-1 decode at one thread ran 17.4-19.6 tok/s against 14.0-16.4
 // (thirty-eighth session); there the default is none. Prefetches never fault, so the ones past the end of a
 // band or of the weight are harmless.
