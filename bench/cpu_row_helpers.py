@@ -1,0 +1,113 @@
+"""The Engine beside busy neighbours with and without row helpers (kernels/cpu/row_helpers.h): batch-1 decode
+and a prompt pass, the two settings alternating in fresh processes.
+
+    .venv/bin/python bench/cpu_row_helpers.py [--busy 2] [--rounds 2] [--passes 4]
+
+`--busy` processes spin (`while True: pass`) for the whole run, as bench/peers_cpu.py's loaded rows have them.
+Each round runs one Engine process with RS_CPU_ROW_HELPERS=0 and one with 1 (the order alternating by round).
+An Engine first decodes 64 tokens so its adaptive thread count (services/worker/cpu_threads.py) has given a
+core back, then times `--passes` prompt passes (256 random ids + 1 token, prefix cache flushed) and one batch-1
+decode of 128 tokens after a 64-token prompt, and reports the chunks its helpers committed and took over.
+Medians per setting close the output; JSON goes to bench/results/cpu_row_helpers_<date>_<n>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+
+def child(model: str, passes: int) -> None:
+    sys.path.insert(0, str(REPO))
+    from kernels.cpu_matvec import row_helper_stats
+    from services.worker.frontend.engine import Engine
+
+    engine = Engine(model, dtype="float32", max_total_tokens=8192)
+    rng = random.Random(256)
+    prompt = [rng.randrange(100, 49000) for _ in range(256)]
+    short = [rng.randrange(100, 49000) for _ in range(64)]
+
+    def run(ids: list[int], new: int) -> float:
+        engine.flush_cache()
+        t0 = time.perf_counter()
+        engine.generate(input_ids=[ids], sampling_params={"temperature": 0.0, "max_new_tokens": new,
+                                                          "min_new_tokens": new})
+        return time.perf_counter() - t0
+
+    run(short, 64)  # long enough for the adaptive count to give a core back beside busy neighbours
+    prompt_s = [run(prompt, 1) for _ in range(passes)]
+    decode_tok_s = 128 / run(short, 128)
+    helped, taken = row_helper_stats()
+    print("@@" + json.dumps({"prompt_pass_s": prompt_s, "bs1_tok_s": decode_tok_s, "helped": helped,
+                             "taken": taken}), flush=True)
+    engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--busy", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=4)
+    parser.add_argument("--model-path", default=str(Path.home() / ".cache/radixserve/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.model_path, args.passes)
+        return
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    runs: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
+    try:
+        time.sleep(1.0)
+        for r in range(args.rounds):
+            for setting in ("0", "1") if r % 2 == 0 else ("1", "0"):
+                env = dict(os.environ, RS_CPU_ROW_HELPERS=setting)
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", "--model-path", args.model_path, "--passes",
+                     str(args.passes)],
+                    env=env, capture_output=True, text=True, check=True, cwd=REPO,
+                )  # fmt: skip
+                line = next(x for x in out.stdout.splitlines() if x.startswith("@@"))
+                result = json.loads(line[2:]) | {"load": os.getloadavg()[0]}
+                runs[setting].append(result)
+                passes = " ".join(f"{s:.2f}" for s in result["prompt_pass_s"])
+                print(f"round {r + 1} helpers={setting}  prompt pass {passes} s  batch 1 {result['bs1_tok_s']:.1f} "
+                      f"tok/s  helped {result['helped']} taken {result['taken']}  load {result['load']:.2f}",
+                      flush=True)  # fmt: skip
+    finally:
+        for p in busy:
+            p.kill()
+    summary = {
+        s: {
+            "prompt_pass_median_s": statistics.median(x for run in rs for x in run["prompt_pass_s"]),
+            "bs1_median_tok_s": statistics.median(run["bs1_tok_s"] for run in rs),
+        }
+        for s, rs in runs.items()
+    }
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (path := RESULTS / f"cpu_row_helpers_{stamp:%Y-%m-%d}_{n}.json").exists():
+        n += 1
+    path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
+                                "runs": runs, "summary": summary}, indent=1))  # fmt: skip
+    print(f"\nwrote {path.relative_to(REPO)}")
+    print("helpers  prompt pass (median s)  batch 1 (median tok/s)")
+    for s in ("0", "1"):
+        print(f"{'on' if s == '1' else 'off':7}  {summary[s]['prompt_pass_median_s']:22.2f}  "
+              f"{summary[s]['bs1_median_tok_s']:22.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
