@@ -239,7 +239,7 @@ def _resized_in_subprocess(start: int, steps: list[int]) -> list[dict[str, objec
     resize_compute_threads to each count of `steps` and run a parallel op; each step's torch count and
     every compute thread's allowed cores as Linux reports them."""
     code = f"""
-import json, os, threading
+import json, os, threading, time
 import torch
 from services.worker.cpu_placement import ComputePlacement, pin_compute_threads, resize_compute_threads
 cores = tuple(sorted(os.sched_getaffinity(0))[-2:])[::-1]
@@ -314,7 +314,7 @@ def test_cores_given_back_get_row_helpers_counted_as_the_ranks_own() -> None:
     cores, and counts it with its compute threads (else its CPU time would read as a neighbour's load and
     keep the core given back); grown again, the helper ends."""
     code = """
-import json, os, threading
+import json, os, threading, time
 import torch
 from kernels.cpu_matvec import load_matvec, row_helper_stats
 from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
@@ -332,9 +332,10 @@ for threads in (1, 2):
     for tid in helpers:
         status = open(f"/proc/self/task/{tid}/status").read()
         allowed[tid] = next(l.split()[1] for l in status.splitlines() if l.startswith("Cpus_allowed_list"))
-    if threads == 1:
-        w, x = torch.randn(4096, 64), torch.randn(1, 64)
-        for _ in range(50):
+    if threads == 1:  # products until the helper has committed a chunk (a busy host may keep it off a core)
+        w, x = torch.randn(4096, 256), torch.randn(1, 256)
+        deadline = time.monotonic() + 30
+        while row_helper_stats()[0] == 0 and time.monotonic() < deadline:
             torch.ops.radixserve_cpu.matvec(x, w)
     out[threads] = {"helpers": len(helpers), "allowed": sorted(allowed.values()), "stats": row_helper_stats()}
 out["cores"] = cores

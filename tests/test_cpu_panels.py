@@ -6,6 +6,8 @@ batch-invariant product multiplying through them."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -375,7 +377,8 @@ def test_row_helpers_give_the_one_thread_bits(dtype: torch.dtype) -> None:
                     assert torch.equal(ops().panel_linear(x, p, b), with_bias)
                     assert torch.equal(ops().panel_linear(x, p), without)
             x, p, b = cases[2]  # 3,000 columns, 70 rows: 63 chunks
-            for _ in range(200):  # until a helper has claimed a chunk (the host may keep it off a core a while)
+            deadline = time.monotonic() + 30  # until a helper has claimed a chunk (a busy host may keep it off a core)
+            while time.monotonic() < deadline:
                 assert torch.equal(ops().panel_linear(x, p, b), alone[2][0])
                 helped, taken = row_helper_stats()
                 if (taken > taken0) if delay_us else (helped > helped0):
