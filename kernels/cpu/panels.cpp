@@ -537,44 +537,57 @@ std::array<PanelSlot, radixserve_cpu_helpers::RowHelpers::kSlots>& panel_slots()
   return *slots;
 }
 
-void panel_chunk(const void* job, int64_t c, float* buf) {
-  const PanelJob& j = *static_cast<const PanelJob*>(job);
+// Chunk c's panels widened to float32 into `wide` (bfloat16 over several row blocks: once, at most 4 * 12 * K
+// floats, L2, which every block then reads as float32 panels, instead of each block widening them again).
+// True where it did so.
+bool widen_chunk(const PanelJob& j, int64_t c, float* wide) {
+  if (!j.narrow || j.blocks < 2) return false;
   const int64_t p0 = c * kChunkPanels, p1 = std::min(j.num_panels, p0 + kChunkPanels);
-  float* scratch = buf + j.acc_at[j.blocks];
-  float* wide = scratch + kKBlock * kPanel;
-  const bool widened = j.narrow && j.blocks > 1;
-  if (widened) {
-    const int64_t n0 = p0 * kPanel, n1 = std::min(j.n, p1 * kPanel);
-    block_weights(static_cast<const uint16_t*>(j.wp) + p0 * kPanel * j.k, (n1 - n0) * j.k, wide, j.avx2);
-  }
-  for (int64_t b = 0; b < j.blocks; ++b) {
-    const int64_t mp = j.mps[b];
-    for (int64_t p = p0; p < p1; ++p) {
-      const PanelAt at_p = panel_at(p, j.n, j.k);
-      float* out = buf + j.acc_at[b] + (p - p0) * kPanel * mp;
-      if (widened) {
-        panel_block(j.xt + j.offsets[b], mp, wide + (at_p.offset - p0 * kPanel * j.k), at_p.width, j.k, out, scratch,
-                    j.path);
-      } else if (j.narrow) {
-        panel_block(j.xt + j.offsets[b], mp, static_cast<const uint16_t*>(j.wp) + at_p.offset, at_p.width, j.k, out,
-                    scratch, j.path);
-      } else {
-        panel_block(j.xt + j.offsets[b], mp, static_cast<const float*>(j.wp) + at_p.offset, at_p.width, j.k, out,
-                    scratch, j.path);
-      }
+  const int64_t n0 = p0 * kPanel, n1 = std::min(j.n, p1 * kPanel);
+  block_weights(static_cast<const uint16_t*>(j.wp) + p0 * kPanel * j.k, (n1 - n0) * j.k, wide, j.avx2);
+  return true;
+}
+
+// Row block b's sums over chunk c's panels into acc ([cols][mps[b]], panel after panel): the one arithmetic of
+// both the threads' chunks and the helpers', so the same bits.
+void chunk_block(const PanelJob& j, int64_t c, int64_t b, const float* wide, float* acc, float* scratch) {
+  const int64_t p0 = c * kChunkPanels, p1 = std::min(j.num_panels, p0 + kChunkPanels);
+  const int64_t mp = j.mps[b];
+  const float* xb = j.xt + j.offsets[b];
+  for (int64_t p = p0; p < p1; ++p) {
+    const PanelAt at_p = panel_at(p, j.n, j.k);
+    float* out = acc + (p - p0) * kPanel * mp;
+    if (wide != nullptr) {
+      panel_block(xb, mp, wide + (at_p.offset - p0 * kPanel * j.k), at_p.width, j.k, out, scratch, j.path);
+    } else if (j.narrow) {
+      panel_block(xb, mp, static_cast<const uint16_t*>(j.wp) + at_p.offset, at_p.width, j.k, out, scratch, j.path);
+    } else {
+      panel_block(xb, mp, static_cast<const float*>(j.wp) + at_p.offset, at_p.width, j.k, out, scratch, j.path);
     }
   }
 }
 
-void panel_commit(const void* job, int64_t c, const float* buf) {
-  const PanelJob& j = *static_cast<const PanelJob*>(job);
+// Row block b's sums of chunk c (acc) written into y's rows.
+void write_block(const PanelJob& j, int64_t c, int64_t b, const float* acc) {
   const int64_t p0 = c * kChunkPanels, p1 = std::min(j.num_panels, p0 + kChunkPanels);
   const int64_t n0 = p0 * kPanel, n1 = std::min(j.n, p1 * kPanel);
-  for (int64_t b = 0; b < j.blocks; ++b) {
-    const int64_t r0 = b * j.block_rows;
-    write_rows(buf + j.acc_at[b], j.mps[b], std::min(j.block_rows, j.m - r0), n0, n1, j.bp, j.y + r0 * j.n, j.n,
-               j.avx2);
-  }
+  const int64_t r0 = b * j.block_rows;
+  write_rows(acc, j.mps[b], std::min(j.block_rows, j.m - r0), n0, n1, j.bp, j.y + r0 * j.n, j.n, j.avx2);
+}
+
+// A helper's chunk: every block's sums side by side in the thread's buffer, then the k-block scratch and the
+// widened weights; written out only by the thread that commits it.
+void panel_chunk(const void* job, int64_t c, float* buf) {
+  const PanelJob& j = *static_cast<const PanelJob*>(job);
+  float* scratch = buf + j.acc_at[j.blocks];
+  float* wide = scratch + kKBlock * kPanel;
+  const bool widened = widen_chunk(j, c, wide);
+  for (int64_t b = 0; b < j.blocks; ++b) chunk_block(j, c, b, widened ? wide : nullptr, buf + j.acc_at[b], scratch);
+}
+
+void panel_commit(const void* job, int64_t c, const float* buf) {
+  const PanelJob& j = *static_cast<const PanelJob*>(job);
+  for (int64_t b = 0; b < j.blocks; ++b) write_block(j, c, b, buf + j.acc_at[b]);
 }
 
 // x (float32 [M, K]) times the panels (of W: float32, or bfloat16 as uint16_t) plus bp where given: [M, N] float32.
@@ -623,67 +636,51 @@ at::Tensor panel_product(const at::Tensor& x, const at::Tensor& panels, const fl
     }
   });
 
-  const W* wp = elements<W>(panels);
-  float* yp = y.mutable_data_ptr<float>();
+  constexpr bool narrow = !std::is_same_v<W, float>;
   const int64_t num_panels = (n + kPanel - 1) / kPanel;
   const int64_t chunks = (num_panels + kChunkPanels - 1) / kChunkPanels;
+  PanelJob job{elements<W>(panels), narrow, xt.get(), offsets.data(), mps.data(), nullptr, bp,
+               y.mutable_data_ptr<float>(), m, n, k, blocks, block_rows, num_panels, path, avx2};
   radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
   if (helpers.count() > 0 && chunks >= 2 && m <= kHelperMaxRows && !at::in_parallel_region()) {
-    constexpr bool narrow = !std::is_same_v<W, float>;
+    std::vector<int64_t> acc_at(blocks + 1, 0);
+    for (int64_t b = 0; b < blocks; ++b) acc_at[b + 1] = acc_at[b] + kChunkPanels * kPanel * mps[b];
+    radixserve_cpu_helpers::Work work;
+    work.chunks = chunks;
+    work.buffer_floats = acc_at[blocks] + kKBlock * kPanel + (narrow && blocks > 1 ? kChunkPanels * kPanel * k : 0);
+    work.compute = panel_chunk;
+    work.commit = panel_commit;
     auto fill = [&](int s) -> const void* {
       PanelSlot& slot = panel_slots()[s];
       slot.panels = panels;  // held until the slot is refilled, as the rest
       slot.xt = std::move(xt);
       slot.offsets = offsets;
       slot.mps = mps;
-      slot.acc_at.assign(blocks + 1, 0);
-      for (int64_t b = 0; b < blocks; ++b) slot.acc_at[b + 1] = slot.acc_at[b] + kChunkPanels * kPanel * mps[b];
+      slot.acc_at = std::move(acc_at);
       if (bp != nullptr) slot.bias.assign(bp, bp + n);
-      slot.job = {wp, narrow, slot.xt.get(), slot.offsets.data(), slot.mps.data(), slot.acc_at.data(),
-                  bp != nullptr ? slot.bias.data() : nullptr, yp, m, n, k, blocks, block_rows, num_panels, path, avx2};
+      slot.job = job;
+      slot.job.xt = slot.xt.get();
+      slot.job.offsets = slot.offsets.data();
+      slot.job.mps = slot.mps.data();
+      slot.job.acc_at = slot.acc_at.data();
+      slot.job.bp = bp != nullptr ? slot.bias.data() : nullptr;
       return &slot.job;
     };
-    int64_t sums = 0;
-    for (int64_t b = 0; b < blocks; ++b) sums += kChunkPanels * kPanel * mps[b];
-    radixserve_cpu_helpers::Work work;
-    work.chunks = chunks;
-    work.buffer_floats = sums + kKBlock * kPanel + (narrow && blocks > 1 ? kChunkPanels * kPanel * k : 0);
-    work.compute = panel_chunk;
-    work.commit = panel_commit;
     if (helpers.run(fill, work)) return y;  // else fill never ran: x's transpose is still here
   }
-  // One share of the chunks a thread (at::parallel_for hands each thread one index of [0, teams)).
+  // One share of the chunks a thread (at::parallel_for hands each thread one index of [0, teams)), each row
+  // block's sums written out as soon as computed (one block's buffer, L1).
   const int64_t teams = std::min<int64_t>(at::get_num_threads(), chunks);
   radixserve_cpu_shares::ChunkShares shares(chunks, teams);
   at::parallel_for(0, teams, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(kChunkPanels * kPanel * block_rows), scratch(kKBlock * kPanel);
-    // bfloat16 with several row blocks: the chunk's panels widened once (at most 4 * 12 * K floats, L2), which
-    // every block then reads as float32 panels, instead of each block widening them again.
-    std::vector<float> wide;
-    constexpr bool narrow = !std::is_same_v<W, float>;
+    std::vector<float> wide(narrow && blocks > 1 ? kChunkPanels * kPanel * k : 0);
     for (int64_t t = t0; t < t1; ++t) {  // one index, or all of them where the region runs on this thread alone
       for (int64_t c = shares.next(t); c >= 0; c = shares.next(t)) {
-        const int64_t p0 = c * kChunkPanels, p1 = std::min(num_panels, p0 + kChunkPanels);
-        const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
-        const bool widened = narrow && blocks > 1;
-        if (widened) {
-          wide.resize((n1 - n0) * k);
-          block_weights(wp + p0 * kPanel * k, (n1 - n0) * k, wide.data(), avx2);
-        }
-        for (int64_t j = 0; j < blocks; ++j) {
-          const int64_t mp = mps[j];
-          for (int64_t p = p0; p < p1; ++p) {
-            const PanelAt at_p = panel_at(p, n, k);
-            float* out = acc.data() + (p - p0) * kPanel * mp;
-            if (widened) {
-              panel_block(xt.get() + offsets[j], mp, wide.data() + (at_p.offset - p0 * kPanel * k), at_p.width, k,
-                          out, scratch.data(), path);
-            } else {
-              panel_block(xt.get() + offsets[j], mp, wp + at_p.offset, at_p.width, k, out, scratch.data(), path);
-            }
-          }
-          const int64_t r0 = j * block_rows;
-          write_rows(acc.data(), mp, std::min(block_rows, m - r0), n0, n1, bp, yp + r0 * n, n, avx2);
+        const bool widened = widen_chunk(job, c, wide.data());
+        for (int64_t b = 0; b < blocks; ++b) {
+          chunk_block(job, c, b, widened ? wide.data() : nullptr, acc.data(), scratch.data());
+          write_block(job, c, b, acc.data());
         }
       }
     }
