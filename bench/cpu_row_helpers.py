@@ -1,14 +1,19 @@
 """The Engine beside busy neighbours with and without row helpers (kernels/cpu/row_helpers.h): batch-1 decode
 and a prompt pass, the two settings alternating in fresh processes.
 
-    .venv/bin/python bench/cpu_row_helpers.py [--busy 2] [--rounds 2] [--passes 4]
+    .venv/bin/python bench/cpu_row_helpers.py [--busy 2] [--rounds 2] [--passes 4] [--served]
 
 `--busy` processes spin (`while True: pass`) for the whole run, as bench/peers_cpu.py's loaded rows have them.
 Each round runs one Engine process with RS_CPU_ROW_HELPERS=0 and one with 1 (the order alternating by round).
 An Engine first decodes 64 tokens so its adaptive thread count (services/worker/cpu_threads.py) has given a
 core back, then times `--passes` prompt passes (256 random ids + 1 token, prefix cache flushed) and one batch-1
 decode of 128 tokens after a 64-token prompt, and reports the chunks its helpers committed and took over.
-Medians per setting close the output; JSON goes to bench/results/cpu_row_helpers_<date>_<n>.json.
+`--served` times the served stack instead (`radixserve up`, as bench/peers_cpu.py starts it, with the setting
+in its environment): after 48 streamed warm-up completions (the adaptive count gives a core back), `--passes`
+streamed completions one at a time of a ~256-token prompt (each its own words: no prefix-cache hit) and 32 new
+tokens, timing the first text chunk (TTFT) and the tokens after it.
+Medians per setting close the output; JSON goes to bench/results/cpu_row_helpers_<date>_<n>.json (`--served`:
+cpu_row_helpers_served_<date>_<n>.json).
 """
 
 from __future__ import annotations
@@ -55,16 +60,68 @@ def child(model: str, passes: int) -> None:
     engine.shutdown()
 
 
+def streamed(url: str, prompt: str, tokens: int) -> tuple[float, float, int]:
+    """One streamed completion: (seconds to the first text chunk, seconds after it, chunks with text)."""
+    import httpx
+
+    body = {"model": "peers", "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    first, chunks = None, 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"][0].get("text"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    if first is None:
+        raise RuntimeError("the stream ended without text")
+    return first - start, end - first, chunks
+
+
+def served_child(model: str, passes: int, log_dir: Path) -> dict[str, Any]:
+    """One served stack with this process's RS_CPU_ROW_HELPERS: TTFTs of `passes` ~256-token prompts."""
+    sys.path.insert(0, str(REPO))
+    from bench.peers_cpu_served import start_server
+
+    rng = random.Random(256)
+    words = ["river", "stone", "lamp", "orchard", "signal", "harbor", "ledger", "copper", "meadow", "engine",
+             "violet", "canyon", "thread", "window", "marble", "falcon"]
+    server = start_server("radixserve", Path(sys.executable), Path(model), None, log_dir)
+    try:
+        for i in range(48):
+            streamed(server.url, f"Warm-up {i}: write about a {rng.choice(words)}.", 16)
+        ttft, after = [], []
+        for i in range(passes):
+            prompt = f"Request {i}. " + " ".join(rng.choice(words) for _ in range(240))
+            first, rest, chunks = streamed(server.url, prompt, 32)
+            ttft.append(first)
+            after.append(chunks / rest if rest > 0 else 0.0)
+        return {"ttft_s": ttft, "decode_tok_s": after}
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--busy", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--model-path", default=str(Path.home() / ".cache/radixserve/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--served", action="store_true", help="time the served stack's TTFT instead")
+    parser.add_argument("--own-session", action="store_true",
+                        help="run each Engine in a session of its own (its own scheduler autogroup)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.model_path, args.passes)
+        return
+    if args.served:
+        served_main(args)
         return
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     runs: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
@@ -77,6 +134,7 @@ def main() -> None:
                     [sys.executable, __file__, "--child", "--model-path", args.model_path, "--passes",
                      str(args.passes)],
                     env=env, capture_output=True, text=True, check=True, cwd=REPO,
+                    start_new_session=args.own_session,
                 )  # fmt: skip
                 line = next(x for x in out.stdout.splitlines() if x.startswith("@@"))
                 result = json.loads(line[2:]) | {"load": os.getloadavg()[0]}
@@ -107,6 +165,46 @@ def main() -> None:
     for s in ("0", "1"):
         print(f"{'on' if s == '1' else 'off':7}  {summary[s]['prompt_pass_median_s']:22.2f}  "
               f"{summary[s]['bs1_median_tok_s']:22.1f}")  # fmt: skip
+
+
+def served_main(args: argparse.Namespace) -> None:
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    runs: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
+    log_dir = Path("/tmp/cpu_row_helpers_served")
+    log_dir.mkdir(exist_ok=True)
+    try:
+        time.sleep(1.0)
+        for r in range(args.rounds):
+            for setting in ("0", "1") if r % 2 == 0 else ("1", "0"):
+                os.environ["RS_CPU_ROW_HELPERS"] = setting  # the stack's processes inherit it
+                result = served_child(args.model_path, args.passes, log_dir) | {"load": os.getloadavg()[0]}
+                runs[setting].append(result)
+                ttft = " ".join(f"{1000 * s:.0f}" for s in result["ttft_s"])
+                print(f"round {r + 1} helpers={setting}  TTFT {ttft} ms  decode "
+                      f"{statistics.median(result['decode_tok_s']):.1f} tok/s  load {result['load']:.2f}", flush=True)
+    finally:
+        os.environ.pop("RS_CPU_ROW_HELPERS", None)
+        for p in busy:
+            p.kill()
+    summary = {
+        s: {
+            "ttft_median_ms": 1000 * statistics.median(x for run in rs for x in run["ttft_s"]),
+            "decode_median_tok_s": statistics.median(x for run in rs for x in run["decode_tok_s"]),
+        }
+        for s, rs in runs.items()
+    }
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (path := RESULTS / f"cpu_row_helpers_served_{stamp:%Y-%m-%d}_{n}.json").exists():
+        n += 1
+    path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
+                                "runs": runs, "summary": summary}, indent=1))  # fmt: skip
+    print(f"\nwrote {path.relative_to(REPO)}")
+    print("helpers  TTFT, ~256-token prompt (median ms)  decode after it (median tok/s)")
+    for s in ("0", "1"):
+        print(f"{'on' if s == '1' else 'off':7}  {summary[s]['ttft_median_ms']:38.0f}  "
+              f"{summary[s]['decode_median_tok_s']:30.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
