@@ -155,6 +155,110 @@ def test_a_policy_that_would_give_and_take_in_turn_is_refused() -> None:
         AdaptiveThreads(0, print, lambda: 0, dict)
 
 
+class HelperHost:
+    """A 2-core rank with row helpers: `window(model, helper)` is a stretch of stepping in which the model's
+    thread gets `model` cores and each running helper `helper` (two busy neighbours take the rest)."""
+
+    def __init__(self, policy: AdaptivePolicy | None = None) -> None:
+        self.now = 0.0
+        self.busy = 0
+        self.own = {100: 0, 101: 0}
+        self.helper_calls: list[int] = []
+        self.thread_calls: list[int] = []
+        self.next_tid = 200
+        self.ctl = AdaptiveThreads(2, self._set_threads, lambda: self.busy, lambda: dict(self.own), policy, TICKS,
+                                   lambda: self.now, set_helpers=self._set_helpers)  # fmt: skip
+
+    def _set_threads(self, threads: int) -> None:
+        self.thread_calls.append(threads)
+        if threads == 1:
+            self.own.pop(101, None)
+        else:
+            self.own.setdefault(101, 0)
+
+    def _set_helpers(self, count: int) -> None:
+        self.helper_calls.append(count)
+        for tid in [t for t in self.own if t >= 200]:
+            del self.own[tid]
+        for _ in range(count):  # new threads each time, as set_row_helpers starts them
+            self.own[self.next_tid] = 0
+            self.next_tid += 1
+
+    def window(self, model: float, helper: float, foreign: float | None = None) -> None:
+        """`foreign`: what others take of the two cores (default: all the rank's threads leave)."""
+        ticks = 0.25 * TICKS
+        self.now += 0.25
+        shares = {tid: helper if tid >= 200 else model if tid == 100 else 1.0 for tid in self.own}
+        if foreign is None:
+            foreign = max(0.0, 2.0 - sum(shares.values()))
+        for tid, share in shares.items():
+            self.own[tid] += round(share * ticks)
+        self.busy += round((sum(shares.values()) + foreign) * ticks)
+        self.ctl.after_step()
+
+    def cut_to_one_thread(self) -> None:
+        self.window(1.0, 0.0, foreign=1.2)
+        self.window(1.0, 0.0, foreign=1.2)
+        assert self.ctl.threads == 1 and self.thread_calls == [1]
+
+
+def test_helpers_that_add_cpu_time_stay_on() -> None:
+    """Neighbours in the rank's own scheduling group: with a helper the rank computes on two threads' shares
+    (0.5 + 0.5 core of 2 among four threads), without it on one of three (0.67): the helper stays."""
+    host = HelperHost()
+    host.cut_to_one_thread()
+    assert host.helper_calls == [1]  # the probe starts with the helper on
+    for _ in range(4):
+        host.window(0.5, 0.5)
+    assert host.helper_calls == [1, 0]
+    for _ in range(4):
+        host.window(0.67, 0.0)
+    assert host.helper_calls == [1, 0, 1] and host.ctl.helpers == 1
+    for _ in range(120):  # the verdict holds, then the probe runs again: off once more, then on
+        host.window(0.5, 0.5)
+    for _ in range(4):
+        host.window(0.5, 0.5)
+    assert host.helper_calls == [1, 0, 1, 0]
+    for _ in range(4):
+        host.window(0.67, 0.0)
+    assert host.helper_calls == [1, 0, 1, 0, 1]
+
+
+def test_helpers_that_only_take_the_model_threads_time_stop() -> None:
+    """Neighbours in a group of their own: the rank's group gets one core either way, so a helper's share
+    comes out of the model's thread (1.0 core without it, 0.55 + 0.5 with): it stops until the next probe."""
+    host = HelperHost()
+    host.cut_to_one_thread()
+    for _ in range(4):
+        host.window(0.55, 0.5)
+    for _ in range(4):
+        host.window(1.0, 0.0)
+    assert host.helper_calls == [1, 0] and host.ctl.helpers == 0
+    for _ in range(119):
+        host.window(1.0, 0.0)
+    assert host.helper_calls == [1, 0]
+    host.window(1.0, 0.0)  # the hold is over: probed again
+    assert host.helper_calls == [1, 0, 1]
+
+
+def test_taking_the_cores_back_ends_the_helpers_and_the_probe() -> None:
+    host = HelperHost()
+    host.cut_to_one_thread()
+    for _ in range(4):  # the neighbours have stopped: the core comes back while the helper is probed
+        host.window(1.0, 0.0, foreign=0.0)
+    assert host.thread_calls == [1, 2] and host.helper_calls[-1] == 0 and host.ctl.helpers == 0
+    for _ in range(200):
+        host.window(1.0, 0.0, foreign=0.1)
+    assert host.helper_calls[-1] == 0 and host.ctl.threads == 2
+
+
+def test_a_policy_with_no_probe_windows_is_refused() -> None:
+    with pytest.raises(ValueError, match="window counts >= 1"):
+        AdaptivePolicy(helper_probe_windows=0)
+    with pytest.raises(ValueError, match="helper_gain must be >= 0"):
+        AdaptivePolicy(helper_gain=-0.1)
+
+
 def test_proc_stat_busy_columns_of_the_given_cores(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     stat.write_text(
@@ -325,7 +429,7 @@ team = pin_compute_threads(ComputePlacement(2, cores))
 adaptive = adaptive_threads(ComputePlacement(2, cores), team)
 out = {}
 for threads in (1, 2):
-    adaptive._set_threads(threads)
+    adaptive._apply(threads, 0.0)  # as a decision does: the helpers' probe starts with them on
     own = sorted(adaptive._read_own())
     helpers = [t for t in own if t not in team and t != threading.get_native_id()]
     allowed = {}

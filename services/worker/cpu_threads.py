@@ -19,8 +19,16 @@ With `given` the cores already given back (its cores less its threads), the rank
 A window is only taken while the rank steps: one that spans a wait for work is dropped, since an idle
 rank's cores say nothing about what a step would meet (on the benchmark host the next engine's turn).
 
-The cores given back still serve the batch-1 products through row helpers (start_row_helpers), which a
-product never waits for; their CPU time is counted as the rank's, not as foreign load.
+The cores given back still serve the products through row helpers (start_row_helpers), which a product
+never waits for; their CPU time is counted as the rank's, not as foreign load. They help only where they get
+CPU time the model's thread would not have had: beside neighbours in the rank's own scheduling group (an
+autogroup, a cgroup) they add the cores' share that the neighbours would have taken, but where the
+neighbours sit in a group of their own the kernel gives the rank's group the same share with or without
+them and a helper's time comes out of the model's thread (SmolLM2 served beside two busy loops of another
+session: decode 34.5 tok/s without helpers, 28.1 with). So a rank that gives cores back probes: the
+helpers run for `helper_probe_windows` windows, then none for as many, and they stay on only where the
+rank's own CPU time (its threads and helpers, in cores) was `helper_gain` higher with them; the verdict
+holds for `helper_hold_windows` windows of stepping, then the probe runs again.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,10 +87,16 @@ class AdaptivePolicy:
     grow_below: float = 0.35
     shrink_windows: int = 2
     grow_windows: int = 4
+    helper_probe_windows: int = 4
+    helper_hold_windows: int = 120
+    helper_gain: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.shrink_windows < 1 or self.grow_windows < 1:
+        counts = (self.shrink_windows, self.grow_windows, self.helper_probe_windows, self.helper_hold_windows)
+        if self.interval_s <= 0 or min(counts) < 1:
             raise ValueError(f"interval_s must be > 0 and the window counts >= 1, got {self}")
+        if self.helper_gain < 0:
+            raise ValueError(f"helper_gain must be >= 0, got {self}")
         if not 0 <= self.grow_below <= self.shrink_above:
             raise ValueError(
                 f"need 0 <= grow_below <= shrink_above (else a rank would give and take a core in turn), got {self}"
@@ -94,7 +109,8 @@ class AdaptiveThreads:
     The readers and the clock are passed in (the tests drive it with made-up readings): `read_busy`
     gives the busy ticks of the rank's cores, `read_own` the ticks of each of its compute threads (a
     thread gone since the last reading, as libgomp ends the workers a smaller team leaves out, is
-    simply not counted), `set_threads` applies a new count."""
+    simply not counted, and the row helpers' ticks with them), `set_threads` applies a new count,
+    `set_helpers` (None: the rank has none) starts that many row helpers, ending those before."""
 
     def __init__(
         self,
@@ -105,14 +121,22 @@ class AdaptiveThreads:
         policy: AdaptivePolicy | None = None,
         ticks_per_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        set_helpers: Callable[[int], None] | None = None,
     ) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
         self.most = most
         self.threads = most
+        self.helpers = 0
         self.policy = policy or AdaptivePolicy()
         self.foreign: float | None = None  # the last window's foreign load, in cores
+        self.own: float | None = None  # the last window's CPU time of the rank's threads and helpers, in cores
         self._set_threads, self._read_busy, self._read_own = set_threads, read_busy, read_own
+        self._set_helpers = set_helpers
+        # The helpers' probe: "on" or "off" while it times each side, "hold" while its verdict stands.
+        self._probe: str | None = None
+        self._probe_own: dict[str, list[float]] = {"on": [], "off": []}
+        self._hold_left = 0
         self._ticks_per_s = ticks_per_s or float(os.sysconf("SC_CLK_TCK"))
         self._clock = clock
         self._over = self._under = 0
@@ -136,8 +160,12 @@ class AdaptiveThreads:
         busy, own = self._read_busy(), dict(self._read_own())
         mine = sum(own[tid] - self._own0[tid] for tid in own.keys() & self._own0.keys())
         self.foreign = max(0.0, (busy - self._busy0 - mine) / self._ticks_per_s / (now - self._t0))
+        self.own = mine / self._ticks_per_s / (now - self._t0)
         self._t0, self._busy0, self._own0 = now, busy, own
+        threads = self.threads
         self._decide(self.foreign)
+        if self.threads == threads and self._probe is not None:
+            self._probe_window(self.own)
 
     def _decide(self, foreign: float) -> None:
         policy, given = self.policy, self.most - self.threads
@@ -160,7 +188,52 @@ class AdaptiveThreads:
         self._set_threads(threads)
         self.threads = threads
         self._over = self._under = 0
+        if self._set_helpers is not None:
+            if threads < self.most:
+                self._start_probe()
+            else:
+                self._switch_helpers(0)
+                self._probe = None
         self._restart()
+
+    def _switch_helpers(self, count: int) -> None:
+        if count != self.helpers and self._set_helpers is not None:
+            self._set_helpers(count)
+            self.helpers = count
+            self._restart()  # the window's thread ids change with the helpers
+
+    def _start_probe(self) -> None:
+        self._probe = "on"
+        self._probe_own = {"on": [], "off": []}
+        self._switch_helpers(self.most - self.threads)
+
+    def _probe_window(self, own: float) -> None:
+        """One window of stepping at an unchanged thread count: the probe's reading, or the hold's count."""
+        if self._probe == "hold":
+            self._hold_left -= 1
+            if self._hold_left <= 0:
+                self._start_probe()
+            return
+        side = self._probe
+        assert side in ("on", "off")
+        self._probe_own[side].append(own)
+        if len(self._probe_own[side]) < self.policy.helper_probe_windows:
+            return
+        if side == "on":
+            self._probe = "off"
+            self._switch_helpers(0)
+            return
+        with_helpers, without = (statistics.median(self._probe_own[k]) for k in ("on", "off"))
+        keep = with_helpers >= without + self.policy.helper_gain
+        logger.info(
+            "CPU row helpers %s: the rank computed on %.2f core(s) with them and %.2f without",
+            "kept" if keep else "stopped",
+            with_helpers,
+            without,
+        )
+        self._switch_helpers(self.most - self.threads if keep else 0)
+        self._probe = "hold"
+        self._hold_left = self.policy.helper_hold_windows
 
 
 def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> AdaptiveThreads:
@@ -175,13 +248,16 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
         live = resize_compute_threads(cores, team, threads)
         team.clear()
         team.update(live)
-        helpers[:] = start_row_helpers(cores, len(cores) - threads)
+
+    def set_helpers(count: int) -> None:
+        helpers[:] = start_row_helpers(cores, count)
 
     return AdaptiveThreads(
         placement.threads,
         set_threads,
         read_busy=lambda: read_busy_ticks(cores),
         read_own=lambda: read_thread_ticks((*team, *helpers)),
+        set_helpers=set_helpers,
     )
 
 
