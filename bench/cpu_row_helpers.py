@@ -4,7 +4,8 @@ and a prompt pass, the two settings alternating in fresh processes.
     .venv/bin/python bench/cpu_row_helpers.py [--busy 2] [--rounds 2] [--passes 4] [--served]
 
 `--busy` processes spin (`while True: pass`) for the whole run, as bench/peers_cpu.py's loaded rows have them.
-Each round runs one Engine process with RS_CPU_ROW_HELPERS=0 and one with 1 (the order alternating by round).
+Each round runs one Engine process per `--settings` value of RS_CPU_ROW_HELPERS (default 0 and 1; `always` keeps
+helpers on without the probe; the order alternating by round), and prints the rank's thread and helper decisions.
 An Engine first decodes 64 tokens so its adaptive thread count (services/worker/cpu_threads.py) has given a
 core back, then times `--passes` prompt passes (256 random ids + 1 token, prefix cache flushed) and one batch-1
 decode of 128 tokens after a 64-token prompt, and reports the chunks its helpers committed and took over.
@@ -36,6 +37,9 @@ RESULTS = REPO / "bench" / "results"
 
 def child(model: str, passes: int) -> None:
     sys.path.insert(0, str(REPO))
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated).0f ms %(message)s", stream=sys.stderr)
     from kernels.cpu_matvec import row_helper_stats
     from services.worker.frontend.engine import Engine
 
@@ -112,6 +116,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--model-path", default=str(Path.home() / ".cache/radixserve/models/SmolLM2-135M-Instruct"))
+    parser.add_argument("--settings", default="0,1", help="RS_CPU_ROW_HELPERS values to alternate (0, 1, always)")
     parser.add_argument("--served", action="store_true", help="time the served stack's TTFT instead")
     parser.add_argument("--own-session", action="store_true",
                         help="run each Engine in a session of its own (its own scheduler autogroup)")
@@ -124,11 +129,12 @@ def main() -> None:
         served_main(args)
         return
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    runs: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
+    settings = args.settings.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in settings}
     try:
         time.sleep(1.0)
         for r in range(args.rounds):
-            for setting in ("0", "1") if r % 2 == 0 else ("1", "0"):
+            for setting in settings if r % 2 == 0 else settings[::-1]:
                 env = dict(os.environ, RS_CPU_ROW_HELPERS=setting)
                 out = subprocess.run(
                     [sys.executable, __file__, "--child", "--model-path", args.model_path, "--passes",
@@ -137,12 +143,15 @@ def main() -> None:
                     start_new_session=args.own_session,
                 )  # fmt: skip
                 line = next(x for x in out.stdout.splitlines() if x.startswith("@@"))
-                result = json.loads(line[2:]) | {"load": os.getloadavg()[0]}
+                decisions = [x for x in out.stderr.splitlines() if "CPU compute threads" in x or "row helpers" in x]
+                result = json.loads(line[2:]) | {"load": os.getloadavg()[0], "decisions": decisions}
                 runs[setting].append(result)
                 passes = " ".join(f"{s:.2f}" for s in result["prompt_pass_s"])
                 print(f"round {r + 1} helpers={setting}  prompt pass {passes} s  batch 1 {result['bs1_tok_s']:.1f} "
                       f"tok/s  helped {result['helped']} taken {result['taken']}  load {result['load']:.2f}",
                       flush=True)  # fmt: skip
+                for d in decisions:
+                    print(f"    {d}", flush=True)
     finally:
         for p in busy:
             p.kill()
@@ -161,21 +170,21 @@ def main() -> None:
     path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
                                 "runs": runs, "summary": summary}, indent=1))  # fmt: skip
     print(f"\nwrote {path.relative_to(REPO)}")
-    print("helpers  prompt pass (median s)  batch 1 (median tok/s)")
-    for s in ("0", "1"):
-        print(f"{'on' if s == '1' else 'off':7}  {summary[s]['prompt_pass_median_s']:22.2f}  "
-              f"{summary[s]['bs1_median_tok_s']:22.1f}")  # fmt: skip
+    print("RS_CPU_ROW_HELPERS  prompt pass (median s)  batch 1 (median tok/s)")
+    for s in settings:
+        print(f"{s:18}  {summary[s]['prompt_pass_median_s']:22.2f}  {summary[s]['bs1_median_tok_s']:22.1f}")
 
 
 def served_main(args: argparse.Namespace) -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
-    runs: dict[str, list[dict[str, Any]]] = {"0": [], "1": []}
+    settings = args.settings.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in settings}
     log_dir = Path("/tmp/cpu_row_helpers_served")
     log_dir.mkdir(exist_ok=True)
     try:
         time.sleep(1.0)
         for r in range(args.rounds):
-            for setting in ("0", "1") if r % 2 == 0 else ("1", "0"):
+            for setting in settings if r % 2 == 0 else settings[::-1]:
                 os.environ["RS_CPU_ROW_HELPERS"] = setting  # the stack's processes inherit it
                 result = served_child(args.model_path, args.passes, log_dir) | {"load": os.getloadavg()[0]}
                 runs[setting].append(result)
@@ -201,10 +210,9 @@ def served_main(args: argparse.Namespace) -> None:
     path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
                                 "runs": runs, "summary": summary}, indent=1))  # fmt: skip
     print(f"\nwrote {path.relative_to(REPO)}")
-    print("helpers  TTFT, ~256-token prompt (median ms)  decode after it (median tok/s)")
-    for s in ("0", "1"):
-        print(f"{'on' if s == '1' else 'off':7}  {summary[s]['ttft_median_ms']:38.0f}  "
-              f"{summary[s]['decode_median_tok_s']:30.1f}")  # fmt: skip
+    print("RS_CPU_ROW_HELPERS  TTFT, ~256-token prompt (median ms)  decode after it (median tok/s)")
+    for s in settings:
+        print(f"{s:18}  {summary[s]['ttft_median_ms']:38.0f}  {summary[s]['decode_median_tok_s']:30.1f}")
 
 
 if __name__ == "__main__":

@@ -185,7 +185,8 @@ def use_matvec_isa(isa: str) -> str:
 
 
 # RS_CPU_ROW_HELPERS=0: no row helpers (A/B runs); a rank whose OpenMP team gave cores back then computes
-# its single-row products on the one thread left.
+# its products on the one thread left. 1 (default): helpers where a probe finds they add CPU time;
+# always: helpers whenever cores are given back (services/worker/cpu_threads.py).
 ROW_HELPERS_ENV = "RS_CPU_ROW_HELPERS"
 
 

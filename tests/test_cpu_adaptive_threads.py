@@ -252,6 +252,17 @@ def test_taking_the_cores_back_ends_the_helpers_and_the_probe() -> None:
     assert host.helper_calls[-1] == 0 and host.ctl.threads == 2
 
 
+def test_helpers_without_the_probe_stay_on_while_cores_are_given_back() -> None:
+    host = HelperHost(AdaptivePolicy(helper_probe=False))
+    host.cut_to_one_thread()
+    for _ in range(200):
+        host.window(1.0, 0.0)  # no gain: the probe would have stopped them
+    assert host.helper_calls == [1]
+    for _ in range(4):
+        host.window(1.0, 0.0, foreign=0.0)
+    assert host.thread_calls == [1, 2] and host.helper_calls == [1, 0]
+
+
 def test_a_policy_with_no_probe_windows_is_refused() -> None:
     with pytest.raises(ValueError, match="window counts >= 1"):
         AdaptivePolicy(helper_probe_windows=0)

@@ -28,7 +28,8 @@ them and a helper's time comes out of the model's thread (SmolLM2 served beside 
 session: decode 34.5 tok/s without helpers, 28.1 with). So a rank that gives cores back probes: the
 helpers run for `helper_probe_windows` windows, then none for as many, and they stay on only where the
 rank's own CPU time (its threads and helpers, in cores) was `helper_gain` higher with them; the verdict
-holds for `helper_hold_windows` windows of stepping, then the probe runs again.
+holds for `helper_hold_windows` windows of stepping, then the probe runs again. RS_CPU_ROW_HELPERS=always
+keeps them on without probing (a deployment whose neighbours share its group), 0 starts none.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class AdaptivePolicy:
     helper_probe_windows: int = 4
     helper_hold_windows: int = 120
     helper_gain: float = 0.2
+    helper_probe: bool = True  # False: helpers on whenever cores are given back (RS_CPU_ROW_HELPERS=always)
 
     def __post_init__(self) -> None:
         counts = (self.shrink_windows, self.grow_windows, self.helper_probe_windows, self.helper_hold_windows)
@@ -130,7 +132,7 @@ class AdaptiveThreads:
         self.helpers = 0
         self.policy = policy or AdaptivePolicy()
         self.foreign: float | None = None  # the last window's foreign load, in cores
-        self.own: float | None = None  # the last window's CPU time of the rank's threads and helpers, in cores
+        self.own: float | None = None  # the last window's CPU time of its threads and helpers, in cores
         self._set_threads, self._read_busy, self._read_own = set_threads, read_busy, read_own
         self._set_helpers = set_helpers
         # The helpers' probe: "on" or "off" while it times each side, "hold" while its verdict stands.
@@ -189,8 +191,11 @@ class AdaptiveThreads:
         self.threads = threads
         self._over = self._under = 0
         if self._set_helpers is not None:
-            if threads < self.most:
+            if threads < self.most and self.policy.helper_probe:
                 self._start_probe()
+            elif threads < self.most:
+                self._switch_helpers(self.most - threads)
+                self._probe = None
             else:
                 self._switch_helpers(0)
                 self._probe = None
@@ -252,12 +257,16 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
     def set_helpers(count: int) -> None:
         helpers[:] = start_row_helpers(cores, count)
 
+    from kernels.cpu_matvec import ROW_HELPERS_ENV
+
+    helpers_env = os.environ.get(ROW_HELPERS_ENV, "1")
     return AdaptiveThreads(
         placement.threads,
         set_threads,
         read_busy=lambda: read_busy_ticks(cores),
         read_own=lambda: read_thread_ticks((*team, *helpers)),
-        set_helpers=set_helpers,
+        policy=AdaptivePolicy(helper_probe=helpers_env != "always"),
+        set_helpers=None if helpers_env == "0" else set_helpers,
     )
 
 
