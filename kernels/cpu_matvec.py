@@ -178,10 +178,31 @@ def matvec_isa() -> str:
 
 
 def use_matvec_isa(isa: str) -> str:
-    """Make later products use `isa` (tests and benchmarks run each path this CPU has); returns the one
-    before. Raises RuntimeError where this CPU lacks it."""
+    """Make later products use `isa` (tests and benchmarks run each path this CPU has), the single-row
+    products' own choice (use_product_isa) dropped; returns the one before. Raises RuntimeError where this
+    CPU lacks it."""
     load_matvec()
     return torch.ops.radixserve_cpu.use_matvec_isa(isa)
+
+
+def use_product_isa(isa: str) -> str:
+    """Make the single-row products only (the C++ product, alone or in a layer op, and its row helpers'
+    chunks) use `isa`, "" for the path every other step uses; returns the one they used before. Raises
+    RuntimeError where this CPU lacks it. Load-time calibration (layers/linear_calibration.py) sets it."""
+    load_matvec()
+    return torch.ops.radixserve_cpu.use_product_isa(isa)
+
+
+def product_isa() -> str:
+    """The path the single-row products use (use_product_isa's choice, else matvec_isa())."""
+    load_matvec()
+    return torch.ops.radixserve_cpu.product_isa()
+
+
+def matvec_isas() -> list[str]:
+    """The paths this CPU runs, best first (avx512, avx2, portable)."""
+    load_matvec()
+    return list(torch.ops.radixserve_cpu.matvec_isas())
 
 
 # RS_CPU_ROW_HELPERS=0: no row helpers (A/B runs); a rank whose OpenMP team gave cores back then computes

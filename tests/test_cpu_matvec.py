@@ -338,6 +338,8 @@ def test_calibration_really_times_the_matvec(llama_path, monkeypatch: pytest.Mon
     assert set(best) == {"plain", "packed", "matvec", "clean_rounds"}
     assert all(0 < best[name] < 10 for name in ("plain", "packed", "matvec"))
     fastest = min(("plain", "packed", "matvec"), key=best.__getitem__)
+    if best["matvec"] <= best[fastest] * (1 + calibration_module.MATVEC_PREFERENCE):
+        fastest = "matvec"  # kept within the preference
     assert (linear_module._matvec is not None) == (fastest == "matvec")
     assert linear_module.PREPACKED_MIN_ROWS == (1 if fastest == "packed" else 2)
 
@@ -586,3 +588,121 @@ def test_row_helpers_off_from_the_environment(monkeypatch: pytest.MonkeyPatch, n
     assert cpu_matvec.set_row_helpers(1) == []
     monkeypatch.setenv(cpu_matvec.ROW_HELPERS_ENV, "1")
     assert len(cpu_matvec.set_row_helpers(1)) == 1
+
+
+@pytest.fixture
+def product_isa_after() -> Iterator[None]:
+    yield
+    cpu_matvec.use_product_isa("")
+
+
+@needs_matvec
+def test_the_products_own_loop_changes_only_the_products(product_isa_after: None) -> None:
+    """use_product_isa(isa) gives the single-row products isa's loop (their bits are those of the same product
+    with every path switched to isa, helpers or not) and leaves the other steps on the CPU's first path;
+    use_matvec_isa drops it; a loop this CPU lacks is refused with the ones it has."""
+    isas = cpu_matvec.matvec_isas()
+    assert isas[-1] == "portable" and cpu_matvec.product_isa() == isas[0] == matvec_isa()
+    g = torch.Generator().manual_seed(31)
+    w, x = torch.randn(3000, 200, generator=g), torch.randn(1, 200, generator=g)
+    mv = load_matvec()
+    before = torch.get_num_threads()
+    try:
+        for isa in isas:
+            first = use_matvec_isa(isa)
+            reference = mv(x, w)
+            use_matvec_isa(first)
+            assert cpu_matvec.use_product_isa(isa) == isas[0]
+            assert cpu_matvec.product_isa() == isa and matvec_isa() == isas[0]
+            assert torch.equal(mv(x, w), reference)
+            torch.set_num_threads(1)
+            cpu_matvec.set_row_helpers(1)
+            try:
+                for _ in range(5):
+                    assert torch.equal(mv(x, w), reference)
+            finally:
+                cpu_matvec.set_row_helpers(0)
+                torch.set_num_threads(before)
+            cpu_matvec.use_product_isa("")
+        if len(isas) > 1:
+            cpu_matvec.use_product_isa(isas[1])
+            use_matvec_isa(isas[0])
+            assert cpu_matvec.product_isa() == isas[0]
+        with pytest.raises(RuntimeError, match=r"no 'neon' path \(it has: .*portable\)"):
+            cpu_matvec.use_product_isa("neon")
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_matvec
+@pytest.mark.parametrize(("avx2_s", "kept"), [(0.020, "avx2"), (0.0245, "avx512")])
+def test_calibration_keeps_the_avx2_loop_only_where_it_is_faster(
+    llama_path, monkeypatch: pytest.MonkeyPatch, product_isa_after: None, avx2_s: float, kept: str
+) -> None:
+    """Scripted passes (seconds, CPU share of 2 threads): AVX-512 0.025 s a pass, AVX2 20 % faster (kept for
+    the products) or 2 % faster (under PRODUCT_ISA_MIN_GAIN: the first loop stays); the passes alternate."""
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(cpu_matvec, "matvec_isas", lambda: ["avx512", "avx2", "portable"])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    seen: list[str] = []
+
+    def use(isa: str) -> str:
+        seen.append(isa)
+        return "avx512"
+
+    monkeypatch.setattr(cpu_matvec, "use_product_isa", use)
+    times = {"avx512": (0.025, 1.9), "avx2": (avx2_s, 1.9)}
+    order: list[str] = []
+
+    def timed(fn):
+        seen.clear()
+        fn()
+        order.append(seen[0])
+        return times[seen[0]]
+
+    monkeypatch.setattr(calibration_module, "_timed", timed)
+    best = calibration_module.calibrate_product_isa(model, repeats=3)
+    assert best == {"avx512": 0.025, "avx2": avx2_s, "clean_rounds": 3.0}
+    assert order == ["avx512", "avx2", "avx2", "avx512", "avx512", "avx2"]
+    assert seen[-1] == ("avx2" if kept == "avx2" else "")
+
+
+@needs_matvec
+def test_calibration_of_the_products_loop_needs_two_loops(llama_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(cpu_matvec, "matvec_isas", lambda: ["avx2", "portable"])
+    assert calibration_module.calibrate_product_isa(model) == {}
+    assert calibration_module.calibrate_product_isa(torch.nn.Linear(4, 4)) == {}  # nothing prepacked
+
+
+@needs_matvec
+def test_calibration_really_times_both_loops(llama_path, product_isa_after: None) -> None:
+    if cpu_matvec.matvec_isas()[:2] != ["avx512", "avx2"]:
+        pytest.skip("this CPU has no AVX-512 loop to time against AVX2")
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    best = calibration_module.calibrate_product_isa(model)
+    assert set(best) == {"avx512", "avx2", "clean_rounds"} and 0 < best["avx2"] < 10 and 0 < best["avx512"] < 10
+    faster = best["avx2"] < best["avx512"] * (1 - calibration_module.PRODUCT_ISA_MIN_GAIN)
+    assert cpu_matvec.product_isa() == ("avx2" if faster else "avx512")
+
+
+@needs_matvec
+@pytest.mark.parametrize(("packed_s", "chosen"), [(0.0245, "matvec"), (0.022, "packed")])
+def test_calibration_keeps_the_cpp_product_unless_another_is_clearly_faster(
+    llama_path, monkeypatch: pytest.MonkeyPatch, packed_s: float, chosen: str
+) -> None:
+    """The C++ product (the one row helpers share) is kept within MATVEC_PREFERENCE of the fastest: the packed
+    product 2 % faster leaves it, 12 % faster takes its place."""
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(linear_module, "_matvec", None)
+    monkeypatch.setattr(linear_module, "PREPACKED_MIN_ROWS", 2)
+    script = iter([(0.040, 1.0), (packed_s, 1.9), (0.025, 1.9)] * 10)
+    monkeypatch.setattr(calibration_module, "_timed", lambda fn: (fn(), next(script))[1])
+    best = calibrate_single_row(model, repeats=3)
+    assert best["packed"] == packed_s and best["matvec"] == 0.025
+    assert linear_module.single_row_product() == chosen

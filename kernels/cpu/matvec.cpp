@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -226,6 +227,17 @@ Path& path() {
   return chosen;
 }
 
+// The single-row products' loop (product() and its helpers' chunks, so the same bits on every thread): path()'s
+// unless use_product_isa chose another. Load-time calibration times each loop this CPU has: on one Zen 4 guest
+// the AVX2 loop streamed 6-8 % faster than the AVX-512 one at one and two threads, on another 4 % slower
+// (bench/HISTORY.md, thirty-ninth session). Set while no product runs (at load).
+std::optional<Path>& product_override() {
+  static std::optional<Path> chosen;
+  return chosen;
+}
+
+const Path& product_path() { return product_override() ? *product_override() : path(); }
+
 // Rows per at::parallel_for grain: a band of at least this many rows is worth a thread (a multiple
 // of 4, so only the last band has single rows).
 constexpr int64_t kGrainRows = 64;
@@ -281,9 +293,9 @@ void product_chunk(const void* job, int64_t c, float* out) {
   const int64_t r0 = c * kHelperRows, r1 = std::min(j.n, r0 + kHelperRows);
   const T* w = static_cast<const T*>(j.w) + r0 * j.ld;
   if constexpr (std::is_same_v<T, float>) {
-    path().fn(w, j.ld, j.v, out, 0, r1 - r0, j.k);
+    product_path().fn(w, j.ld, j.v, out, 0, r1 - r0, j.k);
   } else {
-    path().bf16(w, j.ld, j.v, out, 0, r1 - r0, j.k);
+    product_path().bf16(w, j.ld, j.v, out, 0, r1 - r0, j.k);
   }
 }
 
@@ -324,14 +336,14 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
   }
   if (weight.scalar_type() == at::kBFloat16) {
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-    const Bf16RowsFn fn = path().bf16;
+    const Bf16RowsFn fn = product_path().bf16;
     at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
       fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
     });
     return y;
   }
   const float* wp = weight.data_ptr<float>();
-  const RowsFn fn = path().fn;
+  const RowsFn fn = product_path().fn;
   at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
     fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
   });
@@ -855,18 +867,43 @@ void gather_add_rows(float* o, const T* v, int64_t vs, const int64_t* sl, const 
   }
 }
 
-// Makes every later product use `isa` (tests and benchmarks: each path on one CPU); returns the one before.
-std::string use_matvec_isa(const std::string& isa) {
+// The path of this CPU named `isa`; an error naming the ones it has where there is none.
+Path named_path(const std::string& isa) {
   std::string names;
   for (const Path& p : cpu_paths()) {
-    if (isa == p.name) {
-      std::string before = path().name;
-      path() = p;
-      return before;
-    }
+    if (isa == p.name) return p;
     names += names.empty() ? p.name : std::string(", ") + p.name;
   }
   TORCH_CHECK(false, "matvec: this CPU has no '", isa, "' path (it has: ", names, ")");
+}
+
+// Makes every later product and vector step use `isa` (tests and benchmarks: each path on one CPU), the
+// single-row products' own choice (use_product_isa) dropped; returns the one before.
+std::string use_matvec_isa(const std::string& isa) {
+  const Path chosen = named_path(isa);
+  std::string before = path().name;
+  path() = chosen;
+  product_override().reset();
+  return before;
+}
+
+// Makes the single-row products (only) use `isa`, "" for path()'s; returns the one they used before.
+std::string use_product_isa(const std::string& isa) {
+  std::string before = product_path().name;
+  if (isa.empty()) {
+    product_override().reset();
+  } else {
+    product_override() = named_path(isa);
+  }
+  return before;
+}
+
+std::string product_isa() { return product_path().name; }
+
+std::vector<std::string> matvec_isas() {
+  std::vector<std::string> names;
+  for (const Path& p : cpu_paths()) names.emplace_back(p.name);
+  return names;
 }
 
 // Starts `count` row helpers for the single-row products (ending those before; 0: none); returns their
@@ -903,6 +940,9 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("decode_attention_rows(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor seq_lens, float scale) -> Tensor");
   m.def("matvec_isa() -> str", &matvec_isa);
   m.def("use_matvec_isa(str isa) -> str", &use_matvec_isa);
+  m.def("use_product_isa(str isa) -> str", &use_product_isa);
+  m.def("matvec_isas() -> str[]", &matvec_isas);
+  m.def("product_isa() -> str", &product_isa);
   m.def("set_row_helpers(int count, int delay_us=0) -> int[]", &set_row_helpers);
   m.def("row_helper_stats() -> int[]", &row_helper_stats);
 }

@@ -9,7 +9,8 @@ product won; linear.py's layers then take single rows through it.
 On the CPU, single rows are fastest through the prepacked oneDNN weight, MKL's plain matrix-vector
 product or (float32) the C++ product of kernels/cpu_matvec.py depending on the CPU; `calibrate_single_row`
 times one pass over the model's weights each way and keeps the fastest, counting only passes during
-which no other process held one of the cores.
+which no other process held one of the cores. Where that is the C++ product, `calibrate_product_isa` then
+times its vector loops (AVX-512 and AVX2 where the CPU has both) the same way and keeps the faster.
 """
 
 from __future__ import annotations
@@ -185,6 +186,11 @@ def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 
 CALIBRATION_MIN_CPU_SHARE = 0.85
 CALIBRATION_MAX_SECONDS = 3.0
 THREADED_PRODUCTS = ("packed", "matvec")
+# The C++ product is kept unless another is faster than this by more: only it shares its rows with the row
+# helpers of a rank that gave cores back under contention (kernels/cpu/row_helpers.h; SmolLM2 batch 1 beside
+# two busy loops, Zen 4: 19.3 tok/s without helpers, 21.9-22.3 with, bench/HISTORY.md thirty-ninth session),
+# and calibration times the products at full threads on a quiet host.
+MATVEC_PREFERENCE = 0.06
 
 
 def _timed(fn: Callable[[], None]) -> tuple[float, float]:
@@ -217,7 +223,7 @@ def calibrate_single_row(
     this CPU has: F.linear ("plain"), the packed weight ("packed", where there is one) and, for a float32
     or bfloat16 model, the C++ product ("matvec", where it builds). One warm pass each, then rounds of one pass each in turn, until
     `repeats` rounds are clean or `max_seconds` have passed; single rows then use the product with the
-    fastest pass (set_single_row_product). A round is clean when the threaded products kept their
+    fastest pass (set_single_row_product), the C++ one where it is within MATVEC_PREFERENCE of it. A round is clean when the threaded products kept their
     compute threads busy (CALIBRATION_MIN_CPU_SHARE); if none was, the best of all rounds decides.
     Returns the best seconds per product and `clean_rounds`."""
     modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
@@ -259,5 +265,68 @@ def calibrate_single_row(
                 clean = {name: min(clean[name], timed[name][0]) for name in passes}
                 clean_rounds += 1
     best = clean if clean_rounds else anyhow
-    set_single_row_product(min(best, key=best.__getitem__))
+    choice = min(best, key=best.__getitem__)
+    if "matvec" in best and best["matvec"] <= best[choice] * (1 + MATVEC_PREFERENCE):
+        choice = "matvec"
+    set_single_row_product(choice)
+    return {**best, "clean_rounds": float(clean_rounds)}
+
+
+# The AVX2 loop must beat the CPU's first one by this much to be kept for the single-row products.
+PRODUCT_ISA_MIN_GAIN = 0.03
+
+
+def calibrate_product_isa(
+    model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
+) -> dict[str, float]:
+    """Where single rows go through the C++ product and this CPU runs both its AVX-512 and its AVX2 loop, time
+    one single-row pass over the model's weights with each (a warm pass each, then rounds of one each in
+    turn, clean rounds as calibrate_single_row counts them, until `repeats` are clean or `max_seconds` have
+    passed) and keep the AVX2 loop for the products where its best pass was PRODUCT_ISA_MIN_GAIN faster
+    (kernels/cpu_matvec.use_product_isa; every other step keeps the AVX-512 path). On one Zen 4 guest the
+    AVX2 loop streamed 6-8 % faster at one and two threads; on another the AVX-512 one 4 % (bench/HISTORY.md,
+    thirty-ninth session). Returns the best seconds per loop and `clean_rounds`; {} where there was no choice."""
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not modules:
+        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
+    matvec = single_row_matvec(modules) if modules else None
+    if matvec is None:
+        return {}
+    from kernels import cpu_matvec
+
+    isas = cpu_matvec.matvec_isas()
+    if isas[:2] != ["avx512", "avx2"]:
+        return {}
+    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+
+    def through(isa: str) -> Callable[[], None]:
+        def run() -> None:
+            before = cpu_matvec.use_product_isa(isa)
+            try:
+                for module, x in zip(modules, inputs):
+                    matvec(x, module.weight)
+            finally:
+                cpu_matvec.use_product_isa(before)
+
+        return run
+
+    passes = {isa: through(isa) for isa in ("avx512", "avx2")}
+    busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
+    clean = dict.fromkeys(passes, float("inf"))
+    anyhow = dict(clean)
+    clean_rounds = rounds = 0
+    with torch.inference_mode():
+        for run in passes.values():
+            run()
+        deadline = time.perf_counter() + max_seconds
+        while clean_rounds < repeats and (rounds == 0 or time.perf_counter() < deadline):
+            timed = {name: _timed(run) for name, run in (passes.items() if rounds % 2 == 0 else reversed(passes.items()))}
+            rounds += 1
+            anyhow = {name: min(anyhow[name], timed[name][0]) for name in passes}
+            if all(busy >= busy_floor for _, busy in timed.values()):
+                clean = {name: min(clean[name], timed[name][0]) for name in passes}
+                clean_rounds += 1
+    best = clean if clean_rounds else anyhow
+    faster = best["avx2"] < best["avx512"] * (1 - PRODUCT_ISA_MIN_GAIN)
+    cpu_matvec.use_product_isa("avx2" if faster else "")
     return {**best, "clean_rounds": float(clean_rounds)}
