@@ -20,6 +20,8 @@ Rows, each a median of --rounds rounds, the engines alternating within a round s
   - served: each engine's OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
     `python -m llama_cpp.server`, `radixserve up`), 16 concurrent /v1/completions of 64 tokens (EOS
     banned by logit_bias), tok/s = completion tokens / wall time of the 16.
+Before each offline call the engines' processes must have gone quiet (under 0.05 core over 0.25 s, at most 10 s:
+vLLM-CPU's kept ~0.5 core busy for about a second after each of its calls); the wait is recorded as `settled_s`.
 Greedy tokens of every offline row are compared across the engines (rows equal to radixserve's), and the
 served texts likewise. JSON goes to bench/results/peers_cpu_<date>_<n>.json; a table closes the output.
 """
@@ -34,6 +36,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +184,47 @@ class Side:
             self.proc.kill()
 
 
+def _tree_ticks(roots: list[int]) -> int:
+    """CPU clock ticks (user + system) of the processes `roots` and all their descendants."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        ticks[int(entry.name)] = int(fields[11]) + int(fields[12])
+    tree, grew = set(roots), True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    return sum(ticks.get(pid, 0) for pid in tree)
+
+
+# Before each timed call, the engines' processes must have gone quiet: vLLM-CPU's took ~0.5 core for about a
+# second after each of its calls (thirty-ninth session), which fell on whichever engine ran next.
+SETTLE_CORES, SETTLE_WINDOW_S, SETTLE_MAX_S = 0.05, 0.25, 10.0
+
+
+def settle(sides: dict[str, Side]) -> float:
+    """Wait until the sides' process trees use under SETTLE_CORES over a SETTLE_WINDOW_S window (at most
+    SETTLE_MAX_S); returns the seconds waited."""
+    roots = [side.proc.pid for side in sides.values()]
+    start = time.monotonic()
+    before = _tree_ticks(roots)
+    while time.monotonic() - start < SETTLE_MAX_S:
+        time.sleep(SETTLE_WINDOW_S)
+        after = _tree_ticks(roots)
+        if (after - before) / os.sysconf("SC_CLK_TCK") / SETTLE_WINDOW_S < SETTLE_CORES:
+            break
+        before = after
+    return time.monotonic() - start
+
+
 def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
@@ -202,17 +246,20 @@ def offline(sides: dict[str, Side], rounds: int) -> dict[str, Any]:
             for name in order:
                 if case == "bs16" and name == "llamacpp":
                     continue
+                settled = settle(sides)
                 load = os.getloadavg()[0]
                 seconds, tokens[case][name] = sides[name].generate(batch, new)
                 runs[case][name].append(
                     {
                         "seconds": seconds,
+                        "settled_s": settled,
                         "load_before": load,
                         "load_after": os.getloadavg()[0],
                         "tok_per_s": len(batch) * new / seconds,
                     }
                 )
-                print(f"round {r + 1} {case:<11} {name:<8} {seconds:7.2f} s  load {load:.2f}", flush=True)
+                print(f"round {r + 1} {case:<11} {name:<8} {seconds:7.2f} s  load {load:.2f}  settled in "
+                      f"{settled:.2f} s", flush=True)  # fmt: skip
     out: dict[str, Any] = {}
     for case, (batch, new) in cases.items():
         out[case] = {}

