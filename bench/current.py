@@ -485,18 +485,23 @@ CPU_SERVED = Area(
     "weights, alternating rounds, medians of 3)",
     "2-vCPU AMD EPYC (Zen 4, family 25 model 17, KVM guest, AVX-512 with BF16, no AMX), torch 2.13.0+cpu, the "
     "embedded SmolLM2-135M-Instruct; peers built on it",
-    _full_run("peers_cpu_2026-12-07_3.json", "peers_cpu_2026-12-07_4.json", {
-        (True, "prompt_pass", "vllm"): "rounds 0.83, 1.14, 1.16 s against 1.01, 0.96, 0.85; one compute thread each "
-                                       "under load, ours 0.59 s and vLLM's 0.65 on a quiet host; ours alone beside "
-                                       "the same loops, 8 passes: 0.75-0.99 s; 2026-12-06 on another Zen 4 guest: "
-                                       "0.68 vs 0.90, met, 2026-12-05: 0.49 vs 0.35, missed",
+    _full_run("peers_cpu_2026-12-07_13.json", "peers_cpu_2026-12-07_12.json", {
+        (True, "bs1", "llamacpp"): "rounds 6.20, 5.22, 5.35 s against 9.75, 5.53, 7.46; the same day before the "
+                                   "single-row loop was chosen at load (`_9`): 18.3 vs 21.8 tok/s, missed",
+        (True, "prompt_pass", "vllm"): "rounds 0.80, 0.77, 0.84 s against 1.08, 1.04, 0.79; the same day before the "
+                                       "helpers' probe threshold and the harness's wait for quiet processes: `_9` "
+                                       "1.00 vs 0.90 and `_10` 1.05 vs 0.86, missed, `_11` 0.84 vs 0.88; the "
+                                       "thirty-seventh session's run (`_4`): 1.14 vs 0.96, missed",
     }),
-    note="2026-12-07: one full run quiet and one beside two busy loops, the engines alternating within each round, "
-         "as the Intel and the Zen 3 areas; these replace 2026-12-05/06's rows on other Zen 4 guests, taken row by "
-         "row in partial runs (bench/HISTORY.md, thirty-seventh session). Served and offline both choose their "
-         "compute threads at run time (services/worker/cpu_threads.py: every core while the host is quiet, one "
-         "given back while other processes want it). Greedy ids equal across the three engines in every offline "
-         "row; served texts 16/16 against vLLM-CPU (llama.cpp's server samples its own way).",
+    note="2026-12-07 (thirty-ninth session): one full run quiet and one beside two busy loops, the engines "
+         "alternating within each round and each offline call made once the engines' processes had gone quiet "
+         "(vLLM-CPU's kept ~0.5 core busy for a second after each of its calls). Served and offline both choose "
+         "their compute threads at run time (services/worker/cpu_threads.py: every core while the host is quiet, "
+         "one given back while other processes want it, row helpers on the core given back where a probe finds "
+         "they add CPU time), and the single-row product's vector loop at load (the AVX2 one on this guest). The "
+         "thirty-seventh session's runs on another Zen 4 guest (`_3`, `_4`) and this session's earlier ones (`_8` "
+         "to `_11`) are in bench/HISTORY.md. Greedy ids equal across the three engines in every offline row; "
+         "served texts 16/16 against vLLM-CPU (llama.cpp's server samples its own way).",
 )
 
 
