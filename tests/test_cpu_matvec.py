@@ -705,4 +705,4 @@ def test_calibration_keeps_the_cpp_product_unless_another_is_clearly_faster(
     monkeypatch.setattr(calibration_module, "_timed", lambda fn: (fn(), next(script))[1])
     best = calibrate_single_row(model, repeats=3)
     assert best["packed"] == packed_s and best["matvec"] == 0.025
-    assert linear_module.single_row_product() == chosen
+    assert calibration_module.single_row_product() == chosen

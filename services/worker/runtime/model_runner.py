@@ -43,11 +43,11 @@ from services.worker.runtime.kv_scales import pool_layer_ids, read_kv_scales
 from services.worker.runtime.layers.batch_invariant import make_batch_invariant
 from services.worker.runtime.layers.cpu_prepack import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.fp8_weights import weight_bytes
-from services.worker.runtime.layers.linear import single_row_product
 from services.worker.runtime.layers.linear_calibration import (
     calibrate_product_isa,
     calibrate_single_row,
     select_gemv_tiles,
+    single_row_product,
 )
 from services.worker.runtime.model_config import ModelConfig
 from services.worker.runtime.model_loader import load_model, safetensors_files

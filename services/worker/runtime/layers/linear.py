@@ -58,13 +58,6 @@ def set_single_row_product(product: str) -> None:
     PREPACKED_MIN_ROWS = 1 if product == "packed" else 2
 
 
-def single_row_product() -> str:
-    """The product set_single_row_product chose: "plain", "packed" or "matvec"."""
-    if _matvec is not None:
-        return "matvec"
-    return "packed" if PREPACKED_MIN_ROWS == 1 else "plain"
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,

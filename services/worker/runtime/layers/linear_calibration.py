@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import services.worker.runtime.layers.linear as linear_module
 from services.worker.runtime.layers.linear import (
     MATVEC_DTYPES,
     linear,
@@ -199,6 +200,13 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     fn()
     wall = time.perf_counter() - start
     return wall, (time.process_time() - cpu) / max(wall, 1e-9)
+
+
+def single_row_product() -> str:
+    """The product set_single_row_product chose: "plain", "packed" or "matvec"."""
+    if linear_module._matvec is not None:
+        return "matvec"
+    return "packed" if linear_module.PREPACKED_MIN_ROWS == 1 else "plain"
 
 
 def single_row_matvec(modules: list[nn.Module]) -> Callable[..., torch.Tensor] | None:
