@@ -202,6 +202,33 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return wall, (time.process_time() - cpu) / max(wall, 1e-9)
 
 
+def _best_passes(
+    passes: dict[str, Callable[[], None]], threaded: tuple[str, ...], repeats: int, max_seconds: float,
+    alternate: bool,
+) -> tuple[dict[str, float], int]:
+    """One warm pass each, then rounds of one pass each in turn (in reverse every other round where
+    `alternate`) until `repeats` rounds are clean (every `threaded` pass kept its threads busy,
+    CALIBRATION_MIN_CPU_SHARE) or `max_seconds` have passed: the best seconds per pass over the clean rounds
+    (over all rounds if none was), and the clean rounds' count."""
+    busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
+    clean = dict.fromkeys(passes, float("inf"))
+    anyhow = dict(clean)
+    clean_rounds = rounds = 0
+    with torch.inference_mode():
+        for run in passes.values():
+            run()
+        deadline = time.perf_counter() + max_seconds
+        while clean_rounds < repeats and (rounds == 0 or time.perf_counter() < deadline):
+            order = list(passes.items())
+            timed = {name: _timed(run) for name, run in (order[::-1] if alternate and rounds % 2 else order)}
+            rounds += 1
+            anyhow = {name: min(anyhow[name], timed[name][0]) for name in passes}
+            if all(busy >= busy_floor for name, (_, busy) in timed.items() if name in threaded):
+                clean = {name: min(clean[name], timed[name][0]) for name in passes}
+                clean_rounds += 1
+    return (clean if clean_rounds else anyhow), clean_rounds
+
+
 def single_row_product() -> str:
     """The product set_single_row_product chose: "plain", "packed" or "matvec"."""
     if linear_module._matvec is not None:
@@ -257,22 +284,7 @@ def calibrate_single_row(
     passes = {"plain": through_linear(2), "packed": through_linear(1)} if packed else {"plain": through_linear(2)}
     if matvec is not None:
         passes["matvec"] = through_matvec
-    busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
-    clean = dict.fromkeys(passes, float("inf"))
-    anyhow = dict(clean)
-    clean_rounds = rounds = 0
-    with torch.inference_mode():
-        for run in passes.values():
-            run()
-        deadline = time.perf_counter() + max_seconds
-        while clean_rounds < repeats and (rounds == 0 or time.perf_counter() < deadline):
-            timed = {name: _timed(run) for name, run in passes.items()}
-            rounds += 1
-            anyhow = {name: min(anyhow[name], timed[name][0]) for name in passes}
-            if all(busy >= busy_floor for name, (_, busy) in timed.items() if name in THREADED_PRODUCTS):
-                clean = {name: min(clean[name], timed[name][0]) for name in passes}
-                clean_rounds += 1
-    best = clean if clean_rounds else anyhow
+    best, clean_rounds = _best_passes(passes, THREADED_PRODUCTS, repeats, max_seconds, alternate=False)
     choice = min(best, key=best.__getitem__)
     if "matvec" in best and best["matvec"] <= best[choice] * (1 + MATVEC_PREFERENCE):
         choice = "matvec"
@@ -319,22 +331,7 @@ def calibrate_product_isa(
         return run
 
     passes = {isa: through(isa) for isa in ("avx512", "avx2")}
-    busy_floor = CALIBRATION_MIN_CPU_SHARE * torch.get_num_threads()
-    clean = dict.fromkeys(passes, float("inf"))
-    anyhow = dict(clean)
-    clean_rounds = rounds = 0
-    with torch.inference_mode():
-        for run in passes.values():
-            run()
-        deadline = time.perf_counter() + max_seconds
-        while clean_rounds < repeats and (rounds == 0 or time.perf_counter() < deadline):
-            timed = {name: _timed(run) for name, run in (passes.items() if rounds % 2 == 0 else reversed(passes.items()))}
-            rounds += 1
-            anyhow = {name: min(anyhow[name], timed[name][0]) for name in passes}
-            if all(busy >= busy_floor for _, busy in timed.values()):
-                clean = {name: min(clean[name], timed[name][0]) for name in passes}
-                clean_rounds += 1
-    best = clean if clean_rounds else anyhow
+    best, clean_rounds = _best_passes(passes, tuple(passes), repeats, max_seconds, alternate=True)
     faster = best["avx2"] < best["avx512"] * (1 - PRODUCT_ISA_MIN_GAIN)
     cpu_matvec.use_product_isa("avx2" if faster else "")
     return {**best, "clean_rounds": float(clean_rounds)}
