@@ -110,6 +110,18 @@ def served_child(model: str, passes: int, log_dir: Path) -> dict[str, Any]:
         server.stop()
 
 
+def write_results(prefix: str, busy: int, runs: dict[str, Any], summary: dict[str, Any]) -> None:
+    """bench/results/<prefix>_<date>_<n>.json, n the first number free."""
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (path := RESULTS / f"{prefix}_{stamp:%Y-%m-%d}_{n}.json").exists():
+        n += 1
+    path.write_text(json.dumps({"date": stamp.isoformat(), "busy": busy, "cpus": len(os.sched_getaffinity(0)),
+                                "runs": runs, "summary": summary}, indent=1))  # fmt: skip
+    print(f"\nwrote {path.relative_to(REPO)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--busy", type=int, default=2)
@@ -162,14 +174,7 @@ def main() -> None:
         }
         for s, rs in runs.items()
     }
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (path := RESULTS / f"cpu_row_helpers_{stamp:%Y-%m-%d}_{n}.json").exists():
-        n += 1
-    path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
-                                "runs": runs, "summary": summary}, indent=1))  # fmt: skip
-    print(f"\nwrote {path.relative_to(REPO)}")
+    write_results("cpu_row_helpers", args.busy, runs, summary)
     print("RS_CPU_ROW_HELPERS  prompt pass (median s)  batch 1 (median tok/s)")
     for s in settings:
         print(f"{s:18}  {summary[s]['prompt_pass_median_s']:22.2f}  {summary[s]['bs1_median_tok_s']:22.1f}")
@@ -202,14 +207,7 @@ def served_main(args: argparse.Namespace) -> None:
         }
         for s, rs in runs.items()
     }
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (path := RESULTS / f"cpu_row_helpers_served_{stamp:%Y-%m-%d}_{n}.json").exists():
-        n += 1
-    path.write_text(json.dumps({"date": stamp.isoformat(), "busy": args.busy, "cpus": len(os.sched_getaffinity(0)),
-                                "runs": runs, "summary": summary}, indent=1))  # fmt: skip
-    print(f"\nwrote {path.relative_to(REPO)}")
+    write_results("cpu_row_helpers_served", args.busy, runs, summary)
     print("RS_CPU_ROW_HELPERS  TTFT, ~256-token prompt (median ms)  decode after it (median tok/s)")
     for s in settings:
         print(f"{s:18}  {summary[s]['ttft_median_ms']:38.0f}  {summary[s]['decode_median_tok_s']:30.1f}")
