@@ -225,8 +225,17 @@ def set_row_helpers(count: int, delay_us: int = 0) -> list[int]:
 def row_helper_stats() -> tuple[int, int]:
     """(chunks the helpers computed, chunks taken over from a thread that had claimed them), this process."""
     load_matvec()
-    helped, taken = torch.ops.radixserve_cpu.row_helper_stats()
+    helped, taken, _ = torch.ops.radixserve_cpu.row_helper_stats()
     return helped, taken
+
+
+def row_helper_busy_ns() -> int:
+    """CPU nanoseconds the row helpers have spent inside products (claiming, computing and committing
+    chunks), this process (0 where the library is not loaded): their work, without the spinning between
+    products that their CPU time also holds."""
+    if _loaded is None:
+        return 0
+    return int(torch.ops.radixserve_cpu.row_helper_stats()[2])
 
 
 if __name__ == "__main__":

@@ -159,15 +159,17 @@ class HelperHost:
     """A 2-core rank with row helpers: `window(model, helper)` is a stretch of stepping in which the model's
     thread gets `model` cores and each running helper `helper` (two busy neighbours take the rest)."""
 
-    def __init__(self, policy: AdaptivePolicy | None = None) -> None:
+    def __init__(self, policy: AdaptivePolicy | None = None, read_work: bool = False) -> None:
         self.now = 0.0
         self.busy = 0
         self.own = {100: 0, 101: 0}
+        self.helper_work = 0  # ticks the helpers spent inside chunks
         self.helper_calls: list[int] = []
         self.thread_calls: list[int] = []
         self.next_tid = 200
+        work = (lambda: {**{t: v for t, v in self.own.items() if t < 200}, "helpers": self.helper_work}) if read_work else None
         self.ctl = AdaptiveThreads(2, self._set_threads, lambda: self.busy, lambda: dict(self.own), policy, TICKS,
-                                   lambda: self.now, set_helpers=self._set_helpers)  # fmt: skip
+                                   lambda: self.now, set_helpers=self._set_helpers, read_work=work)  # fmt: skip
 
     def _set_threads(self, threads: int) -> None:
         self.thread_calls.append(threads)
@@ -184,8 +186,9 @@ class HelperHost:
             self.own[self.next_tid] = 0
             self.next_tid += 1
 
-    def window(self, model: float, helper: float, foreign: float | None = None) -> None:
-        """`foreign`: what others take of the two cores (default: all the rank's threads leave)."""
+    def window(self, model: float, helper: float, foreign: float | None = None, worked: float = 1.0) -> None:
+        """`foreign`: what others take of the two cores (default: all the rank's threads leave); `worked`: the
+        share of a helper's CPU time spent inside chunks (the rest it spins)."""
         ticks = 0.25 * TICKS
         self.now += 0.25
         shares = {tid: helper if tid >= 200 else model if tid == 100 else 1.0 for tid in self.own}
@@ -193,6 +196,8 @@ class HelperHost:
             foreign = max(0.0, 2.0 - sum(shares.values()))
         for tid, share in shares.items():
             self.own[tid] += round(share * ticks)
+            if tid >= 200:
+                self.helper_work += round(share * worked * ticks)
         self.busy += round((sum(shares.values()) + foreign) * ticks)
         self.ctl.after_step()
 
@@ -222,6 +227,22 @@ def test_helpers_that_add_cpu_time_stay_on() -> None:
     for _ in range(4):
         host.window(0.67, 0.0)
     assert host.helper_calls == [1, 0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("worked", "kept"), [(0.8, True), (0.2, False)])
+def test_the_probe_weighs_the_helpers_work_not_their_spinning(worked, kept) -> None:
+    """The same group's neighbours, the helper's CPU time as above (0.5 + 0.5 core against 0.67), but it
+    computes chunks for only part of it and spins the rest: at 80 % the rank's work is 0.9 core against
+    0.67 and it stays; at 20 %, 0.6 against 0.67, and it stops, though its CPU time reads as a gain."""
+    host = HelperHost(read_work=True)
+    host.cut_to_one_thread()
+    for _ in range(4):
+        host.window(0.5, 0.5, worked=worked)
+    for _ in range(4):
+        host.window(0.67, 0.0)
+    assert host.ctl.helpers == (1 if kept else 0)
+    assert host.helper_calls == ([1, 0, 1] if kept else [1, 0])
+    assert host.ctl.own is not None and host.ctl.work is not None and host.ctl.work <= host.ctl.own
 
 
 def test_helpers_that_only_take_the_model_threads_time_stop() -> None:
@@ -431,7 +452,7 @@ def test_cores_given_back_get_row_helpers_counted_as_the_ranks_own() -> None:
     code = """
 import json, os, threading, time
 import torch
-from kernels.cpu_matvec import load_matvec, row_helper_stats
+from kernels.cpu_matvec import load_matvec, row_helper_busy_ns, row_helper_stats
 from services.worker.cpu_placement import ComputePlacement, pin_compute_threads
 from services.worker.cpu_threads import adaptive_threads
 load_matvec()
@@ -452,7 +473,10 @@ for threads in (1, 2):
         deadline = time.monotonic() + 30
         while row_helper_stats()[0] == 0 and time.monotonic() < deadline:
             torch.ops.radixserve_cpu.matvec(x, w)
-    out[threads] = {"helpers": len(helpers), "allowed": sorted(allowed.values()), "stats": row_helper_stats()}
+    work = adaptive._read_work()
+    out[threads] = {"helpers": len(helpers), "allowed": sorted(allowed.values()), "stats": row_helper_stats(),
+                    "busy_ns": row_helper_busy_ns(), "work_keys": sorted(str(k) for k in work),
+                    "helper_tids": [str(t) for t in helpers]}
 out["cores"] = cores
 print(json.dumps(out))
 """
@@ -461,4 +485,8 @@ print(json.dumps(out))
     assert result["1"]["helpers"] == 1
     assert result["1"]["allowed"] == [cores] or result["1"]["allowed"] == [f"{result['cores'][0]}-{result['cores'][1]}"]
     assert result["1"]["stats"][0] > 0  # the helper computed chunks of the products
+    assert result["1"]["busy_ns"] > 0  # and its time inside them is counted as the rank's work
+    # The rank's work: its threads' CPU time and the helpers' time in chunks, not the helpers' CPU time.
+    assert "helpers" in result["1"]["work_keys"]
+    assert not set(result["1"]["helper_tids"]) & set(result["1"]["work_keys"])
     assert result["2"]["helpers"] == 0

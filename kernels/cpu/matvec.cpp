@@ -918,10 +918,12 @@ std::vector<int64_t> set_row_helpers(int64_t count, int64_t delay_us) {
   });
 }
 
-// [chunks computed by helpers, chunks taken over from a thread that claimed them] since the process began.
+// [chunks computed by helpers, chunks taken over from a thread that claimed them, CPU nanoseconds the
+// helpers spent inside products] since the process began.
 std::vector<int64_t> row_helper_stats() {
-  const auto [helped, taken] = radixserve_cpu_helpers::RowHelpers::get().stats();
-  return {helped, taken};
+  const radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
+  const auto [helped, taken] = helpers.stats();
+  return {helped, taken, helpers.busy_ns()};
 }
 
 }  // namespace

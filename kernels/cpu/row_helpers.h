@@ -40,6 +40,7 @@
 #include <immintrin.h>
 #endif
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 namespace radixserve_cpu_helpers {
@@ -132,6 +133,11 @@ class RowHelpers {
   // Chunks committed by helpers, and chunks taken over from a thread that had claimed them, since the start.
   std::pair<int64_t, int64_t> stats() const { return {helped_.load(), taken_.load()}; }
 
+  // CPU nanoseconds the helpers have spent inside jobs (claiming, computing and committing chunks) since the
+  // start: their work, without the spinning between jobs that their CPU time also holds (services/worker/
+  // cpu_threads.py's probe).
+  int64_t busy_ns() const { return busy_ns_.load(std::memory_order_relaxed); }
+
  private:
   enum State : uint64_t { kFree = 0, kDone = 1, kCommitting = 2, kClaimed = 4 };  // kClaimed + thread (0: caller)
 
@@ -162,6 +168,13 @@ class RowHelpers {
     states_[c].store(tag(gen, kDone), std::memory_order_release);
     done_.fetch_add(1, std::memory_order_acq_rel);
     if (me > 0) helped_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // This thread's CPU time in nanoseconds (not wall time: a helper preempted inside a job is not working).
+  static int64_t thread_cpu_ns() {
+    timespec t{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
   }
 
   // Claims chunks of job `gen` until none is left, then takes over those another thread claimed and has not
@@ -204,7 +217,9 @@ class RowHelpers {
       w.buffer_floats = buffer_floats_.load(std::memory_order_relaxed);
       w.compute = compute_.load(std::memory_order_relaxed);
       w.commit = commit_.load(std::memory_order_relaxed);
+      const int64_t start = thread_cpu_ns();  // two clock reads a job, not a chunk
       run_chunks(me, gen, job_.load(std::memory_order_relaxed), w);
+      busy_ns_.fetch_add(thread_cpu_ns() - start, std::memory_order_relaxed);
     }
     inside.store(0);
   }
@@ -232,7 +247,7 @@ class RowHelpers {
 
   std::unique_ptr<std::atomic<uint64_t>[]> states_, inside_;
   std::atomic<uint64_t> gen_{0}, next_{0};
-  std::atomic<int64_t> done_{0}, chunks_{0}, buffer_floats_{0}, delay_us_{0}, helped_{0}, taken_{0};
+  std::atomic<int64_t> done_{0}, chunks_{0}, buffer_floats_{0}, delay_us_{0}, helped_{0}, taken_{0}, busy_ns_{0};
   std::atomic<const void*> job_{nullptr};
   std::atomic<void (*)(const void*, int64_t, float*)> compute_{nullptr};
   std::atomic<void (*)(const void*, int64_t, const float*)> commit_{nullptr};

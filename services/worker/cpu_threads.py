@@ -27,9 +27,15 @@ neighbours sit in a group of their own the kernel gives the rank's group the sam
 them and a helper's time comes out of the model's thread (SmolLM2 served beside two busy loops of another
 session: decode 34.5 tok/s without helpers, 28.1 with). So a rank that gives cores back probes: the
 helpers run for `helper_probe_windows` windows, then none for as many, and they stay on only where the
-rank's own CPU time (its threads and helpers, in cores) was `helper_gain` higher with them (measured beside
-two busy loops: 0.20-0.31 core more in their group, none or less in a group of their own); the verdict
-holds for `helper_hold_windows` windows of stepping, then the probe runs again. RS_CPU_ROW_HELPERS=always
+rank's work (its threads' CPU time and the helpers' time inside their chunks, in cores) was `helper_gain`
+higher with them; the verdict holds for `helper_hold_windows` windows of stepping, then the probe runs
+again. A helper's CPU time is not its work: between products it spins before it sleeps, and beside
+neighbours in the rank's own group a helper that spins while the model's thread is preempted takes a share
+that thread would have had, so its CPU time always reads as a gain there (four threads of one group on 2
+cores: the model's 0.5 core and the helper's 0.5 against 0.67 alone) where its work may not be. Measured on a
+Zen 5 guest beside two busy loops of the rank's group (bench/cpu_row_helpers.py): the rank's CPU time 0.92-1.09
+core with a helper against 0.68-0.71 without, its work 0.72-0.78 against 0.63-0.65, batch-1 decode about
+the same either way (35-38 tok/s). RS_CPU_ROW_HELPERS=always
 keeps them on without probing (a deployment whose neighbours share its group), 0 starts none.
 """
 
@@ -113,7 +119,9 @@ class AdaptiveThreads:
     gives the busy ticks of the rank's cores, `read_own` the ticks of each of its compute threads (a
     thread gone since the last reading, as libgomp ends the workers a smaller team leaves out, is
     simply not counted, and the row helpers' ticks with them), `set_threads` applies a new count,
-    `set_helpers` (None: the rank has none) starts that many row helpers, ending those before."""
+    `set_helpers` (None: the rank has none) starts that many row helpers, ending those before, and
+    `read_work` (None: read_own) the ticks of the rank's work, keyed as read_own's are: its compute threads'
+    CPU time and the row helpers' time inside their chunks, which the helpers' probe compares."""
 
     def __init__(
         self,
@@ -125,6 +133,7 @@ class AdaptiveThreads:
         ticks_per_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         set_helpers: Callable[[int], None] | None = None,
+        read_work: Callable[[], Mapping[object, int]] | None = None,
     ) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
@@ -134,7 +143,9 @@ class AdaptiveThreads:
         self.policy = policy or AdaptivePolicy()
         self.foreign: float | None = None  # the last window's foreign load, in cores
         self.own: float | None = None  # the last window's CPU time of its threads and helpers, in cores
+        self.work: float | None = None  # the last window's work (read_work), in cores
         self._set_threads, self._read_busy, self._read_own = set_threads, read_busy, read_own
+        self._read_work = read_work or read_own
         self._set_helpers = set_helpers
         # The helpers' probe: "on" or "off" while it times each side, "hold" while its verdict stands.
         self._probe: str | None = None
@@ -149,6 +160,7 @@ class AdaptiveThreads:
         self._t0 = self._clock()
         self._busy0 = self._read_busy()
         self._own0 = dict(self._read_own())
+        self._work0 = dict(self._read_work())
 
     def after_step(self, waited_s: float = 0.0) -> None:
         """Call between steps, from the thread that runs the model; `waited_s`: how long the loop waited
@@ -160,15 +172,17 @@ class AdaptiveThreads:
         now = self._clock()
         if now - self._t0 < self.policy.interval_s:
             return
-        busy, own = self._read_busy(), dict(self._read_own())
+        busy, own, work = self._read_busy(), dict(self._read_own()), dict(self._read_work())
         mine = sum(own[tid] - self._own0[tid] for tid in own.keys() & self._own0.keys())
+        done = sum(work[key] - self._work0[key] for key in work.keys() & self._work0.keys())
         self.foreign = max(0.0, (busy - self._busy0 - mine) / self._ticks_per_s / (now - self._t0))
         self.own = mine / self._ticks_per_s / (now - self._t0)
-        self._t0, self._busy0, self._own0 = now, busy, own
+        self.work = done / self._ticks_per_s / (now - self._t0)
+        self._t0, self._busy0, self._own0, self._work0 = now, busy, own, work
         threads = self.threads
         self._decide(self.foreign)
         if self.threads == threads and self._probe is not None:
-            self._probe_window(self.own)
+            self._probe_window(self.work)
 
     def _decide(self, foreign: float) -> None:
         policy, given = self.policy, self.most - self.threads
@@ -213,7 +227,7 @@ class AdaptiveThreads:
         self._probe_own = {"on": [], "off": []}
         self._switch_helpers(self.most - self.threads)
 
-    def _probe_window(self, own: float) -> None:
+    def _probe_window(self, work: float) -> None:
         """One window of stepping at an unchanged thread count: the probe's reading, or the hold's count."""
         if self._probe == "hold":
             self._hold_left -= 1
@@ -222,7 +236,7 @@ class AdaptiveThreads:
             return
         side = self._probe
         assert side in ("on", "off")
-        self._probe_own[side].append(own)
+        self._probe_own[side].append(work)
         if len(self._probe_own[side]) < self.policy.helper_probe_windows:
             return
         if side == "on":
@@ -232,7 +246,7 @@ class AdaptiveThreads:
         with_helpers, without = (statistics.median(self._probe_own[k]) for k in ("on", "off"))
         keep = with_helpers >= without + self.policy.helper_gain
         logger.info(
-            "CPU row helpers %s: the rank computed on %.2f core(s) with them and %.2f without",
+            "CPU row helpers %s: the rank's work took %.2f core(s) with them and %.2f without",
             "kept" if keep else "stopped",
             with_helpers,
             without,
@@ -258,7 +272,13 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
     def set_helpers(count: int) -> None:
         helpers[:] = start_row_helpers(cores, count)
 
-    from kernels.cpu_matvec import ROW_HELPERS_ENV
+    from kernels.cpu_matvec import ROW_HELPERS_ENV, row_helper_busy_ns
+
+    ticks_per_ns = os.sysconf("SC_CLK_TCK") / 1e9
+
+    def read_work() -> dict[object, int]:
+        # The team's CPU time, and the helpers' time in their chunks (one counter for all of them).
+        return {**read_thread_ticks(tuple(team)), "helpers": int(row_helper_busy_ns() * ticks_per_ns)}
 
     helpers_env = os.environ.get(ROW_HELPERS_ENV, "1")
     return AdaptiveThreads(
@@ -268,6 +288,7 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
         read_own=lambda: read_thread_ticks((*team, *helpers)),
         policy=AdaptivePolicy(helper_probe=helpers_env != "always"),
         set_helpers=None if helpers_env == "0" else set_helpers,
+        read_work=read_work,
     )
 
 
