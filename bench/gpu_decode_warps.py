@@ -1,6 +1,7 @@
 """Decode attention's warps per program at small batches: 4 against 8, as the decode step runs it.
 
     python bench/gpu_decode_warps.py   (GPU, repository root)
+    python bench/gpu_decode_warps.py --split-tokens 64,128,256,1024   (batch 1: splits of each size)
 
 A batch-1 decode step runs one decode attention per layer, each a few dependent memory round trips long
 (the q/k norm and rotary, the store of the new K/V, one 64-key tile per program, the in-launch merge), and
@@ -41,8 +42,10 @@ DEV, DT = "cuda", torch.bfloat16
 SHAPES = {"0.6b": (16, 8), "8b": (32, 8)}
 
 
-def time_case(heads: int, kv_heads: int, bs: int, ctx: int, warps: int) -> float:
-    """Microseconds per launch over a graph of LAYERS launches (each its own layer's pool)."""
+def time_case(heads: int, kv_heads: int, bs: int, ctx: int, warps: int, split_tokens: int = 64,
+              block_n: int = 64) -> float:
+    """Microseconds per launch over a graph of LAYERS launches (each its own layer's pool); a request's
+    splits of `split_tokens` keys, tiles of `block_n`."""
     gen = torch.Generator(device=DEV).manual_seed(0)
     slots = bs * ctx + 1
     pools = [(torch.randn((slots, kv_heads, HEAD_DIM), generator=gen, device=DEV).to(DT),
@@ -59,11 +62,11 @@ def time_case(heads: int, kv_heads: int, bs: int, ctx: int, warps: int) -> float
     q, k, v = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size], qkv[:, q_size + kv_size :]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     max_splits = max_kv_splits_for(bs, kv_heads, sms)
-    splits = kv_splits_per_request(seq_lens, max_splits)
+    splits = kv_splits_per_request(seq_lens, max_splits, min_tokens_per_split=split_tokens)
     part_out, part_lse = alloc_decode_partials(bs, heads, max_splits, HEAD_DIM, DEV)
     counters = alloc_split_counters(bs, kv_heads, DEV)
     out = torch.empty((bs, q_size), dtype=DT, device=DEV)
-    tiles = dataclasses.replace(NARROW_BATCH_TILES, num_warps=warps)
+    tiles = dataclasses.replace(NARROW_BATCH_TILES, num_warps=warps, block_n=block_n)
     rope = DecodeRope(positions, k, v, cos, sin, loc, w, w, 1e-6)
 
     def step() -> None:
@@ -90,7 +93,31 @@ def time_case(heads: int, kv_heads: int, bs: int, ctx: int, warps: int) -> float
     return best
 
 
+def split_sizes(sizes: list[int]) -> int:
+    """Batch 1 at 8 warps: a request's keys in splits of each size (kernels/decode_attention.py's
+    MIN_TOKENS_PER_SPLIT is 64: more programs, and the in-launch merge) against fewer, longer splits."""
+    rows = []
+    for name, (heads, kv_heads) in SHAPES.items():
+        for ctx in (128, 256, 512, 1024):
+            for block_n in (64, 128):
+                times = {size: time_case(heads, kv_heads, 1, ctx, 8, size, block_n) for size in sizes}
+                rows.append({"model": name, "ctx": ctx, "block_n": block_n, "us": times})
+                print(name, ctx, block_n, " ".join(f"{k}:{v:.2f}" for k, v in times.items()), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "gpu_decode_splits.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=2)
+    )
+    print(f"\n== batch-1 decode attention with its prologue, us per launch (graph of {LAYERS}) by split size, "
+          f"{torch.cuda.get_device_name(0)} ==")
+    print(f"{'model':>5} {'ctx':>5} {'tile':>4} " + " ".join(f"{s:>7}" for s in sizes))
+    for r in rows:
+        print(f"{r['model']:>5} {r['ctx']:>5} {r['block_n']:>4} " + " ".join(f"{r['us'][s]:7.2f}" for s in sizes))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--split-tokens":
+        return split_sizes([int(s) for s in sys.argv[2].split(",")])
     rows = []
     for name, (heads, kv_heads) in SHAPES.items():
         for ctx in (256, 1024):
