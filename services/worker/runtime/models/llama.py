@@ -12,7 +12,6 @@ embeddings, the last stage keeps its own copy of the embedding as its head).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,6 @@ from services.worker.runtime.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
     norm_then_linear,
-    one_contiguous_row,
 )
 from services.worker.runtime.layers.logits_processor import LogitsProcessor
 from services.worker.runtime.layers.rotary import RotaryEmbedding, get_rope
@@ -63,38 +61,9 @@ class LlamaMLP(nn.Module):
     def forward_normed(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), with the norm fused into gate_up where it can be, and
-        under RS_PERSISTENT_MLP=1 the whole block in one launch (kernels/persistent_mlp.py) where it can be."""
-        if persistent_mlp_fits(self, x):
-            from kernels.persistent_mlp import PersistentMlpTiles, persistent_mlp
-
-            gate_up, down = self.gate_up_proj, self.down_proj
-            tiles = PersistentMlpTiles(gate_up=gate_up.gemv_tiles, down=down.gemv_tiles)
-            out, residual = persistent_mlp(x, residual, norm.weight, norm.eps, gate_up.weight, down.weight, tiles)
-            return out, residual
+        """(self(norm(x + residual)), x + residual), with the norm fused into gate_up where it can be."""
         gate_up, residual = norm_then_linear(norm, self.gate_up_proj, x, residual)
         return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn), residual
-
-
-# RS_PERSISTENT_MLP=1 runs a batch-1 MLP block as one persistent launch (A/B runs: bench/gpu_pdl.py --env).
-PERSISTENT_MLP_ENV = "RS_PERSISTENT_MLP"
-
-
-def persistent_mlp_fits(mlp: LlamaMLP, x: torch.Tensor) -> bool:
-    """Whether kernels/persistent_mlp.py can run this block on x: RS_PERSISTENT_MLP=1, one row on a CUDA
-    device (or Triton's interpreter), both projections on "rows" GEMV tiles of x's dtype, one rank, no bias,
-    no quantization."""
-    from kernels.interpreter_compat import interpreting
-
-    if os.environ.get(PERSISTENT_MLP_ENV, "0") != "1" or not (x.device.type == "cuda" or interpreting()):
-        return False
-    if not one_contiguous_row(x):
-        return False
-    return all(
-        getattr(p.gemv_tiles, "kind", None) == "rows" and p.quant_method is None and p.bias is None
-        and p.tp_size == 1 and p.weight.dtype == x.dtype
-        for p in (mlp.gate_up_proj, mlp.down_proj)
-    )
 
 
 class LlamaAttention(nn.Module):
