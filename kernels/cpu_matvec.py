@@ -199,6 +199,22 @@ def product_isa() -> str:
     return torch.ops.radixserve_cpu.product_isa()
 
 
+def use_alone_prefetch(nbytes: int) -> int:
+    """Set how far ahead (bytes of a float32 weight; -1: the base distance, RS_CPU_PREFETCH_BYTES or this
+    CPU's default) a single-row product streamed by no other compute thread beside it (a team of one, or
+    the row helpers' chunks) asks for its weight's lines; returns the setting before. The same bits either
+    way. Load-time calibration (layers/linear_calibration.calibrate_alone_prefetch) sets it."""
+    load_matvec()
+    return int(torch.ops.radixserve_cpu.use_alone_prefetch(nbytes))
+
+
+def prefetch_setting() -> tuple[int, int]:
+    """(the base prefetch distance, the lone stream's or -1 for the base), in bytes of a float32 weight."""
+    load_matvec()
+    base, alone = torch.ops.radixserve_cpu.prefetch_setting()
+    return int(base), int(alone)
+
+
 def matvec_isas() -> list[str]:
     """The paths this CPU runs, best first (avx512, avx2, portable)."""
     load_matvec()

@@ -220,6 +220,7 @@ def test_the_engine_reports_its_single_row_product(llama_path) -> None:
     with Engine(str(llama_path), dtype="float32") as engine:
         chosen = engine.get_server_info()["cpu_single_row"]
         min_rows, matvec = linear_module.PREPACKED_MIN_ROWS, linear_module._matvec
+        alone = cpu_matvec.prefetch_setting() if matvec is not None else None
     from services.worker.runtime.layers.linear_calibration import MATVEC_PREFERENCE
 
     timed = {name: chosen[f"{name}_ms"] for name in ("plain", "packed", "matvec") if f"{name}_ms" in chosen}
@@ -228,6 +229,8 @@ def test_the_engine_reports_its_single_row_product(llama_path) -> None:
     assert {"plain", "packed"} <= set(timed) and chosen["product"] == ("matvec" if kept else fastest)
     if "matvec" in timed and cpu_matvec.matvec_isas()[:2] == ["avx512", "avx2"]:
         assert chosen["matvec_loop"] in ("avx512", "avx2")  # the products' loop, timed at load too
+    if alone is not None and alone[0] > 0:  # a lone stream's prefetch requests, timed at load on such a CPU
+        assert chosen["alone_prefetch"] == (alone[1] != 0)
     assert min_rows == (1 if chosen["product"] == "packed" else 2)
     assert (matvec is not None) == (chosen["product"] == "matvec")
     with Engine(str(llama_path), dtype="float32", cpu_weight_prepack=False) as engine:

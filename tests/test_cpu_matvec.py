@@ -706,3 +706,84 @@ def test_calibration_keeps_the_cpp_product_unless_another_is_clearly_faster(
     best = calibrate_single_row(model, repeats=3)
     assert best["packed"] == packed_s and best["matvec"] == 0.025
     assert calibration_module.single_row_product() == chosen
+
+
+@pytest.fixture
+def alone_prefetch_after() -> Iterator[None]:
+    yield
+    cpu_matvec.use_alone_prefetch(-1)
+
+
+@needs_matvec
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lone_stream_without_prefetch_requests_gives_the_same_bits(dtype, alone_prefetch_after: None) -> None:
+    """use_alone_prefetch changes only when a lone stream (a team of one, the row helpers' chunks, or
+    matvec_alone) asks for its weight's lines: every row's sum is the same, so the same bits as the product
+    over two threads; a distance outside -1 .. 1 MiB is refused."""
+    g = torch.Generator().manual_seed(40)
+    w, x = torch.randn(3000, 200, generator=g).to(dtype), torch.randn(1, 200, generator=g).to(dtype)
+    mv = load_matvec()
+    before = torch.get_num_threads()
+    base, alone = cpu_matvec.prefetch_setting()
+    assert alone == -1 and base >= 0
+    try:
+        torch.set_num_threads(2)
+        reference = mv(x, w)
+        assert torch.equal(torch.ops.radixserve_cpu.matvec_alone(x, w), reference)
+        for nbytes in (0, 4096, -1):
+            cpu_matvec.use_alone_prefetch(nbytes)
+            assert cpu_matvec.prefetch_setting() == (base, nbytes)
+            assert torch.equal(torch.ops.radixserve_cpu.matvec_alone(x, w), reference)
+            torch.set_num_threads(1)
+            assert torch.equal(mv(x, w), reference)
+            cpu_matvec.set_row_helpers(1)
+            try:
+                assert torch.equal(mv(x, w), reference)
+            finally:
+                cpu_matvec.set_row_helpers(0)
+                torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="bytes must be -1 to 1 MiB, got -2"):
+            cpu_matvec.use_alone_prefetch(-2)
+        with pytest.raises(RuntimeError, match="matvec_alone: .*"):
+            torch.ops.radixserve_cpu.matvec_alone(x[:, :100], w)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_matvec
+@pytest.mark.parametrize(("none_s", "kept"), [(0.0225, 0), (0.0245, -1)])
+def test_calibration_drops_a_lone_streams_prefetch_only_where_that_is_faster(
+    llama_path, monkeypatch: pytest.MonkeyPatch, alone_prefetch_after: None, none_s: float, kept: int
+) -> None:
+    """Scripted passes: 0.025 s a lone pass with the requests, 10 % faster without (dropped for lone streams)
+    or 2 % (under ALONE_PREFETCH_MIN_GAIN: kept); the passes alternate; no choice where the C++ product is
+    not the single rows' or the CPU asks for no lines anyway."""
+    model = load_model(ModelConfig.from_path(llama_path, dtype="float32"), "cpu")
+    prepack_cpu_weights(model)
+    monkeypatch.setattr(calibration_module, "single_row_product", lambda: "matvec")
+    monkeypatch.setattr(cpu_matvec, "prefetch_setting", lambda: (1536, -1))
+    seen: list[int] = []
+
+    def use(nbytes: int) -> int:
+        seen.append(nbytes)
+        return -1
+
+    monkeypatch.setattr(cpu_matvec, "use_alone_prefetch", use)
+    times = {-1: (0.025, 0.99), 0: (none_s, 0.99)}
+    order: list[int] = []
+
+    def timed(fn):
+        seen.clear()
+        fn()
+        order.append(seen[0])
+        return times[seen[0]]
+
+    monkeypatch.setattr(calibration_module, "_timed", timed)
+    best = calibration_module.calibrate_alone_prefetch(model, repeats=3)
+    assert best == {"prefetch": 0.025, "none": none_s, "clean_rounds": 3.0}
+    assert order == [-1, 0, 0, -1, -1, 0]
+    assert seen[-1] == kept
+    monkeypatch.setattr(cpu_matvec, "prefetch_setting", lambda: (0, -1))  # Zen 3: no requests to drop
+    assert calibration_module.calibrate_alone_prefetch(model) == {}
+    monkeypatch.setattr(calibration_module, "single_row_product", lambda: "packed")
+    assert calibration_module.calibrate_alone_prefetch(model) == {}

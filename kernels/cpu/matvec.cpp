@@ -93,13 +93,30 @@ int64_t default_prefetch_bytes() {
   return 1536;
 }
 
-template <typename T>
-int64_t prefetch_bytes() {
+// The distance for a stream no other compute thread of this process runs beside (outside an OpenMP region: a
+// team of one, or a chunk of the row helpers' jobs) where use_alone_prefetch set one, else -1. A Zen 5 guest's
+// one thread streamed SmolLM2's float32 weights 8-11 % faster without the requests (13.9 against 15.1-15.6 ms
+// a pass; at two threads 4 % slower without them), so load-time calibration times a lone thread's pass both
+// ways (layers/linear_calibration.calibrate_alone_prefetch; bench/HISTORY.md, fortieth session).
+std::atomic<int64_t>& alone_prefetch() {
+  static std::atomic<int64_t> bytes{-1};
+  return bytes;
+}
+
+int64_t base_prefetch_bytes() {
   static const int64_t bytes = [] {
     const char* env = std::getenv("RS_CPU_PREFETCH_BYTES");
     const long long v = env != nullptr ? std::atoll(env) : default_prefetch_bytes();
     return static_cast<int64_t>(std::clamp<long long>(v, 0, 1 << 20));
   }();
+  return bytes;
+}
+
+template <typename T>
+int64_t prefetch_bytes() {
+  int64_t bytes = base_prefetch_bytes();
+  const int64_t alone = alone_prefetch().load(std::memory_order_relaxed);
+  if (alone >= 0 && !at::in_parallel_region()) bytes = alone;
   return sizeof(T) == 2 ? 2 * bytes : bytes;
 }
 
@@ -309,12 +326,21 @@ void product_commit(const void* job, int64_t c, const float* out) {
 // of them, one contiguous stream; or, where the rank has row helpers (its OpenMP team cut to one thread
 // while other processes want its cores), chunks shared with them. y (float32, shaped like `like`, last dim
 // N) is new.
-at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& like) {
+// `alone`: every row on the calling thread, no helpers (a team of one's stream: calibration times it).
+at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& like, bool alone = false) {
   const int64_t n = weight.size(0), k = weight.size(1), ld = weight.stride(0);
   std::vector<int64_t> out_shape(like.sizes().begin(), like.sizes().end());
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, like.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
+  if (alone) {
+    if (weight.scalar_type() == at::kBFloat16) {
+      product_path().bf16(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), ld, vp, yp, 0, n, k);
+    } else {
+      product_path().fn(weight.data_ptr<float>(), ld, vp, yp, 0, n, k);
+    }
+    return y;
+  }
   radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
   if (helpers.count() > 0 && n >= 2 * kHelperRows && !at::in_parallel_region()) {
     const bool bf16 = weight.scalar_type() == at::kBFloat16;
@@ -369,6 +395,17 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     float* yp = y.data_ptr<float>();
     for (int64_t r = 0; r < n; ++r) yp[r] += bp[r];
   }
+  return dtype == at::kFloat ? y : y.to(dtype);
+}
+
+// x W^T for one row on the calling thread alone, as a team of one computes it (no bias, no helpers): the
+// stream calibrate_alone_prefetch times.
+at::Tensor matvec_alone(const at::Tensor& x, const at::Tensor& weight) {
+  const int64_t k = check_weight("matvec_alone", weight, true);
+  const at::ScalarType dtype = weight.scalar_type();
+  check_row("matvec_alone", "x", x, k, dtype);
+  const at::Tensor xc = x.to(at::kFloat).contiguous();
+  at::Tensor y = product(weight, xc.data_ptr<float>(), x, true);
   return dtype == at::kFloat ? y : y.to(dtype);
 }
 
@@ -900,6 +937,17 @@ std::string use_product_isa(const std::string& isa) {
 
 std::string product_isa() { return product_path().name; }
 
+// Sets the prefetch distance of a lone stream (prefetch_bytes: bytes for a float32 weight, -1 for the base
+// distance, RS_CPU_PREFETCH_BYTES or the CPU's default); returns the one before. The arithmetic is the same
+// either way: only when the weight's lines are asked for changes.
+int64_t use_alone_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= -1 && bytes <= (1 << 20), "use_alone_prefetch: bytes must be -1 to 1 MiB, got ", bytes);
+  return alone_prefetch().exchange(bytes);
+}
+
+// [the base distance (RS_CPU_PREFETCH_BYTES or the CPU's default), the lone stream's (-1: the base)].
+std::vector<int64_t> prefetch_setting() { return {base_prefetch_bytes(), alone_prefetch().load()}; }
+
 std::vector<std::string> matvec_isas() {
   std::vector<std::string> names;
   for (const Path& p : cpu_paths()) names.emplace_back(p.name);
@@ -945,12 +993,16 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("use_product_isa(str isa) -> str", &use_product_isa);
   m.def("matvec_isas() -> str[]", &matvec_isas);
   m.def("product_isa() -> str", &product_isa);
+  m.def("use_alone_prefetch(int bytes) -> int", &use_alone_prefetch);
+  m.def("matvec_alone(Tensor x, Tensor weight) -> Tensor");
+  m.def("prefetch_setting() -> int[]", &prefetch_setting);
   m.def("set_row_helpers(int count, int delay_us=0) -> int[]", &set_row_helpers);
   m.def("row_helper_stats() -> int[]", &row_helper_stats);
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("matvec", &matvec);
+  m.impl("matvec_alone", &matvec_alone);
   m.impl("rmsnorm_matvec", &rmsnorm_matvec);
   m.impl("silu_mul_matvec", &silu_mul_matvec);
   m.impl("decode_attention_row", &decode_attention_row);

@@ -44,6 +44,7 @@ from services.worker.runtime.layers.batch_invariant import make_batch_invariant
 from services.worker.runtime.layers.cpu_prepack import cpu_prepack_available, prepack_cpu_weights
 from services.worker.runtime.layers.fp8_weights import weight_bytes
 from services.worker.runtime.layers.linear_calibration import (
+    calibrate_alone_prefetch,
     calibrate_product_isa,
     calibrate_single_row,
     select_gemv_tiles,
@@ -257,6 +258,17 @@ class ModelRunner:
                 logger.info(
                     "the C++ single-row product runs its %s loop (one pass: avx512 %.1f ms, avx2 %.1f ms)",
                     self.single_row["matvec_loop"], loops["avx512"] * 1e3, loops["avx2"] * 1e3,
+                )  # fmt: skip
+            alone = {} if deterministic else calibrate_alone_prefetch(self.model)
+            if alone and self.single_row is not None:
+                from kernels.cpu_matvec import prefetch_setting
+
+                self.single_row["alone_prefetch"] = prefetch_setting()[1] != 0
+                logger.info(
+                    "a lone thread's single-row product %s its weight's lines ahead (one pass alone: with the "
+                    "requests %.1f ms, without %.1f ms)",
+                    "asks for" if self.single_row["alone_prefetch"] else "does not ask for",
+                    alone["prefetch"] * 1e3, alone["none"] * 1e3,
                 )  # fmt: skip
 
         if deterministic:

@@ -335,3 +335,51 @@ def calibrate_product_isa(
     faster = best["avx2"] < best["avx512"] * (1 - PRODUCT_ISA_MIN_GAIN)
     cpu_matvec.use_product_isa("avx2" if faster else "")
     return {**best, "clean_rounds": float(clean_rounds)}
+
+
+# A lone stream drops its prefetch requests only where a pass over the weights is this much faster without.
+ALONE_PREFETCH_MIN_GAIN = 0.03
+
+
+def calibrate_alone_prefetch(
+    model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
+) -> dict[str, float]:
+    """Where single rows take the C++ product (calibrate_single_row chose it) and this CPU's products ask for
+    their weight's lines ahead (kernels/cpu/matvec.cpp's prefetch_bytes: not on Zen 3), time one single-row
+    pass over the model's weights on the calling thread alone (as a team of one streams it, the rank cut to
+    one thread beside busy neighbours) with the requests and without (rounds as calibrate_product_isa's), and
+    drop them for lone streams where the pass was ALONE_PREFETCH_MIN_GAIN faster without
+    (kernels/cpu_matvec.use_alone_prefetch; the same bits either way). On a Zen 5 guest one thread streamed
+    8-11 % faster without them while two threads were 4 % faster with them (bench/HISTORY.md, fortieth
+    session). Returns the best seconds ("prefetch", "none") and `clean_rounds`; {} where there was no choice."""
+    if single_row_product() != "matvec":
+        return {}
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not modules:
+        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
+    if not modules or single_row_matvec(modules) is None:
+        return {}
+    from kernels import cpu_matvec
+
+    base, _ = cpu_matvec.prefetch_setting()
+    if base == 0:
+        return {}
+    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+
+    def through(nbytes: int) -> Callable[[], None]:
+        def run() -> None:
+            before = cpu_matvec.use_alone_prefetch(nbytes)
+            try:
+                for module, x in zip(modules, inputs):
+                    torch.ops.radixserve_cpu.matvec_alone(x, module.weight)
+            finally:
+                cpu_matvec.use_alone_prefetch(before)
+
+        return run
+
+    # No CPU-share check (a lone pass keeps one of the rank's cores busy, not its threads): every round counts.
+    passes = {"prefetch": through(-1), "none": through(0)}
+    best, clean_rounds = _best_passes(passes, (), repeats, max_seconds, alternate=True)
+    faster = best["none"] < best["prefetch"] * (1 - ALONE_PREFETCH_MIN_GAIN)
+    cpu_matvec.use_alone_prefetch(0 if faster else -1)
+    return {**best, "clean_rounds": float(clean_rounds)}
