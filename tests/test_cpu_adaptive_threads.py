@@ -247,11 +247,12 @@ def test_the_probe_weighs_the_helpers_work_not_their_spinning(worked, kept) -> N
 
 def test_helpers_that_only_take_the_model_threads_time_stop() -> None:
     """Neighbours in a group of their own: the rank's group gets one core either way, so a helper's share
-    comes out of the model's thread (1.0 core without it, 0.55 + 0.5 with): it stops until the next probe."""
-    host = HelperHost()
+    comes out of the model's thread (1.0 core without it, 0.55 + 0.5 with, half the helper's spent
+    spinning: the rank's work 0.8 against 1.0): it stops until the next probe."""
+    host = HelperHost(read_work=True)
     host.cut_to_one_thread()
     for _ in range(4):
-        host.window(0.55, 0.5)
+        host.window(0.55, 0.5, worked=0.5)
     for _ in range(4):
         host.window(1.0, 0.0)
     assert host.helper_calls == [1, 0] and host.ctl.helpers == 0

@@ -27,16 +27,20 @@ neighbours sit in a group of their own the kernel gives the rank's group the sam
 them and a helper's time comes out of the model's thread (SmolLM2 served beside two busy loops of another
 session: decode 34.5 tok/s without helpers, 28.1 with). So a rank that gives cores back probes: the
 helpers run for `helper_probe_windows` windows, then none for as many, and they stay on only where the
-rank's work (its threads' CPU time and the helpers' time inside their chunks, in cores) was `helper_gain`
-higher with them; the verdict holds for `helper_hold_windows` windows of stepping, then the probe runs
+rank's work (its threads' CPU time and the helpers' time inside their chunks, in cores) was at least as
+high with them (`helper_gain` higher: 0 by default); the verdict holds for `helper_hold_windows` windows of stepping, then the probe runs
 again. A helper's CPU time is not its work: between products it spins before it sleeps, and beside
 neighbours in the rank's own group a helper that spins while the model's thread is preempted takes a share
 that thread would have had, so its CPU time always reads as a gain there (four threads of one group on 2
 cores: the model's 0.5 core and the helper's 0.5 against 0.67 alone) where its work may not be. Measured on a
 Zen 5 guest beside two busy loops of the rank's group (bench/cpu_row_helpers.py): the rank's CPU time 0.92-1.09
 core with a helper against 0.68-0.71 without, its work 0.72-0.78 against 0.63-0.65, batch-1 decode about
-the same either way (35-38 tok/s). RS_CPU_ROW_HELPERS=always
-keeps them on without probing (a deployment whose neighbours share its group), 0 starts none.
+the same either way (35-38 tok/s). Where the work is even, helpers stay: the probe times whatever the rank
+runs then, and a batch's products (panels.cpp's, long chunks) gain more from a helper than single rows do;
+with a 0.1-core bar a probe over batch-1 decode stopped them and the batch-16 and prompt-pass calls after it
+ran 10-25 % slower on one thread (bench/peers_cpu.py beside two busy loops, `peers_cpu_2026-12-07_15` against
+`_16` and `_17`). RS_CPU_ROW_HELPERS=always keeps them on without probing (a deployment whose neighbours share
+its group), 0 starts none.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class AdaptivePolicy:
     grow_windows: int = 4
     helper_probe_windows: int = 4
     helper_hold_windows: int = 120
-    helper_gain: float = 0.1
+    helper_gain: float = 0.0
     helper_probe: bool = True  # False: helpers on whenever cores are given back (RS_CPU_ROW_HELPERS=always)
 
     def __post_init__(self) -> None:
