@@ -426,15 +426,19 @@ FULL_RUN_ROWS = (
 )
 
 
-def _full_run(quiet: str, loaded: str, notes: dict[tuple[bool, str, str], str]) -> tuple[Figure, ...]:
+def _full_run(quiet: str, loaded: str, notes: dict[tuple[bool, str, str], str],
+              files: dict[tuple[bool, str, str], tuple[str, str]] | None = None) -> tuple[Figure, ...]:
     """Every FULL_RUN_ROWS row of a host's quiet and loaded runs (their JSON), a note in brackets after a row's
-    label where `notes` has one for (loaded, row, peer)."""
+    label where `notes` has one for (loaded, row, peer); `files` gives a row another run of the same host
+    (its JSON and the peers_cpu.py arguments that made it), such as a longer run of that row alone."""
     out = []
     for busy, file in ((False, quiet), (True, loaded)):
         for row, peer, label in FULL_RUN_ROWS[busy]:
             note = notes.get((busy, row, peer))
-            figure = _peers(row, label + (f" ({note})" if note else ""), file, peer)
-            out.append(replace(figure, command=(LOADED if busy else "") + ".venv/bin/python bench/peers_cpu.py"))
+            source, args = (files or {}).get((busy, row, peer), (file, ""))
+            figure = _peers(row, label + (f" ({note})" if note else ""), source, peer)
+            command = (LOADED if busy else "") + ".venv/bin/python bench/peers_cpu.py" + args
+            out.append(replace(figure, command=command))
     return tuple(out)
 
 
@@ -511,17 +515,25 @@ CPU_PEERS_ZEN5 = Area(
     "float32 weights, alternating rounds, medians of 3)",
     "2-vCPU AMD EPYC (Zen 5, family 26 model 2, KVM guest, AVX-512 with BF16 and VP2INTERSECT, no AMX), torch "
     "2.13.0+cpu, the embedded SmolLM2-135M-Instruct; peers built on it",
-    _full_run("peers_cpu_2026-12-07_14.json", "peers_cpu_2026-12-07_15.json", {
-        (True, "bs1", "llamacpp"): "rounds 3.44, 3.58, 3.70 s against 8.06, 3.49, 3.66: close to a tie",
-        (True, "prompt_pass", "vllm"): "rounds 0.41, 0.38, 0.34 s against 0.46, 0.37, 0.42",
-        (True, "served", "vllm"): "rounds 286.5, 303.1, 400.2 tok/s against 323.7, 294.3, 302.7: a tie",
-    }),
-    note="2026-12-07 (fortieth session): the first Zen 5 guest, measured with the code as the thirty-ninth "
-         "session left it (the single-row loop chosen at load: AVX-512 here, 12.3 ms a pass over the weights "
-         "against 12.9 for AVX2; threads chosen at run time, row helpers kept by their probe beside the loops: "
-         "0.92 core with them, 0.71 without). One full run quiet and one beside two busy loops, the engines "
-         "alternating within each round, each offline call made once the engines' processes had gone quiet. "
-         "Greedy ids equal across the three engines in every offline row; served texts 16/16 against vLLM-CPU.",
+    _full_run("peers_cpu_2026-12-07_14.json", "peers_cpu_2026-12-07_18.json", {
+        (True, "bs1", "llamacpp"): "rounds 3.48, 3.13, 3.27 s against 3.29, 3.40, 3.72; earlier today, before a "
+                                   "lone thread's stream dropped its prefetch requests: `_15` 35.8 vs 35.0 tok/s, "
+                                   "`_16` 35.9 vs 37.8, missed",
+        (True, "prompt_pass", "vllm"): "rounds 0.38, 0.42, 0.41 s against 0.49, 0.42, 0.41: close to a tie; `_17`, "
+                                       "with the helper stopped by a probe over batch-1 decode: 0.52 vs 0.42, missed",
+        (True, "served", "vllm"): "5 rounds of this row alone right after the full run: 264.6, 278.3, 377.4, "
+                                  "302.0, 379.8 tok/s against 287.7, 276.9, 315.2, 192.1, 285.2; the full run's "
+                                  "3 rounds (`_18`): 282.9 vs 298.0, missed",
+    }, {(True, "served", "vllm"): ("peers_cpu_2026-12-07_19.json", " --skip offline --engines ours,vllm --rounds 5")}),
+    note="2026-12-07 (fortieth session): the first Zen 5 guest. One full run quiet (`_14`) and one beside two "
+         "busy loops (`_18`), the engines alternating within each round, each offline call made once the "
+         "engines' processes had gone quiet; the loaded served row against vLLM-CPU from 5 rounds of it alone "
+         "(`_19`), its 3 rounds in the full run having split either way (`_15` to `_18`: 303.1 vs 302.7, "
+         "309.6 vs 286.7, 296.1 vs 250.9, 282.9 vs 298.0). Here the single-row loop chosen at load is AVX-512 "
+         "(12.3 ms a pass against 12.9 for AVX2), a lone thread's stream asks for no lines ahead (13.4 ms a "
+         "pass without, 15.1 with), and the row helpers' probe weighs their work. The loaded runs before this "
+         "session's changes (`_15` to `_17`) are in bench/HISTORY.md. Greedy ids equal across the three "
+         "engines in every offline row; served texts 16/16 against vLLM-CPU.",
 )
 
 CPU = Area(
