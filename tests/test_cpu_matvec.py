@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -634,6 +635,29 @@ def test_the_products_own_loop_changes_only_the_products(product_isa_after: None
         torch.set_num_threads(before)
 
 
+def scripted_passes(monkeypatch: pytest.MonkeyPatch, switch: str, current: Any,
+                    times: dict[Any, tuple[float, float]]) -> tuple[list[Any], list[Any]]:
+    """Calibration against scripted timings: cpu_matvec's `switch` records each setting asked for (and says
+    `current` was the one before), and each timed pass returns `times` of the setting it ran under. Returns
+    (the settings asked for since the last timed pass began, the settings of the timed passes in order)."""
+    seen: list[Any] = []
+    order: list[Any] = []
+
+    def use(value: Any) -> Any:
+        seen.append(value)
+        return current
+
+    def timed(fn):
+        seen.clear()
+        fn()
+        order.append(seen[0])
+        return times[seen[0]]
+
+    monkeypatch.setattr(cpu_matvec, switch, use)
+    monkeypatch.setattr(calibration_module, "_timed", timed)
+    return seen, order
+
+
 @needs_matvec
 @pytest.mark.parametrize(("avx2_s", "kept"), [(0.020, "avx2"), (0.0245, "avx512")])
 def test_calibration_keeps_the_avx2_loop_only_where_it_is_faster(
@@ -645,23 +669,8 @@ def test_calibration_keeps_the_avx2_loop_only_where_it_is_faster(
     prepack_cpu_weights(model)
     monkeypatch.setattr(cpu_matvec, "matvec_isas", lambda: ["avx512", "avx2", "portable"])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    seen: list[str] = []
-
-    def use(isa: str) -> str:
-        seen.append(isa)
-        return "avx512"
-
-    monkeypatch.setattr(cpu_matvec, "use_product_isa", use)
-    times = {"avx512": (0.025, 1.9), "avx2": (avx2_s, 1.9)}
-    order: list[str] = []
-
-    def timed(fn):
-        seen.clear()
-        fn()
-        order.append(seen[0])
-        return times[seen[0]]
-
-    monkeypatch.setattr(calibration_module, "_timed", timed)
+    seen, order = scripted_passes(monkeypatch, "use_product_isa", "avx512",
+                                  {"avx512": (0.025, 1.9), "avx2": (avx2_s, 1.9)})  # fmt: skip
     best = calibration_module.calibrate_product_isa(model, repeats=3)
     assert best == {"avx512": 0.025, "avx2": avx2_s, "clean_rounds": 3.0}
     assert order == ["avx512", "avx2", "avx2", "avx512", "avx512", "avx2"]
@@ -762,23 +771,7 @@ def test_calibration_drops_a_lone_streams_prefetch_only_where_that_is_faster(
     prepack_cpu_weights(model)
     monkeypatch.setattr(calibration_module, "single_row_product", lambda: "matvec")
     monkeypatch.setattr(cpu_matvec, "prefetch_setting", lambda: (1536, -1))
-    seen: list[int] = []
-
-    def use(nbytes: int) -> int:
-        seen.append(nbytes)
-        return -1
-
-    monkeypatch.setattr(cpu_matvec, "use_alone_prefetch", use)
-    times = {-1: (0.025, 0.99), 0: (none_s, 0.99)}
-    order: list[int] = []
-
-    def timed(fn):
-        seen.clear()
-        fn()
-        order.append(seen[0])
-        return times[seen[0]]
-
-    monkeypatch.setattr(calibration_module, "_timed", timed)
+    seen, order = scripted_passes(monkeypatch, "use_alone_prefetch", -1, {-1: (0.025, 0.99), 0: (none_s, 0.99)})
     best = calibration_module.calibrate_alone_prefetch(model, repeats=3)
     assert best == {"prefetch": 0.025, "none": none_s, "clean_rounds": 3.0}
     assert order == [-1, 0, 0, -1, -1, 0]

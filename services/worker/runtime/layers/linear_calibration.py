@@ -296,6 +296,37 @@ def calibrate_single_row(
 PRODUCT_ISA_MIN_GAIN = 0.03
 
 
+def _matvec_passes(
+    model: nn.Module, product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    switch: Callable[[Any], Any], settings: dict[str, Any],
+) -> dict[str, Callable[[], None]] | None:
+    """For each of `settings` (name: value), one single-row pass over the weights of the model's modules whose
+    single rows can take the C++ product (prepacked, else marked cpu_rows) through `product` (x, weight; None:
+    that C++ product), run under switch(value) and switched back after; None where there are no such modules
+    or the C++ product cannot take them."""
+    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not modules:
+        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
+    matvec = single_row_matvec(modules) if modules else None
+    if matvec is None:
+        return None
+    run_product = product or matvec
+    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
+
+    def through(value: Any) -> Callable[[], None]:
+        def run() -> None:
+            before = switch(value)
+            try:
+                for module, x in zip(modules, inputs):
+                    run_product(x, module.weight)
+            finally:
+                switch(before)
+
+        return run
+
+    return {name: through(value) for name, value in settings.items()}
+
+
 def calibrate_product_isa(
     model: nn.Module, repeats: int = 3, max_seconds: float = CALIBRATION_MAX_SECONDS
 ) -> dict[str, float]:
@@ -306,31 +337,11 @@ def calibrate_product_isa(
     (kernels/cpu_matvec.use_product_isa; every other step keeps the AVX-512 path). On one Zen 4 guest the
     AVX2 loop streamed 6-8 % faster at one and two threads; on another the AVX-512 one 4 % (bench/HISTORY.md,
     thirty-ninth session). Returns the best seconds per loop and `clean_rounds`; {} where there was no choice."""
-    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-    if not modules:
-        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
-    matvec = single_row_matvec(modules) if modules else None
-    if matvec is None:
-        return {}
     from kernels import cpu_matvec
 
-    isas = cpu_matvec.matvec_isas()
-    if isas[:2] != ["avx512", "avx2"]:
+    passes = _matvec_passes(model, None, cpu_matvec.use_product_isa, {"avx512": "avx512", "avx2": "avx2"})
+    if passes is None or cpu_matvec.matvec_isas()[:2] != ["avx512", "avx2"]:
         return {}
-    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
-
-    def through(isa: str) -> Callable[[], None]:
-        def run() -> None:
-            before = cpu_matvec.use_product_isa(isa)
-            try:
-                for module, x in zip(modules, inputs):
-                    matvec(x, module.weight)
-            finally:
-                cpu_matvec.use_product_isa(before)
-
-        return run
-
-    passes = {isa: through(isa) for isa in ("avx512", "avx2")}
     best, clean_rounds = _best_passes(passes, tuple(passes), repeats, max_seconds, alternate=True)
     faster = best["avx2"] < best["avx512"] * (1 - PRODUCT_ISA_MIN_GAIN)
     cpu_matvec.use_product_isa("avx2" if faster else "")
@@ -354,31 +365,13 @@ def calibrate_alone_prefetch(
     session). Returns the best seconds ("prefetch", "none") and `clean_rounds`; {} where there was no choice."""
     if single_row_product() != "matvec":
         return {}
-    modules = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
-    if not modules:
-        modules = [m for m in model.modules() if getattr(m, "cpu_rows", False)]
-    if not modules or single_row_matvec(modules) is None:
-        return {}
     from kernels import cpu_matvec
 
-    base, _ = cpu_matvec.prefetch_setting()
-    if base == 0:
+    passes = _matvec_passes(model, lambda x, w: torch.ops.radixserve_cpu.matvec_alone(x, w),
+                            cpu_matvec.use_alone_prefetch, {"prefetch": -1, "none": 0})  # fmt: skip
+    if passes is None or cpu_matvec.prefetch_setting()[0] == 0:
         return {}
-    inputs = [torch.randn(1, m.weight.shape[1], dtype=m.weight.dtype) for m in modules]
-
-    def through(nbytes: int) -> Callable[[], None]:
-        def run() -> None:
-            before = cpu_matvec.use_alone_prefetch(nbytes)
-            try:
-                for module, x in zip(modules, inputs):
-                    torch.ops.radixserve_cpu.matvec_alone(x, module.weight)
-            finally:
-                cpu_matvec.use_alone_prefetch(before)
-
-        return run
-
     # No CPU-share check (a lone pass keeps one of the rank's cores busy, not its threads): every round counts.
-    passes = {"prefetch": through(-1), "none": through(0)}
     best, clean_rounds = _best_passes(passes, (), repeats, max_seconds, alternate=True)
     faster = best["none"] < best["prefetch"] * (1 - ALONE_PREFETCH_MIN_GAIN)
     cpu_matvec.use_alone_prefetch(0 if faster else -1)
