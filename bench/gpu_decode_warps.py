@@ -15,6 +15,7 @@ $OUT/gpu_decode_warps.json.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -116,8 +117,11 @@ def split_sizes(sizes: list[int]) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "--split-tokens":
-        return split_sizes([int(s) for s in sys.argv[2].split(",")])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--split-tokens", default=None, help="comma-separated split sizes: batch 1 by split size only")
+    args = ap.parse_args()
+    if args.split_tokens:
+        return split_sizes([int(size) for size in args.split_tokens.split(",")])
     rows = []
     for name, (heads, kv_heads) in SHAPES.items():
         for ctx in (256, 1024):

@@ -167,7 +167,7 @@ class HelperHost:
         self.helper_calls: list[int] = []
         self.thread_calls: list[int] = []
         self.next_tid = 200
-        work = (lambda: {**{t: v for t, v in self.own.items() if t < 200}, "helpers": self.helper_work}) if read_work else None
+        work = (lambda own: {**{t: v for t, v in own.items() if t < 200}, "helpers": self.helper_work}) if read_work else None
         self.ctl = AdaptiveThreads(2, self._set_threads, lambda: self.busy, lambda: dict(self.own), policy, TICKS,
                                    lambda: self.now, set_helpers=self._set_helpers, read_work=work)  # fmt: skip
 
@@ -474,7 +474,7 @@ for threads in (1, 2):
         deadline = time.monotonic() + 30
         while row_helper_stats()[0] == 0 and time.monotonic() < deadline:
             torch.ops.radixserve_cpu.matvec(x, w)
-    work = adaptive._read_work()
+    work = adaptive._read_work(adaptive._read_own())
     out[threads] = {"helpers": len(helpers), "allowed": sorted(allowed.values()), "stats": row_helper_stats(),
                     "busy_ns": row_helper_busy_ns(), "work_keys": sorted(str(k) for k in work),
                     "helper_tids": [str(t) for t in helpers]}

@@ -333,24 +333,28 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
   out_shape.back() = n;
   at::Tensor y = at::empty(out_shape, like.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  if (alone) {
-    if (weight.scalar_type() == at::kBFloat16) {
-      product_path().bf16(reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>()), ld, vp, yp, 0, n, k);
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  const void* wp = bf16 ? static_cast<const void*>(weight.data_ptr<at::BFloat16>())
+                        : static_cast<const void*>(weight.data_ptr<float>());
+  const Path& path = product_path();
+  auto rows = [&](int64_t r0, int64_t r1) {
+    if (bf16) {
+      path.bf16(static_cast<const uint16_t*>(wp), ld, vp, yp, r0, r1, k);
     } else {
-      product_path().fn(weight.data_ptr<float>(), ld, vp, yp, 0, n, k);
+      path.fn(static_cast<const float*>(wp), ld, vp, yp, r0, r1, k);
     }
+  };
+  if (alone) {
+    rows(0, n);
     return y;
   }
   radixserve_cpu_helpers::RowHelpers& helpers = radixserve_cpu_helpers::RowHelpers::get();
   if (helpers.count() > 0 && n >= 2 * kHelperRows && !at::in_parallel_region()) {
-    const bool bf16 = weight.scalar_type() == at::kBFloat16;
     auto fill = [&](int s) -> const void* {
       ProductSlot& slot = product_slots()[s];
       slot.weight = weight;  // held until the slot is refilled: a late helper may still read it
       slot.v.assign(vp, vp + k);
-      slot.job = {bf16 ? static_cast<const void*>(weight.data_ptr<at::BFloat16>())
-                       : static_cast<const void*>(weight.data_ptr<float>()),
-                  ld, k, slot.v.data(), yp, n};
+      slot.job = {wp, ld, k, slot.v.data(), yp, n};
       return &slot.job;
     };
     radixserve_cpu_helpers::Work work;
@@ -360,19 +364,7 @@ at::Tensor product(const at::Tensor& weight, const float* vp, const at::Tensor& 
     work.commit = product_commit;
     if (helpers.run(fill, work)) return y;
   }
-  if (weight.scalar_type() == at::kBFloat16) {
-    const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-    const Bf16RowsFn fn = product_path().bf16;
-    at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
-      fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
-    });
-    return y;
-  }
-  const float* wp = weight.data_ptr<float>();
-  const RowsFn fn = product_path().fn;
-  at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) {
-    fn(wp, ld, vp, yp, b0 * 4, std::min(b1 * 4, n), k);
-  });
+  at::parallel_for(0, (n + 3) / 4, kGrainRows / 4, [&](int64_t b0, int64_t b1) { rows(b0 * 4, std::min(b1 * 4, n)); });
   return y;
 }
 

@@ -124,8 +124,9 @@ class AdaptiveThreads:
     thread gone since the last reading, as libgomp ends the workers a smaller team leaves out, is
     simply not counted, and the row helpers' ticks with them), `set_threads` applies a new count,
     `set_helpers` (None: the rank has none) starts that many row helpers, ending those before, and
-    `read_work` (None: read_own) the ticks of the rank's work, keyed as read_own's are: its compute threads'
-    CPU time and the row helpers' time inside their chunks, which the helpers' probe compares."""
+    `read_work` (None: read_own's reading itself) the ticks of the rank's work from read_own's reading (no
+    second read of /proc): its compute threads' CPU time and the row helpers' time inside their chunks, keyed
+    like that reading, which the helpers' probe compares."""
 
     def __init__(
         self,
@@ -137,7 +138,7 @@ class AdaptiveThreads:
         ticks_per_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         set_helpers: Callable[[int], None] | None = None,
-        read_work: Callable[[], Mapping[object, int]] | None = None,
+        read_work: Callable[[Mapping[int, int]], Mapping[object, int]] | None = None,
     ) -> None:
         if most < 1:
             raise ValueError(f"most must be >= 1, got {most}")
@@ -149,7 +150,7 @@ class AdaptiveThreads:
         self.own: float | None = None  # the last window's CPU time of its threads and helpers, in cores
         self.work: float | None = None  # the last window's work (read_work), in cores
         self._set_threads, self._read_busy, self._read_own = set_threads, read_busy, read_own
-        self._read_work = read_work or read_own
+        self._read_work = read_work or (lambda own: own)
         self._set_helpers = set_helpers
         # The helpers' probe: "on" or "off" while it times each side, "hold" while its verdict stands.
         self._probe: str | None = None
@@ -164,7 +165,7 @@ class AdaptiveThreads:
         self._t0 = self._clock()
         self._busy0 = self._read_busy()
         self._own0 = dict(self._read_own())
-        self._work0 = dict(self._read_work())
+        self._work0 = dict(self._read_work(self._own0))
 
     def after_step(self, waited_s: float = 0.0) -> None:
         """Call between steps, from the thread that runs the model; `waited_s`: how long the loop waited
@@ -176,7 +177,8 @@ class AdaptiveThreads:
         now = self._clock()
         if now - self._t0 < self.policy.interval_s:
             return
-        busy, own, work = self._read_busy(), dict(self._read_own()), dict(self._read_work())
+        busy, own = self._read_busy(), dict(self._read_own())
+        work = dict(self._read_work(own))
         mine = sum(own[tid] - self._own0[tid] for tid in own.keys() & self._own0.keys())
         done = sum(work[key] - self._work0[key] for key in work.keys() & self._work0.keys())
         self.foreign = max(0.0, (busy - self._busy0 - mine) / self._ticks_per_s / (now - self._t0))
@@ -280,9 +282,10 @@ def adaptive_threads(placement: ComputePlacement, pinned: dict[int, int]) -> Ada
 
     ticks_per_ns = os.sysconf("SC_CLK_TCK") / 1e9
 
-    def read_work() -> dict[object, int]:
-        # The team's CPU time, and the helpers' time in their chunks (one counter for all of them).
-        return {**read_thread_ticks(tuple(team)), "helpers": int(row_helper_busy_ns() * ticks_per_ns)}
+    def read_work(own: Mapping[int, int]) -> dict[object, int]:
+        # The team's CPU time (read_own's reading of it), and the helpers' time in their chunks (one counter).
+        helpers_ticks = int(row_helper_busy_ns() * ticks_per_ns)
+        return {**{tid: ticks for tid, ticks in own.items() if tid in team}, "helpers": helpers_ticks}
 
     helpers_env = os.environ.get(ROW_HELPERS_ENV, "1")
     return AdaptiveThreads(
