@@ -136,6 +136,93 @@ def gumbel_argmax(
     return out
 
 
+@triton.jit
+def _greedy_keys(x, cols):
+    """int64 keys ordered as torch.argmax ranks (value, token id): the value's float32 bits made monotone
+    (any NaN above +inf, -0.0 equal to +0.0) in the high half, 2**32 - 1 - id in the low half, so the
+    largest key is the first maximal token."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    ordered = tl.where(x != x, 0x7FFFFFFF, ordered)
+    low = tl.full((), 4294967295, tl.int64) - cols.to(tl.int64)
+    return ordered.to(tl.int64) * 4294967296 + low
+
+
+@triton.jit
+def _greedy_token(key):
+    return tl.full((), 4294967295, tl.int64) - (key & tl.full((), 4294967295, tl.int64))
+
+
+@triton.jit
+def _greedy_kernel(
+    Logits, Tile_keys, Counters, Out, vocab, stride_row, stride_col, n_tiles, BLOCK: tl.constexpr,
+    BLOCK_TILES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    tile = tl.program_id(1)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < vocab
+    x = tl.load(Logits + row.to(tl.int64) * stride_row + cols.to(tl.int64) * stride_col, mask=mask, other=0.0)
+    # Lanes past the vocabulary take the smallest key, below any real token's.
+    keys = tl.where(mask, _greedy_keys(x.to(tl.float32), cols), -9223372036854775807 - 1)
+    best = tl.max(keys, axis=0)
+    if n_tiles == 1:
+        tl.store(Out + row, _greedy_token(best))
+    else:
+        tl.store(Tile_keys + row * n_tiles + tile, best)
+        # The last tile of the row to count itself in merges, as decode attention merges its splits
+        # (kernels/decode_attention.py): the barrier orders each thread's store before the release, the
+        # merger reads from L2 (.cg) after its acquire, and leaves the counter zero for the next call.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Counters + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_tiles - 1:
+            tl.debug_barrier()
+            tiles = tl.arange(0, BLOCK_TILES)
+            all_keys = tl.load(
+                Tile_keys + row * n_tiles + tiles, mask=tiles < n_tiles, other=-9223372036854775807 - 1,
+                cache_modifier=".cg",
+            )
+            tl.store(Out + row, _greedy_token(tl.max(all_keys, axis=0)))
+            tl.store(Counters + row, 0)
+
+
+_greedy_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed arrival counters, one a row, kept per device: every launch leaves them zero again, so calls
+    on one stream reuse them."""
+    held = _greedy_counters.get(device)
+    if held is None or held.numel() < rows:
+        held = torch.zeros(max(rows, 256), dtype=torch.int32, device=device)
+        _greedy_counters[device] = held
+    return held
+
+
+def greedy_argmax(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """logits [bs, V] (float; any strides) -> int64 [bs]: torch.argmax(logits, dim=-1) exactly (the first
+    index of a row's maximum, a NaN counting as the maximum, an empty-of-values row impossible: V >= 1), in
+    one launch of bs x ceil(V / block) programs. Calls must not run concurrently on two streams of one
+    device (they share the row counters)."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logits: expected [bs, V] with V >= 1, got shape {tuple(logits.shape)}")
+    if logits.shape[1] >= 2**31:
+        raise ValueError("greedy_argmax takes fewer than 2**31 columns")
+    bs, vocab = logits.shape
+    out = torch.empty(bs, dtype=torch.int64, device=logits.device)
+    if bs == 0:
+        return out
+    block = min(block, triton.next_power_of_2(vocab))
+    n_tiles = triton.cdiv(vocab, block)
+    tile_keys = torch.empty((bs, n_tiles), dtype=torch.int64, device=logits.device)
+    _greedy_kernel[(bs, n_tiles)](
+        logits, tile_keys, _counters(bs, logits.device), out, vocab, logits.stride(0), logits.stride(1), n_tiles,
+        BLOCK=block, BLOCK_TILES=triton.next_power_of_2(n_tiles), num_warps=4,
+    )
+    return out
+
+
 def hashed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """The uniforms `gumbel_argmax` draws, as float32 [bs, vocab], to check them bit for bit against
     the sampler's torch `hashed_uniform` (tests/kernels/test_sampling.py, bench/gpu_kernels.py)."""

@@ -183,13 +183,13 @@ def test_padded_decode_matches_eager(session: _Session) -> None:
 
 
 def test_padded_decode_from_packed_rows_matches_eager(session: _Session) -> None:
-    """A decode batch whose positions .. out_cache_loc are rows of one block (as ScheduleBatch packs
+    """A decode batch whose input ids .. out_cache_loc are rows of one block (as ScheduleBatch packs
     them) goes into the graph's inputs in one copy: the same logits as eager."""
     rows = [session.new_request() for _ in range(3)]
     session.eager(session.batch({row: n for row, n in zip(rows, (5, 2, 9))}))
     batch = session.batch(dict.fromkeys(rows, 1), ForwardMode.DECODE)
-    block = torch.stack([batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc])
-    batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc = block.unbind(0)
+    block = torch.stack([batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc])
+    batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc = block.unbind(0)
     batch.packed_rows = block
     session.graphs.inputs.fill_(7)  # stale values a missed row would leave behind
     graph_logits = session.runner.forward(batch).clone()

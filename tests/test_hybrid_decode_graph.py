@@ -91,7 +91,9 @@ class _Session:
             attn_backend=r.attn_backend,
         )
         if packed:  # as ScheduleBatch lays out a decode step's inputs
-            batch.packed_rows = torch.stack([batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc])
+            batch.packed_rows = torch.stack(
+                [batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc]
+            )
         return batch
 
     def buffers(self) -> dict[str, list[torch.Tensor]]:

@@ -172,7 +172,7 @@ def test_a_steady_decode_step_sends_one_host_to_device_copy_when_greedy(
 
 def test_a_decode_batch_packs_its_graph_inputs_as_one_block(qwen3_path: Path) -> None:
     """ForwardBatch.packed_rows (what a decode graph replay copies in one launch) holds exactly the
-    batch's positions, request rows, lengths and KV slots, in the graph's row order."""
+    batch's input ids, positions, request rows, lengths and KV slots, in the graph's row order."""
     scheduler = make_scheduler(qwen3_path)
     seen = []
     forward = scheduler.runner.forward
@@ -186,7 +186,9 @@ def test_a_decode_batch_packs_its_graph_inputs_as_one_block(qwen3_path: Path) ->
     decodes = [b for b in seen if b.forward_mode.is_decode()]
     assert decodes and seen[0].packed_rows is None  # the prefill has 19 tokens for 3 requests
     for batch in decodes:
-        expected = torch.stack([batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc])
+        expected = torch.stack(
+            [batch.input_ids, batch.positions, batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc]
+        )
         assert batch.packed_rows is not None and torch.equal(batch.packed_rows, expected)
 
 

@@ -154,3 +154,32 @@ def test_sampler_takes_the_kernel_unless_top_k_or_top_p(gen, monkeypatch, stage,
     assert len(calls) == (1 if uses_kernel else 0)
     assert torch.equal(kernel_tokens, torch_tokens)
     assert kernel_tokens[1] == logits[1].argmax()
+
+
+@pytest.mark.parametrize("block", [16, 64, 2048])
+def test_greedy_argmax_is_torch_argmax(gen, block) -> None:
+    """greedy_argmax == torch.argmax row by row: random rows, ties (the first index wins, in another tile
+    than the second), NaNs (the first NaN wins, even over +inf), -0.0 beside +0.0 (equal: the first),
+    an all -inf row (token 0), bfloat16 rows read through a column slice of a wider buffer."""
+    rows = torch.randn((6, 1000), generator=gen)
+    rows[1, 700] = rows[1, 30] = rows[1].max() + 1
+    rows[2, 900], rows[2, 10], rows[2, 400] = float("inf"), float("nan"), float("nan")
+    rows[3] = -1.0
+    rows[3, 555], rows[3, 111] = -0.0, 0.0
+    rows[4] = float("-inf")
+    rows[5, 999] = rows[5].max() + 1  # the last token of a tile that runs past the vocabulary
+    got = kernels.sampling.greedy_argmax(rows, block=block)
+    assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert got[1:5].tolist() == [30, 10, 111, 0]
+    wide = torch.randn((3, 1200), generator=gen).to(torch.bfloat16)
+    assert torch.equal(kernels.sampling.greedy_argmax(wide[:, :1001], block=block), wide[:, :1001].argmax(dim=-1))
+    # Every launch leaves its row counters zero for the next one.
+    assert not kernels.sampling._greedy_counters[rows.device].any()
+
+
+def test_greedy_argmax_rejects_what_it_cannot_take() -> None:
+    with pytest.raises(ValueError, match="expected \\[bs, V\\]"):
+        kernels.sampling.greedy_argmax(torch.zeros(5))
+    with pytest.raises(ValueError, match="V >= 1"):
+        kernels.sampling.greedy_argmax(torch.zeros(2, 0))
+    assert kernels.sampling.greedy_argmax(torch.zeros(0, 7)).shape == (0,)

@@ -26,8 +26,9 @@ A graph replays the exact kernels and addresses it saw, so:
   state row from a static buffer filled before the replay (request row -> state row, on the device);
   padded rows take state row 0, the padding row, so they never touch a request's state (request row 0
   may be a live request). Their extend steps run eagerly (no extend graphs);
-- the logits are copied into one static buffer [rows, vocab]; a step returns a view of its rows,
-  valid until the next replay (the scheduler samples from it before then).
+- the logits land in one static float32 buffer [rows, vocab] (the logits processor casts them into it
+  in one launch: the static batch's logits_out); a step returns a view of its rows, valid until the
+  next replay (the scheduler samples from it before then).
 All graphs share one memory pool, captured largest (most tokens) first; they never run concurrently, so
 their intermediates may share memory.
 
@@ -60,7 +61,7 @@ from services.worker.runtime.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 # Rows of the static integer buffer: per-token inputs (ids, positions, KV slots) and per-request ones
-# (request rows, lengths, state rows). Positions .. out_cache_loc are in the order of
+# (request rows, lengths, state rows). Input ids .. out_cache_loc are in the order of
 # ForwardBatch.packed_rows (ScheduleBatch packs a decode step's inputs so), which replay() copies as one
 # block.
 _INPUT_IDS, _POSITIONS, _REQ_POOL_INDICES, _SEQ_LENS, _OUT_CACHE_LOC, _STATE_INDICES = range(6)
@@ -195,6 +196,7 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             token_to_kv_pool=r.token_to_kv_pool,
             attn_backend=r.attn_backend,
+            logits_out=self.logits,
         )
 
     def _forward_fn(self, mode: ForwardMode, num_tokens: int, bs: int) -> Callable[[], torch.Tensor]:
@@ -247,7 +249,7 @@ class CudaGraphRunner:
             g.graph = torch.cuda.CUDAGraph()
             # thread_local: the scheduler may run in a thread while its caller's threads use CUDA.
             with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.logits[: g.batch_size].copy_(g.forward())
+                self._forward_into_logits(g)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs in %.1f s: decode batch sizes %s, extend (tokens, requests) %s; logits %s",
@@ -301,10 +303,10 @@ class CudaGraphRunner:
         # launch: a graph has no more requests than tokens, and the copies below overwrite the real part).
         if min(bs, num_tokens) < g.num_tokens:
             self.inputs[:, min(bs, num_tokens) : g.num_tokens].zero_()
-        self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
-        if batch.packed_rows is not None:  # one token per request: [4, bs]
-            self.inputs[_POSITIONS : _OUT_CACHE_LOC + 1, :bs].copy_(batch.packed_rows)
+        if batch.packed_rows is not None:  # one token per request: [5, bs]
+            self.inputs[_INPUT_IDS : _OUT_CACHE_LOC + 1, :bs].copy_(batch.packed_rows)
         else:
+            self.inputs[_INPUT_IDS, :num_tokens].copy_(batch.input_ids)
             self.inputs[_POSITIONS, :num_tokens].copy_(batch.positions)
             self.inputs[_OUT_CACHE_LOC, :num_tokens].copy_(batch.out_cache_loc)
             self.inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
@@ -315,5 +317,12 @@ class CudaGraphRunner:
         if g.graph is not None:
             g.graph.replay()
         else:
-            self.logits[: g.batch_size].copy_(g.forward())
+            self._forward_into_logits(g)
         return self.logits[:bs]
+
+    def _forward_into_logits(self, g: _Graph) -> None:
+        """g's forward, its logits in the static buffer: the logits processor writes them there itself
+        (the static batch's logits_out); a model that returns them elsewhere gets them copied."""
+        logits = g.forward()
+        if logits.data_ptr() != self.logits.data_ptr():
+            self.logits[: g.batch_size].copy_(logits)

@@ -102,10 +102,13 @@ class ForwardBatch:
     # [bs] int64 device rows of each request's last new token, when computed on the device (a CUDA
     # graph's extend step derives them from its static offsets); None: built from extend_seq_lens_cpu.
     last_token_rows: torch.Tensor | None = field(default=None, repr=False)
-    # Decode steps: positions, req_pool_indices, seq_lens and out_cache_loc as the rows of one [4, bs]
-    # block (the step's packed host-to-device copy lays them out so), which a CUDA graph replay
-    # copies into its static inputs in one launch instead of four; None: copy them one by one.
+    # Decode steps: input_ids, positions, req_pool_indices, seq_lens and out_cache_loc as the rows of one
+    # [5, bs] block (the step's packed host-to-device copy lays them out so), which a CUDA graph replay
+    # copies into its static inputs in one launch instead of five; None: copy them one by one.
     packed_rows: torch.Tensor | None = field(default=None, repr=False)
+    # A float32 [rows, vocab] buffer the logits processor writes the logits into, cast and copied in one
+    # launch (a CUDA graph's static logits); None: the forward returns a new tensor.
+    logits_out: torch.Tensor | None = field(default=None, repr=False)
     # Hybrid models (linear-attention layers): each request's state row, whether it continues a
     # state, and its token bounds; set by init_state_metadata.
     state_metadata: StateMetadata | None = field(default=None, repr=False)

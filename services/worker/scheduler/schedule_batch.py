@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.step_inputs import apply_step_inputs, step_kernels_enabled
 from services.worker.mem.hybrid_radix_cache import HybridRadixCache
 from services.worker.runtime.forward_batch import ForwardBatch, ForwardMode
 from services.worker.runtime.model_runner import prompt_logprobs
@@ -261,14 +262,22 @@ class ScheduleBatch:
         pieces = list(packed.split(sizes))
         input_ids_d, positions_d, pool_idx_d, seq_lens_d, slots_d = pieces[:5]
         rest = pieces[5:]
-        if future_index is not None:
-            idx = rest.pop(0)
-            tokens = future_index[0]
-            input_ids_d = torch.where(idx >= 0, tokens[idx.clamp(min=0)], input_ids_d)
-        if on_device:
-            mem.req_to_token_pool.write_device(*rest)
-        # With one token per request, positions .. slots are 4 * bs consecutive values: one block.
-        packed_rows = packed[bs : 5 * bs].view(4, bs) if n == bs else None
+        # The tokens still in flight resolve in place (input_ids_d stays the packed block's first row).
+        if step_kernels_enabled(packed.device):
+            index_start = sum(sizes[:5]) if future_index is not None else -1
+            tokens = future_index[0] if future_index is not None else None
+            n_writes = rows.numel()  # a CUDA table: on_device
+            table = mem.req_to_token_pool.req_to_token
+            apply_step_inputs(packed, tokens, index_start, n, table, packed.numel() - 3 * n_writes, n_writes)
+        else:
+            if future_index is not None:
+                idx = rest.pop(0)
+                tokens = future_index[0]
+                torch.where(idx >= 0, tokens[idx.clamp(min=0)], input_ids_d, out=input_ids_d)
+            if on_device:
+                mem.req_to_token_pool.write_device(*rest)
+        # With one token per request, input ids .. slots are 5 * bs consecutive values: one block.
+        packed_rows = packed[: 5 * bs].view(5, bs) if n == bs else None
         return ForwardBatch(
             forward_mode=mode,
             batch_size=bs,

@@ -42,5 +42,7 @@ class LogitsProcessor(nn.Module):
             hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles,
             batch_invariant=lm_head.batch_invariant, cpu_rows=lm_head.cpu_rows,
         )  # fmt: skip
-        logits = tp_all_gather(logits, dim=-1)
-        return logits[:, : self.vocab_size].float()
+        logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
+        if batch.logits_out is not None:
+            return batch.logits_out[: logits.shape[0]].copy_(logits)
+        return logits.float()

@@ -260,8 +260,15 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension (the first index of a row's maximum; a NaN counts as the maximum). On
     the CPU through kernels/cpu/rows.cpp's argmax_rows where the library is loaded (float32 rows with
     contiguous values: SmolLM2's [16, 49152] logits in ~0.05 ms against max(dim)'s ~0.75 on a 2-vCPU EPYC),
-    else max(dim), which returns the same indices 2-3x faster than argmax."""
+    else max(dim), which returns the same indices 2-3x faster than argmax. On CUDA [bs, V] rows take
+    kernels/sampling.py's greedy_argmax (the same indices in one launch spread over the SMs)."""
     if logits.device.type != "cpu":
+        # Imported here: triton is needed (and installed) only where CUDA runs.
+        from kernels.sampling import greedy_argmax
+        from kernels.step_inputs import step_kernels_enabled
+
+        if logits.dim() == 2 and logits.shape[-1] > 0 and step_kernels_enabled(logits.device):
+            return greedy_argmax(logits)
         return logits.argmax(dim=-1)
     ops = row_ops()
     if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1:
