@@ -29,7 +29,9 @@ def step_kernels_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get(STEP_KERNELS_ENV, "1") != "0"
 
 
-@triton.jit
+# Its sizes and offsets change every step: one compiled kernel for all of them, not one per pattern of
+# "equals 1" and "divisible by 16" among them (a compile in the middle of serving takes ~1 s).
+@triton.jit(do_not_specialize=["stride_r2t", "n_ids", "index_start", "n_writes", "writes_start"])
 def _step_inputs_kernel(
     Packed,
     Tokens,
@@ -86,3 +88,14 @@ def apply_step_inputs(
         packed, tokens, req_to_token, req_to_token.stride(0), n_ids, index_start, n_writes, writes_start,
         BLOCK=BLOCK, num_warps=4,
     )
+
+
+def warm_step_kernels(device: torch.device, vocab_size: int) -> None:
+    """Compile this module's kernel and greedy_argmax for `device` before the first request needs them (a
+    model load calls this on CUDA), on throwaway buffers."""
+    from kernels.sampling import greedy_argmax
+
+    packed = torch.tensor([5, 0, 0, 0, 0, 0, 0, 0, 1], dtype=torch.int64, device=device)
+    table = torch.zeros((1, 2), dtype=torch.int32, device=device)
+    apply_step_inputs(packed, torch.zeros(1, dtype=torch.int64, device=device), 5, 1, table, 6, 1)
+    greedy_argmax(torch.zeros((1, vocab_size), dtype=torch.float32, device=device))

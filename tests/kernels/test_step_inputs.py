@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.step_inputs import apply_step_inputs, step_kernels_enabled
+from kernels.step_inputs import apply_step_inputs, step_kernels_enabled, warm_step_kernels
 
 
 def packed_step(gen: torch.Generator, bs: int, n_writes: int, table_shape: tuple[int, int]):
@@ -71,3 +71,12 @@ def test_only_cuda_steps_take_the_kernels(monkeypatch) -> None:
     assert not step_kernels_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("RS_STEP_KERNELS", "1")
     assert step_kernels_enabled(torch.device("cuda", 0))
+
+
+def test_warming_compiles_both_kernels_and_leaves_the_counters_zero() -> None:
+    """A CUDA model load warms the step kernels (the interpreter runs the same calls on the CPU): the
+    argmax's shared row counters must come back zero, or the first request's argmax would merge early."""
+    import kernels.sampling
+
+    warm_step_kernels(torch.device("cpu"), 3000)
+    assert not kernels.sampling._greedy_counters[torch.device("cpu")].any()

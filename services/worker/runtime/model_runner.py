@@ -350,6 +350,11 @@ class ModelRunner:
             else:
                 logger.warning("cuda_graph_max_bs=%d ignored: CUDA graphs need the triton attention "
                                "backend, not %s", config.cuda_graph_max_bs, backend)
+        if device.type == "cuda":
+            from kernels.step_inputs import step_kernels_enabled, warm_step_kernels  # triton, as above
+
+            if step_kernels_enabled(device):
+                warm_step_kernels(device, model_config.vocab_size)
         logger.info(
             "model %s on %s (%s%s): weights %.1f MiB, KV pool %d tokens (%s, %.1f MiB, %d layers), %d request "
             "rows, %s attention%s",
