@@ -158,12 +158,25 @@ GPU_ENGINE = Area(
                lambda d: d["results"]["8b"]["hf_compile_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: d["results"]["8b"]["tok_s"], peer_label="radixserve",
                command="python bench/gpu_engine.py --hf-compile"),
-        Figure("P2 batch-1 decode, Qwen3-0.6B (2026-12-06 on an H100, one request's decode attention at 8 warps: "
-               "1,197.0 of 2,489.5 tok/s, 0.481, the on side of `gpu_pdl_2026-12-06_l`; before, 1,130.2 of 2,501.5, "
-               "0.452, `gpu_pdl_2026-12-06_f`; the H200's ceiling is higher)", "gpu_pdl_2026-12-04_e.json",
+        Figure("P2 batch-1 decode, Qwen3-0.6B (2026-12-07 on an H100, the step kernels outside the graph on: "
+               "1,181.8 of 2,495.3 tok/s, 0.474, off 1,189.6, `gpu_pdl_2026-12-07_d`; 2026-12-06 on an H100, one "
+               "request's decode attention at 8 warps: 1,197.0 of 2,489.5 tok/s, 0.481, the on side of "
+               "`gpu_pdl_2026-12-06_l`; the H200's ceiling is higher)", "gpu_pdl_2026-12-04_e.json",
                lambda d: max(d["models"]["0.6b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["0.6b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
                target=Target(">=", 0.6, "≥ 0.6 of the ceiling"), command=PDL + ROPE_AB),
+        Figure("a batch-1 decode step's work outside its CUDA graph, Qwen3-0.6B: the step's time less its graph "
+               "replayed alone, with the step kernels (the in-flight tokens and request-table slots in one Triton "
+               "program, 1.7 µs; greedy argmax in one launch over the SMs, 3.1 µs against torch's 8.4) against "
+               "RS_STEP_KERNELS=0 in the same call (steps 0.85 vs 0.86 ms. On an H100)",
+               "gpu_step_outside_2026-12-07_a.json", lambda d: d["sides"]["on"]["other_ms"] * 1e3, "{:.0f} µs",
+               peer=lambda d: d["sides"]["off"]["other_ms"] * 1e3, peer_label="torch's launches, RS_STEP_KERNELS=0",
+               ratio_fmt="{:.2f}× the time",
+               command="RS_STEP_KERNELS=1 (then 0) python bench/gpu_profile_step.py --model <0.6B> --batch 1"),
+        _pdl_figure("0.6b", "Qwen3-0.6B (on an H100; 3 rounds each, 1,039-1,182 on and 1,120-1,190 off: the ~25 µs a "
+                    "step is inside the runs' spread; the call before, `gpu_pdl_2026-12-07_c`: 1,147.7 vs 1,074.4, "
+                    "1.068×)", "gpu_pdl_2026-12-07_d.json", " --env RS_STEP_KERNELS --models 0.6b --rounds 3",
+                    "the step kernels outside the graph", "RS_STEP_KERNELS"),
         _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_b.json", " --models 0.6b,8b"),
         _pdl_figure("8b", "Qwen3-8B", "gpu_pdl_2026-12-04_b.json", " --models 0.6b,8b"),
         _pdl_figure("0.6b", "Qwen3-0.6B", "gpu_pdl_2026-12-04_f.json", " --env RS_PDL_PRELOAD --models 0.6b --rounds 3",

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import random
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -76,6 +78,14 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
         replay_ms = start.elapsed_time(end) / 100
         print(f"decode graph (bs {g.batch_size}) replayed alone: {replay_ms:.3f} ms; the step's other work: "
               f"{step_ms - replay_ms:.3f} ms")
+        out = Path(os.environ.get("OUT", "bench/out"))
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"gpu_profile_step_{os.environ.get('RS_STEP_KERNELS', '1')}.json"  # RS_STEP_KERNELS A/B sides
+        (out / name).write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "prompt": args.prompt,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("RS_")},
+            "step_ms": step_ms, "graph_replay_ms": replay_ms, "other_ms": step_ms - replay_ms,
+        }, indent=2))
     if args.host_profile:
         prof = cProfile.Profile()
         prof.enable()
