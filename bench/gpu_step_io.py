@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -28,34 +27,22 @@ if __package__ in (None, ""):
 from bench.gpu_common import OUT  # noqa: E402
 from kernels.sampling import greedy_argmax  # noqa: E402
 from kernels.step_inputs import apply_step_inputs  # noqa: E402
+from services.worker.runtime.layers.linear_calibration import cuda_graph_seconds  # noqa: E402
 
 VOCAB = 151_936
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 50, rounds: int = 5) -> float:
-    """GPU µs a call: `calls` calls captured in one CUDA graph, replayed `rounds` times (median), so the
-    figure is the kernels' own time back to back, not Python's launch cost (timing the calls from Python
-    measured that: ~18 µs a torch argmax, ~57 a greedy_argmax, whatever the GPU did)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles, and allocates what the first call allocates, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def per_call_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """GPU µs a call: `calls` calls captured in one CUDA graph (layers/linear_calibration.py's
+    cuda_graph_seconds, median of its replays), so the figure is the kernels' own time back to back, not
+    Python's launch cost (timing the calls from Python measured that: ~18 µs a torch argmax, ~57 a
+    greedy_argmax, whatever the GPU did)."""
+
+    def batch() -> None:
         for _ in range(calls):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+
+    return cuda_graph_seconds(batch) * 1e6 / calls
 
 
 def greedy_rows(bs: int, gen: torch.Generator) -> list[torch.Tensor]:
