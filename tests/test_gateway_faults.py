@@ -289,13 +289,17 @@ def test_non_streaming_disconnect_aborts_the_request(gateway: GatewayThread, pip
 
 
 @pytest.mark.parametrize("service", ["gateway", "tokenizer", "detokenizer"])
-def test_a_service_without_nats_exits_1_naming_the_url(service: str) -> None:
+def test_a_service_without_nats_exits_1_naming_the_url(service: str, request: pytest.FixtureRequest) -> None:
     import subprocess
     import sys
 
     args = ["--nats-url", "nats://127.0.0.1:1", "--nats-connect-timeout", "1"]
     if service == "gateway":
         args += ["--port", "0", "--grpc-port", "0"]
+    else:
+        # The tokenizer and detokenizer load their tokenizer first: on a machine where the default model
+        # was never fetched they would exit for that instead, so they get it (fetched here if missing).
+        args += ["--model-path", str(request.getfixturevalue("default_model_path"))]
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", service, *args], capture_output=True, text=True, timeout=60
     )
