@@ -4,7 +4,11 @@ workload, to find what bounds each figure.
 
     python bench/gpu_profile_step.py [--model DIR] [--batch 1] [--prompt 128] [--temperature 0]
                                      [--host-profile] [--extend] [--p3-timeline [--scale 1.0]]
-                                     [--deterministic] [--quantization fp8]
+                                     [--deterministic] [--quantization fp8] [--graph-timeline]
+
+--graph-timeline: the decode graph's kernels on the device's clock (graph_timeline below): what each
+kernel adds to the step's critical path, by its place in a decoder layer, printed and written to
+$OUT/gpu_graph_timeline_<model>.json.
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
         out = Path(os.environ.get("OUT", "bench/out"))
         out.mkdir(parents=True, exist_ok=True)
         name = f"gpu_profile_step_{os.environ.get('RS_STEP_KERNELS', '1')}.json"  # RS_STEP_KERNELS A/B sides
+        if args.graph_timeline:
+            timeline = graph_timeline(g.graph, loop.runner.model_config.num_layers)
+            timeline.update(model=args.model, quantization=args.quantization, batch=args.batch,
+                            device=torch.cuda.get_device_name(), graph_replay_ms=replay_ms)
+            (out / f"gpu_graph_timeline_{Path(args.model).name}{'-fp8' if args.quantization else ''}.json"
+             ).write_text(json.dumps(timeline, indent=1))
         (out / name).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "prompt": args.prompt,
             "env": {k: v for k, v in os.environ.items() if k.startswith("RS_")},
@@ -102,6 +112,76 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
         for r in s.running:
             s.abort_request(r.rid)
         s.step()
+
+
+def graph_timeline(graph: torch.cuda.CUDAGraph, num_layers: int, replays: int = 8) -> dict:
+    """Each kernel of a decode graph's replay on the device's clock (torch.profiler's CUPTI records, one
+    replay at a time with the host idle between them). A kernel's *increment* is how far its end moves
+    the replay's latest end: end_i - max(end_j, j < i), the part of the step it alone accounts for (with
+    PDL a kernel starts before the one ahead of it ends, so its duration overstates it); its *lead* is
+    how early it started, max(end_j, j < i) - start_i. Kernels are labelled by their place after the
+    layer's attention launch (the one launched `num_layers` times), medians over the layers and replays."""
+    import tempfile
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            sync()
+            time.sleep(0.002)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in events if e.get("cat") == "kernel"
+    )
+    return timeline_table(kernels, num_layers)
+
+
+def timeline_table(kernels: list[tuple[float, float, str]], num_layers: int) -> dict:
+    """graph_timeline's table from (start us, end us, name) records sorted by start."""
+    runs: list[list[tuple[float, float, str]]] = []
+    for k in kernels:  # replays are >= 2 ms apart; kernels of one replay never are
+        if not runs or k[0] - max(e for _, e, _ in runs[-1]) > 1000.0:
+            runs.append([])
+        runs[-1].append(k)
+    names = [n for _, _, n in runs[-1]]
+    counts = {n: names.count(n) for n in names}
+    anchor = next((n for n in names if "decode" in n and counts[n] == num_layers),
+                  next(n for n in names if counts[n] == num_layers))
+    rows: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    totals = []
+    for run in runs[1:]:  # the first replay after the profiler starts is discarded
+        latest, t0 = run[0][0], run[0][0]
+        anchors = [i for i, (_, _, n) in enumerate(run) if n == anchor]
+        period = anchors[1] - anchors[0] if len(anchors) > 1 else len(run)
+        for i, (start, end, name) in enumerate(run):
+            short = name.split("(")[0].split("<")[0].replace("void ", "")[-48:]
+            base = max((a for a in anchors if a <= i), default=-1)
+            if base < 0:
+                label = f"head {i} {short}"
+            elif base == anchors[-1] and i - base >= period - 1:  # after the last layer's own kernels
+                label = f"tail +{i - base} {short}"
+            else:
+                label = f"layer +{i - base} {short}"
+            rows[label].append((max(0.0, end - latest), latest - start, end - start))
+            latest = max(latest, end)
+        totals.append(latest - t0)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    table = []
+    for label, xs in rows.items():
+        per_replay = len(xs) / max(1, len(runs) - 1)
+        inc = median([x[0] for x in xs])
+        table.append({"kernel": label, "per_replay": per_replay, "increment_us": inc,
+                      "lead_us": median([x[1] for x in xs]), "duration_us": median([x[2] for x in xs]),
+                      "increment_total_us": inc * per_replay})
+    replay_us = median(totals)
+    print(f"graph timeline: {len(runs[-1])} kernels a replay, {replay_us:.1f} us first start to last end "
+          f"(median of {len(totals)} profiled replays)")
+    print(f"{'kernel (place)':58} {'n':>4} {'incr us':>8} {'lead us':>8} {'dur us':>8} {'incr total':>10}")
+    for r in table:
+        print(f"{r['kernel']:58} {r['per_replay']:4.0f} {r['increment_us']:8.2f} {r['lead_us']:8.2f} "
+              f"{r['duration_us']:8.2f} {r['increment_total_us']:10.1f}")
+    return {"replay_us": replay_us, "kernels_per_replay": len(runs[-1]), "anchor": anchor, "table": table}
 
 
 def extend_probe(loop: SchedulerLoop, host_profile: bool = False) -> None:
@@ -206,6 +286,7 @@ def main() -> None:
     ap.add_argument("--p3-timeline", action="store_true", help="step timeline of the P3 workload")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
+    ap.add_argument("--graph-timeline", action="store_true", help="the decode graph's kernels on the device clock")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="the Engine's --quantization (fp8: block FP8 linear weights quantized at load)")
     args = ap.parse_args()

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         x.stride(0),
         out.stride(0),
         BLOCK=block,
-        PDL=bool(pdl := launch_options(x.device)),
+        PDL=pdl_mode(pdl := launch_options(x.device)),
         **pdl,
         num_warps=4,
     )

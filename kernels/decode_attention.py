@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.decode_rope import DecodeRope, rope_operands
 from kernels.kv_store import fp8_max
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 from kernels.qk_norm_rope import rope_heads, store_new_kv
 
 # A split's shortest length: one 64-key tile. Batch-1 decode of an 8B model at a 256-token context ran
@@ -578,7 +578,7 @@ def decode_attention(
         ROPE=rope is not None,
         HAS_NORM=rope is not None and rope.q_weight is not None,
         FP8_MAX=fp8_max(k_buffer.dtype) if rope is not None else 0.0,
-        PDL=bool(pdl),
+        PDL=pdl_mode(pdl),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -45,7 +45,7 @@ from kernels.gemv import (
     rmsnorm_rstd,
 )
 from kernels.interpreter_compat import interpreting
-from kernels.pdl import launch_options, pdl_enter, pdl_gate, pdl_release, preload_weights
+from kernels.pdl import launch_options, pdl_enter, pdl_gate, pdl_mode, pdl_release, preload_weights
 from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 MMA_MAX_ROWS = 16
@@ -308,7 +308,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         ROUND_IN_F32=interpreting(),
-        PDL=bool(pdl),
+        PDL=pdl_mode(pdl),
         EARLY=early,
         PRELOAD=preload,
         **pdl,

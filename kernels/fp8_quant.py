@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.fp8_reference import ACTIVATION_DTYPES, FP8_DTYPE, FP8_EPS, FP8_MAX
 from kernels.interpreter_compat import interpreting
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = 128) -> tuple[t
         BLOCK=block,
         UNITS=units,
         ROUND_IN_F32=interpreting(),
-        PDL=bool(pdl := launch_options(x.device)),
+        PDL=pdl_mode(pdl := launch_options(x.device)),
         **pdl,
         num_warps=4,
     )
@@ -244,7 +244,7 @@ def rmsnorm_group_quant_fp8(
         x, x if residual is None else residual, weight, q, scale, res_out, m, k, eps, x.stride(0),
         x.stride(0) if residual is None else residual.stride(0), q.stride(0), scale.stride(0), res_out.stride(0),
         FP8_EPS, FP8_MAX, HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
-        GROUP=group_size, ROUND_IN_F32=interpreting(), PDL=bool(pdl := launch_options(x.device)), **pdl,
+        GROUP=group_size, ROUND_IN_F32=interpreting(), PDL=pdl_mode(pdl := launch_options(x.device)), **pdl,
         num_warps=min(16, max(1, block_cols * block_rows // 256)),
     )  # fmt: skip
     return q, scale, res_out
@@ -265,7 +265,7 @@ def silu_mul_group_quant_fp8(
     _silu_mul_group_quant_kernel[(triton.cdiv(m, block_rows), triton.cdiv(k, block_cols))](
         gate_up, q, scale, m, k, gate_up.stride(0), q.stride(0), scale.stride(0), FP8_EPS, FP8_MAX,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, GROUP=group_size, ROUND_IN_F32=interpreting(),
-        PDL=bool(pdl := launch_options(gate_up.device)), **pdl, num_warps=4,
+        PDL=pdl_mode(pdl := launch_options(gate_up.device)), **pdl, num_warps=4,
     )  # fmt: skip
     return q, scale
 

@@ -57,7 +57,7 @@ from kernels.moe_blocks import (
     moe_tiles_for,
     one_pair_per_block,
 )
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 
 __all__ = [
     "DETERMINISTIC_MOE_TILES",
@@ -357,7 +357,7 @@ def combine_experts(
     pdl = launch_options(per_pair.device)
     _combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         per_pair, out, shared_out, gate, hidden_size, shared_out.stride(0), gate.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block, PDL=bool(pdl), **pdl,
+        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=block, PDL=pdl_mode(pdl), **pdl,
     )  # fmt: skip
     return out
 

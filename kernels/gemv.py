@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enter, preload_weights
+from kernels.pdl import launch_options, pdl_enter, pdl_mode, preload_weights
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
@@ -280,7 +280,7 @@ def _launch_rows(
         PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
-        PDL=bool(pdl := launch_options(weight.device)),
+        PDL=pdl_mode(pdl := launch_options(weight.device)),
         PRELOAD=reads_ahead(weight),
         **pdl,
         num_warps=tiles.num_warps,
@@ -375,7 +375,7 @@ def _gemv_dot(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None, t
         BLOCK_K=tiles.block_k,
         BLOCK_M=DOT_MAX_ROWS,
         EVEN_K=k % tiles.block_k == 0,
-        PDL=bool(pdl := launch_options(weight.device)),
+        PDL=pdl_mode(pdl := launch_options(weight.device)),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -48,6 +48,7 @@ from kernels.interpreter_compat import interpreting
 
 PDL_ENV = "RS_PDL"
 PRELOAD_ENV = "RS_PDL_PRELOAD"
+EARLY_RELEASE_ENV = "RS_PDL_EARLY_RELEASE"
 
 
 @functools.cache
@@ -74,11 +75,25 @@ def launch_options(device: torch.device) -> dict[str, bool]:
     return {"launch_pdl": True} if pdl_enabled(device) else {}
 
 
+def pdl_mode(options: dict[str, bool]) -> int:
+    """The kernels' PDL constexpr for a launch with `options` (launch_options'): 0 off; 1 on, each program
+    releasing its dependents right after its wait; 2 on, releasing them before it (RS_PDL_EARLY_RELEASE=1):
+    the next kernel may then be scheduled as soon as every program of this one has started, and the one
+    after it as soon as that one's have, so several kernels ahead can be reading their weights. The wait
+    still waits for the whole kernel before to complete, so what a program reads after it is the same."""
+    if not options:
+        return 0
+    return 2 if os.environ.get(EARLY_RELEASE_ENV, "0") == "1" else 1
+
+
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Wait for the kernel before this one, then let the next one be scheduled (the module docstring's
-    protocol). Every program of a PDL kernel calls this before it reads an activation."""
-    if PDL:
+    """Wait for the kernel before this one and let the next one be scheduled, after the wait (PDL 1) or
+    before it (2; pdl_mode). Every program of a PDL kernel calls this before it reads an activation."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    elif PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -90,7 +105,10 @@ def pdl_gate(PDL: tl.constexpr):
     wait: with a plain wait in the loop's first turn, the compiler moved that turn's read of the row above
     it (seen in the PTX). Called every turn (a wait whose grid has completed returns at once); the release
     is pdl_release's."""
-    if PDL:
+    if PDL == 2:
+        gate = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; griddepcontrol.wait; mov.u32 $0, 0;",
+                                         "=r", [], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    elif PDL:
         gate = tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                          is_pure=False, pack=1)  # fmt: skip
     else:
@@ -100,6 +118,6 @@ def pdl_gate(PDL: tl.constexpr):
 
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
-    """Let the next kernel be scheduled (after a pdl_gate)."""
-    if PDL:
+    """Let the next kernel be scheduled (after a pdl_gate; PDL 2's gate has done it before its wait)."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()

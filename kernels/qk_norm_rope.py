@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_store import fp8_max, to_pool
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 
 
 @triton.jit
@@ -361,4 +361,4 @@ def qk_norm_rope_(
 
 def _pdl_options(device: torch.device) -> dict:
     options = launch_options(device)
-    return {"PDL": bool(options), **options}
+    return {"PDL": pdl_mode(options), **options}

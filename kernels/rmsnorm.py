@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_options, pdl_enter
+from kernels.pdl import launch_options, pdl_enter, pdl_mode
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _launch(
         ZERO_CENTERED=zero_centered,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
-        PDL=bool(pdl := launch_options(x3.device)),
+        PDL=pdl_mode(pdl := launch_options(x3.device)),
         **pdl,
         num_warps=min(16, max(1, block_cols * block_rows // 256)),
     )

@@ -46,6 +46,17 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch) -> None:
     assert pdl.launch_options(torch.device("cuda", 0)) == {}
 
 
+def test_pdl_mode_is_the_kernels_flag(monkeypatch) -> None:
+    # Off: 0 whatever RS_PDL_EARLY_RELEASE says; on: release after the wait (1) unless asked before it (2).
+    monkeypatch.setenv(pdl.EARLY_RELEASE_ENV, "1")
+    assert pdl.pdl_mode({}) == 0
+    assert pdl.pdl_mode({"launch_pdl": True}) == 2
+    monkeypatch.setenv(pdl.EARLY_RELEASE_ENV, "0")
+    assert pdl.pdl_mode({"launch_pdl": True}) == 1
+    monkeypatch.delenv(pdl.EARLY_RELEASE_ENV)
+    assert pdl.pdl_mode({"launch_pdl": True}) == 1
+
+
 def _pdl_kernels() -> list[tuple[str, ast.FunctionDef]]:
     found = []
     for name in PDL_MODULES:
