@@ -25,6 +25,7 @@ same bits: a speculative step's verification logits equal plain decoding's.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ DOT_MAX_ROWS = 16
 # waves of long programs, where the early programs hold their registers through the wait while the
 # product before still has waves to run).
 PRELOAD_MAX_WEIGHT_BYTES = 16 << 20
+# Tiles a launch reads ahead (A/B runs; with RS_PDL_EARLY_RELEASE several kernels ahead may be reading).
+PRELOAD_TILES_ENV = "RS_PDL_PRELOAD_TILES"
 
 
 @dataclass(frozen=True)
@@ -152,15 +155,28 @@ def _gemv_kernel(
     # The weight is never written during a step, so its first tile may be read before the wait: the loads
     # are in flight while the kernel before this one finishes (pdl.py's protocol bars only activations
     # before the wait). Summed below in the loop's order.
+    # PRELOAD is how many tiles (1 to 3; 0: none), the whole slice where K fits.
     if PRELOAD:
         w_first = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
+    if PRELOAD >= 2:
+        w_second = _weight_tile(W, safe_rows, stride_wn, BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
+    if PRELOAD >= 3:
+        w_third = _weight_tile(W, safe_rows, stride_wn, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PRELOAD:
         x = prologue_input(X, Residual, Norm_w, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc += w_first.to(tl.float32) * x[None, :]
-    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
+    if PRELOAD >= 2:
+        x = prologue_input(X, Residual, Norm_w, BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL,
+                           EVEN_K)
+        acc += w_second.to(tl.float32) * x[None, :]
+    if PRELOAD >= 3:
+        x = prologue_input(X, Residual, Norm_w, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE,
+                           HAS_RESIDUAL, EVEN_K)
+        acc += w_third.to(tl.float32) * x[None, :]
+    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K)
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
@@ -243,6 +259,15 @@ def reads_ahead(weight: torch.Tensor) -> bool:
     return preload_weights() and weight.numel() * weight.element_size() <= PRELOAD_MAX_WEIGHT_BYTES
 
 
+def tiles_read_ahead(weight: torch.Tensor, block_k: int) -> int:
+    """How many of a "rows" launch's weight tiles are read before its PDL wait: 0 where reads_ahead says
+    no, else RS_PDL_PRELOAD_TILES (1 by default, at most 3) but no more than the row has."""
+    if not reads_ahead(weight):
+        return 0
+    wanted = min(max(int(os.environ.get(PRELOAD_TILES_ENV, "1")), 1), 3)
+    return min(wanted, triton.cdiv(weight.shape[1], block_k))
+
+
 def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(n, dtype=like.dtype, device=like.device)
@@ -281,7 +306,7 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=pdl_mode(pdl := launch_options(weight.device)),
-        PRELOAD=reads_ahead(weight),
+        PRELOAD=tiles_read_ahead(weight, tiles.block_k),
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

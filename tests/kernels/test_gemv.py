@@ -25,9 +25,10 @@ def test_gemv_matches_float32_product(gen, n, k, tiles) -> None:
 @pytest.mark.parametrize("k", [96, 100, 32, 20], ids=["three-tiles", "ragged-fourth", "one-tile", "one-ragged"])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
 def test_the_weight_tile_read_before_the_wait_gives_the_same_bits(gen, monkeypatch, k, prologue) -> None:
-    """The first weight tile read ahead (the default for a small weight) or not (RS_PDL_PRELOAD=0): the same
-    sums in the same order, so the same bits, with and without a prologue."""
-    from kernels.gemv import reads_ahead, rmsnorm_gemv, silu_mul_gemv
+    """The first weight tile read ahead (the default for a small weight), two or three (RS_PDL_PRELOAD_TILES)
+    or none (RS_PDL_PRELOAD=0): the same sums in the same order, so the same bits, with and without a
+    prologue, a ragged last tile among those read ahead included."""
+    from kernels.gemv import reads_ahead, rmsnorm_gemv, silu_mul_gemv, tiles_read_ahead
 
     n = 24
     w = torch.randn((n, k), generator=gen)
@@ -42,10 +43,15 @@ def test_the_weight_tile_read_before_the_wait_gives_the_same_bits(gen, monkeypat
             return silu_mul_gemv(x, w, tiles)
         return gemv(x, w, tiles=tiles)
 
-    assert reads_ahead(w)
+    assert reads_ahead(w) and tiles_read_ahead(w, 32) == 1
     ahead = run()
+    tiles = -(-k // 32)
+    for wanted in (2, 3, 5):
+        monkeypatch.setenv("RS_PDL_PRELOAD_TILES", str(wanted))
+        assert tiles_read_ahead(w, 32) == min(wanted, 3, tiles)
+        assert torch.equal(run(), ahead), wanted
     monkeypatch.setenv("RS_PDL_PRELOAD", "0")
-    assert not reads_ahead(w)
+    assert not reads_ahead(w) and tiles_read_ahead(w, 32) == 0
     assert torch.equal(run(), ahead)
     ref = {"none": lambda: x @ w.t(), "silu_mul": lambda: (torch.nn.functional.silu(x[:, :k]) * x[:, k:]) @ w.t()}
     if prologue in ref:
