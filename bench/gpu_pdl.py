@@ -16,7 +16,9 @@ Prints a table last; JSON to $OUT/gpu_pdl.json. Exit 1 when a check fails.
 PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the PDL wait), RS_DECODE_W8
 (one request's decode attention at 8 warps a program), RS_ROPE_IN_DECODE (q/k norm, rotary and the KV
 store folded into decode attention) or RS_STEP_KERNELS (the step's input fixups and greedy argmax outside
-the graph in one launch each, kernels/step_inputs.py); JSON to $OUT/gpu_pdl_<name>.json. A switch that changes the order of
+the graph in one launch each, kernels/step_inputs.py), RS_PDL_EARLY_RELEASE (kernels release their
+dependents before their wait, kernels/pdl.py) or RS_PDL_PRELOAD_SLICE (the small GEMVs read up to three
+weight tiles before the wait); JSON to $OUT/gpu_pdl_<name>.json. A switch that changes the order of
 a kernel's sums (RS_DECODE_W8) changes the tokens too, so the check is reported, not required, for it.
 """
 

@@ -42,8 +42,10 @@ DOT_MAX_ROWS = 16
 # waves of long programs, where the early programs hold their registers through the wait while the
 # product before still has waves to run).
 PRELOAD_MAX_WEIGHT_BYTES = 16 << 20
-# Tiles a launch reads ahead (A/B runs; with RS_PDL_EARLY_RELEASE several kernels ahead may be reading).
-PRELOAD_TILES_ENV = "RS_PDL_PRELOAD_TILES"
+# RS_PDL_PRELOAD_SLICE=1: a launch reads up to three tiles ahead (the whole row slice where K fits), not
+# one (A/B runs; with RS_PDL_EARLY_RELEASE several kernels ahead may be reading).
+PRELOAD_SLICE_ENV = "RS_PDL_PRELOAD_SLICE"
+PRELOAD_SLICE_TILES = 3
 
 
 @dataclass(frozen=True)
@@ -261,10 +263,10 @@ def reads_ahead(weight: torch.Tensor) -> bool:
 
 def tiles_read_ahead(weight: torch.Tensor, block_k: int) -> int:
     """How many of a "rows" launch's weight tiles are read before its PDL wait: 0 where reads_ahead says
-    no, else RS_PDL_PRELOAD_TILES (1 by default, at most 3) but no more than the row has."""
+    no, else 1, or with RS_PDL_PRELOAD_SLICE=1 up to PRELOAD_SLICE_TILES but no more than the row has."""
     if not reads_ahead(weight):
         return 0
-    wanted = min(max(int(os.environ.get(PRELOAD_TILES_ENV, "1")), 1), 3)
+    wanted = PRELOAD_SLICE_TILES if os.environ.get(PRELOAD_SLICE_ENV, "0") == "1" else 1
     return min(wanted, triton.cdiv(weight.shape[1], block_k))
 
 

@@ -16,7 +16,7 @@ The protocol every kernel here follows when PDL is on (`pdl_enter`):
   resident at most one kernel early (two kernels of the chain at a time), and what it saves is its
   launch and ramp-up, hidden behind the kernel before it. RS_PDL_EARLY_RELEASE=1 (pdl_mode 2, for A/B
   runs) releases before the wait instead, so kernels further ahead may start reading their weights (with
-  kernels/gemv.py's RS_PDL_PRELOAD_TILES, up to three tiles each); every wait is still for a completed
+  kernels/gemv.py's RS_PDL_PRELOAD_SLICE, up to three tiles each); every wait is still for a completed
   kernel, so what is read after it does not change.
 What it buys (H200, CUDA graphs, bench/gpu_pdl.py, 2026-12-04): batch-1 decode 1.10x on Qwen3-0.6B
 (1,057 -> 1,164 tok/s) and 1.02x on Qwen3-8B, greedy tokens and log-probs identical bit for bit. Spending

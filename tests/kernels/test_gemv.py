@@ -25,7 +25,7 @@ def test_gemv_matches_float32_product(gen, n, k, tiles) -> None:
 @pytest.mark.parametrize("k", [96, 100, 32, 20], ids=["three-tiles", "ragged-fourth", "one-tile", "one-ragged"])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
 def test_the_weight_tile_read_before_the_wait_gives_the_same_bits(gen, monkeypatch, k, prologue) -> None:
-    """The first weight tile read ahead (the default for a small weight), two or three (RS_PDL_PRELOAD_TILES)
+    """The first weight tile read ahead (the default for a small weight), up to three (RS_PDL_PRELOAD_SLICE)
     or none (RS_PDL_PRELOAD=0): the same sums in the same order, so the same bits, with and without a
     prologue, a ragged last tile among those read ahead included."""
     from kernels.gemv import reads_ahead, rmsnorm_gemv, silu_mul_gemv, tiles_read_ahead
@@ -46,10 +46,11 @@ def test_the_weight_tile_read_before_the_wait_gives_the_same_bits(gen, monkeypat
     assert reads_ahead(w) and tiles_read_ahead(w, 32) == 1
     ahead = run()
     tiles = -(-k // 32)
-    for wanted in (2, 3, 5):
-        monkeypatch.setenv("RS_PDL_PRELOAD_TILES", str(wanted))
-        assert tiles_read_ahead(w, 32) == min(wanted, 3, tiles)
-        assert torch.equal(run(), ahead), wanted
+    monkeypatch.setenv("RS_PDL_PRELOAD_SLICE", "1")
+    assert tiles_read_ahead(w, 32) == min(3, tiles)
+    assert torch.equal(run(), ahead)
+    for block_k, expected in ((16, 3), (8, 3)):  # more tiles than three: three read ahead
+        assert tiles_read_ahead(w, block_k) == min(expected, -(-k // block_k))
     monkeypatch.setenv("RS_PDL_PRELOAD", "0")
     assert not reads_ahead(w) and tiles_read_ahead(w, 32) == 0
     assert torch.equal(run(), ahead)
