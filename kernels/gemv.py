@@ -3,9 +3,10 @@
 At batch 1 every linear layer is a matrix-vector product bound by reading the weight, and a decode step
 of an 8B model is ~250 such reads back to back. A program owns BLOCK_N output rows and streams them
 across K in BLOCK_K-wide tiles, keeping a [BLOCK_N, BLOCK_K] float32 partial sum that is reduced once at
-the end (one cross-lane reduction per program instead of one per tile). There is no split over K: at
-the shapes of a decode step (N >= 1024) the row blocks alone give several programs per SM, and a split
-would need a second pass or float32 atomics to combine.
+the end (one cross-lane reduction per program instead of one per tile). At most shapes of a decode step
+the row blocks alone give several programs per SM; a narrow product (Qwen3-0.6B's o_proj and down_proj,
+N = 1,024, 64 programs of 16 rows) can split K too (`GemvTiles.split`): each program writes its part and
+the last of a row block adds the parts in split order in the same launch (kernels/split_reduce.py).
 
 Two prologues fold the elementwise kernel before a projection into it (batch-1 decode is bound by
 launches as much as by bytes: a 0.6B step is ~250 kernels): `rmsnorm_gemv` normalizes the row (adding
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import launch_options, pdl_enter, pdl_mode, preload_weights
+from kernels.split_reduce import check_tiles, split_workspace, store_split, ticket_counters
 
 # Rows the "dot" form takes (the padded M of its tensor-core products).
 DOT_MAX_ROWS = 16
@@ -55,10 +57,17 @@ class GemvTiles:
     num_warps: int = 4
     num_stages: int = 2
     kind: str = "rows"  # "rows": one row, float32 partial sums per element; "dot": up to 16 rows, tl.dot
+    # "rows" only: K split across this many programs a row block, their parts added in split order by the
+    # last of them (kernels/split_reduce.py), for narrow products whose row blocks alone leave SMs idle.
+    split: int = 1
 
     @property
     def max_rows(self) -> int:
         return DOT_MAX_ROWS if self.kind == "dot" else 1
+
+    def fits(self, k: int) -> bool:
+        """Whether a launch over K = k can take these tiles: a split covers a whole number of K tiles."""
+        return self.split == 1 or (self.kind == "rows" and k % (self.split * self.block_k) == 0)
 
 
 @triton.jit
@@ -138,6 +147,9 @@ def _gemv_kernel(
     Norm_w,
     Res_out,
     eps,
+    Work,
+    Tickets,
+    k_per_split,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -146,10 +158,14 @@ def _gemv_kernel(
     BLOCK_FULL: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """x is prologue_input's: X itself (PROLOGUE 0), rmsnorm(X (+ Residual)) with program 0 writing
-    X + Residual to Res_out (1), silu(gate) * up of X = [gate | up] (2)."""
+    X + Residual to Res_out (1), silu(gate) * up of X = [gate | up] (2). With SPLIT > 1, program (i, s)
+    takes columns s * k_per_split .. (s + 1) * k_per_split (a whole number of tiles; EVEN_K) of row block i."""
     pid = tl.program_id(0)
+    k_start = tl.program_id(1) * k_per_split if SPLIT > 1 else 0
+    k_end = k_start + k_per_split if SPLIT > 1 else K
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     # Out-of-range rows read row 0 instead of masking every load; their sums are never stored.
@@ -159,32 +175,33 @@ def _gemv_kernel(
     # before the wait). Summed below in the loop's order.
     # PRELOAD is how many tiles (1 to 3; 0: none), the whole slice where K fits.
     if PRELOAD:
-        w_first = _weight_tile(W, safe_rows, stride_wn, tl.arange(0, BLOCK_K), K, EVEN_K)
+        w_first = _weight_tile(W, safe_rows, stride_wn, k_start + tl.arange(0, BLOCK_K), K, EVEN_K)
     if PRELOAD >= 2:
-        w_second = _weight_tile(W, safe_rows, stride_wn, BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
+        w_second = _weight_tile(W, safe_rows, stride_wn, k_start + BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
     if PRELOAD >= 3:
-        w_third = _weight_tile(W, safe_rows, stride_wn, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
+        w_third = _weight_tile(W, safe_rows, stride_wn, k_start + 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, EVEN_K)
     pdl_enter(PDL)
     rstd = rmsnorm_rstd(X, Residual, Res_out, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_FULL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PRELOAD:
-        x = prologue_input(X, Residual, Norm_w, tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        x = prologue_input(X, Residual, Norm_w, k_start + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL,
+                           EVEN_K)
         acc += w_first.to(tl.float32) * x[None, :]
     if PRELOAD >= 2:
-        x = prologue_input(X, Residual, Norm_w, BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE, HAS_RESIDUAL,
-                           EVEN_K)
+        x = prologue_input(X, Residual, Norm_w, k_start + BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE,
+                           HAS_RESIDUAL, EVEN_K)
         acc += w_second.to(tl.float32) * x[None, :]
     if PRELOAD >= 3:
-        x = prologue_input(X, Residual, Norm_w, 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE,
+        x = prologue_input(X, Residual, Norm_w, k_start + 2 * BLOCK_K + tl.arange(0, BLOCK_K), K, rstd, PROLOGUE,
                            HAS_RESIDUAL, EVEN_K)
         acc += w_third.to(tl.float32) * x[None, :]
-    for k0 in range(PRELOAD * BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = _weight_tile(W, safe_rows, stride_wn, cols, K, EVEN_K)
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_mask)
+    store_split(y, Y, rows, Work, rows, N, Tickets, pid, tl.program_id(1), row_mask, SPLIT)
 
 
 @triton.jit
@@ -238,6 +255,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     tiles = tiles or GemvTiles()
     if tiles.kind not in ("rows", "dot"):
         raise ValueError(f"tiles.kind must be 'rows' or 'dot', got {tiles.kind!r}")
+    if tiles.split < 1 or (tiles.kind == "dot" and tiles.split != 1):
+        raise ValueError(f"tiles.split must be 1, or more for 'rows' tiles; got {tiles.split} for {tiles.kind!r}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
     if tiles.kind == "dot" and x.dim() == 2 and 1 <= x.shape[0] <= DOT_MAX_ROWS and x.shape[1] == k:
@@ -261,13 +280,14 @@ def reads_ahead(weight: torch.Tensor) -> bool:
     return preload_weights() and weight.numel() * weight.element_size() <= PRELOAD_MAX_WEIGHT_BYTES
 
 
-def tiles_read_ahead(weight: torch.Tensor, block_k: int) -> int:
+def tiles_read_ahead(weight: torch.Tensor, block_k: int, split: int = 1) -> int:
     """How many of a "rows" launch's weight tiles are read before its PDL wait: 0 where reads_ahead says
-    no, else 1, or with RS_PDL_PRELOAD_SLICE=1 up to PRELOAD_SLICE_TILES but no more than the row has."""
+    no, else 1, or with RS_PDL_PRELOAD_SLICE=1 up to PRELOAD_SLICE_TILES but no more than a program's
+    part of the row (K / split) has."""
     if not reads_ahead(weight):
         return 0
     wanted = PRELOAD_SLICE_TILES if os.environ.get(PRELOAD_SLICE_ENV, "0") == "1" else 1
-    return min(wanted, triton.cdiv(weight.shape[1], block_k))
+    return min(wanted, triton.cdiv(weight.shape[1] // split, block_k))
 
 
 def _row_out(out: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
@@ -290,7 +310,13 @@ def _launch_rows(
     eps: float = 0.0,
 ) -> None:
     n, k = weight.shape
-    _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+    split = tiles.split
+    if not tiles.fits(k):
+        raise ValueError(f"a split of {split} needs K ({k}) a multiple of {split} x block_k ({tiles.block_k})")
+    row_blocks = triton.cdiv(n, tiles.block_n)
+    if split > 1:
+        check_tiles(row_blocks)
+    _gemv_kernel[(row_blocks, split)](
         x,
         weight,
         out,
@@ -301,6 +327,9 @@ def _launch_rows(
         x if norm_weight is None else norm_weight,
         x if residual_out is None else residual_out,
         eps,
+        split_workspace(split, n, out),
+        ticket_counters(out.device) if split > 1 else out,
+        k // split,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         EVEN_K=k % tiles.block_k == 0,
@@ -308,7 +337,8 @@ def _launch_rows(
         HAS_RESIDUAL=residual is not None,
         BLOCK_FULL=triton.next_power_of_2(k) if prologue == 1 else 1,
         PDL=pdl_mode(pdl := launch_options(weight.device)),
-        PRELOAD=tiles_read_ahead(weight, tiles.block_k),
+        PRELOAD=tiles_read_ahead(weight, tiles.block_k, split),
+        SPLIT=split,
         **pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -137,6 +137,33 @@ def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None
     assert choose_gemv_tiles(shapes, time_pass, [a, b], "triton") == {(64, 32): a, (32, 64): a, (16, 16): a}
 
 
+def test_split_tiles_are_timed_only_where_they_divide_k_and_only_when_asked(monkeypatch) -> None:
+    from services.worker.runtime.layers.linear_calibration import (
+        GEMV_CANDIDATES,
+        GEMV_SPLIT_CANDIDATES,
+        choose_gemv_tiles,
+        gemv_candidates,
+    )
+
+    plain, split = GemvTiles(16, 1024), GemvTiles(16, 1024, split=3)
+    timed = []
+
+    def time_pass(weights, tiles):
+        timed.append((tuple(weights[0].shape), tiles))
+        return {None: 10.0, plain: 8.0, split: 5.0}[tiles]
+
+    shapes = {shape: [torch.empty(shape)] for shape in [(1024, 3072), (1024, 2048)]}
+    chosen = choose_gemv_tiles(shapes, time_pass, [plain, split], "auto")
+    # K = 2,048 is not 3 x 1,024 tiles: the split is never launched there.
+    assert chosen == {(1024, 3072): split, (1024, 2048): plain}
+    assert ((1024, 2048), split) not in timed and ((1024, 3072), split) in timed
+    monkeypatch.delenv("RS_GEMV_SPLIT", raising=False)
+    assert gemv_candidates() == GEMV_CANDIDATES
+    monkeypatch.setenv("RS_GEMV_SPLIT", "1")
+    assert gemv_candidates() == GEMV_CANDIDATES + GEMV_SPLIT_CANDIDATES
+    assert all(GemvTiles(*c).split > 1 for c in GEMV_SPLIT_CANDIDATES)
+
+
 def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> None:
     from services.worker.runtime.layers.linear_calibration import choose_gemv_tiles
 
@@ -348,3 +375,47 @@ def test_batch_one_decode_with_fused_prologues_matches_the_unfused_model(
         for layer_id in range(config.num_layers):
             assert rel_error(getattr(drivers["fused"].kv_pool, buffers)[layer_id],
                              getattr(drivers["plain"].kv_pool, buffers)[layer_id]) < 1e-5
+
+
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "silu_mul"])
+def test_a_split_over_k_matches_the_product_and_leaves_its_counters_at_zero(gen, monkeypatch, split, prologue) -> None:
+    """K split across programs of a row block (each a whole number of 32-column tiles, the parts added by
+    the last program in split order): the product of the unsplit kernel within float32 rounding, the same
+    bits with one tile or the whole part read ahead, and the ticket counters zero again for the next launch."""
+    from kernels.gemv import rmsnorm_gemv, silu_mul_gemv, tiles_read_ahead
+    from kernels.split_reduce import ticket_counters
+
+    n, k = 37, 192  # ragged rows; 192 = 2 x 3 x 32
+    w = torch.randn((n, k), generator=gen)
+    x = torch.randn((1, 2 * k if prologue == "silu_mul" else k), generator=gen)
+    res, norm_w = torch.randn((1, k), generator=gen), torch.rand(k, generator=gen) + 0.5
+
+    def run(tiles: GemvTiles) -> torch.Tensor:
+        if prologue == "rmsnorm":
+            out, res_out = rmsnorm_gemv(x, res, norm_w, 1e-6, w, tiles)
+            assert torch.equal(res_out, x + res)
+            return out
+        if prologue == "silu_mul":
+            return silu_mul_gemv(x, w, tiles)
+        return gemv(x, w, out=poisoned((n,)), tiles=tiles)
+
+    whole = run(GemvTiles(8, 32))
+    parts = run(GemvTiles(8, 32, split=split))
+    assert rel_error(parts, whole) < 1e-5
+    assert not ticket_counters(w.device).any()
+    monkeypatch.setenv("RS_PDL_PRELOAD_SLICE", "1")
+    assert tiles_read_ahead(w, 32, split) == min(3, k // split // 32)
+    assert torch.equal(run(GemvTiles(8, 32, split=split)), parts)
+    assert not ticket_counters(w.device).any()
+
+
+def test_splits_that_do_not_divide_k_or_dot_tiles_with_a_split_are_refused(gen) -> None:
+    x, w = torch.randn((1, 96), generator=gen), torch.randn((16, 96), generator=gen)
+    assert GemvTiles(8, 32, split=3).fits(96) and not GemvTiles(8, 32, split=2).fits(96)
+    with pytest.raises(ValueError, match="multiple of 2 x block_k"):
+        gemv(x, w, tiles=GemvTiles(8, 32, split=2))
+    with pytest.raises(ValueError, match="tiles.split must be 1"):
+        gemv(x, w, tiles=GemvTiles(8, 32, kind="dot", split=2))
+    with pytest.raises(ValueError, match="tiles.split must be 1"):
+        gemv(x, w, tiles=GemvTiles(8, 32, split=0))

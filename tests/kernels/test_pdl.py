@@ -154,7 +154,7 @@ def test_weight_loaders_read_only_the_weight() -> None:
 
 # Compiles kernels/gemv.py's one-row kernel for sm90 in a process without the interpreter (the tests run
 # under it; Triton's NVIDIA backend compiles without a GPU), as the Engine launches it for a 0.6B
-# product: 16 x 1,024 tiles over K = 2,048, 8 warps. Prints {"<PDL>,<PRELOAD>": ptx}.
+# product: 16 x 1,024 tiles over K = 2,048, 8 warps. Prints {"<PDL>,<PRELOAD>,<SPLIT>": ptx}.
 _COMPILE_SM90 = """
 import json, sys
 import triton
@@ -162,15 +162,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.gemv import _gemv_kernel
 out = {}
-for pdl_flag, preload in json.loads(sys.argv[1]):
+for pdl_flag, preload, split in json.loads(sys.argv[1]):
     signature = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
-                 "Residual": "*bf16", "Norm_w": "*bf16", "Res_out": "*bf16", "eps": "fp32"}
+                 "Residual": "*bf16", "Norm_w": "*bf16", "Res_out": "*bf16", "eps": "fp32",
+                 "Work": "*fp32", "Tickets": "*i32", "k_per_split": "i32"}
     constexprs = {"BLOCK_N": 16, "BLOCK_K": 1024, "EVEN_K": True, "PROLOGUE": 0, "HAS_RESIDUAL": False,
-                  "BLOCK_FULL": 1, "PDL": pdl_flag, "PRELOAD": preload}
+                  "BLOCK_FULL": 1, "PDL": pdl_flag, "PRELOAD": preload, "SPLIT": split}
     signature.update({name: "constexpr" for name in constexprs})
     src = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 1})
-    out[f"{pdl_flag},{preload}"] = compiled.asm["ptx"]
+    out[f"{pdl_flag},{preload},{split}"] = compiled.asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -185,7 +186,7 @@ def sm90_ptx() -> dict[str, str]:
 
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps([[0, 0], [1, 2], [2, 2]])],
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, json.dumps([[0, 0, 1], [1, 2, 1], [2, 2, 1], [2, 1, 2]])],
                           capture_output=True, text=True, env=env, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -194,10 +195,17 @@ def sm90_ptx() -> dict[str, str]:
 
 @pytest.mark.parametrize(("flag", "release_first"), [(1, False), (2, True)])
 def test_the_release_comes_after_the_wait_unless_asked_before_it(sm90_ptx, flag: int, release_first: bool) -> None:
-    ptx = sm90_ptx[f"{flag},2"]
+    ptx = sm90_ptx[f"{flag},2,1"]
     release, wait = ptx.find("griddepcontrol.launch_dependents"), ptx.find("griddepcontrol.wait")
     assert release >= 0 and wait >= 0 and ptx.count("griddepcontrol.launch_dependents") == 1
     assert (release < wait) == release_first
     # Both weight tiles read ahead are loads issued before the wait; the row is read after it.
     assert ptx[:wait].count("ld.global") >= 2
-    assert "griddepcontrol" not in sm90_ptx["0,0"]
+    assert "griddepcontrol" not in sm90_ptx["0,0,1"]
+
+
+def test_a_split_launch_takes_its_ticket_after_its_wait(sm90_ptx) -> None:
+    # The split's parts meet through the ticket counters (kernels/split_reduce.py): an atomic, after the wait.
+    ptx = sm90_ptx["2,1,2"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= wait < ptx.find("atom.") and "atom." not in sm90_ptx["2,2,1"]

@@ -16,6 +16,7 @@ times its vector loops (AVX-512 and AVX2 where the CPU has both) the same way an
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +41,21 @@ GEMV_CANDIDATES = (
     (8, 512, 4, 3, "rows"), (16, 1024, 8, 1, "rows"), (32, 256, 8, 1, "rows"), (16, 256, 4, 3, "rows"),
     (16, 512, 4, 3, "dot"), (32, 256, 4, 3, "dot"), (64, 128, 4, 4, "dot"),
 )
+# With RS_GEMV_SPLIT=1 (A/B runs, bench/gpu_pdl.py --env RS_GEMV_SPLIT): "rows" tiles that split K across
+# 2 or 3 programs a row block, for narrow products (N = 1,024 at Qwen3-0.6B: 64 row blocks of 16 for 132 SMs),
+# timed beside the others where K divides (GemvTiles.fits).
+GEMV_SPLIT_CANDIDATES = ((16, 1024, 8, 1, "rows", 2), (16, 1024, 8, 1, "rows", 3), (8, 1024, 4, 1, "rows", 2))
+GEMV_SPLIT_ENV = "RS_GEMV_SPLIT"
 # The Triton product must beat cuBLAS by this much to be kept under 'auto'.
 GEMV_MIN_GAIN = 0.02
 # A "dot" tile is preferred over a "rows" tile that is faster by less than this: it serves up to 16 rows.
 GEMV_DOT_PREFERENCE = 0.03
+
+
+def gemv_candidates() -> tuple[tuple[Any, ...], ...]:
+    """The GEMV tiles calibration times: GEMV_CANDIDATES, and GEMV_SPLIT_CANDIDATES with RS_GEMV_SPLIT=1."""
+    split = os.environ.get(GEMV_SPLIT_ENV, "0") == "1"
+    return GEMV_CANDIDATES + (GEMV_SPLIT_CANDIDATES if split else ())
 
 
 def gemv_modules(model: nn.Module) -> list[nn.Module]:
@@ -72,7 +84,7 @@ def choose_gemv_tiles(
     for shape, weights in shapes.items():
         extra = (absorbed or {}).get(shape, 0.0)
         timed = [(time_pass(weights, t) + (0.0 if getattr(t, "kind", "rows") == "rows" else extra), t)
-                 for t in candidates]
+                 for t in candidates if getattr(t, "fits", lambda k: True)(shape[1])]
         best_t, best_tiles = min(timed, key=lambda item: item[0] * (
             1.0 - GEMV_DOT_PREFERENCE if getattr(item[1], "kind", "rows") == "dot" else 1.0))
         if mode == "triton" or best_t < (1.0 - GEMV_MIN_GAIN) * (time_pass(weights, None) + extra):
@@ -172,7 +184,7 @@ def select_gemv_tiles(model: nn.Module, mode: str, max_weights_per_shape: int = 
                     launch[key] = _prologue_seconds(m.prologue, shape[1], m.weight.dtype, m.weight.device)
                 absorbed[shape] = max(absorbed.get(shape, 0.0), launch[key])
         chosen = choose_gemv_tiles(
-            shapes, _graph_pass_time, [GemvTiles(*c) for c in GEMV_CANDIDATES], mode, absorbed
+            shapes, _graph_pass_time, [GemvTiles(*c) for c in gemv_candidates()], mode, absorbed
         )
     for m in modules:
         m.gemv_tiles = chosen[tuple(m.weight.shape)]
