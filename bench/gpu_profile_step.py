@@ -8,7 +8,7 @@ workload, to find what bounds each figure.
 
 --graph-timeline: the decode graph's kernels on the device's clock (graph_timeline below): what each
 kernel adds to the step's critical path, by its place in a decoder layer, printed and written to
-$OUT/gpu_graph_timeline_<model>.json.
+$OUT/gpu_graph_timeline_<model>[_<rs switch><value>...].json.
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def decode_profile(loop: SchedulerLoop, args: argparse.Namespace) -> None:
             timeline = graph_timeline(g.graph, loop.runner.model_config.num_layers)
             timeline.update(model=args.model, quantization=args.quantization, batch=args.batch,
                             device=torch.cuda.get_device_name(), graph_replay_ms=replay_ms)
-            (out / f"gpu_graph_timeline_{Path(args.model).name}{'-fp8' if args.quantization else ''}.json"
+            # Named by the RS_ switches set too: A/B sides in one call must not overwrite each other.
+            switches = "".join(f"_{k.lower()}{v}" for k, v in sorted(os.environ.items()) if k.startswith("RS_"))
+            (out / f"gpu_graph_timeline_{Path(args.model).name}{'-fp8' if args.quantization else ''}{switches}.json"
              ).write_text(json.dumps(timeline, indent=1))
         (out / name).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "model": args.model, "batch": args.batch, "prompt": args.prompt,
@@ -146,8 +148,11 @@ def timeline_table(kernels: list[tuple[float, float, str]], num_layers: int) -> 
         runs[-1].append(k)
     names = [n for _, _, n in runs[-1]]
     counts = {n: names.count(n) for n in names}
-    anchor = next((n for n in names if "decode" in n and counts[n] == num_layers),
-                  next(n for n in names if counts[n] == num_layers))
+    per_layer = [n for n in names if counts[n] == num_layers]
+    if not per_layer:
+        raise ValueError(f"no kernel runs once per layer ({num_layers}) in a replay of {len(names)} kernels: "
+                         "the table places kernels by the layer's attention launch")
+    anchor = next((n for n in per_layer if "decode" in n), per_layer[0])
     rows: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     totals = []
     for run in runs[1:]:  # the first replay after the profiler starts is discarded

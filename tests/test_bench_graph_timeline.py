@@ -46,3 +46,9 @@ def test_increments_and_leads_of_each_place_in_a_layer() -> None:
     assert (head["increment_us"], head["lead_us"]) == (10.5, -0.5)
     # The increments add up to the replay.
     assert sum(r["increment_total_us"] for r in table["table"]) == pytest.approx(table["replay_us"])
+
+
+def test_a_replay_without_a_kernel_per_layer_is_refused_with_the_reason() -> None:
+    records = sorted(_replay(0.0, 4) + _replay(10_000.0, 4))
+    with pytest.raises(ValueError, match="no kernel runs once per layer"):
+        timeline_table(records, num_layers=5)
