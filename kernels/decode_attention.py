@@ -16,8 +16,9 @@ A float8 pool (services/worker/mem/memory_pool.py) is read as stored and convert
 scale is folded into the softmax scale and its V scale multiplies each split's output.
 
 So every split count costs one launch: batch-1 decode is bound by launches, and a separate merge launch
-would add one per layer. The number of splits per request lives in a device tensor (so a CUDA graph can
-replay with new lengths); the grid's split dimension is a fixed power-of-two bound chosen on the host. A
+would add one per layer. The number of splits per request is computed on the device (so a CUDA graph can
+replay with new lengths): by each program from its request's length, or read from a tensor a caller
+filled (kv_splits_per_request); the grid's split dimension is a fixed power-of-two bound chosen on the host. A
 batch of one long request gets many splits; a large batch gets few, because its requests already fill
 the GPU.
 
@@ -316,6 +317,7 @@ def _decode_kernel(
     HEAD_MAJOR: tl.constexpr,
     K_ROWS: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr,
+    SPLITS_FROM_LENS: tl.constexpr,
     ROPE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -332,9 +334,16 @@ def _decode_kernel(
         num_kv_heads = tl.num_programs(1)
     first_split = tl.program_id(2)
     # Clamped to MAX_SPLITS, so every split that is counted below is also run.
-    num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
-    if first_split < num_splits:
+    if SPLITS_FROM_LENS > 0:
+        # The split count from the length itself (kv_splits_per_request's or fixed_size_kv_splits'
+        # arithmetic): no launches before the graph's layers to fill a tensor of them.
         seq_len = tl.load(Seq_lens + b).to(tl.int32)
+        num_splits = tl.minimum(tl.maximum(tl.cdiv(seq_len, SPLITS_FROM_LENS), 1), MAX_SPLITS)
+    else:
+        num_splits = tl.minimum(tl.maximum(tl.load(Num_splits + b), 1), MAX_SPLITS)
+    if first_split < num_splits:
+        if SPLITS_FROM_LENS == 0:
+            seq_len = tl.load(Seq_lens + b).to(tl.int32)
         req_row = tl.load(Req_pool_indices + b).to(tl.int64)
         if SPLIT_TOKENS > 0:
             # Fixed-size splits (deterministic inference): the split boundaries depend on nothing else.
@@ -447,7 +456,7 @@ def decode_attention(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_kv_splits: torch.Tensor,
+    num_kv_splits: torch.Tensor | None,
     max_kv_splits: int,
     sm_scale: float,
     part_out: torch.Tensor,
@@ -459,11 +468,14 @@ def decode_attention(
     v_scale: float = 1.0,
     rope: DecodeRope | None = None,
     grid_splits: int = 0,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> torch.Tensor:
     """Attention of q [bs, heads * head_dim] over each request's first seq_lens[i] positions.
 
     k_buffer/v_buffer: one layer's pool, [slots, kv_heads, head_dim]; out: [bs, heads * head_dim] (written);
-    num_kv_splits: [bs] int32 from kv_splits_per_request; part_out/part_lse: alloc_decode_partials scratch
+    num_kv_splits: [bs] int32 from kv_splits_per_request, or None: each program derives its request's count
+    from seq_lens with the same arithmetic (kv_splits_per_request's with min_tokens_per_split, or with
+    split_tokens fixed_size_kv_splits'), which saves the launches that would fill the tensor; part_out/part_lse: alloc_decode_partials scratch
     with at least bs rows and max_kv_splits splits; split_counters: alloc_split_counters(>= bs, kv_heads).
     Without split_counters, a max_kv_splits above 1 allocates zeroed counters on every call (a memset).
     split_tokens > 0 (a multiple of the tiles' block_n): split s covers positions [s, s + 1) x split_tokens,
@@ -493,7 +505,9 @@ def decode_attention(
     if split_counters is None:
         # With one split the counters are never touched; any int32 pointer will do.
         split_counters = (
-            num_kv_splits if max_kv_splits == 1 else alloc_split_counters(batch_size, num_kv_heads, q.device)
+            torch.empty(1, dtype=torch.int32, device=q.device)
+            if max_kv_splits == 1
+            else alloc_split_counters(batch_size, num_kv_heads, q.device)
         )
     elif (
         split_counters.dtype != torch.int32
@@ -509,6 +523,8 @@ def decode_attention(
         raise ValueError(
             f"split_tokens must be 0 or a multiple of block_n {tiles.block_n}, got {split_tokens}"
         )
+    if num_kv_splits is None and min_tokens_per_split < 1:
+        raise ValueError(f"min_tokens_per_split must be >= 1, got {min_tokens_per_split}")
     grid_splits = grid_splits or max_kv_splits
     if not 1 <= grid_splits <= max_kv_splits:
         raise ValueError(f"grid_splits must be between 1 and max_kv_splits {max_kv_splits}, got {grid_splits}")
@@ -527,7 +543,7 @@ def decode_attention(
         req_to_token,
         req_pool_indices,
         seq_lens,
-        num_kv_splits,
+        seq_lens if num_kv_splits is None else num_kv_splits,  # (not read when SPLITS_FROM_LENS)
         o3,
         part_out,
         part_lse,
@@ -575,6 +591,7 @@ def decode_attention(
         HEAD_MAJOR=tiles.head_major,
         K_ROWS=tiles.k_rows,
         SPLIT_TOKENS=split_tokens,
+        SPLITS_FROM_LENS=0 if num_kv_splits is not None else split_tokens or min_tokens_per_split,
         ROPE=rope is not None,
         HAS_NORM=rope is not None and rope.q_weight is not None,
         FP8_MAX=fp8_max(k_buffer.dtype) if rope is not None else 0.0,

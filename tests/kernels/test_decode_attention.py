@@ -20,6 +20,7 @@ from kernels.decode_attention import (
     alloc_decode_partials,
     alloc_split_counters,
     decode_attention,
+    fixed_size_kv_splits,
     kv_splits_per_request,
     max_kv_splits_for,
     tiles_for,
@@ -168,6 +169,51 @@ def test_programs_walking_several_splits_give_the_same_bits(gen, paged_kv, grid_
     assert torch.equal(walked, _run(kv, q, 4, 8, 0.3))
     assert rel_error(walked, _ref(kv, q, 0.3)) < 1e-3
     assert scratch.counters.eq(0).all()
+
+
+@pytest.mark.parametrize("split_tokens", [0, 32])
+def test_split_counts_derived_in_the_kernel_match_the_tensor(gen, paged_kv, split_tokens) -> None:
+    """num_kv_splits=None: each program counts its request's splits from seq_lens (what the backends do,
+    so no launches fill a tensor before the first layer). The same bits as the counts given as a tensor
+    (kv_splits_per_request's, or fixed_size_kv_splits' with split_tokens), and exactly those splits write
+    partials: past a request's count the poisoned scratch stays NaN."""
+    lens = [1030, 3, 130, 0, 16 * 64 + 1]
+    kv = paged_kv(gen, lens, num_kv_heads=2, head_dim=16)
+    q = torch.randn((len(lens), 4 * 16), generator=gen)
+    max_splits = 64
+    if split_tokens:
+        counts = fixed_size_kv_splits(kv.seq_lens, split_tokens)
+    else:
+        counts = kv_splits_per_request(kv.seq_lens, max_splits, min_tokens_per_split=TOKENS_PER_SPLIT)
+    outs, scratches = [], []
+    for splits in (counts, None):
+        scratch = Scratch(len(lens), 4, 2, max_splits, 16)
+        out = poisoned((len(lens), 4 * 16), q.dtype)
+        decode_attention(
+            q, kv.k_buffer, kv.v_buffer, out, kv.req_to_token, kv.req_pool_indices, kv.seq_lens, splits,
+            max_splits, 0.3, scratch.part_out, scratch.part_lse, DecodeTiles(block_n=16), scratch.counters,
+            split_tokens=split_tokens, min_tokens_per_split=TOKENS_PER_SPLIT,
+        )  # fmt: skip
+        outs.append(out)
+        scratches.append(scratch)
+        assert not scratch.counters.any()
+    assert torch.equal(outs[0], outs[1])
+    assert rel_error(outs[1], _ref(kv, q, 0.3)) < 1e-3
+    expected = [min(max(-(-n // (split_tokens or TOKENS_PER_SPLIT)), 1), max_splits) for n in lens]
+    assert expected == counts.clamp(max=max_splits).tolist()
+    written = (~scratches[1].part_lse.isnan()).all(dim=1).sum(dim=1)  # splits with every head's lse written
+    assert written.tolist() == [n if n > 1 else 0 for n in expected]  # one split writes `out` directly
+
+
+def test_decode_rejects_a_split_length_below_one(gen, paged_kv) -> None:
+    kv = paged_kv(gen, [10], num_kv_heads=1, head_dim=16)
+    q = torch.randn((1, 16), generator=gen)
+    part_out, part_lse = alloc_decode_partials(1, 1, 4, 16, "cpu")
+    with pytest.raises(ValueError, match="min_tokens_per_split must be >= 1, got 0"):
+        decode_attention(
+            q, kv.k_buffer, kv.v_buffer, poisoned((1, 16)), kv.req_to_token, kv.req_pool_indices, kv.seq_lens,
+            None, 4, 1.0, part_out, part_lse, DecodeTiles(block_n=16), min_tokens_per_split=0,
+        )  # fmt: skip
 
 
 def test_decode_rejects_a_grid_wider_than_the_splits(gen, paged_kv) -> None:

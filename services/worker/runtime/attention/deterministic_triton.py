@@ -118,20 +118,18 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self._splits(max_batch_size, device)
         self._scratch_for(max_batch_size * num_heads * self.decode_max_splits * (head_dim + 1), device)
         self._counters_for(max_batch_size * num_kv_heads, device)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.seq_lens.device
         if batch.forward_mode.is_decode():
-            splits = self._splits(batch.batch_size, device)
-            fixed_size_kv_splits(batch.seq_lens, self.split_tokens, out=splits)
+            # Each program counts its request's splits from seq_lens (fixed_size_kv_splits' arithmetic).
             # The grid is sized by the batch, as the default backend's is; each program walks its share of
             # a request's splits (a result does not depend on which program runs a split).
             wanted = max_kv_splits_for(batch.batch_size, batch.token_to_kv_pool.num_kv_heads, self._sm_count(device))
             batch.attn_metadata = TritonDecodeMetadata(
-                splits, self.decode_max_splits, min(wanted, self.decode_max_splits)
+                None, self.decode_max_splits, min(wanted, self.decode_max_splits)
             )
             return
         lens = list(batch.extend_seq_lens_cpu)

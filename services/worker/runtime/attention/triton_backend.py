@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from kernels.decode_attention import decode_attention, kv_splits_per_request, max_kv_splits_for
+from kernels.decode_attention import decode_attention, max_kv_splits_for
 from kernels.decode_rope import DecodeRope, decode_rope_for
 from kernels.extend_attention import (
     PAD_ENTRY,
@@ -72,10 +72,11 @@ class ExtendSplitting:
 
 @dataclass(frozen=True)
 class TritonDecodeMetadata:
-    """num_kv_splits: [bs] int32 splits per request; max_kv_splits: their bound (the merge's width);
-    grid_splits: programs per (request, kv_head) walking them (0: max_kv_splits, a split each)."""
+    """num_kv_splits: [bs] int32 splits per request, or None: the kernel derives each request's count
+    from its length (decode_attention); max_kv_splits: their bound (the merge's width); grid_splits:
+    programs per (request, kv_head) walking them (0: max_kv_splits, a split each)."""
 
-    num_kv_splits: torch.Tensor
+    num_kv_splits: torch.Tensor | None
     max_kv_splits: int
     grid_splits: int = 0
 
@@ -147,15 +148,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 class TritonAttnBackend(AttentionBackend):
-    """Triton kernels over the token-paged KV pool. Stateless between steps apart from three reusable
-    device buffers (decode split counts, decode scratch and the merge's arrival counters), which only
-    grow. extend_graph_max_seq_len: the longest request an extend CUDA graph may hold (None: any)."""
+    """Triton kernels over the token-paged KV pool. Stateless between steps apart from two reusable
+    device buffers (decode scratch and the merge's arrival counters), which only grow. extend_graph_max_seq_len: the longest request an extend CUDA graph may hold (None: any)."""
 
     extend_graph_max_seq_len: int | None = None
 
     def __init__(self) -> None:
         self._num_sms: dict[torch.device, int] = {}
-        self._splits_buffer: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
         # Set by reserve(): extend entries may then split long prefixes, into these buffers.
@@ -177,7 +176,6 @@ class TritonAttnBackend(AttentionBackend):
             device = torch.device("cuda", torch.cuda.current_device())
         sms = self._sm_count(device)
         worst = max(bs * max_kv_splits_for(bs, num_kv_heads, sms) for bs in range(1, max_batch_size + 1))
-        self._splits(max_batch_size, device)
         self._scratch_for(worst * num_heads * (head_dim + 1), device)
         self._counters_for(max_batch_size * num_kv_heads, device)
         if self._extend_partials is None or self._extend_partials[0].device != device:
@@ -190,9 +188,9 @@ class TritonAttnBackend(AttentionBackend):
         if batch.forward_mode.is_decode():
             bs = batch.batch_size
             max_splits = max_kv_splits_for(bs, batch.token_to_kv_pool.num_kv_heads, self._sm_count(device))
-            splits = self._splits(bs, device)
-            kv_splits_per_request(batch.seq_lens, max_splits, out=splits)
-            batch.attn_metadata = TritonDecodeMetadata(splits, max_splits)
+            # Each program counts its request's splits from seq_lens (kv_splits_per_request's arithmetic):
+            # no launches for them ahead of the first layer.
+            batch.attn_metadata = TritonDecodeMetadata(None, max_splits)
             return
         # An eager step's table is exactly as long as its entries (one device copy for all of it).
         bs = batch.batch_size
@@ -367,12 +365,6 @@ class TritonAttnBackend(AttentionBackend):
         if device not in self._num_sms:
             self._num_sms[device] = _num_sms(device)
         return self._num_sms[device]
-
-    def _splits(self, bs: int, device: torch.device) -> torch.Tensor:
-        buf = self._splits_buffer
-        if buf is None or buf.numel() < bs or buf.device != device:
-            buf = self._splits_buffer = torch.empty(max(bs, 256), dtype=torch.int32, device=device)
-        return buf[:bs]
 
     def _scratch_for(self, numel: int, device: torch.device) -> torch.Tensor:
         buf = self._scratch
