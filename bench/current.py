@@ -418,7 +418,7 @@ def _peers(row: str, label: str, file: str = "peers_cpu_2026-12-03_6.json", peer
 
 # The loaded-host rows: two busy-loop processes beside the benchmark for its whole run.
 LOADED = "(for i in 1 2; do python3 -c 'while True: pass' & done) ; "
-INTEL_QUIET, INTEL_LOADED = "peers_cpu_2026-12-05_15.json", "peers_cpu_2026-12-05_16.json"
+INTEL_QUIET, INTEL_LOADED = "peers_cpu_2026-12-07_23.json", "peers_cpu_2026-12-07_24.json"
 
 
 # The rows of a host's two full bench/peers_cpu.py runs, quiet then loaded: (row, peer, label).
@@ -460,20 +460,20 @@ def _full_run(quiet: str, loaded: str, notes: dict[tuple[bool, str, str], str],
 CPU_PEERS = Area(
     "cpu_peers", "CPU vs vLLM-CPU and llama.cpp on an Intel Xeon host: quiet and loaded (same float32 weights, "
     "alternating rounds, medians of 3)",
-    "2-vCPU Intel Xeon (KVM guest, AVX-512 and AMX; one thread streams ~10.6 GB/s of memory, two ~23), torch "
-    "2.13.0+cpu, the embedded SmolLM2-135M-Instruct; peers rebuilt on it",
+    "2-vCPU Intel Xeon (KVM guest, AVX-512, AVX512-BF16 and AMX), torch 2.13.0+cpu, the embedded "
+    "SmolLM2-135M-Instruct; peers rebuilt on it",
     _full_run(INTEL_QUIET, INTEL_LOADED, {
-        (True, "bs1", "llamacpp"): "rounds 10.04, 9.06, 9.43 s against 9.52, 9.72, 9.70; before the weight "
-                                   "prefetch, `_14`: 10.2 vs 12.7 tok/s, missed",
-        (True, "prompt_pass", "vllm"): "rounds 0.52, 1.01, 1.07 s against 0.49, 1.05, 1.02: a tie; `_14`: 1.05 vs "
-                                       "0.73, missed",
+        (True, "bs1", "llamacpp"): "rounds 8.58, 9.60, 7.97 s against 8.79, 8.42, 10.13: a near tie, as on "
+                                   "2026-12-05 (13.6 vs 13.2)",
+        (True, "prompt_pass", "vllm"): "rounds 0.70, 0.78, 0.70 s against 0.73, 0.79, 0.78",
     }),
-    note="2026-12-05: a 2-vCPU Intel Xeon KVM guest (AVX-512, AMX), the same kind of host as 2026-12-03's rows, "
-         "which these replace (their JSON stays in bench/results: `_6` to `_9`). Its memory is slow next to the AMD "
-         "hosts' (23 GB/s copy bandwidth against 46), so batch-1 decode is bound by it. One full run quiet and one "
-         "beside two busy loops, the engines alternating; before this session's batch layer op and weight prefetch: "
-         "`_13` (quiet) and `_14` (loaded), bench/HISTORY.md. Greedy ids equal across the three engines in every "
-         "offline row; served texts 16/16 against vLLM-CPU.",
+    note="2026-12-07: a 2-vCPU Intel Xeon KVM guest (family 6 model 167; AVX-512, AVX512-BF16, AMX), the kind of "
+         "host of 2026-12-05's rows, which these replace (their JSON stays in bench/results: `_15`, `_16`; before "
+         "them `_6` to `_9`). The first Intel run since the CPU changes of 2026-12-05 to 12-07 (the single-row "
+         "product's loop chosen at load, the row helpers' probe): quiet batch 1 39.0 tok/s where 12-05 had 25.9, "
+         "though the peers ran faster on this guest too (vLLM-CPU 18.0 against 14.9, llama.cpp 23.8 against 19.8), "
+         "so compare within a run. One full run quiet and one beside two busy loops, the engines alternating. Greedy "
+         "ids equal across the three engines in every offline row; served texts 16/16 against vLLM-CPU.",
 )
 
 
