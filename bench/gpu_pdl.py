@@ -18,9 +18,10 @@ PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the P
 store folded into decode attention) or RS_STEP_KERNELS (the step's input fixups and greedy argmax outside
 the graph in one launch each, kernels/step_inputs.py), RS_PDL_EARLY_RELEASE (kernels release their
 dependents before their wait, kernels/pdl.py), RS_PDL_PRELOAD_SLICE (the small GEMVs read up to three
-weight tiles before the wait) or RS_GEMV_SPLIT (calibration also times GEMV tiles that split K);
+weight tiles before the wait), RS_GEMV_SPLIT (calibration also times GEMV tiles that split K) or
+RS_GEMV_THIN (calibration times thin row blocks too, default 1);
 JSON to $OUT/gpu_pdl_<name>.json. A switch that changes the order of
-a kernel's sums (RS_DECODE_W8, RS_GEMV_SPLIT) changes the tokens too, so the check is reported, not required, for it.
+a kernel's sums (RS_DECODE_W8, RS_GEMV_SPLIT, RS_GEMV_THIN) changes the tokens too, so the check is reported, not required, for it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
 from bench.gpu_fp8_resident import run as fp8_resident_run  # noqa: E402
 
 # Switches that change the order of a kernel's sums: their tokens may differ, so the check is not required.
-REORDERING_SWITCHES = {"RS_DECODE_W8", "RS_GEMV_SPLIT"}
+REORDERING_SWITCHES = {"RS_DECODE_W8", "RS_GEMV_SPLIT", "RS_GEMV_THIN"}
 
 
 def run(path: Path, env: str, on: bool, **kw: object) -> dict:

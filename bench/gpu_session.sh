@@ -15,6 +15,7 @@
 # 8b needs ~330 s; FP8RES_ARGS="--init 0.005 --logprobs-only": the log-prob check alone on a checkpoint at a quarter
 # the init range, bench/cpu_fp8_sensitivity.py), pdl (bench/gpu_pdl.py: programmatic dependent launch on/off through the Engine, PDL_ARGS="--models 0.6b"),
 # flagchain (bench/gpu_flag_chain.py: a 0.6B-shaped GEMV chain with stream order, the PDL wait, or counters),
+# gemvchain (bench/gpu_gemv_chain.py: the 0.6B's narrow o/down products under each GEMV tile, timed in kernels/gemv.py's chain),
 # profiledet (the bs-256 decode kernel table and extend probe, with and without --enable-deterministic-inference;
 # PROFILEDET_MODES=deterministic for one side, PROFILEDET_ARGS=--host-profile for cProfile tables),
 # pipetrace (gpu_pipeline.py with RS_TRACE_DIR set, then bench/pipeline_trace.py: where TTFT goes, stage by stage),
@@ -97,6 +98,7 @@ for step in "${steps[@]}"; do
              rm -rf /tmp/rs-qwen3-*-fp8 /tmp/rs-qwen3-*-fp8-dequantized ;;  # 24 GB of the 64 GB disk
     q35)     timeout 500 python bench/gpu_qwen35.py ${Q35_ARGS:---models 9b} > "$OUT/q35.log" 2>&1 ;;
     flagchain) timeout 300 python bench/gpu_flag_chain.py ${FLAGCHAIN_ARGS:-} > "$OUT/flagchain.log" 2>&1 ;;
+    gemvchain) timeout 200 python bench/gpu_gemv_chain.py ${GEMVCHAIN_ARGS:-} > "$OUT/gemvchain.log" 2>&1 ;;
     pdl)     timeout 560 python bench/gpu_pdl.py ${PDL_ARGS:-} > "$OUT/pdl.log" 2>&1 ;;
     moestages) timeout 200 python bench/gpu_moe_stages.py ${MOESTAGES_ARGS:-} > "$OUT/moestages.log" 2>&1 ;;
     fp8moecheck) timeout 300 python bench/gpu_fp8_moe_check.py ${FP8MOECHECK_ARGS:-} > "$OUT/fp8moecheck.log" 2>&1 ;;

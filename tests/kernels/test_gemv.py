@@ -137,10 +137,11 @@ def test_choose_gemv_tiles_keeps_the_triton_product_only_where_it_wins() -> None
     assert choose_gemv_tiles(shapes, time_pass, [a, b], "triton") == {(64, 32): a, (32, 64): a, (16, 16): a}
 
 
-def test_split_tiles_are_timed_only_where_they_divide_k_and_only_when_asked(monkeypatch) -> None:
+def test_split_tiles_are_timed_only_where_they_divide_k_and_only_when_asked_thin_tiles_unless_refused(monkeypatch) -> None:
     from services.worker.runtime.layers.linear_calibration import (
         GEMV_CANDIDATES,
         GEMV_SPLIT_CANDIDATES,
+        GEMV_THIN_CANDIDATES,
         choose_gemv_tiles,
         gemv_candidates,
     )
@@ -158,10 +159,17 @@ def test_split_tiles_are_timed_only_where_they_divide_k_and_only_when_asked(monk
     assert chosen == {(1024, 3072): split, (1024, 2048): plain}
     assert ((1024, 2048), split) not in timed and ((1024, 3072), split) in timed
     monkeypatch.delenv("RS_GEMV_SPLIT", raising=False)
+    monkeypatch.delenv("RS_GEMV_THIN", raising=False)
+    assert gemv_candidates() == GEMV_CANDIDATES + GEMV_THIN_CANDIDATES
+    monkeypatch.setenv("RS_GEMV_THIN", "0")
     assert gemv_candidates() == GEMV_CANDIDATES
     monkeypatch.setenv("RS_GEMV_SPLIT", "1")
     assert gemv_candidates() == GEMV_CANDIDATES + GEMV_SPLIT_CANDIDATES
+    monkeypatch.delenv("RS_GEMV_THIN")
+    assert gemv_candidates() == GEMV_CANDIDATES + GEMV_THIN_CANDIDATES + GEMV_SPLIT_CANDIDATES
     assert all(GemvTiles(*c).split > 1 for c in GEMV_SPLIT_CANDIDATES)
+    # The thin tiles are plain "rows" tiles with fewer rows a program than the default's 16.
+    assert all(GemvTiles(*c).split == 1 and GemvTiles(*c).kind == "rows" and c[0] < 16 for c in GEMV_THIN_CANDIDATES)
 
 
 def test_choose_gemv_tiles_credits_rows_tiles_with_the_launch_they_absorb() -> None:

@@ -46,6 +46,12 @@ GEMV_CANDIDATES = (
 # timed beside the others where K divides (GemvTiles.fits).
 GEMV_SPLIT_CANDIDATES = ((16, 1024, 8, 1, "rows", 2), (16, 1024, 8, 1, "rows", 3), (8, 1024, 4, 1, "rows", 2))
 GEMV_SPLIT_ENV = "RS_GEMV_SPLIT"
+# Thin row blocks, for the same narrow products: 128 or 256 programs over N = 1,024 with no reduction across
+# programs. In the 0.6B's chain of products (bench/gpu_gemv_chain.py, H100, 2026-12-07) o_proj took 1.65 us
+# less a layer at 8 x 2,048 than at 16 x 1,024, down_proj 1.35 (the splits above: 0.41 and none). Timed by
+# default; RS_GEMV_THIN=0 leaves them out (A/B runs, bench/gpu_pdl.py --env RS_GEMV_THIN).
+GEMV_THIN_CANDIDATES = ((8, 2048, 8, 1, "rows"), (4, 1024, 4, 1, "rows"), (4, 2048, 4, 1, "rows"))
+GEMV_THIN_ENV = "RS_GEMV_THIN"
 # The Triton product must beat cuBLAS by this much to be kept under 'auto'.
 GEMV_MIN_GAIN = 0.02
 # A "dot" tile is preferred over a "rows" tile that is faster by less than this: it serves up to 16 rows.
@@ -53,9 +59,11 @@ GEMV_DOT_PREFERENCE = 0.03
 
 
 def gemv_candidates() -> tuple[tuple[Any, ...], ...]:
-    """The GEMV tiles calibration times: GEMV_CANDIDATES, and GEMV_SPLIT_CANDIDATES with RS_GEMV_SPLIT=1."""
+    """The GEMV tiles calibration times: GEMV_CANDIDATES, GEMV_THIN_CANDIDATES unless RS_GEMV_THIN=0, and
+    GEMV_SPLIT_CANDIDATES with RS_GEMV_SPLIT=1."""
     split = os.environ.get(GEMV_SPLIT_ENV, "0") == "1"
-    return GEMV_CANDIDATES + (GEMV_SPLIT_CANDIDATES if split else ())
+    thin = os.environ.get(GEMV_THIN_ENV, "1") != "0"
+    return GEMV_CANDIDATES + (GEMV_THIN_CANDIDATES if thin else ()) + (GEMV_SPLIT_CANDIDATES if split else ())
 
 
 def gemv_modules(model: nn.Module) -> list[nn.Module]:
