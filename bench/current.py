@@ -158,15 +158,16 @@ GPU_ENGINE = Area(
                lambda d: d["results"]["8b"]["hf_compile_tok_s"], "{:,.1f} tok/s",
                peer=lambda d: d["results"]["8b"]["tok_s"], peer_label="radixserve",
                command="python bench/gpu_engine.py --hf-compile"),
-        Figure("P2 batch-1 decode, Qwen3-0.6B (on an H100, the defaults: the RS_PDL_EARLY_RELEASE=0 side of "
-               "`gpu_pdl_2026-12-07_e`. The same call with three weight tiles read ahead and the early release: "
-               "1,262.1 of 2,449, 0.515, `_f`; the graph's kernels by their part of the step: "
-               "`gpu_graph_timeline_0.6b_2026-12-07_a.log`. Earlier: 0.474 on another H100 (`_d`); 2026-12-04 on "
-               "an H200, whose ceiling is higher: 1,293.3 of 3,488.1, 0.371)", "gpu_pdl_2026-12-07_e.json",
-               lambda d: max(d["models"]["0.6b"]["pdl_off_tok_s"]), "{:,.1f} tok/s",
+        Figure("P2 batch-1 decode, Qwen3-0.6B (on an H100, the defaults: the RS_GEMV_THIN=1 side of "
+               "`gpu_pdl_2026-12-07_h`, thin GEMV row blocks timed by calibration; its RS_GEMV_THIN=0 side 1,229.1, "
+               "0.489. The graph's kernels by their part of the step: `gpu_graph_timeline_0.6b_2026-12-07_d.log`. "
+               "Before: 1,216.9 of 2,455, 0.496 (`_e`); with three weight tiles read ahead and the early release "
+               "then: 1,262.1, 0.515 (`_f`); 2026-12-04 on an H200, whose ceiling is higher: 1,293.3 of 3,488.1, "
+               "0.371)", "gpu_pdl_2026-12-07_h.json",
+               lambda d: max(d["models"]["0.6b"]["pdl_on_tok_s"]), "{:,.1f} tok/s",
                peer=lambda d: d["models"]["0.6b"]["ceiling_tok_s"], peer_label="ceiling: weight bytes / copy bw",
                target=Target(">=", 0.6, "≥ 0.6 of the ceiling"),
-               command=PDL + " --env RS_PDL_EARLY_RELEASE --models 0.6b --rounds 2"),
+               command=PDL + " --env RS_GEMV_THIN --models 0.6b --rounds 2"),
         Figure("a batch-1 decode step's work outside its CUDA graph, Qwen3-0.6B: the step's time less its graph "
                "replayed alone, with the step kernels (the in-flight tokens and request-table slots in one Triton "
                "program, 1.7 µs; greedy argmax in one launch over the SMs, 3.1 µs against torch's 8.4) against "

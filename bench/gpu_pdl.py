@@ -10,7 +10,8 @@ alternation, --rounds times, CUDA graphs on (the default):
   starts changes, so any difference is a missed wait);
 - figure: batch-1 decode tok/s (128-token prompt, 256 new tokens) beside the ceiling, the worker's
   resident weight bytes / measured copy bandwidth; best of the rounds for each setting.
-Prints a table last; JSON to $OUT/gpu_pdl.json. Exit 1 when a check fails.
+Prints a table last; JSON to $OUT/gpu_pdl.json (gpu_pdl_<models>.json for other --models, e.g.
+gpu_pdl_06b.json). Exit 1 when a check fails.
 
 --env NAME A/B-tests another switch of the decode kernels the same way (NAME=0 "off" against NAME=1 "on",
 PDL on in both): RS_PDL_PRELOAD (GEMVs read their first weight tile before the PDL wait), RS_DECODE_W8
@@ -20,7 +21,7 @@ the graph in one launch each, kernels/step_inputs.py), RS_PDL_EARLY_RELEASE (ker
 dependents before their wait, kernels/pdl.py), RS_PDL_PRELOAD_SLICE (the small GEMVs read up to three
 weight tiles before the wait), RS_GEMV_SPLIT (calibration also times GEMV tiles that split K) or
 RS_GEMV_THIN (calibration times thin row blocks too, default 1);
-JSON to $OUT/gpu_pdl_<name>.json. A switch that changes the order of
+JSON to $OUT/gpu_pdl_<name>[_<models>].json. A switch that changes the order of
 a kernel's sums (RS_DECODE_W8, RS_GEMV_SPLIT, RS_GEMV_THIN) changes the tokens too, so the check is reported, not required, for it.
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -41,6 +43,7 @@ from bench.gpu_common import OUT, build_checkpoint, copy_bandwidth  # noqa: E402
 from bench.gpu_fp8_resident import run as fp8_resident_run  # noqa: E402
 
 # Switches that change the order of a kernel's sums: their tokens may differ, so the check is not required.
+DEFAULT_MODELS = "0.6b,8b-fp8,8b"
 REORDERING_SWITCHES = {"RS_DECODE_W8", "RS_GEMV_SPLIT", "RS_GEMV_THIN"}
 
 
@@ -55,13 +58,21 @@ def run(path: Path, env: str, on: bool, **kw: object) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="0.6b,8b-fp8,8b")
+    ap.add_argument("--models", default=DEFAULT_MODELS)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--env", default="RS_PDL", help="the switch to A/B (default RS_PDL)")
     args = ap.parse_args()
+    # The worker's tiles per weight shape for single-row products (model_runner logs them at INFO): which
+    # tiles calibration chose is part of what a run measured.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("services.worker.runtime.model_runner").setLevel(logging.INFO)
     bw = copy_bandwidth()
     results: dict = {"copy_bandwidth_gb_s": bw / 1e9, "env": args.env, "models": {}}
-    out_name = "gpu_pdl.json" if args.env == "RS_PDL" else f"gpu_pdl_{args.env.lower()}.json"
+    # Named by the switch and the models (two runs of one switch over different models in one call, such as
+    # 0.6b then 8b, once wrote the same file and the second replaced the first).
+    out_name = ("gpu_pdl" if args.env == "RS_PDL" else f"gpu_pdl_{args.env.lower()}") + (
+        "" if args.models == DEFAULT_MODELS else "_" + args.models.replace(",", "_").replace(".", "")
+    ) + ".json"
     failed = False
     for name in args.models.split(","):
         base = name.removesuffix("-fp8")

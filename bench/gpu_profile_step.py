@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import logging
 import os
 import pstats
 import random
@@ -295,6 +296,10 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="the Engine's --quantization (fp8: block FP8 linear weights quantized at load)")
     args = ap.parse_args()
+    # The worker's tiles per weight shape for single-row products (model_runner logs them at INFO): which
+    # tiles calibration chose is part of what a run measured.
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("services.worker.runtime.model_runner").setLevel(logging.INFO)
     pool = max(400_000 if args.p3_timeline else 65536, args.batch * (args.prompt + 600))
     loop = SchedulerLoop(EngineConfig(
         model_path=args.model, max_total_tokens=pool, enable_deterministic_inference=args.deterministic,
