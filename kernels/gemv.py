@@ -201,6 +201,10 @@ def _gemv_kernel(
         x = prologue_input(X, Residual, Norm_w, cols, K, rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        # Rounded to the activation dtype whatever Y holds: a float32 Y (the LM head writing a CUDA graph's
+        # logits buffer) gets the values a bfloat16 result widened afterwards would have.
+        y = y.to(X.dtype.element_ty)
     store_split(y, Y, rows, Work, rows, N, Tickets, pid, tl.program_id(1), row_mask, SPLIT)
 
 
@@ -240,14 +244,16 @@ def _gemv_dot_kernel(
             w = tl.load(W + safe_n[None, :] * stride_wn + offs_k[:, None], mask=k_mask[:, None], other=0.0,
                         eviction_policy="evict_first")
         acc = tl.dot(x, w, acc)
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(X.dtype.element_ty).to(Y.dtype.element_ty),
              mask=m_mask[:, None] & (offs_n < N)[None, :])
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          tiles: GemvTiles | None = None) -> torch.Tensor:
     """x [M, K] (or [K]) times weight [N, K]^T -> [M, N] (or [N]), in x's dtype, float32 accumulation.
-    M is 1, or up to 16 with `tiles.kind == "dot"`."""
+    M is 1, or up to 16 with `tiles.kind == "dot"`. `out` may be float32 for a half-precision x (not with
+    a split): the result is rounded to x's dtype and stored widened, the values of a cast afterwards
+    without its launch."""
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be 2-D with contiguous rows, got shape {tuple(weight.shape)} "
                          f"strides {weight.stride()}")
@@ -259,6 +265,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         raise ValueError(f"tiles.split must be 1, or more for 'rows' tiles; got {tiles.split} for {tiles.kind!r}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}")
+    if out is not None and out.dtype != x.dtype and (out.dtype != torch.float32 or tiles.split != 1):
+        raise ValueError(f"out must be {x.dtype}, or float32 without a split; got {out.dtype} with split {tiles.split}")
     if tiles.kind == "dot" and x.dim() == 2 and 1 <= x.shape[0] <= DOT_MAX_ROWS and x.shape[1] == k:
         return _gemv_dot(x, weight, out, tiles)
     if x.numel() != k or (x.dim() == 2 and x.shape[0] != 1) or x.dim() > 2:

@@ -246,6 +246,72 @@ def test_gemv_dot_gives_a_row_the_same_bits_alone_and_among_others(gen) -> None:
     assert torch.equal(gemv(rows[2], w, tiles=tiles), together[2])
 
 
+@pytest.mark.parametrize(
+    ("m", "tiles"),
+    [(1, GemvTiles(8, 32)), (1, GemvTiles(16, 32, kind="dot")), (5, GemvTiles(16, 32, kind="dot"))],
+    ids=["rows", "dot-one-row", "dot-five-rows"],
+)
+def test_a_float32_out_holds_the_half_result_widened(gen, m, tiles) -> None:
+    """A CUDA graph's float32 logits written by the LM head's product itself: the same values as the
+    half-precision result cast afterwards (rounded to x's dtype first, then widened), not the float32 sums."""
+    w = torch.randn((40, 96), generator=gen).half()
+    x = torch.randn((m, 96), generator=gen).half()
+    out = torch.full((m, 40), float("nan"))
+    gemv(x, w, out=out, tiles=tiles)
+    half = gemv(x, w, tiles=tiles)
+    assert torch.equal(out, half.float())
+
+
+def test_gemv_refuses_an_out_it_cannot_fill_exactly(gen) -> None:
+    x, w = torch.randn((1, 64), generator=gen).half(), torch.randn((8, 64), generator=gen).half()
+    with pytest.raises(ValueError, match="out must be torch.float16, or float32 without a split; got torch.int32"):
+        gemv(x, w, out=torch.empty((1, 8), dtype=torch.int32), tiles=GemvTiles(8, 32))
+    with pytest.raises(ValueError, match="got torch.float32 with split 2"):
+        gemv(x, w, out=torch.empty((1, 8)), tiles=GemvTiles(8, 32, split=2))
+
+
+def test_the_lm_head_writes_a_graphs_float32_logits_itself(gen, monkeypatch) -> None:
+    """LogitsProcessor with the batch's logits_out (a CUDA graph's static buffer) and an LM head the GEMV takes:
+    the product writes the buffer (no second launch to widen it), with the values of the path that copies."""
+    from types import SimpleNamespace
+
+    from services.worker.runtime.forward_batch import ForwardMode
+    from services.worker.runtime.layers import linear as linear_mod
+    from services.worker.runtime.layers import logits_processor as lp
+    from services.worker.runtime.layers.embedding import VocabParallelEmbedding
+
+    monkeypatch.setattr(linear_mod, "_gemv", gemv)
+    head = VocabParallelEmbedding(64, 32).half()
+    head.weight.data.copy_(torch.randn((64, 32), generator=gen))
+    head.gemv_tiles = GemvTiles(16, 32, kind="dot")
+    hidden = torch.randn((3, 32), generator=gen).half()
+    processor = lp.LogitsProcessor(64)
+    batch = SimpleNamespace(return_all_logits=False, forward_mode=ForwardMode.DECODE, logits_out=None)
+    copied = processor(hidden, head, batch).clone()
+    assert copied.dtype == torch.float32
+    batch.logits_out = torch.full((4, 64), float("nan"))
+
+    def no_linear(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the direct path should not call linear()")
+
+    monkeypatch.setattr(lp, "linear", no_linear)
+    direct = processor(hidden, head, batch)
+    assert direct.data_ptr() == batch.logits_out.data_ptr() and direct.shape == (3, 64)
+    assert torch.equal(direct, copied)
+    assert batch.logits_out[3].isnan().all()  # rows past the batch untouched
+    # Where the GEMV does not take the rows (a "rows" tile, 3 rows) or the head is padded past the vocabulary
+    # (48 of 64 rows): linear() and the copy, as before.
+    monkeypatch.setattr(lp, "linear", linear_mod.linear)
+    head.gemv_tiles = GemvTiles(8, 32)
+    assert torch.equal(processor(hidden, head, batch), torch.nn.functional.linear(hidden, head.weight).float())
+    padded = VocabParallelEmbedding(48, 32).half()
+    padded.weight.data.copy_(torch.randn((64, 32), generator=gen))
+    padded.gemv_tiles = GemvTiles(16, 32, kind="dot")
+    batch.logits_out = torch.full((4, 48), float("nan"))
+    expected = gemv(hidden, padded.weight, tiles=padded.gemv_tiles)[:, :48].float()
+    assert torch.equal(lp.LogitsProcessor(48)(hidden, padded, batch), expected)
+
+
 def test_a_dot_tiled_layer_takes_up_to_16_rows_and_no_more(gen, monkeypatch) -> None:
     from services.worker.runtime.layers import linear as linear_mod
 

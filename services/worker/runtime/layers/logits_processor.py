@@ -9,7 +9,7 @@ from torch import nn
 
 from services.worker.runtime.distributed import tp_all_gather
 from services.worker.runtime.layers.embedding import VocabParallelEmbedding
-from services.worker.runtime.layers.linear import linear
+from services.worker.runtime.layers.linear import gemv_into, linear
 
 if TYPE_CHECKING:
     from services.worker.runtime.forward_batch import ForwardBatch
@@ -38,6 +38,15 @@ class LogitsProcessor(nn.Module):
             if batch.prompt_logit_rows is not None:
                 rows = torch.cat([rows, batch.prompt_logit_rows])
             hidden = hidden[rows]
+        out = batch.logits_out
+        if (
+            out is not None and lm_head.tp_size == 1 and lm_head.weight.shape[0] == self.vocab_size
+            and not lm_head.batch_invariant
+            and gemv_into(hidden, lm_head.weight, out[: hidden.shape[0]], lm_head.gemv_tiles)
+        ):  # fmt: skip
+            # The GEMV wrote the float32 buffer itself (rounded to the activation dtype first, so the values
+            # of the copy below): a CUDA-graph decode step without the cast's launch.
+            return out[: hidden.shape[0]]
         logits = linear(
             hidden, lm_head.weight, None, lm_head.packed_weight, gemv_tiles=lm_head.gemv_tiles,
             batch_invariant=lm_head.batch_invariant, cpu_rows=lm_head.cpu_rows,
