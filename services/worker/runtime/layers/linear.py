@@ -76,7 +76,7 @@ def linear(
     PREPACKED_MIN_ROWS) rows. batch_invariant: invariant_linear whatever the rows (deterministic inference)."""
     if batch_invariant:
         return invariant_linear(x, weight, bias, packed)
-    if takes_gemv(x, gemv_tiles):
+    if gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows:
         y = _gemv(x, weight, tiles=gemv_tiles)
         return y if bias is None else y + bias
     if _matvec is not None and (packed is not None or cpu_rows) and min_rows is None and weight.dtype in MATVEC_DTYPES:
@@ -87,22 +87,6 @@ def linear(
             return torch.ops.radixserve_cpu.panel_linear(x, packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def takes_gemv(x: torch.Tensor, gemv_tiles: Any) -> bool:
-    """Whether linear() sends x through the Triton GEMV: tiles set and 1 to gemv_tiles.max_rows rows."""
-    return gemv_tiles is not None and x.dim() == 2 and 1 <= x.shape[0] <= gemv_tiles.max_rows
-
-
-def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gemv_tiles: Any) -> bool:
-    """x W^T written into `out` (float32, or x's dtype; [rows, N], contiguous) by the Triton GEMV, where
-    linear() would take it (takes_gemv, without a split): the values linear() returns, widened. False,
-    with nothing written, elsewhere."""
-    if not takes_gemv(x, gemv_tiles) or gemv_tiles.split != 1:
-        return False
-    assert _gemv is not None, "gemv_tiles are set only after load_gemv_kernels()"
-    _gemv(x, weight, out=out, tiles=gemv_tiles)
-    return True
 
 
 # kernels.gemv's products once load_gemv_kernels imported them (Triton only where used: CPU installs may lack it).

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from services.worker.runtime.distributed import tp_all_gather
+from services.worker.runtime.layers import linear as linear_mod
 from services.worker.runtime.layers.embedding import VocabParallelEmbedding
-from services.worker.runtime.layers.linear import gemv_into, linear
+from services.worker.runtime.layers.linear import linear
 
 if TYPE_CHECKING:
     from services.worker.runtime.forward_batch import ForwardBatch
+
+
+def gemv_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gemv_tiles: Any) -> bool:
+    """x W^T written into `out` (float32, or x's dtype; [rows, N], contiguous) by the Triton GEMV, where
+    linear() would take it (tiles set, 1 to max_rows rows, and no split here): the values linear() returns,
+    widened. False, with nothing written, elsewhere."""
+    if gemv_tiles is None or x.dim() != 2 or not 1 <= x.shape[0] <= gemv_tiles.max_rows or gemv_tiles.split != 1:
+        return False
+    gemv = linear_mod._gemv
+    assert gemv is not None, "gemv_tiles are set only after load_gemv_kernels()"
+    gemv(x, weight, out=out, tiles=gemv_tiles)
+    return True
 
 
 class LogitsProcessor(nn.Module):
