@@ -1,7 +1,7 @@
 """The narrow batch-1 products of a Qwen3-0.6B step (o_proj 1024 x 2048, down_proj 1024 x 3072) under each
 GEMV tile, timed inside the chain of products a decode step runs.
 
-    python bench/gpu_gemv_chain.py [--layers 28] [--replays 200] [--rounds 3]     (GPU, repository root)
+    python bench/gpu_gemv_chain.py [--layers 28] [--reps 50]     (GPU, repository root)
 
 A 0.6B step's profile (bench/gpu_profile_step.py --graph-timeline) puts o_proj at 2.2x and down_proj at
 2.5x their byte floor: N = 1,024 output rows make 64 programs of 16 rows, half the SMs. Timing a product
@@ -15,7 +15,7 @@ down_proj take each candidate (GEMV_CANDIDATES' "rows" tiles, GEMV_SPLIT_CANDIDA
 blocks: more programs without a reduction), the other at --wide. RS_PDL* switches apply as in the Engine
 (kernels/pdl.py, kernels/gemv.py), so run it once per setting.
 
-Per candidate: the chain's time a step (median of --rounds timings of --replays replays), the change
+Per candidate: the chain's time a step (median of --reps replays, each timed alone), the change
 against --wide on both, and the product's increment per layer beside its byte floor (weight bytes / copy
 bandwidth). Checks: each candidate's last output is close to the --wide one's (a different block_k or
 split changes the order of the sums: close, not equal), and the split ticket counters are back at zero.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,7 +39,11 @@ if __package__ in (None, ""):
 from bench.gpu_common import OUT, copy_bandwidth  # noqa: E402
 from kernels.gemv import GemvTiles, gemv, rmsnorm_gemv, silu_mul_gemv  # noqa: E402
 from kernels.split_reduce import ticket_counters  # noqa: E402
-from services.worker.runtime.layers.linear_calibration import GEMV_CANDIDATES, GEMV_SPLIT_CANDIDATES  # noqa: E402
+from services.worker.runtime.layers.linear_calibration import (  # noqa: E402
+    GEMV_CANDIDATES,
+    GEMV_SPLIT_CANDIDATES,
+    cuda_graph_seconds,
+)
 
 HIDDEN, INTER, Q_OUT, QKV_OUT = 1024, 3072, 2048, 4096  # Qwen3-0.6B: 16 q heads, 8 kv heads, head_dim 128
 NARROW = {"o": (HIDDEN, Q_OUT), "down": (HIDDEN, INTER)}
@@ -90,38 +93,24 @@ class Chain:
             h = silu_mul_gemv(gate_up, lw["down"], tiles.get("down", self.wide))
         self.out = h
 
-    def time(self, tiles: dict[str, GemvTiles], replays: int, rounds: int) -> tuple[float, torch.Tensor]:
+    def time(self, tiles: dict[str, GemvTiles], reps: int) -> tuple[float, torch.Tensor]:
+        """Seconds of one replay of the chain as a CUDA graph (median of reps) and its last output."""
         self.run(tiles)  # compile, and make the ticket counters before capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.run(tiles)
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / replays)
+        seconds = cuda_graph_seconds(lambda: self.run(tiles), reps)
         assert self.out is not None
-        return statistics.median(times), self.out.clone()
+        return seconds, self.out.clone()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=50, help="replays timed a candidate (their median)")
     ap.add_argument("--wide", default="16,1024,8,1", help="block_n,block_k,warps,stages of the other products")
     args = ap.parse_args()
     wide = GemvTiles(*(int(v) for v in args.wide.split(",")))
     bw = copy_bandwidth()
     chain = Chain(args.layers, wide)
-    base_s, base_out = chain.time({}, args.replays, args.rounds)
+    base_s, base_out = chain.time({}, args.reps)
     result: dict = {"copy_bandwidth_gb_s": bw / 1e9, "layers": args.layers, "switches": switches() or "none",
                     "wide": label(wide), "base_us": base_s * 1e6, "rows": []}
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; chain of {args.layers} layers, every product at {label(wide)}: "
@@ -133,7 +122,7 @@ def main() -> int:
             if not t.fits(k) or t.block_k > 2 * k:
                 continue
             try:
-                s, out = chain.time({name: t}, args.replays, args.rounds)
+                s, out = chain.time({name: t}, args.reps)
             except Exception as exc:  # a tile the compiler rejects (registers, shared memory): said, skipped
                 print(f"  {name} {label(t)}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                 continue
