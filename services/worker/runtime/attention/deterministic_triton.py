@@ -129,7 +129,7 @@ class DeterministicTritonAttnBackend(TritonAttnBackend):
             # a request's splits (a result does not depend on which program runs a split).
             wanted = max_kv_splits_for(batch.batch_size, batch.token_to_kv_pool.num_kv_heads, self._sm_count(device))
             batch.attn_metadata = TritonDecodeMetadata(
-                None, self.decode_max_splits, min(wanted, self.decode_max_splits)
+                self.decode_max_splits, min(wanted, self.decode_max_splits)
             )
             return
         lens = list(batch.extend_seq_lens_cpu)

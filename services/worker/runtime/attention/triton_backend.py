@@ -72,11 +72,10 @@ class ExtendSplitting:
 
 @dataclass(frozen=True)
 class TritonDecodeMetadata:
-    """num_kv_splits: [bs] int32 splits per request, or None: the kernel derives each request's count
-    from its length (decode_attention); max_kv_splits: their bound (the merge's width); grid_splits:
-    programs per (request, kv_head) walking them (0: max_kv_splits, a split each)."""
+    """max_kv_splits: the bound on a request's splits (the merge's width; the kernel counts each request's
+    from its length, decode_attention with num_kv_splits=None); grid_splits: programs per (request, kv_head)
+    walking them (0: max_kv_splits, a split each)."""
 
-    num_kv_splits: torch.Tensor | None
     max_kv_splits: int
     grid_splits: int = 0
 
@@ -190,7 +189,7 @@ class TritonAttnBackend(AttentionBackend):
             max_splits = max_kv_splits_for(bs, batch.token_to_kv_pool.num_kv_heads, self._sm_count(device))
             # Each program counts its request's splits from seq_lens (kv_splits_per_request's arithmetic):
             # no launches for them ahead of the first layer.
-            batch.attn_metadata = TritonDecodeMetadata(None, max_splits)
+            batch.attn_metadata = TritonDecodeMetadata(max_splits)
             return
         # An eager step's table is exactly as long as its entries (one device copy for all of it).
         bs = batch.batch_size
@@ -331,7 +330,7 @@ class TritonAttnBackend(AttentionBackend):
             batch.req_to_token_pool.req_to_token,
             batch.req_pool_indices,
             batch.seq_lens,
-            meta.num_kv_splits,
+            None,  # each program counts its request's splits from seq_lens
             meta.max_kv_splits,
             layer.scaling,
             part_out,
