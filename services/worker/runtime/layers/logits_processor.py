@@ -65,6 +65,6 @@ class LogitsProcessor(nn.Module):
             batch_invariant=lm_head.batch_invariant, cpu_rows=lm_head.cpu_rows,
         )  # fmt: skip
         logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
-        if batch.logits_out is not None:
-            return batch.logits_out[: logits.shape[0]].copy_(logits)
+        if out is not None:
+            return out[: logits.shape[0]].copy_(logits)
         return logits.float()
